@@ -1,0 +1,181 @@
+"""The `dsv41` command: generate, serve, bench, kv-budget, make-checkpoint, convert."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+log = logging.getLogger("dsv41")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--checkpoint", help="release-format checkpoint directory (or an orbax directory from `convert`)")
+    g.add_argument("--preset", default=None, help="built-in config with seeded random weights: tiny (default), bench")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-swa-bounded-replay", action="store_true",
+                   help="run all layers on every prompt token (exact) instead of the decoder on the last 128")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
+    p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+
+
+def build_engine(args: argparse.Namespace):
+    from serving.engine.engine import Engine
+
+    kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              swa_bounded_replay=not args.no_swa_bounded_replay)
+    if args.checkpoint:
+        return Engine.from_checkpoint(args.checkpoint, **kw)
+    return Engine.from_preset(args.preset or "tiny", seed=args.seed, **{k: v for k, v in kw.items()})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dsv41 import chat
+    from serving.engine.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    eng = build_engine(args)
+    tok = eng.tokenizer
+    if args.chat:
+        text = chat.encode_chat([{"role": "user", "content": args.prompt}], thinking=args.thinking)
+        ids = tok.encode(text)
+    else:
+        ids = [tok.bos_id] + tok.encode(args.prompt)
+    log.info("model ready in %.1f s (%s); prompt %d tokens; bounded replay %s", time.perf_counter() - t0,
+             args.checkpoint or (args.preset or "tiny"), len(ids), "off" if args.no_swa_bounded_replay else "on")
+    sp = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.sample_seed)
+    t1 = time.perf_counter()
+    out = eng.generate(ids, sp)
+    dt = time.perf_counter() - t1
+    text = tok.decode(out)
+    if args.chat:
+        parsed = chat.parse_completion(text, thinking=args.thinking)
+        if parsed.reasoning_content:
+            sys.stdout.write(f"[reasoning] {parsed.reasoning_content}\n")
+        text = parsed.content
+    sys.stdout.write(text + "\n")
+    log.info("%d tokens in %.2f s (first call includes compilation)", len(out), dt)
+    return 0
+
+
+def cmd_kv_budget(args: argparse.Namespace) -> int:
+    from dsv41 import params as P
+    from dsv41.config import ModelConfig, preset
+    from serving.engine import kv_pool
+
+    cfg = ModelConfig.from_json(f"{args.checkpoint}/config.json") if args.checkpoint else preset(args.preset or "flash")
+    ab = P.abstract_params(cfg)
+    tables = sum(x.weight.size + x.scale.size for x in P.engram_tables(ab))
+    weights = P.tree_bytes(ab) - tables
+    b = kv_pool.budget(cfg, weights, int(args.gpu_memory_gb * 2**30), args.tensor_parallel_size, args.max_model_len)
+    rows = [("global KV bytes / token", f"{b['global_kv_bytes_per_token']:.0f}"),
+            ("SWA + compressor state / session", f"{b['swa_bytes_per_session'] / 2**20:.2f} MiB"),
+            ("weights on GPUs (Engram tables in host memory)", f"{weights / 2**30:.1f} GiB"),
+            ("Engram tables (host)", f"{tables / 2**30:.1f} GiB"),
+            ("GPU memory", f"{args.gpu_memory_gb} GiB x {args.tensor_parallel_size}"),
+            ("free for KV (10% reserve)", f"{max(0, b['free_bytes']) / 2**30:.1f} GiB"),
+            ("tokens of global KV", f"{b['tokens']:,}"),
+            (f"sessions at {b['max_model_len']:,} tokens", f"{b['sessions_at_max_len']:,}")]
+    w = max(len(r[0]) for r in rows)
+    for k, v in rows:
+        sys.stdout.write(f"{k:<{w}}  {v}\n")
+    if b["free_bytes"] <= 0:
+        log.error("the weights alone do not fit: use more GPUs (--tensor-parallel-size) or more memory")
+        return 1
+    return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from dsv41 import checkpoint
+    from dsv41.config import preset
+    from dsv41.tokenizer import BUILTIN_DIR
+
+    cfg = preset(args.preset)
+    tok_dir = BUILTIN_DIR if args.preset == "tiny" else None
+    checkpoint.make_checkpoint(cfg, args.out_dir, seed=args.seed, n_shards=args.shards, tokenizer_dir=tok_dir,
+                               dense_dtype=args.dense_dtype)
+    log.info("wrote %s checkpoint to %s", args.preset, args.out_dir)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dsv41 import checkpoint
+
+    t = time.perf_counter()
+    cfg, params = checkpoint.load_checkpoint(args.checkpoint)
+    t1 = time.perf_counter()
+    checkpoint.save_orbax(params, cfg, args.out_dir)
+    log.info("loaded in %.1f s, saved orbax checkpoint to %s in %.1f s", t1 - t, args.out_dir,
+             time.perf_counter() - t1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference and serving in JAX")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat encoding")
+    g.add_argument("--thinking", action="store_true", help="with --chat: thinking mode")
+    _model_args(g)
+    _engine_args(g)
+    g.set_defaults(fn=cmd_generate)
+
+    k = sub.add_parser("kv-budget", help="bytes of KV per token and how many tokens/sessions fit")
+    _model_args(k)
+    k.add_argument("--gpu-memory-gb", type=float, default=141.0)
+    k.add_argument("--tensor-parallel-size", type=int, default=1)
+    k.add_argument("--max-model-len", type=int, default=None)
+    k.set_defaults(fn=cmd_kv_budget)
+
+    m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")
+    m.add_argument("out_dir")
+    m.add_argument("--preset", default="tiny")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--shards", type=int, default=4)
+    m.add_argument("--dense-dtype", choices=["bfloat16", "float32"], default=None,
+                   help="write dequantized weights (for BF16/F32-only readers)")
+    m.set_defaults(fn=cmd_make_checkpoint)
+
+    c = sub.add_parser("convert", help="save a loaded checkpoint (still quantized) as orbax for fast restarts")
+    c.add_argument("checkpoint")
+    c.add_argument("out_dir")
+    c.set_defaults(fn=cmd_convert)
+
+    from serving import cli_serve
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server")
+    cli_serve.add_serve_args(s)
+    s.set_defaults(fn=cli_serve.run_serve)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bs = bsub.add_parser("serve", help="agentic multi-turn load against a running server")
+    cli_serve.add_bench_args(bs)
+    bs.set_defaults(fn=cli_serve.run_bench)
+
+    args = ap.parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The two-level sparse indexer (spec §2.4): ReLU-weighted MQA logits over compressed positions, layer 20's
+block-level candidate pool, and the top-k that picks which compressed entries each query attends to."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import quant
+from dsv41.config import ModelConfig
+from dsv41.nn import linear, rms_norm
+from dsv41.quant import Numerics
+from dsv41.rope import apply_rope
+
+
+def index_keys(latent: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig,
+               num: Numerics) -> jax.Array:
+    """Pre-RoPE latents [B, G, Dh] at positions pos [B, G] (group start) -> index keys [B, G, index_head_dim]."""
+    k = rms_norm(linear(latent, p["wk"], num, fp8_input=False), p["k_norm"], cfg.norm_eps)
+    k = apply_rope(k, pos, freqs)
+    return quant.mxfp4_qdq(k) if num.kv_quant else k
+
+
+def index_queries(x: jax.Array, qr: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig,
+                  num: Numerics):
+    """-> queries [B, S, IH, ID] and head weights [B, S, IH]."""
+    IH, ID = cfg.index_n_heads, cfg.index_head_dim
+    q = linear(qr, p["wq_b"], num, fp8_input=True).reshape(*qr.shape[:-1], IH, ID)
+    q = apply_rope(q, pos[..., None], freqs)
+    if num.kv_quant:
+        q = quant.mxfp4_qdq(q)
+    w = linear(x, p["weights_proj"], num, fp8_input=False)
+    w = (w.astype(jnp.float32) * (ID**-0.5 * IH**-0.5)).astype(num.jdtype)
+    return q, w
+
+
+def scores(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, ratio: int, num: Numerics) -> jax.Array:
+    """score(i, g) = sum_h w_h relu(q_h . k_g) with each step rounded to the activation dtype as the reference
+    does (bf16 scores make exact ties common); -inf where group g is not complete for query i.
+    q [B, S, IH, ID], w [B, S, IH], k [B, G, ID], q_pos [B, S] -> float32 [B, S, G]."""
+    dt = num.jdtype
+    s = jnp.einsum("bshd,btd->bsht", q.astype(dt), k.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+    s = (jax.nn.relu(s) * w[..., None].astype(dt)).astype(dt)
+    s = jnp.sum(s.astype(jnp.float32), axis=2).astype(dt).astype(jnp.float32)
+    G = k.shape[1]
+    visible = jnp.arange(G)[None, None, :] < ((q_pos + 1) // ratio)[..., None]
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def candidate_mask(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: ModelConfig) -> jax.Array:
+    """Level one (layer 20): keep each query's best `candidate_topk_blocks` blocks of `candidate_block_size`
+    positions, the block holding its newest visible position always in. s [B, S, G] -> bool [B, S, G]."""
+    bs = cfg.candidate_block_size
+    G = s.shape[-1]
+    pad = -G % bs
+    blk = jnp.pad(s, [(0, 0), (0, 0), (0, pad)], constant_values=-jnp.inf)
+    blk = jnp.max(blk.reshape(*s.shape[:-1], -1, bs), axis=-1)
+    nb = blk.shape[-1]
+    last = ((q_pos + 1) // ratio - 1) // bs  # -1 (no block) when nothing is visible yet
+    blk = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, blk)
+    kb = min(cfg.candidate_topk_blocks, nb)
+    top_v, top_i = jax.lax.top_k(blk, kb)
+    keep = jnp.zeros(blk.shape, bool)
+    keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, top_i, top_v)
+    return jnp.repeat(keep, bs, axis=-1)[..., :G]
+
+
+def select_topk(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: ModelConfig) -> jax.Array:
+    """s [B, S, G] -> int32 [B, S, min(index_topk, G)] group ids in ascending order; -1 where not visible.
+    Ties go to the lower id."""
+    G = s.shape[-1]
+    k = min(cfg.index_topk, G)
+    if k == 0:
+        return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
+    _, idx = jax.lax.top_k(s, k)
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx < ((q_pos + 1) // ratio)[..., None], idx, -1).astype(jnp.int32)

@@ -1,0 +1,49 @@
+"""mHC: the residual stream as hc_mult parallel copies, mixed by coefficients predicted from the stream.
+
+Spec §2.2-2.3. Each sublayer site predicts (pre, post, comb) from its input stream; `post`/`comb` expand the
+sublayer output back into the copies at once, while `pre` collapses the copies for the *next* sublayer (the
+V4.1 delayed pre-mix).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41.config import ModelConfig
+
+
+def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig):
+    """x [B, S, hc, D] -> pre [B, S, hc], post [B, S, hc], comb [B, S, hc, hc] (comb[i, j]: source i -> j),
+    all float32. One RMS statistic over the flattened hc*D values; comb made doubly stochastic by Sinkhorn."""
+    hc, eps = cfg.hc_mult, cfg.hc_eps
+    xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
+    rs = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
+    m = jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * rs
+    scale, base = scale.astype(jnp.float32), base.astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
+    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
+    comb = comb / jnp.sum(comb, axis=-1, keepdims=True) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+    def step(c, _):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+        return c, None
+
+    comb, _ = jax.lax.scan(step, comb, None, length=cfg.hc_sinkhorn_iters - 1)
+    return pre, post, comb
+
+
+def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
+    """[B, S, hc, D] x [B, S, hc] -> [B, S, D]: the sublayer input, summed in float32."""
+    return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
+def expand(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'_j = post_j * y + sum_i comb[i, j] * X_i; y [B, S, D], residual [B, S, hc, D] -> [B, S, hc, D]."""
+    mixed = jnp.einsum("...ij,...id->...jd", comb, residual.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    return (post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed).astype(y.dtype)

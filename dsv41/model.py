@@ -1,0 +1,206 @@
+"""The V4.1 text model over a full sequence: embedding, 4-stream mHC blocks with Engram, CSA2 attention and
+MoE, final collapse and head (spec §2). This is the exact path: no cache, no replay. The engine
+(serving/engine) runs the same layer pieces against a paged KV pool.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import attention as attn_lib
+from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope
+from dsv41.config import AttnRole, ModelConfig
+from dsv41.nn import rms_norm
+from dsv41.quant import Numerics
+
+
+class InputError(ValueError):
+    """Bad token ids or shapes handed to the model."""
+
+
+def check_tokens(token_ids, cfg: ModelConfig) -> np.ndarray:
+    """Validates token ids on the host, before anything is traced. -> int32 [B, S]."""
+    ids = np.asarray(token_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise InputError(f"token_ids must be [batch, seq], got shape {ids.shape}")
+    if ids.size == 0 or ids.shape[1] == 0:
+        raise InputError(f"token_ids is empty (shape {ids.shape}): give at least one token")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"token_ids must be integers, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= cfg.vocab_size)
+    if bad.any():
+        b, s = np.argwhere(bad)[0]
+        raise InputError(f"token id {int(ids[b, s])} at [{b}, {s}] is outside the vocabulary [0, {cfg.vocab_size})")
+    if ids.shape[1] > cfg.max_seq_len:
+        raise InputError(f"sequence of {ids.shape[1]} tokens exceeds max_seq_len={cfg.max_seq_len}")
+    return ids.astype(np.int32)
+
+
+def freqs_for(cfg: ModelConfig) -> list[np.ndarray]:
+    return [rope.inv_freq(cfg, i) for i in range(cfg.n_layers)]
+
+
+def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, shared: dict,
+                   pos: jax.Array, freqs: np.ndarray, trace: dict | None = None) -> jax.Array:
+    """One layer's attention over a whole sequence. x [B, S, D] (attn_norm'd), pos [B, S] = arange.
+
+    `shared` carries what sources hand to later layers: comp_kv [B, G, Dh] (post-RoPE), index_k [B, G, ID],
+    topk [B, S, K] (group ids, -1 = none) and cand [B, S, G] (layer 20's pool).
+    """
+    role, r = cfg.role(layer), cfg.compress_ratios[layer]
+    B, S, _ = x.shape
+    q, qr = attn_lib.project_q(x, p, pos, freqs, cfg, num)
+    kv = attn_lib.window_kv(x, p, pos, freqs, cfg, num)
+    comp_k = comp_valid = None
+    if role is not AttnRole.SWA:
+        if role is AttnRole.FULL:
+            latent = compressor.compress(x, p["compressor"], r, cfg, num)
+            gpos = jnp.broadcast_to(jnp.arange(latent.shape[1], dtype=jnp.int32) * r, latent.shape[:2])
+            shared["index_k"] = indexer.index_keys(latent, p["indexer"], gpos, freqs, cfg, num)
+            shared["comp_kv"] = attn_lib.compressed_entries(latent, gpos, freqs, num)
+            if trace is not None:
+                trace[f"layer{layer}.latent"] = latent
+        if role in (AttnRole.FULL, AttnRole.REINDEX):
+            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
+            s = indexer.scores(qi, wi, shared["index_k"], pos, r, num)
+            if layer == cfg.candidate_source_layer:
+                shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
+                if trace is not None:
+                    trace[f"layer{layer}.candidates"] = shared["cand"]
+            elif cfg.uses_candidates(layer):
+                s = jnp.where(shared["cand"], s, -jnp.inf)
+            shared["topk"] = indexer.select_topk(s, pos, r, cfg)
+            if trace is not None:
+                trace[f"layer{layer}.index_scores"] = s
+                trace[f"layer{layer}.topk"] = shared["topk"]
+        comp_k, comp_valid = attn_lib.gather_entries(shared["comp_kv"], shared["topk"])
+    o = attn_lib.attend(q, pos, kv, pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
+    return attn_lib.output(o, pos, p, freqs, cfg, num)
+
+
+def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, attn_fn,
+          trace: dict | None = None, image_mask=None):
+    """One mHC block with the delayed pre-mix: attention reads the copies through `pre_mix` (from the previous
+    block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre)."""
+    a_pre, a_post, a_comb = mhc.coefficients(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg)
+    x = rms_norm(mhc.collapse(h, pre_mix), p["attn_norm"], cfg.norm_eps)
+    y = attn_fn(x)
+    h1 = mhc.expand(y, h, a_post, a_comb)
+    f_pre, f_post, f_comb = mhc.coefficients(h1, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg)
+    x = rms_norm(mhc.collapse(h1, a_pre), p["ffn_norm"], cfg.norm_eps)
+    z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True)
+    h2 = mhc.expand(z, h1, f_post, f_comb)
+    if trace is not None:
+        trace.update({
+            f"layer{layer}.block_in": h, f"layer{layer}.pre_mix_in": pre_mix, f"layer{layer}.attn_out": y,
+            f"layer{layer}.mid": h1, f"layer{layer}.ffn_in": x, f"layer{layer}.pre_mix_out": f_pre,
+            f"layer{layer}.ffn_out": z, f"layer{layer}.block_out": h2,
+            f"layer{layer}.hc_attn_pre": a_pre, f"layer{layer}.hc_attn_post": a_post,
+            f"layer{layer}.hc_attn_comb": a_comb, f"layer{layer}.moe.weights": routing[0],
+            f"layer{layer}.moe.experts": routing[1],
+        })
+    return h2, f_pre
+
+
+def embed(params: dict, ids: jax.Array, cfg: ModelConfig, num: Numerics) -> tuple[jax.Array, jax.Array]:
+    """ids [B, S] -> 4 copies [B, S, hc, D] and the initial pre-mix (reads copy 0)."""
+    h = jnp.take(params["embed"], ids, axis=0)
+    h = quant.dense(h, num.jdtype) if quant.is_quantized(h) else h.astype(num.jdtype)
+    h = jnp.broadcast_to(h[..., None, :], (*h.shape[:-1], cfg.hc_mult, cfg.dim))
+    pre = jnp.zeros((*ids.shape, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    return h, pre
+
+
+def head(params: dict, h: jax.Array, pre_mix: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final collapse through the last FFN's pre-mix, norm, float32 head -> logits [..., vocab]."""
+    x = rms_norm(mhc.collapse(h, pre_mix), params["norm"], cfg.norm_eps)
+    return jnp.einsum("...d,vd->...v", x.astype(jnp.float32), quant.dense(params["head"], jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def strip_tables(params: dict) -> tuple[dict, list]:
+    """Splits the Engram tables (host-resident, read by row) from the rest of the tree the programs take."""
+    layers = []
+    tables = []
+    for lp in params["layers"]:
+        if "engram" in lp:
+            e = dict(lp["engram"])
+            tables.append(e.pop("embed"))
+            lp = {**lp, "engram": e}
+        layers.append(lp)
+    return {**params, "layers": layers}, tables
+
+
+def engram_rows(tables: list, hash_ids: np.ndarray) -> list:
+    """hash ids [B, S, n_engram_layers, n_cols] -> per Engram layer rows [B, S, n_cols, d] (bf16)."""
+    return [engram.gather_rows(t, hash_ids[:, :, i]) for i, t in enumerate(tables)]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "with_trace"))
+def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Numerics, with_trace: bool = False):
+    B, S = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    freqs = freqs_for(cfg)
+    trace: dict[str, Any] | None = {} if with_trace else None
+    h, pre = embed(params, ids, cfg, num)
+    shared: dict[str, jax.Array] = {}
+    for i, lp in enumerate(params["layers"]):
+        if i in cfg.engram_layer_ids:
+            if trace is not None:
+                trace[f"layer{i}.block_in_raw"] = h
+            h = engram.engram(h, rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
+            if trace is not None:
+                trace[f"engram{i}.out"] = h
+
+        def attn_fn(x, lp=lp, i=i):
+            return attention_full(x, lp["attn"], i, cfg, num, shared, pos, freqs[i], trace)
+
+        h, pre = block(h, pre, lp, i, cfg, num, attn_fn, trace)
+    logits = head(params, h, pre, cfg)
+    return (logits, trace) if with_trace else logits
+
+
+@functools.lru_cache(maxsize=4)
+def builtin_hasher(cfg: ModelConfig):
+    """The Engram hasher of the built-in tokenizer (the tiny preset's)."""
+    from dsv41 import ngram_hash, tokenizer
+
+    return ngram_hash.NgramHasher(cfg, tokenizer.builtin_compressed_token_map()[0])
+
+
+def prepare(params: dict, cfg: ModelConfig, token_ids, hasher=None):
+    """Host side of a forward: validate ids, hash the n-grams and fetch Engram rows."""
+    ids = check_tokens(token_ids, cfg)
+    core, tables = strip_tables(params)
+    rows = []
+    if cfg.engram_layer_ids:
+        if hasher is None:
+            hasher = builtin_hasher(cfg)
+        rows = engram_rows(tables, hasher.hash_ids(ids))
+    return core, ids, rows
+
+
+def forward(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quant.REFERENCE, hasher=None) -> jax.Array:
+    """token_ids int32 [batch, seq] -> float32 logits [batch, seq, vocab]: the exact full-sequence path.
+
+    `numerics` picks the reference's rounding points (default: all of them, bf16 activations);
+    `quant.EXACT_F32` turns them off. `hasher` maps ids to Engram rows (default: from the built-in tokenizer
+    for the tiny preset; pass `ngram_hash.NgramHasher` built from your tokenizer otherwise).
+    """
+    core, ids, rows = prepare(params, cfg, token_ids, hasher)
+    return _forward(core, jnp.asarray(ids), rows, cfg, numerics)
+
+
+def forward_with_trace(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quant.REFERENCE,
+                       hasher=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """forward() plus named intermediates (per layer: block_in/out, attn_out, ffn_out, hc coefficients, MoE
+    routing, compressor latents, index scores, top-k, candidates; engram outputs)."""
+    core, ids, rows = prepare(params, cfg, token_ids, hasher)
+    return _forward(core, jnp.asarray(ids), rows, cfg, numerics, with_trace=True)

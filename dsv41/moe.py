@@ -1,0 +1,81 @@
+"""The sqrt-softplus MoE: 1 shared + top-k of n routed SwiGLU experts (spec §2.5)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41 import quant
+from dsv41.config import ModelConfig
+from dsv41.nn import linear, linear_f32
+from dsv41.quant import Numerics
+
+
+def route(x: jax.Array, gate: dict, cfg: ModelConfig, image_mask: jax.Array | None = None):
+    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int32).
+
+    The bias (bias_vl inside image spans) picks the experts but does not weigh them; ties go to the lower id.
+    """
+    scores = linear_f32(x, gate["weight"]) / cfg.gate_temp
+    scores = jnp.sqrt(jax.nn.softplus(scores))
+    bias = gate["bias"].astype(jnp.float32)
+    if image_mask is not None:
+        bias = jnp.where(image_mask[:, None], gate["bias_vl"].astype(jnp.float32), bias)
+    _, idx = jax.lax.top_k(scores + bias, cfg.n_activated_experts)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob and cfg.n_activated_experts > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)  # 1e-20, not norm_eps: as trained
+    return w * cfg.route_scale, idx.astype(jnp.int32)
+
+
+def swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
+    """silu(g) * u in float32 with the trained clamps: u to [-limit, limit], g from above only."""
+    g, u = g.astype(jnp.float32), u.astype(jnp.float32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return jax.nn.silu(g) * u
+
+
+def shared_expert(x: jax.Array, p: dict, cfg: ModelConfig, num: Numerics) -> jax.Array:
+    h = swiglu(linear(x, p["w1"], num, fp8_input=True), linear(x, p["w3"], num, fp8_input=True), cfg.swiglu_limit)
+    return linear(h.astype(num.jdtype), p["w2"], num, fp8_input=True)
+
+
+def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: ModelConfig, num: Numerics):
+    """Grouped GEMMs over tokens sorted by expert: x [T, D], w/idx [T, k] -> float32 [T, D]."""
+    T, k = idx.shape
+    E = cfg.n_routed_experts
+    dt = num.jdtype
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    xs = x[tok].astype(dt)
+    if num.act_quant:
+        xs = quant.fp8_qdq(xs)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+
+    def gmm(a, weight):  # a [N, in], weight [E, out, in]
+        wd = jnp.swapaxes(quant.dense(weight, dt), 1, 2)
+        return jax.lax.ragged_dot(a, wd, sizes, preferred_element_type=jnp.float32).astype(dt)
+
+    h = swiglu(gmm(xs, p["w1"]), gmm(xs, p["w3"]), cfg.swiglu_limit)
+    h = (w.reshape(-1)[order][:, None] * h).astype(dt)
+    if num.act_quant:
+        h = quant.fp8_qdq(h)
+    y = gmm(h, p["w2"]).astype(jnp.float32)
+    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[tok].add(y)
+
+
+def moe(x: jax.Array, p: dict, cfg: ModelConfig, num: Numerics, image_mask: jax.Array | None = None,
+        return_routing: bool = False):
+    """x [..., D] -> [..., D]: routed experts summed in float32, the shared expert added, one cast."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    w, idx = route(xt, p["gate"], cfg, None if image_mask is None else image_mask.reshape(-1))
+    y = routed_experts(xt, w, idx, p["experts"], cfg, num)
+    y = (y + shared_expert(xt, p["shared_experts"], cfg, num).astype(jnp.float32)).astype(x.dtype)
+    y = y.reshape(shape)
+    if return_routing:
+        return y, (w.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], -1))
+    return y

@@ -1,0 +1,276 @@
+"""The parameter pytree: one description of every weight (shape, stored dtype, init), used for random init,
+abstract shapes (no allocation), loading and sharding alike.
+
+The tree mirrors the release's key names (spec §5): a leaf at path `layers.3.attn.wq_a` is the release
+tensor `layers.3.attn.wq_a.weight` (+ `.scale` when quantized); `release_name()` holds the few exceptions.
+Routed experts are stacked along a leading expert axis ([E, ...]) where the release keeps one key per expert.
+
+Leaves are plain arrays, `Fp8Weight` (e4m3 + UE8M0 32x32) or `Fp4Weight` (packed e2m1 + UE8M0 per 32).
+`dequantize_params` turns a stored-precision tree into a dense one for the exact reference path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import quant
+from dsv41.config import AttnRole, ModelConfig
+
+Params = dict[str, Any]
+
+# Leaves stored as given (no ".weight" suffix in the release).
+_BARE = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+         "attn_sink", "bias", "bias_vl", "q_weight", "k_weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One weight. fmt: 'fp8' (FP8 linear when the release is quantized), 'fp4' (routed expert), 'table'
+    (Engram rows: e4m3 + UE8M0 per 32 along the row), 'bf16', 'f32' (kept as stored)."""
+
+    shape: tuple[int, ...]
+    fmt: str
+    init: str = "normal"  # normal (1/sqrt(fan_in)), ones, zeros, small, table
+    axes: tuple[str | None, ...] = ()  # logical axes for sharding, one per dim
+
+    def fan_in(self) -> int:
+        return self.shape[-1]
+
+
+def layer_specs(cfg: ModelConfig, layer: int) -> Params:
+    D, H, Dh, Q = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
+    E, F = cfg.n_routed_experts, cfg.moe_inter_dim
+    mix, hcD = cfg.hc_mix_dim, cfg.hc_mult * cfg.dim
+    role = cfg.role(layer)
+    r = cfg.compress_ratios[layer]
+    attn: Params = {
+        "wq_a": Spec((Q, D), "fp8", axes=(None, "embed")),
+        "q_norm": Spec((Q,), "bf16", "ones"),
+        "wq_b": Spec((H * Dh, Q), "fp8", axes=("heads", None)),
+        "wkv": Spec((Dh, D), "fp8", axes=(None, "embed")),
+        "kv_norm": Spec((Dh,), "bf16", "ones"),
+        "wo_a": Spec((cfg.o_groups * cfg.o_lora_rank, H * Dh // cfg.o_groups), "bf16", axes=("heads", None)),
+        "wo_b": Spec((D, cfg.o_groups * cfg.o_lora_rank), "fp8", axes=("embed", "heads")),
+        "attn_sink": Spec((H,), "f32", "small", axes=("heads",)),
+    }
+    if role is AttnRole.FULL:
+        # stored bf16 as released; ratio-2 pooling upcasts them and computes in float32 (compressor.project)
+        attn["compressor"] = {
+            "wkv": Spec((Dh, D), "bf16"),
+            "norm": Spec((Dh,), "bf16", "ones"),
+        }
+        if r > 1:
+            attn["compressor"]["wgate"] = Spec((Dh, D), "bf16")
+    if role in (AttnRole.FULL, AttnRole.REINDEX):
+        IH, ID = cfg.index_n_heads, cfg.index_head_dim
+        attn["indexer"] = {
+            "wq_b": Spec((IH * ID, Q), "fp8", axes=("heads", None)),
+            "weights_proj": Spec((IH, D), "bf16", axes=("heads", None)),
+        }
+        if role is AttnRole.FULL:
+            attn["indexer"]["wk"] = Spec((ID, Dh), "bf16")
+            attn["indexer"]["k_norm"] = Spec((ID,), "bf16", "ones")
+    out: Params = {
+        "attn_norm": Spec((D,), "bf16", "ones"),
+        "ffn_norm": Spec((D,), "bf16", "ones"),
+        "hc_attn_fn": Spec((mix, hcD), "f32", "hc"),
+        "hc_attn_base": Spec((mix,), "f32", "small"),
+        "hc_attn_scale": Spec((3,), "f32", "ones"),
+        "hc_ffn_fn": Spec((mix, hcD), "f32", "hc"),
+        "hc_ffn_base": Spec((mix,), "f32", "small"),
+        "hc_ffn_scale": Spec((3,), "f32", "ones"),
+        "attn": attn,
+        "ffn": {
+            "gate": {
+                "weight": Spec((E, D), "bf16"),
+                "bias": Spec((E,), "f32", "small"),
+                "bias_vl": Spec((E,), "f32", "small"),
+            },
+            "experts": {
+                "w1": Spec((E, F, D), "fp4", axes=("experts", "ffn", "embed")),
+                "w2": Spec((E, D, F), "fp4", axes=("experts", "embed", "ffn")),
+                "w3": Spec((E, F, D), "fp4", axes=("experts", "ffn", "embed")),
+            },
+            "shared_experts": {
+                "w1": Spec((F, D), "fp8", axes=("ffn", "embed")),
+                "w2": Spec((D, F), "fp8", axes=("embed", "ffn")),
+                "w3": Spec((F, D), "fp8", axes=("ffn", "embed")),
+            },
+        },
+    }
+    if layer in cfg.engram_layer_ids:
+        i = cfg.engram_layer_ids.index(layer)
+        out["engram"] = {
+            "embed": Spec((cfg.engram_num_embeddings[i], cfg.engram_head_dim), "table", "table"),
+            "wkv": Spec((cfg.dim * (cfg.hc_mult + 1), cfg.engram_n_cols * cfg.engram_head_dim), "fp8"),
+            "q_weight": Spec((cfg.hc_mult, D), "bf16", "ones"),
+            "k_weight": Spec((cfg.hc_mult, D), "bf16", "ones"),
+        }
+    return out
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    return {
+        "embed": Spec((cfg.vocab_size, cfg.dim), "bf16", "embed", axes=("vocab", "embed")),
+        "layers": [layer_specs(cfg, i) for i in range(cfg.n_layers)],
+        "norm": Spec((cfg.dim,), "bf16", "ones"),
+        "head": Spec((cfg.vocab_size, cfg.dim), "bf16", axes=("vocab", "embed")),
+    }
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, Spec)
+
+
+def stored_format(spec: Spec, cfg: ModelConfig) -> str:
+    """What the release stores for this weight under cfg's quantization config."""
+    if spec.fmt == "fp8":
+        return "fp8" if cfg.dtype == "fp8" else "bf16"
+    if spec.fmt == "fp4":
+        return {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16"}[cfg.expert_dtype]
+    return spec.fmt
+
+
+def _dense_init(spec: Spec, key: jax.Array) -> np.ndarray:
+    shape = spec.shape
+    if spec.init == "ones":
+        return np.ones(shape, np.float32)
+    if spec.init == "zeros":
+        return np.zeros(shape, np.float32)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32))
+    if spec.init == "small":
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if spec.init == "hc":  # the coefficient projection is read through an RMS-normalized stream
+        return (0.5 * rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+    if spec.init in ("embed", "table"):
+        return rng.standard_normal(shape).astype(np.float32)
+    return (rng.standard_normal(shape) / math.sqrt(spec.fan_in())).astype(np.float32)
+
+
+@functools.partial(jax.jit, static_argnames="fmt")
+def quantize_leaf(w: np.ndarray | jax.Array, fmt: str):
+    """A dense float weight -> its stored representation."""
+    if fmt == "fp8":
+        return quant.quantize_fp8_weight(w)
+    if fmt == "fp4":
+        return quant.quantize_fp4_weight(w)
+    if fmt == "table":
+        q, s = quant.fp8_quantize(jnp.asarray(w, jnp.float32), 32)
+        return quant.Fp8Rows(q, quant.ue8m0_encode(s))
+    if fmt == "bf16":
+        return jnp.asarray(w, jnp.bfloat16)
+    if fmt == "f32":
+        return jnp.asarray(w, jnp.float32)
+    raise ValueError(f"unknown weight format {fmt!r}")
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None) -> Params:
+    """Seeded random weights.
+
+    dtype=None keeps the release's stored precision (FP8/FP4 + scales, bf16, f32); 'bfloat16' or 'float32'
+    gives the dense tree of those same (quantization-rounded) values, for the exact reference path.
+    """
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [quantize_leaf(_dense_init(s, k), stored_format(s, cfg)) for s, k in zip(leaves, keys)]
+    params = jax.tree_util.tree_unflatten(treedef, out)
+    return params if dtype is None else dequantize_params(params, dtype)
+
+
+def is_weight_leaf(x) -> bool:
+    return quant.is_quantized(x) or isinstance(x, quant.Fp8Rows)
+
+
+def dequantize_params(params: Params, dtype: str = "bfloat16") -> Params:
+    """Every quantized weight -> a dense array of `dtype`; f32 leaves stay f32 unless dtype is float32.
+
+    Engram tables stay quantized: they are read by row, and rows dequantize on lookup.
+    """
+    dt = jnp.dtype(dtype)
+
+    def f(x):
+        if isinstance(x, quant.Fp8Rows):
+            return x
+        if quant.is_quantized(x):
+            return x.dequantize(dt)
+        if x.dtype == jnp.float32 and dt != jnp.float32:
+            return x
+        return x.astype(dt)
+
+    return jax.tree_util.tree_map(f, params, is_leaf=is_weight_leaf)
+
+
+def abstract_params(cfg: ModelConfig, dtype: str | None = None) -> Params:
+    """Shapes and dtypes of init_params(cfg, dtype=dtype) without allocating anything."""
+    return jax.eval_shape(lambda: _abstract_build(cfg, dtype))
+
+
+def _abstract_build(cfg: ModelConfig, dtype: str | None) -> Params:
+    def build(s: Spec):
+        fmt = stored_format(s, cfg) if dtype is None else ("table" if s.fmt == "table" else "dense")
+        if fmt == "dense":
+            dt = jnp.float32 if (s.fmt == "f32" or dtype == "float32") else jnp.dtype(dtype)
+            return jnp.zeros(s.shape, dt)
+        return quantize_leaf(jnp.zeros(s.shape, jnp.float32), fmt)
+
+    return jax.tree_util.tree_map(build, param_specs(cfg), is_leaf=_is_spec)
+
+
+def release_name(path: tuple) -> str:
+    """Tree path (from tree_flatten_with_path, possibly ending in a quantized leaf's field) -> release key."""
+    names = []
+    for p in path:
+        if isinstance(p, jax.tree_util.SequenceKey):
+            names.append(str(p.idx))
+        elif isinstance(p, jax.tree_util.DictKey):
+            names.append(str(p.key))
+        elif isinstance(p, jax.tree_util.GetAttrKey):
+            names.append(p.name)
+        else:
+            names.append(str(p))
+    if names[-1] in ("weight", "scale") and len(names) >= 2 and names[-2] != "gate":
+        return ".".join(names)
+    if names[-1] in _BARE or (names[-1] == "weight" and names[-2] == "gate"):
+        return ".".join(names)
+    return ".".join(names) + ".weight"
+
+
+def iter_specs(cfg: ModelConfig) -> Iterator[tuple[str, Spec]]:
+    """(release key prefix of the leaf, spec) for every weight, in tree order."""
+    for path, s in jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)[0]:
+        yield release_name(path), s
+
+
+def count_params(params: Params) -> int:
+    n = 0
+    for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_weight_leaf):
+        if isinstance(leaf, (quant.Fp4Weight,)):
+            n += math.prod(leaf.shape)
+        elif isinstance(leaf, (quant.Fp8Weight, quant.Fp8Rows)):
+            n += math.prod(leaf.weight.shape)
+        else:
+            n += math.prod(leaf.shape)
+    return n
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def map_with_spec(fn: Callable[[Spec, Any], Any], cfg: ModelConfig, params: Params) -> Params:
+    """tree_map over (spec, leaf) pairs; quantized leaves count as one leaf."""
+    specs = param_specs(cfg)
+    return jax.tree_util.tree_map(fn, specs, params, is_leaf=lambda x: _is_spec(x) or is_weight_leaf(x))
+
+
+def engram_tables(params: Params) -> list:
+    """The Engram tables (Fp8Rows) of a tree, in layer order."""
+    return [lp["engram"]["embed"] for lp in params["layers"] if "engram" in lp]

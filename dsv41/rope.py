@@ -1,0 +1,47 @@
+"""Partial rotary embedding on the last `rope_head_dim` dims, adjacent pairs (GPT-J interleaved), with YaRN on
+compressed layers. Spec §2.4: ratio 0 -> theta=rope_theta, no YaRN; ratio > 0 -> compress_rope_theta + YaRN."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41.config import ModelConfig
+
+
+def inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
+    """Rotation frequencies [rope_head_dim/2] (float32) of `layer`."""
+    dim = cfg.rope_head_dim
+    compressed = cfg.compress_ratios[layer] > 0
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    orig = cfg.original_seq_len if compressed else 0
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    freqs = freqs.astype(np.float32)
+    if orig > 0:
+        def corrected_dim(rotations: float) -> float:
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corrected_dim(cfg.beta_fast)), 0)
+        high = min(math.ceil(corrected_dim(cfg.beta_slow)), dim - 1)
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / max(high - low, 1e-3), 0, 1)
+        freqs = (freqs / np.float32(cfg.rope_factor) * ramp + freqs * (1 - ramp)).astype(np.float32)
+    return freqs
+
+
+def apply_rope(x: jax.Array, pos: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
+    """Rotate the last 2*len(freqs) dims of x [..., d] at integer positions `pos` (broadcast against x's
+    leading dims: [B, S] for x [B, S, d] or [B, S, H, d] -- pass pos[..., None] for the head axis).
+    Float32 math, result in x's dtype."""
+    rd = 2 * freqs.shape[0]
+    angle = pos.astype(jnp.float32)[..., None] * jnp.asarray(freqs)  # [..., rd/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if inverse:
+        sin = -sin
+    head = x[..., :-rd]
+    r = x[..., -rd:].astype(jnp.float32).reshape(*x.shape[:-1], rd // 2, 2)
+    a, b = r[..., 0], r[..., 1]
+    rot = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], rd)
+    return jnp.concatenate([head, rot.astype(x.dtype)], axis=-1)

@@ -1,0 +1,426 @@
+"""Grouped GEMM with FP4 (e2m1 + UE8M0/32) expert weights: y = x @ W_e^T for tokens sorted by expert.
+
+x: bf16 [M, K] (rows sorted by expert, `group_sizes` int32 [E], rows past sum(group_sizes) give 0, as in
+`jax.lax.ragged_dot`); W: `Fp4Weight` [E, N, K] (uint8 [E, N, K/2] packed e2m1, element 2k in the low
+nibble, bit 3 = sign; uint8 [E, N, K/32] UE8M0 scales); y: bf16 [M, N], float32 accumulation.
+
+Backends (`grouped_fp4_matmul(..., backend=)`):
+- 'xla': dequantize every expert to bf16, then `jax.lax.ragged_dot` (what dsv41/moe.py does).
+- 'pallas': the Mosaic GPU kernel below (Hopper, wgmma). Needs the weight in the kernel layout
+  (`prepare_fp4_experts`, once at load time; a plain Fp4Weight is converted on every call, which reads and
+  writes all experts' bytes).
+- 'interpret': the same kernel in the Mosaic GPU interpreter (CPU tests); the register-level FP4 decode is
+  replaced by a jnp model of the same tile.
+
+The kernel ("weights as the wgmma M operand"): for every (64 weight rows, tile of `tm` token rows) it
+streams the expert's packed bytes and scales through shared memory (TMA, warp-specialized pipeline),
+decodes them in registers straight into the wgmma A-fragment (bf16), and multiplies with the token tile
+taken transposed from shared memory as the B operand (N = tm, as small as 8: decode does not pay for 64
+padded token rows). The result is y^T per tile; it is stored transposed through shared memory into a
+padded output [T_max * tm, N] (one tm-row slot per tile), and rows are gathered back at the end.
+
+Kernel weight layout (`PreparedFp4`): per group of 32 inputs (16 bytes) the nibbles are permuted so that
+the 32-bit word c (bytes 4c..4c+3) holds exactly what lane c of a row quad needs for the A-fragment, in the
+order the decoder wants: nibble n of word c is input 8*(n % 4) + 2*c + n // 4. Scales are transposed to
+[E, K/32, N] so a (groups x rows) tile is one TMA box. Decode of one word q (8 values), for j in 0..3:
+  out_j = ((q << (12 - 4j)) & 0x80008000) | ((q << (6 - 4j)) & 0x01C001C0)   (bf16x2 = e2m1 * 2^-126)
+  a_j   = out_j * (2^(s-1), 2^(s-1))                                          (mul.rn.bf16x2)
+which is exact; it needs UE8M0 scale bytes <= 128 (|w| <= 12; real checkpoints are far below), which
+`prepare_fp4_experts` checks when the scales are concrete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41.quant import Fp4Weight, e2m1_values, ue8m0_decode, unpack_nibbles, pack_nibbles
+
+Backend = Literal["pallas", "xla", "interpret"]
+
+MAX_SCALE_BYTE = 128  # 2^(s-1) must be a finite bf16
+
+
+# ---------------------------------------------------------------------------------------------------
+# reference and XLA paths
+
+
+def _row_expert(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Expert id of each row and a mask of rows inside some group."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    r = jnp.arange(m, dtype=jnp.int32)
+    e = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+    return jnp.minimum(e, group_sizes.shape[0] - 1), r < ends[-1]
+
+
+def expert_gemm_reference(x: jax.Array, w: Fp4Weight, group_sizes: jax.Array) -> jax.Array:
+    """float32 throughout: y[r] = x[r] @ dequant(W[e_r])^T, rows past sum(group_sizes) are 0.
+
+    Weights dequantized to float32, products and sums in float32 at HIGHEST precision (ragged_dot's
+    grouped semantics; tests check it against a float64 per-row loop)."""
+    wd = jnp.swapaxes(w.dequantize(jnp.float32), 1, 2)  # [E, K, N]
+    return jax.lax.ragged_dot(x.astype(jnp.float32), wd, group_sizes.astype(jnp.int32),
+                              precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def grouped_fp4_matmul_xla(x: jax.Array, w: Fp4Weight, group_sizes: jax.Array) -> jax.Array:
+    wd = jnp.swapaxes(w.dequantize(jnp.bfloat16), 1, 2)  # [E, K, N]
+    y = jax.lax.ragged_dot(x.astype(jnp.bfloat16), wd, group_sizes.astype(jnp.int32),
+                           preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernel weight layout
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PreparedFp4:
+    """Routed-expert FP4 weight in the kernel layout: `weight` uint8 [E, N, K/2] (nibbles permuted within
+    each 32-input group, see the module doc), `scale_t` uint8 [E, K/32, N] (UE8M0 bytes, transposed)."""
+
+    weight: jax.Array
+    scale_t: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 2)
+
+
+def _perm_to_kernel(codes: jax.Array) -> jax.Array:
+    """codes [..., K] natural order -> kernel nibble order (per 32: word c, nibble n <- 8(n%4)+2c+n//4)."""
+    *lead, k = codes.shape
+    c = codes.reshape(*lead, k // 32, 4, 4, 2)  # natural index 8j + 2c + v -> axes (j, c, v)
+    c = jnp.moveaxis(c, -3, -1)  # (c, v, j): index c*8 + v*4 + j = c*8 + n
+    return c.reshape(*lead, k)
+
+
+def _perm_from_kernel(codes: jax.Array) -> jax.Array:
+    *lead, k = codes.shape
+    c = codes.reshape(*lead, k // 32, 4, 2, 4)  # (c, v, j)
+    c = jnp.moveaxis(c, -1, -3)  # (j, c, v)
+    return c.reshape(*lead, k)
+
+
+def prepare_fp4_experts(w: Fp4Weight, check: bool = True) -> PreparedFp4:
+    """Fp4Weight [E, N, K] -> PreparedFp4 (do this once, when the weights are loaded)."""
+    if isinstance(w, PreparedFp4):
+        return w
+    k = w.weight.shape[-1] * 2
+    if k % 32:
+        raise ValueError(f"in-features {k} must be a multiple of 32")
+    if check and not isinstance(w.scale, jax.core.Tracer):
+        smax = int(jnp.max(w.scale))
+        if smax > MAX_SCALE_BYTE:
+            raise ValueError(f"UE8M0 scale byte {smax} > {MAX_SCALE_BYTE}: |w| > 12 is outside the kernel's range")
+    packed = pack_nibbles(_perm_to_kernel(unpack_nibbles(w.weight)))
+    return PreparedFp4(packed, jnp.swapaxes(w.scale, -1, -2))
+
+
+def unprepare_fp4_experts(p: PreparedFp4) -> Fp4Weight:
+    return Fp4Weight(pack_nibbles(_perm_from_kernel(unpack_nibbles(p.weight))), jnp.swapaxes(p.scale_t, -1, -2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# tile schedule
+
+
+def max_tiles(m: int, e: int, tm: int) -> int:
+    """Upper bound on the (row block, expert) tiles: every block once, plus one per expert boundary."""
+    return pl_cdiv(m, tm) + max(min(e, m) - 1, 0)
+
+
+def pl_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int):
+    """Tiles = (aligned block of tm rows, expert) pairs that share at least one row, experts in order.
+
+    Returns tile_expert [t_max] (-1 past the last tile), tile_block [t_max], and for each row its position
+    in the padded output [t_max * tm] plus a validity mask (rows outside every group give 0)."""
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(gs)
+    starts = ends - gs
+    first = starts // tm
+    last = (ends - 1) // tm
+    n = jnp.where(gs > 0, last - first + 1, 0)
+    cum = jnp.cumsum(n)
+    base = cum - n
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    te = jnp.minimum(jnp.searchsorted(cum, t, side="right").astype(jnp.int32), gs.shape[0] - 1)
+    tb = first[te] + (t - base[te])
+    live = t < cum[-1]
+    tile_expert = jnp.where(live, te, -1).astype(jnp.int32)
+    tile_block = jnp.where(live, tb, 0).astype(jnp.int32)
+    re, valid = _row_expert(gs, m)
+    r = jnp.arange(m, dtype=jnp.int32)
+    pos = (base[re] + r // tm - first[re]) * tm + r % tm
+    return tile_expert, tile_block, jnp.where(valid, pos, 0), valid
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Mosaic GPU kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    tm: int = 8  # token rows per tile = wgmma N (multiple of 8, <= 256)
+    tk: int = 256  # inputs per pipeline step (multiple of 64)
+    num_wgs: int = 2  # compute warpgroups; each owns 64 weight rows, so tn = 64 * num_wgs
+    stages: int = 4  # pipeline depth (max_concurrent_steps)
+    a_smem: bool = False  # write the decoded tile to shared memory and feed wgmma from there (else registers)
+
+    @property
+    def tn(self) -> int:
+        return 64 * self.num_wgs
+
+
+def default_config(m: int, n: int, k: int) -> KernelConfig:
+    if m <= 512:  # decode-like: few rows per expert
+        return KernelConfig(tm=8, tk=256, num_wgs=2, stages=4)
+    return KernelConfig(tm=128, tk=128, num_wgs=2, stages=4)
+
+
+def _dequant_tile_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
+    """Model of the register decode for interpret mode: packed kernel-layout bytes [64, tk/2] and scale
+    bytes [tk/32, 64] -> bf16 [64, tk] in natural input order."""
+    codes = _perm_from_kernel(unpack_nibbles(wb.astype(jnp.uint8))).astype(jnp.uint16)
+    mag = codes & 7  # e2m1 without a table constant (kernels may not close over arrays); CPU flushes the
+    # subnormal e2m1 * 2^-126 form the GPU decoder uses, so build normal bf16 bits for mag >= 2 instead
+    big = jax.lax.bitcast_convert_type((mag << 6) + 0x3F00, jnp.bfloat16).astype(jnp.float32)
+    v = jnp.where(mag >= 2, big, mag.astype(jnp.float32) * 0.5)
+    v = jnp.where((codes & 8) != 0, -v, v)
+    s = ue8m0_decode(sb.astype(jnp.uint8)).T  # [64, tk/32]
+    v = v.reshape(v.shape[0], -1, 32) * s[:, :, None]
+    return v.reshape(v.shape[0], -1).astype(jnp.bfloat16)
+
+
+def _dequant_tile_mgpu(tk: int, w_transforms):
+    """inline_mgpu: kernel-layout bytes (smem, [64, tk/2], tiled+swizzled) and scale bytes (smem [tk/32, 64])
+    -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+
+    tkp, gs = tk // 2, tk // 32
+    swizzle = w_transforms[1].swizzle
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(w_transforms), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((64, tk), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
+    def dequant(ctx, w_ref, s_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        c32 = lambda v: arith.constant(i32, v)
+        ci = lambda v: arith.constant(index, v)
+        words = mgpu.FragmentedArray.load_tiled(
+            w_ref, swizzle=swizzle, is_signed=False, layout=fa.WGMMA_LAYOUT_8BIT)
+        assert words.shape == (64, tkp)
+        tid = mu.thread_idx()  # i32
+        lane = arith.remui(tid, c32(32))
+        warp = arith.divui(arith.remui(tid, c32(128)), c32(32))
+        row0 = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
+        out_shape = fa.WGMMA_LAYOUT.registers_shape((64, tk))
+        regs = np.empty(out_shape, dtype=object)
+        struct_ty = llvm.StructType.get_literal([i32] * 4)
+        ptx = """{
+        .reg .b32 a<4>, b<4>;
+        shl.b32 a0, $4, 12;  shl.b32 b0, $4, 6;
+        shl.b32 a1, $4, 8;   shl.b32 b1, $4, 2;
+        shl.b32 a2, $4, 4;   shr.b32 b2, $4, 2;
+        mov.b32 a3, $4;      shr.b32 b3, $4, 6;
+        and.b32 a0, a0, 0x80008000;  and.b32 b0, b0, 0x01C001C0;  or.b32 a0, a0, b0;
+        and.b32 a1, a1, 0x80008000;  and.b32 b1, b1, 0x01C001C0;  or.b32 a1, a1, b1;
+        and.b32 a2, a2, 0x80008000;  and.b32 b2, b2, 0x01C001C0;  or.b32 a2, a2, b2;
+        and.b32 a3, a3, 0x80008000;  and.b32 b3, b3, 0x01C001C0;  or.b32 a3, a3, b3;
+        mul.rn.bf16x2 $0, a0, $5;
+        mul.rn.bf16x2 $1, a1, $5;
+        mul.rn.bf16x2 $2, a2, $5;
+        mul.rn.bf16x2 $3, a3, $5;
+        }"""
+        for idx, reg in np.ndenumerate(words.registers):
+            g, rh = idx[1], idx[4]
+            assert idx[0] == 0 and all(v == 0 for i, v in enumerate(idx) if i not in (1, 4))
+            row = arith.index_cast(index, arith.addi(row0, c32(8 * rh)))
+            s = arith.extui(i32, memref.load(s_ref, [ci(g), row]))
+            bits = arith.shli(arith.addi(s, c32(126)), c32(7))
+            bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s, c32(0)), c32(0), bits)
+            s2 = arith.ori(bits, arith.shli(bits, c32(16)))
+            q = mu.bitcast(reg, i32)
+            res = llvm.inline_asm(struct_ty, [q, s2], ptx, "=r,=r,=r,=r,r,r")
+            for j in range(4):
+                o = llvm.extractvalue(i32, res, [j])
+                ridx = list(idx)
+                ridx[1] = 4 * g + j
+                regs[tuple(ridx)] = mu.bitcast(o, bf16x2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return dequant
+
+
+def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tm, tk, nwg, tn = cfg.tm, cfg.tk, cfg.num_wgs, cfg.tn
+    tkp, gs = tk // 2, tk // 32
+    if tm % 8 or tm > 256:
+        raise ValueError(f"tm={tm} must be a multiple of 8 and <= 256")
+    if tk % 64:
+        raise ValueError(f"tk={tk} must be a multiple of 64")
+    if k % tk or n % tn:
+        raise ValueError(f"K={k} must be a multiple of tk={tk} and N={n} of tn={tn}")
+    k_iters = k // tk
+    n_blocks = n // tn
+    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    w_swz = min(128, tkp)
+    w_transforms = (plgpu.TilingTransform((8, w_swz)), plgpu.SwizzleTransform(w_swz))
+    o_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    dequant = None if interpret else _dequant_tile_mgpu(tk, w_transforms)
+    # The interpreter's wgmma takes A only from shared memory.
+    a_smem_mode = cfg.a_smem or interpret
+    scratch = dict(o_smem=plgpu.SMEM((nwg, tm, 64), jnp.bfloat16, transforms=o_transforms))
+    if a_smem_mode:
+        scratch["a_smem"] = plgpu.SMEM((nwg, 64, tk), jnp.bfloat16, transforms=x_transforms)
+
+    def kernel(te_gmem, tb_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=x_transforms,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((tn, tkp), lambda kk: (0, kk), transforms=w_transforms,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((gs, tn), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=nwg,
+                max_concurrent_steps=cfg.stages,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=get_pipeline(ignore, ignore).get_allocations(
+                x_gmem.at[pl.ds(0, tm), :], w_gmem.at[0, pl.ds(0, tn), :], s_gmem.at[0, :, pl.ds(0, tn)]),
+            collective_axes="wg",
+        )
+        def _scope(allocs):
+            wg = jax.lax.axis_index("wg")
+
+            @plgpu.nd_loop((t_max * n_blocks,), collective_axes="sm")
+            def _loop(info):
+                (lin,) = info.index
+                t = lin // n_blocks
+                nb = lin % n_blocks
+                ex = te_gmem[t]
+                blk = tb_gmem[t]
+
+                @pl.when(ex >= 0)
+                def _work():
+                    def compute_context(eval_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, tm), jnp.float32))
+                        def _acc(acc_ref):
+                            eval_pipeline(acc_ref)
+                            y = acc_ref[...].astype(jnp.bfloat16)  # [64 weight rows, tm tokens] = y^T
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            o_smem.at[wg].transpose((1, 0))[...] = y
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[wg],
+                                o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)])
+
+                    def mma_body(_, x_smem, w_smem, s_smem, acc_ref):
+                        w_wg = w_smem.at[pl.ds(wg * 64, 64)]
+                        s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
+                        if interpret:
+                            a = _dequant_tile_jnp(w_wg[...], s_wg[...])
+                        else:
+                            a = dequant(w_wg, s_wg)
+                        if a_smem_mode:
+                            a_smem.at[wg][...] = a
+                            plgpu.commit_smem()
+                            a = a_smem.at[wg]
+                        plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    get_pipeline(mma_body, compute_context)(
+                        x_gmem.at[pl.ds(blk * tm, tm), :],
+                        w_gmem.at[ex, pl.ds(nb * tn, tn), :],
+                        s_gmem.at[ex, :, pl.ds(nb * tn, tn)],
+                        allocations=allocs,
+                    )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((t_max * tm, n), jnp.bfloat16),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=nwg + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(),
+        scratch_types=scratch,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+
+def _num_sms() -> int:
+    try:
+        d = jax.devices()[0]
+        if d.platform == "gpu":
+            return int(d.core_count)
+    except Exception:  # noqa: BLE001
+        pass
+    return 132
+
+
+def grouped_fp4_matmul_pallas(x: jax.Array, w: Fp4Weight | PreparedFp4, group_sizes: jax.Array,
+                              config: KernelConfig | None = None, interpret: bool = False) -> jax.Array:
+    pw = prepare_fp4_experts(w, check=False)
+    m, k = x.shape
+    e, n, k2 = pw.weight.shape
+    if k2 * 2 != k:
+        raise ValueError(f"x has K={k}, weight has K={k2 * 2}")
+    cfg = config or default_config(m, n, k)
+    t_max = max_tiles(m, e, cfg.tm)
+    te, tb, pos, valid = tile_schedule(group_sizes, m, cfg.tm, t_max)
+    call = _build_kernel(m, k, n, e, t_max, cfg, interpret)
+    y_pad = call(te, tb, x.astype(jnp.bfloat16), pw.weight, pw.scale_t)
+    return jnp.where(valid[:, None], y_pad[pos], jnp.zeros((), jnp.bfloat16))
+
+
+def grouped_fp4_matmul(x: jax.Array, w: Fp4Weight | PreparedFp4, group_sizes: jax.Array,
+                       backend: Backend = "pallas", config: KernelConfig | None = None) -> jax.Array:
+    """x bf16 [M, K] sorted by expert, W [E, N, K] FP4, group_sizes int32 [E] -> bf16 [M, N]."""
+    if backend == "xla":
+        if isinstance(w, PreparedFp4):
+            w = unprepare_fp4_experts(w)
+        return grouped_fp4_matmul_xla(x, w, group_sizes)
+    if backend == "pallas":
+        return grouped_fp4_matmul_pallas(x, w, group_sizes, config)
+    if backend == "interpret":
+        return grouped_fp4_matmul_pallas(x, w, group_sizes, config, interpret=True)
+    raise ValueError(f"unknown backend {backend!r}")

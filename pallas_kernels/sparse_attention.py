@@ -1,0 +1,950 @@
+"""Decode-time fused sparse MQA attention of DeepSeek-V4.1 (Pallas / Mosaic GPU).
+
+One query token per sequence; all H (=64) heads share one D (=512) wide K=V
+latent, so every KV entry is loaded, dequantized and used once for all heads.
+
+Keys of sequence b = valid slots of its SWA ring (FP8 e4m3 + UE8M0 per 32) and
+the valid top-k selected entries of the paged compressed pool (FP4 e2m1 packed
++ E4M3 per 16).  With s_j = q_h . k_j / sqrt(D):
+
+  o_h = sum_j e^{s_j - m} k_j / (sum_j e^{s_j - m} + e^{sink_h - m})
+
+Public API (all take the same arguments):
+
+* ``sparse_attention_reference`` -- plain jnp (f32 math), the numerical spec.
+* ``sparse_attention_decode``     -- the Mosaic GPU kernel (``interpret=True``
+  runs it in the Mosaic GPU interpreter on CPU; see "interpret" below).
+* ``sparse_attention(..., backend='pallas'|'xla'|'interpret')`` -- dispatcher.
+
+Kernel design (one CTA per (sequence, key split), 3 warpgroups):
+
+* WG2 (producer): TMA-loads q [64, D] bf16 and the CTA's physical row ids,
+  then for every tile of T=64 keys gathers the quantized rows straight from
+  HBM with 16-byte ``ld.global.nc`` (8 rows in flight per thread), dequantizes
+  them with integer / ``prmt`` bit tricks (e2m1 via a byte LUT, exact
+  ``mul.rn.bf16x2`` by the E4M3 scale; e4m3 via ``cvt.f16x2.e4m3x2``) and
+  stores bf16 into a 128B-swizzled shared tile (2 stages), plus a 0/-inf bias
+  per key (invalid rows are zero-filled, so garbage pages never leak NaNs).
+* WG0/WG1 (consumers): each computes S = Q K^T [64, T] with wgmma (redundantly,
+  both need all of S) and accumulates its half of the output columns,
+  O[:, w*D/2:(w+1)*D/2] += P V_half, with an online softmax in exp2 domain.
+  P is rounded to bf16 before PV (as the reference kernel does).
+* num_splits > 1 (flash decoding, for small B): each CTA handles a contiguous
+  range of key tiles and writes f32 partials (acc, m, l); a small XLA epilogue
+  merges them with the sink.  num_splits == 1 finishes in-kernel (sink,
+  normalisation, bf16 store).
+
+Interpret mode: the Mosaic GPU interpreter cannot run ``inline_mgpu`` (the
+PTX dequant), so with ``interpret=True`` the producer uses an equivalent
+jnp/Pallas per-row dequant; everything else (pipeline, barriers, wgmma, masks,
+online softmax, splits, epilogues) is the same code as on the GPU.
+
+Formats (ARCHITECTURE.md section 4):
+* SWA ring ``swa_q`` uint8 (or float8_e4m3fn) [B, W, D], ``swa_s`` uint8 UE8M0
+  [B, W, D/32]: value = e4m3 * 2^(byte - 127).
+* Pool ``kv_packed`` uint8 [num_pages, P, D/2]: e2m1 codes, element 2k in the
+  low nibble; ``kv_scale`` float8_e4m3fn or its uint8 bits [num_pages, P, D/16].
+  Entry g of sequence b lives at page_table[b, g // P], slot g % P; topk -1 =
+  none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax import lax
+
+LOG2E = 1.4426950408889634
+NEG_INIT = -1e30          # finite "minus infinity" for the running max
+TILE = 64                 # keys per tile (wgmma N of Q K^T, K of P V)
+NUM_STAGES = 2            # shared-memory stages of dequantized K tiles
+HEADS_PER_CTA = 64        # wgmma M
+
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+# ----------------------------------------------------------------------------
+# Formats: decode (jnp) and quantize (for tests / benchmarks)
+# ----------------------------------------------------------------------------
+
+def _as_u8(x):
+  x = jnp.asarray(x)
+  if x.dtype == jnp.uint8:
+    return x
+  if x.dtype.itemsize != 1:
+    raise TypeError(f"expected a 1-byte dtype, got {x.dtype}")
+  return lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def decode_e4m3(bits):
+  return lax.bitcast_convert_type(_as_u8(bits), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def decode_ue8m0(bits):
+  """2^(byte-127), exact (byte 0 -> 2^-127, byte 255 -> NaN as in OCP MX)."""
+  b = _as_u8(bits).astype(jnp.uint32)
+  normal = lax.bitcast_convert_type(b << 23, jnp.float32)
+  return jnp.where(b == 0, jnp.float32(2.0 ** -127), normal)
+
+
+def decode_e2m1_packed(packed, *, arithmetic=False):
+  p = _as_u8(packed)
+  codes = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+  codes = codes.astype(jnp.int32)
+  if not arithmetic:
+    return jnp.asarray(E2M1_VALUES)[codes]
+  # Same values without a table (kernels may not capture array constants).
+  e = (codes >> 1) & 3
+  mm = (codes & 1).astype(jnp.float32)
+  mag = jnp.where(e == 0, 0.5 * mm,
+                  jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * mm))
+  return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+def dequant_kv_fp4(packed, scale, *, arithmetic=False):
+  """[..., D/2] e2m1 packed + [..., D/16] E4M3 -> f32 [..., D]."""
+  vals = decode_e2m1_packed(packed, arithmetic=arithmetic)
+  s = decode_e4m3(scale)
+  return vals * jnp.repeat(s, 16, axis=-1)
+
+
+def dequant_swa_fp8(q, s):
+  """[..., D] e4m3 + [..., D/32] UE8M0 -> f32 [..., D]."""
+  return decode_e4m3(q) * jnp.repeat(decode_ue8m0(s), 32, axis=-1)
+
+
+def quantize_kv_fp4(x):
+  """Main-KV FP4 quantizer of section 4: e2m1 + E4M3 per 16 (no global scale)."""
+  x = jnp.asarray(x, jnp.float32)
+  d = x.shape[-1]
+  xb = x.reshape(*x.shape[:-1], d // 16, 16)
+  amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+  scale = jnp.maximum(amax, 6 * 2.0 ** -9) / 6
+  scale8 = scale.astype(jnp.float8_e4m3fn)
+  y = jnp.clip(xb / scale8.astype(jnp.float32), -6, 6)
+  mags = jnp.asarray(E2M1_VALUES[:8])
+  dist = jnp.abs(jnp.abs(y)[..., None] - mags) + 1e-6 * (jnp.arange(8) % 2)
+  code = jnp.argmin(dist, axis=-1).astype(jnp.uint8) | jnp.where(y < 0, 8, 0).astype(jnp.uint8)
+  code = code.reshape(*x.shape[:-1], d // 2, 2)
+  packed = code[..., 0] | (code[..., 1] << 4)
+  return packed.astype(jnp.uint8), lax.bitcast_convert_type(scale8[..., 0], jnp.uint8)
+
+
+def quantize_swa_fp8(x):
+  """SWA FP8 quantizer of section 4: e4m3 + UE8M0 per 32."""
+  x = jnp.asarray(x, jnp.float32)
+  d = x.shape[-1]
+  xb = x.reshape(*x.shape[:-1], d // 32, 32)
+  amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
+  e = jnp.ceil(jnp.log2(amax / 448.0))
+  q = jnp.clip(xb / jnp.exp2(e), -448, 448).astype(jnp.float8_e4m3fn)
+  q = lax.bitcast_convert_type(q, jnp.uint8).reshape(x.shape)
+  return q, (e[..., 0] + 127).astype(jnp.uint8)
+
+
+# ----------------------------------------------------------------------------
+# RoPE on the last 64 dims (interleaved pairs rotated as complex numbers)
+# ----------------------------------------------------------------------------
+
+def apply_rope_tail(x, cos, sin, *, inverse=False):
+  """x [B, H, D]; cos/sin [B, R/2] for the last R = 2*cos.shape[-1] dims."""
+  half = cos.shape[-1]
+  r = 2 * half
+  xf = x.astype(jnp.float32)
+  head, tail = xf[..., :-r], xf[..., -r:]
+  t = tail.reshape(*tail.shape[:-1], half, 2)
+  x0, x1 = t[..., 0], t[..., 1]
+  c = cos.astype(jnp.float32)[:, None, :]
+  s = sin.astype(jnp.float32)[:, None, :]
+  if inverse:
+    s = -s
+  y0 = x0 * c - x1 * s
+  y1 = x0 * s + x1 * c
+  tail = jnp.stack([y0, y1], axis=-1).reshape(tail.shape)
+  return jnp.concatenate([head, tail], axis=-1)
+
+
+# ----------------------------------------------------------------------------
+# Index preparation
+# ----------------------------------------------------------------------------
+
+def swa_valid_mask(swa_valid, window):
+  """bool [B, W] from a bool/int mask [B, W] or a count [B] (slots < count)."""
+  swa_valid = jnp.asarray(swa_valid)
+  if swa_valid.ndim == 1:
+    return jnp.arange(window)[None, :] < swa_valid[:, None]
+  return swa_valid.astype(bool)
+
+
+def compressed_rows(topk, page_table, page_size):
+  """Physical row (page * P + slot) of each selected entry, -1 where none.
+
+  Layers that reuse the same top-k and pool can compute this once.
+  """
+  topk = jnp.asarray(topk, jnp.int32)
+  g = jnp.maximum(topk, 0)
+  page = jnp.take_along_axis(jnp.asarray(page_table, jnp.int32), g // page_size, axis=1)
+  return jnp.where(topk >= 0, page * page_size + g % page_size, -1).astype(jnp.int32)
+
+
+def _pad_last(x, multiple, value):
+  n = x.shape[-1]
+  pad = (-n) % multiple
+  if pad == 0:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=value)
+
+
+# ----------------------------------------------------------------------------
+# Reference (plain jnp, f32)
+# ----------------------------------------------------------------------------
+
+def sparse_attention_reference(q, swa_q, swa_s, swa_valid, topk, page_table,
+                               kv_packed, kv_scale, sink, *, rope_cos=None,
+                               rope_sin=None, rope_query=False,
+                               rope_output=False, out_dtype=jnp.bfloat16,
+                               rows=None):
+  """Plain-jnp reference (f32 math; probabilities are NOT rounded to bf16)."""
+  del rows
+  b, h, d = q.shape
+  w = swa_q.shape[1]
+  p = kv_packed.shape[1]
+  qf = q.astype(jnp.float32)
+  if rope_query:
+    qf = apply_rope_tail(qf, rope_cos, rope_sin)
+  swa = dequant_swa_fp8(swa_q, swa_s)                               # [B, W, D]
+  valid_w = swa_valid_mask(swa_valid, w)
+  topk = jnp.asarray(topk, jnp.int32)
+  valid_c = topk >= 0
+  g = jnp.maximum(topk, 0)
+  page = jnp.take_along_axis(jnp.asarray(page_table, jnp.int32), g // p, axis=1)
+  slot = g % p
+  comp = dequant_kv_fp4(_as_u8(kv_packed)[page, slot], _as_u8(kv_scale)[page, slot])
+  keys = jnp.concatenate([swa, comp], axis=1)                        # [B, N, D]
+  valid = jnp.concatenate([valid_w, valid_c], axis=1)
+  keys = jnp.where(valid[..., None], keys, 0.0)
+  s = jnp.einsum("bhd,bnd->bhn", qf, keys, precision=lax.Precision.HIGHEST)
+  s = s / math.sqrt(d)
+  s = jnp.where(valid[:, None, :], s, -jnp.inf)
+  sinkf = jnp.asarray(sink, jnp.float32)[None, :h]
+  m = jnp.maximum(jnp.max(s, axis=-1), sinkf)
+  e = jnp.exp(s - m[..., None])
+  den = jnp.sum(e, axis=-1) + jnp.exp(sinkf - m)
+  o = jnp.einsum("bhn,bnd->bhd", e, keys, precision=lax.Precision.HIGHEST)
+  o = o / den[..., None]
+  if rope_output:
+    o = apply_rope_tail(o, rope_cos, rope_sin, inverse=True)
+  return o.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# GPU dequant (inline Mosaic GPU + PTX); producer warpgroup, 128 threads
+# ----------------------------------------------------------------------------
+
+_FP4_WORD_PTX = """{
+.reg .b32 sa, sb, ha, la, hb, lb, so, se, sga, sgb, t0, t1;
+and.b32 sa, $4, 0x7777;
+shr.u32 sb, $4, 16;
+and.b32 sb, sb, 0x7777;
+prmt.b32 ha, 0x3F3F3F00, 0x40404040, sa;
+prmt.b32 la, 0xC0800000, 0xC0804000, sa;
+prmt.b32 hb, 0x3F3F3F00, 0x40404040, sb;
+prmt.b32 lb, 0xC0800000, 0xC0804000, sb;
+and.b32 so, $4, 0x80808080;
+shl.b32 se, $4, 4;
+and.b32 se, se, 0x80808080;
+prmt.b32 sga, se, so, 0x5140;
+prmt.b32 sgb, se, so, 0x7362;
+or.b32 ha, ha, sga;
+or.b32 hb, hb, sgb;
+prmt.b32 t0, la, ha, 0x5140;
+prmt.b32 t1, la, ha, 0x7362;
+mul.rn.bf16x2 $0, t0, $5;
+mul.rn.bf16x2 $1, t1, $5;
+prmt.b32 t0, lb, hb, 0x5140;
+prmt.b32 t1, lb, hb, 0x7362;
+mul.rn.bf16x2 $2, t0, $5;
+mul.rn.bf16x2 $3, t1, $5;
+}"""
+
+# Two E4M3 scale bytes (one u32 holding them in its low 16 bits) -> two bf16x2
+# registers with each scale duplicated in both halves.
+_E4M3_SCALE_PTX = """{
+.reg .b16 s16, x0, x1, hi16;
+.reg .b32 h2;
+.reg .f32 f0, f1;
+mov.b32 {s16, hi16}, $2;
+cvt.rn.f16x2.e4m3x2 h2, s16;
+mov.b32 {x0, x1}, h2;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.rn.bf16x2.f32 $0, f0, f0;
+cvt.rn.bf16x2.f32 $1, f1, f1;
+}"""
+
+# Four e4m3 values (one u32) times an f32 scale -> two bf16x2 registers.
+_E4M3_WORD_PTX = """{
+.reg .b16 l, h, x0, x1, x2, x3;
+.reg .b32 a, b;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e4m3x2 a, l;
+cvt.rn.f16x2.e4m3x2 b, h;
+mov.b32 {x0, x1}, a;
+mov.b32 {x2, x3}, b;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.f32.f16 f2, x2;
+cvt.f32.f16 f3, x3;
+mul.f32 f0, f0, $3;
+mul.f32 f1, f1, $3;
+mul.f32 f2, f2, $3;
+mul.f32 f3, f3, $3;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
+}"""
+
+
+def _swizzled_chunk_offset(r, q, d):
+  """Byte offset of 16-byte chunk q (8 bf16) of row r in a [T, d] bf16 tile
+  stored with TilingTransform((8, 64)) + SwizzleTransform(128)."""
+  return ((r // 8) * (d // 64) + q // 8) * 1024 + (r % 8) * 128 + (((q % 8) ^ (r % 8)) * 16)
+
+
+def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
+  """Returns an inline_mgpu body that fills one bf16 K tile + its bias."""
+
+  def fn(ctx, src_ref, scale_ref, rows_ref, k_ref, bias_ref):
+    del ctx
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    f32 = ir.F32Type.get()
+
+    def ci(v):
+      return arith.constant(i32, v)
+
+    def cl(v):
+      return arith.constant(i64, v)
+
+    def ptr_i64(ref):
+      return llvm.ptrtoint(i64, mu.memref_ptr(ref))
+
+    def ptr_i32(ref):
+      return llvm.ptrtoint(i32, mu.memref_ptr(ref))
+
+    tid = arith.remui(mu.thread_idx(), ci(128))
+    src = ptr_i64(src_ref)
+    scl = ptr_i64(scale_ref)
+    rows_base = ptr_i32(rows_ref)
+    k_base = ptr_i32(k_ref)
+    bias_base = ptr_i32(bias_ref)
+    zero = ci(0)
+
+    if fmt == "fp4":
+      row_bytes, scale_row_bytes = d // 2, d // 16
+      lanes_per_row = row_bytes // 16          # 16 B per thread per row
+    else:
+      row_bytes, scale_row_bytes = d, d // 32
+      lanes_per_row = row_bytes // 16
+    rows_per_pass = 128 // lanes_per_row
+    n_iter = tile // rows_per_pass
+    m = arith.remui(tid, ci(lanes_per_row))
+    rsub = arith.divui(tid, ci(lanes_per_row))
+    is_m0 = arith.cmpi(arith.CmpIPredicate.eq, m, zero)
+
+    def load_row(i):
+      r = arith.addi(rsub, ci(rows_per_pass * i))
+      rid = mu.inline_ptx(
+          "ld.shared.b32 $0, [$1];",
+          arith.addi(rows_base, arith.muli(r, ci(4))), result_types=i32,
+          has_side_effects=True)
+      valid = arith.cmpi(arith.CmpIPredicate.sge, rid, zero)
+      row = arith.extui(i64, arith.maxsi(rid, zero))
+      addr = arith.addi(arith.addi(src, arith.muli(row, cl(row_bytes))),
+                        arith.extui(i64, arith.muli(m, ci(16))))
+      words = mu.inline_ptx(
+          "{ .reg .b64 g; cvta.to.global.u64 g, $4; "
+          "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [g]; }",
+          addr, result_types=[i32] * 4, has_side_effects=True)
+      if fmt == "fp4":
+        saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
+                           arith.extui(i64, arith.muli(m, ci(2))))
+        sc = mu.inline_ptx(
+            "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
+            "ld.global.nc.b16 t, [g]; cvt.u32.u16 $0, t; }",
+            saddr, result_types=i32, has_side_effects=True)
+      else:
+        saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
+                           arith.extui(i64, arith.divui(m, ci(2))))
+        sc = mu.inline_ptx(
+            "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
+            "ld.global.nc.u8 t, [g]; cvt.u32.u16 $0, t; }",
+            saddr, result_types=i32, has_side_effects=True)
+      # Invalid rows are zero-filled (data and scale): no NaN can leak into P V.
+      words = [arith.select(valid, w, zero) for w in words]
+      sc = arith.select(valid, sc, zero)
+      # bias: 0 for a valid key, -inf otherwise (one lane per row writes it).
+      bias = arith.select(valid, arith.constant(f32, 0.0),
+                          arith.constant(f32, float("-inf")))
+      mu.inline_ptx(
+          "@$2 st.shared.f32 [$0], $1;",
+          arith.addi(bias_base, arith.muli(r, ci(4))), bias, is_m0,
+          has_side_effects=True)
+      return r, words, sc
+
+    def store_chunk(r, q, regs):
+      # offset = ((r//8)*(d/64) + q//8)*1024 + (r%8)*128 + ((q%8)^(r%8))*16
+      r8 = arith.remui(r, ci(8))
+      off = arith.muli(
+          arith.addi(arith.muli(arith.divui(r, ci(8)), ci(d // 64)),
+                     arith.divui(q, ci(8))), ci(1024))
+      off = arith.addi(off, arith.muli(r8, ci(128)))
+      off = arith.addi(off, arith.muli(arith.xori(arith.remui(q, ci(8)), r8), ci(16)))
+      mu.inline_ptx(
+          "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+          arith.addi(k_base, off), *regs, has_side_effects=True)
+
+    for i0 in range(0, n_iter, rows_per_batch):
+      loaded = [load_row(i) for i in range(i0, min(n_iter, i0 + rows_per_batch))]
+      for r, words, sc in loaded:
+        if fmt == "fp4":
+          s_lo, s_hi = mu.inline_ptx(_E4M3_SCALE_PTX, sc, result_types=[i32, i32])
+          for j, w in enumerate(words):
+            s2 = s_lo if j < 2 else s_hi
+            regs = mu.inline_ptx(_FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
+            q = arith.addi(arith.muli(m, ci(4)), ci(j))
+            store_chunk(r, q, regs)
+        else:
+          scale = arith.bitcast(f32, arith.shli(sc, ci(23)))
+          outs = []
+          for w in words:
+            outs.extend(mu.inline_ptx(_E4M3_WORD_PTX, w, scale, result_types=[i32, i32]))
+          for half in range(2):
+            q = arith.addi(arith.muli(m, ci(2)), ci(half))
+            store_chunk(r, q, outs[4 * half:4 * half + 4])
+    return ()
+
+  return fn
+
+
+# ----------------------------------------------------------------------------
+# Interpret-mode dequant (same semantics, plain Pallas ops, one row at a time)
+# ----------------------------------------------------------------------------
+
+def _interpret_dequant(fmt, src_ref, scale_ref, rows_ref, k_ref, bias_ref):
+  """Interpret-mode producer: src_ref/scale_ref hold this tile's rows already
+  gathered (by the wrapper, in row order); rows_ref gives validity."""
+  valid = rows_ref[...] >= 0
+  if fmt == "fp4":
+    vals = dequant_kv_fp4(src_ref[...], scale_ref[...], arithmetic=True)
+  else:
+    vals = dequant_swa_fp8(src_ref[...], scale_ref[...])
+  k_ref[...] = jnp.where(valid[:, None], vals, 0.0).astype(jnp.bfloat16)
+  bias_ref[...] = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static tuning knobs of the kernel.
+
+  qk_mode: 'redundant' -- both consumer warpgroups compute the full
+    S = Q K^T of a tile (no cross-warpgroup sync, 1.5x the minimal MMA work);
+    'split' -- each computes S for half of the tile's keys, exchanging row
+    maxima and P halves through shared memory (2 syncs per tile).
+  prefetch: L2-prefetch the next tile's rows before waiting for a free stage.
+  rows_per_batch: rows whose 16-byte loads a producer thread has in flight.
+  """
+  qk_mode: str = "redundant"
+  prefetch: bool = True
+  rows_per_batch: int = 4
+  consumer_regs: int = 216
+  producer_regs: int = 72
+
+  def __post_init__(self):
+    # 384 threads -> ptxas gives 168 regs/thread; setmaxnreg only moves
+    # registers inside the CTA's pool (3 * 168 per lane).  Asking for more
+    # makes the second consumer's setmaxnreg.inc wait forever (seen on the
+    # H200 2026-11-30 with 216/216/80: the kernel hung).
+    if 2 * self.consumer_regs + self.producer_regs > 3 * 168:
+      raise ValueError("2 * consumer_regs + producer_regs must be <= 504")
+    if self.consumer_regs % 8 or self.producer_regs % 8:
+      raise ValueError("register counts must be multiples of 8")
+    if self.qk_mode not in ("redundant", "split"):
+      raise ValueError(f"bad qk_mode {self.qk_mode!r}")
+
+
+def _mgpu_prefetch_fn(fmt: str, tile: int, d: int):
+  """inline_mgpu body: prefetch.global.L2 the rows of one tile (data+scales)."""
+
+  def fn(ctx, src_ref, scale_ref, rows_ref):
+    del ctx
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+
+    def ci(v):
+      return arith.constant(i32, v)
+
+    row_bytes = d // 2 if fmt == "fp4" else d
+    scale_row_bytes = d // 16 if fmt == "fp4" else d // 32
+    lines = row_bytes // 128
+    tid = arith.remui(mu.thread_idx(), ci(128))
+    src = llvm.ptrtoint(i64, mu.memref_ptr(src_ref))
+    scl = llvm.ptrtoint(i64, mu.memref_ptr(scale_ref))
+    rows_base = llvm.ptrtoint(i32, mu.memref_ptr(rows_ref))
+    # thread -> (row, 128-byte line): tile*lines (+ tile scale lines) jobs.
+    n_jobs = tile * (lines + 1)
+    for j0 in range(0, n_jobs, 128):
+      job = arith.addi(tid, ci(j0))
+      active = arith.cmpi(arith.CmpIPredicate.ult, job, ci(n_jobs))
+      job = arith.minui(job, ci(n_jobs - 1))
+      r = arith.divui(job, ci(lines + 1))
+      line = arith.remui(job, ci(lines + 1))
+      rid = mu.inline_ptx(
+          "ld.shared.b32 $0, [$1];", arith.addi(rows_base, arith.muli(r, ci(4))),
+          result_types=i32, has_side_effects=True)
+      ok = arith.andi(active, arith.cmpi(arith.CmpIPredicate.sge, rid, ci(0)))
+      row = arith.extui(i64, arith.maxsi(rid, ci(0)))
+      is_scale = arith.cmpi(arith.CmpIPredicate.eq, line, ci(lines))
+      data_addr = arith.addi(
+          arith.addi(src, arith.muli(row, arith.constant(i64, row_bytes))),
+          arith.extui(i64, arith.muli(line, ci(128))))
+      scale_addr = arith.addi(scl, arith.muli(row, arith.constant(i64, scale_row_bytes)))
+      addr = arith.select(is_scale, scale_addr, data_addr)
+      mu.inline_ptx(
+          "{ .reg .b64 g; .reg .pred p; setp.ne.b32 p, $1, 0; "
+          "cvta.to.global.u64 g, $0; @p prefetch.global.L2 [g]; }",
+          addr, arith.extui(i32, ok), has_side_effects=True)
+    return ()
+
+  return fn
+
+
+# ----------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
+  """cfg: KernelConfig (hashable)."""
+  t = TILE
+  hq = HEADS_PER_CTA
+  n_tiles = n_tiles_swa + n_tiles_c
+  if n_tiles % num_splits:
+    raise ValueError(f"{n_tiles=} not divisible by {num_splits=}")
+  tps = n_tiles // num_splits
+  dh = d // 2
+  kh = t // 2
+  ns = NUM_STAGES
+  split_out = num_splits > 1
+  split_qk = cfg.qk_mode == "split"
+  scale2 = LOG2E / math.sqrt(d)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  p_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+
+  fns = {}
+  if not interpret:
+    for fmt in ("fp4", "fp8"):
+      fns[fmt] = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch)
+      fns["pf_" + fmt] = _mgpu_prefetch_fn(fmt, t, d)
+
+  def dequant(fmt, src_ref, scale_ref, rows_ref, k_ref, bias_ref, bi=None, lt=None):
+    if interpret:
+      # Pre-gathered [B, tiles*T, ...] arrays; lt = tile index within format.
+      _interpret_dequant(fmt, src_ref.at[bi, pl.ds(lt * t, t)],
+                         scale_ref.at[bi, pl.ds(lt * t, t)], rows_ref, k_ref, bias_ref)
+      return
+    plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                   plgpu.RefType(tile_transforms), plgpu.RefType()),
+    )(fns[fmt])(src_ref, scale_ref, rows_ref, k_ref, bias_ref)
+
+  def prefetch(fmt, src_ref, scale_ref, rows_ref):
+    if interpret:
+      return
+    plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
+    )(fns["pf_" + fmt])(src_ref, scale_ref, rows_ref)
+
+  def body(q_ref, swa_ref, swas_ref, kv_ref, kvs_ref, rows_ref, sink_ref, *refs):
+    if split_out:
+      opart_ref, ml_ref, *scratch = refs
+    else:
+      o_ref, *scratch = refs
+    (q_smem, k_smem, bias_smem, rows_smem, sink_smem, p_stage, p_x, x_smem,
+     q_bar, rows_bar, ready, consumed, xbar, pbar) = scratch
+    bi = lax.axis_index("batch")
+    si = lax.axis_index("split")
+    wg = lax.axis_index("wg")
+
+    # ------------------------------------------------------------ producer
+    @pl.when(wg == 2)
+    def _producer():
+      if not interpret:
+        plgpu.set_max_registers(cfg.producer_regs, action="decrease")
+      plgpu.copy_gmem_to_smem(q_ref.at[bi], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(
+          rows_ref.at[bi, pl.ds(si * tps, tps)], rows_smem, rows_bar)
+      plgpu.copy_gmem_to_smem(sink_ref, sink_smem, rows_bar)
+      plgpu.barrier_wait(rows_bar)
+
+      def tile_fmt_branches(gt, f_swa, f_c):
+        if n_tiles_swa:
+          pl.when(gt < n_tiles_swa)(f_swa)
+        if n_tiles_c:
+          pl.when(gt >= n_tiles_swa)(f_c)
+
+      @pl.loop(0, tps)
+      def _tile(ti):
+        slot = lax.rem(ti, ns)
+        gt = si * tps + ti
+        if cfg.prefetch and tps > 1:
+          nxt = jnp.minimum(ti + 1, tps - 1)
+          rows_n = rows_smem.at[nxt]
+
+          @pl.when(ti + 1 < tps)
+          def _():
+            tile_fmt_branches(
+                gt + 1,
+                lambda: prefetch("fp8", swa_ref, swas_ref, rows_n),
+                lambda: prefetch("fp4", kv_ref, kvs_ref, rows_n))
+
+        @pl.when(ti >= ns)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+
+        args = (rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
+        tile_fmt_branches(
+            gt,
+            lambda: dequant("fp8", swa_ref, swas_ref, *args, bi=bi, lt=gt),
+            lambda: dequant("fp4", kv_ref, kvs_ref, *args, bi=bi,
+                            lt=gt - n_tiles_swa))
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ready.at[slot])
+
+    # ------------------------------------------------------------ consumers
+    def sync(bar):
+      plgpu.barrier_arrive(bar)
+      plgpu.barrier_wait(bar)
+
+    def pv_update(acc, p16, v_smem):
+      if interpret:
+        # The interpreter implements neither run_state over accumulators nor
+        # wgmma with a register LHS: stage P through shared memory.
+        p_ref = p_stage.at[wg]
+        p_ref[...] = p16
+
+        def pv_fresh(acc_ref):
+          plgpu.wgmma(acc_ref, p_ref, v_smem)
+          return acc_ref[...]
+        return acc + pl.run_scoped(pv_fresh, plgpu.ACC((hq, dh), jnp.float32))
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem)
+      return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+    @pl.when(wg < 2)
+    def _consumer():
+      if not interpret:
+        plgpu.set_max_registers(cfg.consumer_regs, action="increase")
+      plgpu.barrier_wait(q_bar)
+      m_i = plgpu.layout_cast(jnp.full((hq,), NEG_INIT, jnp.float32), row_layout)
+      l_i = plgpu.layout_cast(jnp.zeros((hq,), jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.zeros((hq, dh), jnp.float32), plgpu.Layout.WGMMA)
+
+      def step(ti, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(ti, ns)
+        plgpu.barrier_wait(ready.at[slot])
+        v_smem = k_smem.at[slot, :, pl.ds(wg * dh, dh)]
+        if not split_qk:
+          # Both consumers compute the whole S = Q K^T of the tile.
+          def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+          s = pl.run_scoped(qk, plgpu.ACC((hq, t), jnp.float32))
+          bias = plgpu.load(bias_smem.at[slot], layout=col_layout)
+          s = s * scale2 + lax.broadcast_in_dim(bias, (hq, t), [1])
+          m_new = jnp.maximum(m_i, s.max(axis=1))
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (hq, t), [0]))
+          l_i = l_i * alpha + p.sum(axis=1)
+          acc = acc * lax.broadcast_in_dim(alpha, (hq, dh), [0])
+          acc = pv_update(acc, p.astype(jnp.bfloat16), v_smem)
+        else:
+          # Consumer w computes S for keys [w*T/2, (w+1)*T/2) only; the row
+          # maxima are exchanged, P halves meet in shared memory.
+          def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem,
+                        k_smem.at[slot, pl.ds(wg * kh, kh)].transpose((1, 0)))
+            return acc_ref[...]
+          s = pl.run_scoped(qk, plgpu.ACC((hq, kh), jnp.float32))
+          bias = plgpu.load(bias_smem.at[slot, pl.ds(wg * kh, kh)], layout=col_layout)
+          s = s * scale2 + lax.broadcast_in_dim(bias, (hq, kh), [1])
+          mx = s.max(axis=1)
+          x_smem[wg] = mx
+          sync(xbar)
+          mx_o = plgpu.load(x_smem.at[1 - wg], layout=row_layout)
+          m_new = jnp.maximum(m_i, jnp.maximum(mx, mx_o))
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (hq, kh), [0]))
+          l_i = l_i * alpha + p.sum(axis=1)       # partial (own keys) sum
+          acc = acc * lax.broadcast_in_dim(alpha, (hq, dh), [0])
+          p_x[wg] = p.astype(jnp.bfloat16)
+          sync(pbar)
+          p16 = jnp.concatenate(
+              [plgpu.load(p_x.at[0], layout=plgpu.Layout.WGMMA),
+               plgpu.load(p_x.at[1], layout=plgpu.Layout.WGMMA)], axis=1)
+          acc = pv_update(acc, p16, v_smem)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return acc, m_new, l_i
+
+      acc, m_i, l_i = lax.fori_loop(0, tps, step, (acc, m_i, l_i))
+
+      if split_qk:
+        x_smem[wg] = l_i
+        sync(xbar)
+        l_i = l_i + plgpu.load(x_smem.at[1 - wg], layout=row_layout)
+
+      if split_out:
+        opart_ref[bi, si, :, pl.ds(wg * dh, dh)] = acc
+
+        @pl.when(wg == 0)
+        def _():
+          ml_ref[bi, si, 0, :] = m_i
+          ml_ref[bi, si, 1, :] = l_i
+      else:
+        sink2 = plgpu.load(sink_smem, layout=row_layout) * LOG2E
+        m_f = jnp.maximum(m_i, sink2)
+        alpha = jnp.exp2(m_i - m_f)
+        den = l_i * alpha + jnp.exp2(sink2 - m_f)
+        fac = alpha / den
+        out = acc * lax.broadcast_in_dim(fac, (hq, dh), [0])
+        o_ref[bi, :, pl.ds(wg * dh, dh)] = out.astype(jnp.bfloat16)
+
+  if split_out:
+    out_type = (jax.ShapeDtypeStruct((b, num_splits, hq, d), jnp.float32),
+                jax.ShapeDtypeStruct((b, num_splits, 2, hq), jnp.float32))
+  else:
+    out_type = jax.ShapeDtypeStruct((b, hq, d), jnp.bfloat16)
+
+  placeholder = plgpu.SMEM((32,), jnp.float32)      # unused
+  p_stage = plgpu.SMEM((2, hq, t), jnp.bfloat16) if interpret else placeholder
+  p_x = (plgpu.SMEM((2, hq, kh), jnp.bfloat16, transforms=p_transforms)
+         if split_qk else placeholder)
+  scratch = [
+      plgpu.SMEM((hq, d), jnp.bfloat16, transforms=tile_transforms),
+      plgpu.SMEM((ns, t, d), jnp.bfloat16, transforms=tile_transforms),
+      plgpu.SMEM((ns, t), jnp.float32),
+      plgpu.SMEM((tps, t), jnp.int32),
+      plgpu.SMEM((hq,), jnp.float32),
+      p_stage,
+      p_x,
+      plgpu.SMEM((2, hq), jnp.float32),
+      plgpu.Barrier(num_arrivals=1),
+      plgpu.Barrier(num_arrivals=2),
+      plgpu.Barrier(num_arrivals=1, num_barriers=ns),
+      plgpu.Barrier(num_arrivals=2, num_barriers=ns),
+      plgpu.Barrier(num_arrivals=2),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  kwargs = {}
+  if interpret:
+    kwargs["interpret"] = plgpu.InterpretGPUParams()
+  else:
+    kwargs["compiler_params"] = plgpu.CompilerParams(approx_math=True)
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(num_splits, b),
+      grid_names=("split", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      scratch_types=scratch,
+      **kwargs,
+  )
+
+
+@functools.lru_cache(maxsize=None)
+def _build_dequant_probe(fmt, d, interpret, rows_per_batch=4):
+  """Debug kernel: dequantize ONE tile of TILE rows into the swizzled shared
+  tile exactly as the attention producer does, then read it back through
+  Pallas (which un-swizzles) and write [TILE, d] bf16 + bias [TILE] to HBM."""
+  t = TILE
+  tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  fn = None if interpret else _mgpu_dequant_fn(fmt, t, d, rows_per_batch)
+
+  def body(src_ref, scale_ref, rows_ref, out_ref, bias_out_ref, k_smem, bias_smem,
+           rows_smem, bar):
+    plgpu.copy_gmem_to_smem(rows_ref, rows_smem, bar)
+    plgpu.barrier_wait(bar)
+    if interpret:
+      _interpret_dequant(fmt, src_ref, scale_ref, rows_smem, k_smem, bias_smem)
+    else:
+      plgpu.inline_mgpu(
+          arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                     plgpu.RefType(tile_transforms), plgpu.RefType()),
+      )(fn)(src_ref, scale_ref, rows_smem, k_smem, bias_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, out_ref)
+    plgpu.copy_smem_to_gmem(bias_smem, bias_out_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
+                jax.ShapeDtypeStruct((t,), jnp.float32)),
+      scratch_types=[
+          plgpu.SMEM((t, d), jnp.bfloat16, transforms=tile_transforms),
+          plgpu.SMEM((t,), jnp.float32),
+          plgpu.SMEM((t,), jnp.int32),
+          plgpu.Barrier(num_arrivals=1),
+      ],
+      **kwargs,
+  )
+
+
+def dequant_probe(fmt, src, scale, rows, *, interpret=False):
+  """Runs the producer's dequant of one tile (rows: int32 [TILE], -1 = none).
+
+  fmt 'fp4': src [R, D/2] uint8, scale [R, D/16]; 'fp8': src [R, D], scale
+  [R, D/32].  Returns (bf16 [TILE, D], bias f32 [TILE])."""
+  d = src.shape[1] * (2 if fmt == "fp4" else 1)
+  kern = _build_dequant_probe(fmt, d, bool(interpret))
+  rows = jnp.asarray(rows, jnp.int32)
+  src, scale = _as_u8(src), _as_u8(scale)
+  if interpret:   # the interpreter path reads pre-gathered rows
+    g = jnp.maximum(rows, 0)
+    src, scale = src[g], scale[g]
+  return kern(src, scale, rows)
+
+
+def default_num_splits(batch, n_tiles, num_sms=132):
+  """Largest divisor of n_tiles with batch * splits <= num_sms (>= 1)."""
+  best = 1
+  for s in range(1, n_tiles + 1):
+    if n_tiles % s == 0 and batch * s <= num_sms:
+      best = s
+  return best
+
+
+def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
+                            kv_packed, kv_scale, sink, *, rope_cos=None,
+                            rope_sin=None, rope_query=False, rope_output=False,
+                            out_dtype=jnp.bfloat16, rows=None, num_splits=None,
+                            interpret=False, config=None):
+  """Fused sparse MQA decode attention (Mosaic GPU kernel).
+
+  Args beyond the reference's: ``rows`` -- precomputed ``compressed_rows``;
+  ``num_splits`` -- key splits per sequence (None: fill ~132 SMs);
+  ``interpret`` -- run in the Mosaic GPU interpreter (CPU).
+  Requirements: H <= 64 (padded to 64), D % 128 == 0.
+  """
+  b, h, d = q.shape
+  if h > HEADS_PER_CTA:
+    raise NotImplementedError(f"H={h} > {HEADS_PER_CTA}")
+  if d % 128:
+    raise NotImplementedError(f"D={d} must be a multiple of 128")
+  w = swa_q.shape[1]
+  p = kv_packed.shape[1]
+  t = TILE
+  qb = q
+  if rope_query:
+    qb = apply_rope_tail(q, rope_cos, rope_sin)
+  qb = qb.astype(jnp.bfloat16)
+  if h < HEADS_PER_CTA:
+    qb = jnp.pad(qb, ((0, 0), (0, HEADS_PER_CTA - h), (0, 0)))
+  valid_w = swa_valid_mask(swa_valid, w)
+  swa_rows = jnp.where(valid_w, jnp.arange(b, dtype=jnp.int32)[:, None] * w
+                       + jnp.arange(w, dtype=jnp.int32)[None, :], -1)
+  if rows is None:
+    rows = compressed_rows(topk, page_table, p)
+  swa_rows = _pad_last(swa_rows.astype(jnp.int32), t, -1)
+  c_rows = _pad_last(jnp.asarray(rows, jnp.int32), t, -1)
+  n_tiles_swa = swa_rows.shape[1] // t
+  n_tiles_c = c_rows.shape[1] // t
+  n_tiles = n_tiles_swa + n_tiles_c
+  if num_splits is None:
+    num_splits = default_num_splits(b, n_tiles)
+  if n_tiles % num_splits:
+    extra = (-n_tiles) % num_splits
+    c_rows = jnp.pad(c_rows, ((0, 0), (0, extra * t)), constant_values=-1)
+    n_tiles_c += extra
+  all_rows = jnp.concatenate([swa_rows, c_rows], axis=1).reshape(b, n_tiles_swa + n_tiles_c, t)
+  swa_flat = _as_u8(swa_q).reshape(b * w, d)
+  swas_flat = _as_u8(swa_s).reshape(b * w, d // 32)
+  kv_flat = _as_u8(kv_packed).reshape(-1, d // 2)
+  kvs_flat = _as_u8(kv_scale).reshape(-1, d // 16)
+  sinkf = jnp.asarray(sink, jnp.float32)
+  if sinkf.shape[0] < HEADS_PER_CTA:
+    sinkf = jnp.pad(sinkf, (0, HEADS_PER_CTA - sinkf.shape[0]))
+
+  if interpret:
+    # The interpreter cannot run the PTX gather+dequant; hand it the rows
+    # pre-gathered per tile (same order, invalid rows -> row 0, masked).
+    gs = jnp.maximum(swa_rows, 0)
+    gc = jnp.maximum(c_rows, 0)
+    swa_flat, swas_flat = swa_flat[gs], swas_flat[gs]
+    kv_flat, kvs_flat = kv_flat[gc], kvs_flat[gc]
+  kern = _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, bool(interpret),
+                       config or KernelConfig())
+  res = kern(qb, swa_flat, swas_flat, kv_flat, kvs_flat, all_rows, sinkf)
+  if num_splits > 1:
+    opart, ml = res
+    o = combine_splits(opart, ml, sinkf)
+  else:
+    o = res.astype(jnp.float32)
+  o = o[:, :h]
+  if rope_output:
+    o = apply_rope_tail(o, rope_cos, rope_sin, inverse=True)
+  return o.astype(out_dtype)
+
+
+def combine_splits(opart, ml, sink):
+  """Merge flash-decoding partials [B, S, H, D] f32 with m, l [B, S, 2, H]."""
+  m = ml[:, :, 0, :]                               # log2-domain running max
+  l = ml[:, :, 1, :]
+  sink2 = jnp.asarray(sink, jnp.float32)[None, :] * LOG2E
+  mx = jnp.maximum(jnp.max(m, axis=1), sink2)      # [B, H]
+  wgt = jnp.exp2(m - mx[:, None, :])               # [B, S, H]
+  den = jnp.sum(wgt * l, axis=1) + jnp.exp2(sink2 - mx)
+  num = jnp.einsum("bsh,bshd->bhd", wgt, opart)
+  return num / den[..., None]
+
+
+# ----------------------------------------------------------------------------
+# Dispatcher
+# ----------------------------------------------------------------------------
+
+def sparse_attention(q, swa_q, swa_s, swa_valid, topk, page_table, kv_packed,
+                     kv_scale, sink, *, backend="pallas", **kwargs):
+  """backend: 'pallas' (Mosaic GPU kernel), 'interpret' (same kernel in the
+  Mosaic GPU interpreter), 'xla' (the jnp reference under jit)."""
+  args = (q, swa_q, swa_s, swa_valid, topk, page_table, kv_packed, kv_scale, sink)
+  if backend == "xla":
+    kwargs.pop("num_splits", None)
+    kwargs.pop("interpret", None)
+    return sparse_attention_reference(*args, **kwargs)
+  if backend in ("pallas", "interpret"):
+    return sparse_attention_decode(*args, interpret=(backend == "interpret"), **kwargs)
+  raise ValueError(f"unknown backend {backend!r}")

@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""Check and time the FP4 grouped expert GEMM (pallas_kernels/expert_gemm.py) at Flash shapes.
+
+On the H200 (device tool):  PYTHONPATH=. PYTHONUNBUFFERED=1 python3 scripts/bench_expert_gemm.py --out $OUT
+On a CPU (logic only, tiny shapes, interpreter): .venv/bin/python scripts/bench_expert_gemm.py --cpu-smoke
+
+What it does, in one process:
+1. ceilings measured in the same run: HBM read bandwidth (PyTorch f32 sum over 2 GiB, CUDA events; JAX f32
+   sum as a fallback) and the bf16 matmul rate (8192^3, PyTorch and XLA, the best of the two);
+2. checks every Pallas variant against `expert_gemm_reference` (float32 weights, float32 HIGHEST
+   ragged_dot) on fresh random data: pass = relative Frobenius error <= 5e-3 and every output finite
+   (bf16 output rounding alone gives ~2e-3);
+3. times (medians over repeats; CUPTI kernel time when available, else pipelined wall clock), rotating
+   over several routings so repeated calls do not re-read the same experts from L2:
+   - pallas: the whole `grouped_fp4_matmul(backend='pallas')` (schedule + kernel + row gather) and the
+     kernel alone;
+   - xla: `grouped_fp4_matmul(backend='xla')` (dequantize all experts + lax.ragged_dot), and
+     lax.ragged_dot alone on pre-dequantized bf16 weights;
+   - mgpu: jax's ragged_dot_mgpu on pre-dequantized bf16 weights (prefill and decode B=64 only);
+4. prints one table: time, effective bandwidth on the FP4 expert bytes touched (decode) or TFLOP/s
+   (prefill), and the percentage of the measured ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dsv41.quant import Fp4Weight  # noqa: E402
+from pallas_kernels import expert_gemm as eg  # noqa: E402
+
+T0 = time.time()
+INTERPRET = False  # --tiny: run the whole script logic on CPU through the interpreter
+ROWS: list[dict] = []
+FAILED: set = set()
+LOG: list[str] = []
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(f"[{time.time() - T0:6.1f}s] {s}", flush=True)
+    LOG.append(s)
+
+
+def label(cfg):
+    if cfg is None or isinstance(cfg, str):
+        return cfg or ""
+    return f"tm{cfg.tm} tk{cfg.tk} wg{cfg.num_wgs} st{cfg.stages}" + (" A-in-smem" if cfg.a_smem else "")
+
+
+def elapsed():
+    return time.time() - T0
+
+
+# ---------------------------------------------------------------------------------------------------
+# timing
+
+
+_CUPTI_OK = None
+
+
+def time_calls(fn, arg_sets, reps=5):
+    if INTERPRET:
+        reps = 1
+    """Median seconds per call of fn over `arg_sets` (rotated). Returns (cupti_s or None, wall_s)."""
+    global _CUPTI_OK
+    out = fn(*arg_sets[0])
+    jax.block_until_ready(out)
+    for a in arg_sets[1:]:
+        jax.block_until_ready(fn(*a))
+    walls = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for a in arg_sets:
+            out = fn(*a)
+            if INTERPRET:  # the interpreter is not re-entrant: no overlapping calls
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
+        walls.append((time.perf_counter() - t) / len(arg_sets))
+    cupti = None
+    if _CUPTI_OK is not False:
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            def run_all():
+                return [fn(*a) for a in arg_sets]
+
+            vals = []
+            for _ in range(reps):
+                _, ms = profiler.measure(run_all)()
+                vals.append(ms / 1e3 / len(arg_sets))
+            cupti = statistics.median(vals)
+            _CUPTI_OK = True
+        except Exception as ex:  # noqa: BLE001
+            if _CUPTI_OK is None:
+                log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
+            _CUPTI_OK = False
+    return cupti, statistics.median(walls)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ceilings
+
+
+def ceilings(quick: bool):
+    res = {}
+    try:
+        import torch
+
+        assert torch.cuda.is_available()
+        n = (1 << 31) // 4
+        x = torch.randn(n, device="cuda", dtype=torch.float32)
+        ts = []
+        for i in range(33):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            x.sum()
+            e.record()
+            e.synchronize()
+            if i >= 3:
+                ts.append(s.elapsed_time(e) / 1e3)
+        res["hbm_torch_sum_TBps"] = n * 4 / statistics.median(ts) / 1e12
+        del x
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        ts = []
+        for i in range(13):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            a @ b
+            e.record()
+            e.synchronize()
+            if i >= 3:
+                ts.append(s.elapsed_time(e) / 1e3)
+        res["mm_torch_TFLOPs"] = 2 * 8192**3 / statistics.median(ts) / 1e12
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception as ex:  # noqa: BLE001
+        log("torch ceilings failed:", type(ex).__name__, str(ex)[:200])
+    n = (1 << 31) // 4 if not quick else 1 << 20
+    x = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    _, w = time_calls(f, [(x,)], reps=10)
+    res["hbm_xla_sum_TBps"] = n * 4 / w / 1e12
+    del x
+    s = 8192 if not quick else 256
+    a = jax.random.normal(jax.random.key(2), (s, s), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(3), (s, s), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    c, w = time_calls(mm, [(a, b)], reps=10)
+    res["mm_xla_TFLOPs"] = 2 * s**3 / (c or w) / 1e12
+    del a, b
+    res["hbm_TBps"] = max(v for k, v in res.items() if k.startswith("hbm"))
+    res["mm_TFLOPs"] = max(v for k, v in res.items() if k.startswith("mm_"))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------
+# data
+
+
+def make_weight(key, e, n, k):
+    k1, k2 = jax.random.split(key)
+    packed = jax.random.bits(k1, (e, n, k // 2), jnp.uint8)
+    scale = jax.random.randint(k2, (e, n, k // 32), 117, 125).astype(jnp.uint8)
+    return Fp4Weight(packed, scale)
+
+
+def make_routings(key, tokens, e, topk, r, k):
+    """r routings: (x [M, K] bf16 sorted by expert, group_sizes [E], n_unique_experts)."""
+    out = []
+    for i in range(r):
+        kk = jax.random.fold_in(key, i)
+        k1, k2 = jax.random.split(kk)
+        sc = jax.random.uniform(k1, (tokens, e))
+        idx = jnp.argsort(-sc, axis=-1)[:, :topk].reshape(-1)
+        gs = jnp.bincount(idx, length=e).astype(jnp.int32)
+        m = tokens * topk
+        x = jax.random.normal(k2, (m, k), jnp.bfloat16)
+        out.append((x, gs, int(jnp.sum(gs > 0))))
+    return out
+
+
+def check(name, y, ref):
+    y = np.asarray(y.astype(jnp.float32))
+    ref = np.asarray(ref)
+    finite = bool(np.isfinite(y).all())
+    rel = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+    ok = finite and rel <= 5e-3
+    log(f"check {name}: rel_fro={rel:.2e} finite={finite} -> {'PASS' if ok else 'FAIL'}")
+    return ok, rel
+
+
+# ---------------------------------------------------------------------------------------------------
+# cases
+
+
+def kernel_only(x, pw, gs, cfg):
+    m = x.shape[0]
+    e = pw.weight.shape[0]
+    t_max = eg.max_tiles(m, e, cfg.tm)
+    te, tb, pos, valid = eg.tile_schedule(gs, m, cfg.tm, t_max)
+    call = eg._build_kernel(m, x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET)
+    return jax.jit(call), (te, tb)
+
+
+def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_mgpu):
+    topk = 6
+    rot = 1 if kind == "prefill" else args.rot
+    routs = make_routings(jax.random.key(hash((mat, tokens)) % 2**31), tokens, e, topk, rot, k)
+    m = tokens * topk
+    x0, gs0, _ = routs[0]
+    uniq = statistics.mean(u for _, _, u in routs)
+    fp4_bytes = uniq * n * (k // 2 + k // 32) + m * k * 2 + m * n * 2
+    flops = 2 * m * n * k
+    ref = jax.jit(eg.expert_gemm_reference)(x0, w, gs0)
+    ref = np.asarray(ref)
+
+    def add(path, cfg, t_cupti, t_wall, ok=None, rel=None, note=""):
+        t = t_cupti if t_cupti is not None else t_wall
+        row = dict(kind=kind, mat=mat, tokens=tokens, M=m, N=n, K=k, path=path, cfg=label(cfg),
+                   us=t * 1e6, wall_us=t_wall * 1e6, cupti_us=None if t_cupti is None else t_cupti * 1e6,
+                   TBps=fp4_bytes / t / 1e12, TFLOPs=flops / t / 1e12, ok=ok, rel=rel, note=note,
+                   uniq_experts=uniq)
+        row["pct_bw"] = 100 * row["TBps"] / ceil["hbm_TBps"]
+        row["pct_mm"] = 100 * row["TFLOPs"] / ceil["mm_TFLOPs"]
+        ROWS.append(row)
+        log(f"{kind} {mat} T={tokens} {path} [{row['cfg']}]: {row['us']:.1f} us  "
+            f"{row['TBps']:.2f} TB/s ({row['pct_bw']:.0f}% bw)  {row['TFLOPs']:.1f} TFLOP/s "
+            f"({row['pct_mm']:.0f}% mm) {note}")
+
+    sets = [(x, gs) for x, gs, _ in routs]
+    configs = list(configs)
+    for cfg in configs:
+        if str(cfg) in FAILED:
+            continue
+        if elapsed() > args.budget_s:
+            log("budget reached, skipping", kind, mat, cfg)
+            break
+        try:
+            t = time.time()
+            f = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="interpret" if INTERPRET else "pallas",
+                                          config=cfg))
+            y = f(x0, pw, gs0)
+            jax.block_until_ready(y)
+            ok, rel = check(f"{kind} {mat} T={tokens} {cfg}", y, ref)
+            log(f"  compile+first run {time.time() - t:.1f}s")
+            c, wt = time_calls(lambda x, g: f(x, pw, g), sets)
+            add("pallas", cfg, c, wt, ok, rel)
+            kf, _ = kernel_only(x0, pw, gs0, cfg)
+            ksets = []
+            for x, gs in sets:
+                _, (te, tb) = kernel_only(x, pw, gs, cfg)
+                ksets.append((te, tb, x, pw.weight, pw.scale_t))
+            c, wt = time_calls(kf, ksets)
+            add("pallas-kernel", cfg, c, wt, ok, rel)
+        except Exception as ex:  # noqa: BLE001
+            log(f"FAILED pallas {kind} {mat} {cfg}: {type(ex).__name__}: {str(ex)[:3000]}")
+            traceback.print_exc()
+            ROWS.append(dict(kind=kind, mat=mat, tokens=tokens, path="pallas", cfg=label(cfg), ok=False,
+                             note=f"{type(ex).__name__}: {str(ex)[:300]}"))
+            FAILED.add(str(cfg))
+            if not cfg.a_smem and dataclasses.replace(cfg, a_smem=True) not in configs:
+                configs.append(dataclasses.replace(cfg, a_smem=True))  # fall back: decoded tile via smem
+            if args.stop_on_fail and len(FAILED) >= 2:
+                log("two kernel variants failed: stopping (--stop-on-fail)")
+                dump(ceil, args)
+                sys.exit(2)
+    if args.skip_baselines or elapsed() > args.budget_s:
+        return
+    # XLA: the engine's current path (dequantize all experts every call + ragged_dot)
+    try:
+        fx = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="xla"))
+        ok, rel = check(f"{kind} {mat} T={tokens} xla", fx(x0, w, gs0), ref)
+        c, wt = time_calls(lambda x, g: fx(x, w, g), sets[:2], reps=3)
+        add("xla dequant+ragged_dot", None, c, wt, ok, rel)
+        fr = jax.jit(lambda x, wb, g: jax.lax.ragged_dot(x, wb, g, preferred_element_type=jnp.float32
+                                                         ).astype(jnp.bfloat16))
+        wkn = jnp.swapaxes(wbf16, 1, 2)
+        c, wt = time_calls(lambda x, g: fr(x, wkn, g), sets, reps=3)
+        add("xla ragged_dot(bf16 w)", None, c, wt, None, None, "weights pre-dequantized")
+        del wkn
+    except Exception as ex:  # noqa: BLE001
+        log(f"FAILED xla {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
+    if do_mgpu and elapsed() < args.budget_s:
+        try:
+            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
+            fm = jax.jit(functools.partial(rdm.ragged_dot, block_m=128 if kind == "prefill" else 64,
+                                           block_n=128, block_k=64, max_concurrent_steps=4,
+                                           grid_block_n=1, transpose_rhs=True))
+            t = time.time()
+            ym = fm(x0, wbf16, group_sizes=gs0)
+            jax.block_until_ready(ym)
+            log(f"  ragged_dot_mgpu compile+first run {time.time() - t:.1f}s")
+            ok, rel = check(f"{kind} {mat} T={tokens} ragged_dot_mgpu", ym, ref)
+            c, wt = time_calls(lambda x, g: fm(x, wbf16, group_sizes=g), sets, reps=3)
+            add("ragged_dot_mgpu(bf16 w)", None, c, wt, ok, rel, "weights pre-dequantized")
+        except Exception as ex:  # noqa: BLE001
+            log(f"FAILED ragged_dot_mgpu {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
+
+
+def dump(ceil, args):
+    print()
+    print(f"H200 ceilings measured in this run: HBM {ceil['hbm_TBps']:.2f} TB/s, bf16 matmul "
+          f"{ceil['mm_TFLOPs']:.0f} TFLOP/s  ({json.dumps({k: round(v, 2) for k, v in ceil.items()})})")
+    hdr = f"{'case':<22}{'path':<26}{'config':<34}{'us':>9}{'TB/s':>7}{'%bw':>5}{'TFLOP/s':>9}{'%mm':>5}  check"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in ROWS:
+        if "us" not in r:
+            print(f"{r['kind'] + ' ' + r['mat'] + ' T=' + str(r['tokens']):<22}{r['path']:<26}"
+                  f"{r['cfg']:<34}  FAILED {r.get('note', '')[:60]}")
+            continue
+        chk = "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL") + f" {r['rel']:.1e}"
+        print(f"{r['kind'] + ' ' + r['mat'] + ' T=' + str(r['tokens']):<22}{r['path']:<26}"
+              f"{r['cfg']:<34}{r['us']:>9.1f}{r['TBps']:>7.2f}{r['pct_bw']:>5.0f}"
+              f"{r['TFLOPs']:>9.1f}{r['pct_mm']:>5.0f}  {chk}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_expert_gemm.json"), "w") as fh:
+            json.dump(dict(ceilings=ceil, rows=ROWS, log=LOG, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                           device=str(jax.devices())), fh, indent=1, default=str)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=330)
+    ap.add_argument("--rot", type=int, default=6, help="routings rotated through when timing decode")
+    ap.add_argument("--decode-tokens", default="1,8,64")
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--variants", action="store_true", help="also time non-default configs")
+    ap.add_argument("--skip-baselines", action="store_true")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--stop-on-fail", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="CPU: whole script at toy shapes, interpreter")
+    args = ap.parse_args()
+    global INTERPRET
+    INTERPRET = args.tiny
+    log("jax", jax.__version__, jax.devices())
+    C = eg.KernelConfig
+    if args.cpu_smoke:
+        from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
+        e, shapes = 4, {"w13": (128, 128), "w2": (128, 128)}
+        x = jax.random.normal(jax.random.key(0), (12, 128), jnp.bfloat16)
+        w = make_weight(jax.random.key(1), e, 128, 128)
+        gs = jnp.array([5, 0, 4, 3], jnp.int32)
+        ref = eg.expert_gemm_reference(x, w, gs)
+        y = eg.grouped_fp4_matmul(x, w, gs, backend="interpret", config=C(tm=8, tk=64, num_wgs=1, stages=2))
+        ok, _ = check("cpu-smoke interpret", y, ref)
+        y = eg.grouped_fp4_matmul(x, w, gs, backend="xla")
+        ok2, _ = check("cpu-smoke xla", y, ref)
+        sys.exit(0 if ok and ok2 else 1)
+
+    ceil = ceilings(args.tiny)
+    log("ceilings", json.dumps({k: round(v, 3) for k, v in ceil.items()}))
+    e = 384
+    shapes = {"w13": (2304, 5120), "w2": (5120, 2304)}
+    if args.tiny:
+        e, shapes = 8, {"w13": (128, 256), "w2": (256, 128)}
+    weights = {}
+    for i, (mat, (n, k)) in enumerate(shapes.items()):
+        w = make_weight(jax.random.key(10 + i), e, n, k)
+        pw = eg.prepare_fp4_experts(w)
+        wbf16 = w.dequantize(jnp.bfloat16)  # [E, N, K]
+        jax.block_until_ready((pw, wbf16))
+        weights[mat] = (n, k, w, pw, wbf16)
+    log("weights ready")
+
+    dec_cfgs = [C(tm=8, tk=256, num_wgs=2, stages=4)]
+    pre_cfgs = [C(tm=128, tk=128, num_wgs=2, stages=4)]
+    dec_var = [C(tm=8, tk=256, num_wgs=1, stages=6), C(tm=16, tk=128, num_wgs=2, stages=6),
+               C(tm=8, tk=128, num_wgs=2, stages=8), C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True)]
+    pre_var = [C(tm=64, tk=128, num_wgs=2, stages=5), C(tm=128, tk=64, num_wgs=2, stages=6),
+               C(tm=192, tk=64, num_wgs=2, stages=5), C(tm=128, tk=128, num_wgs=2, stages=3, a_smem=True)]
+    if args.tiny:
+        dec_cfgs, pre_cfgs = [C(tm=8, tk=64, num_wgs=1, stages=2)], [C(tm=16, tk=64, num_wgs=2, stages=2)]
+        dec_var, pre_var = [C(tm=8, tk=64, num_wgs=2, stages=2)], [C(tm=8, tk=64, num_wgs=1, stages=2)]
+    dec = [int(t) for t in args.decode_tokens.split(",") if t]
+    # priority order (the budget cuts the tail): largest decode, prefill, the other decodes, then variants
+    cases = [("decode", max(dec))] + ([] if args.skip_prefill else [("prefill", args.prefill_tokens)])
+    cases += [("decode", t) for t in sorted(dec) if t != max(dec)]
+    for kind, tokens in cases:
+        for mat, (n, k, w, pw, wbf16) in weights.items():
+            if elapsed() > args.budget_s:
+                log("budget reached, skipping", kind, tokens, mat)
+                continue
+            run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, dec_cfgs if kind == "decode" else pre_cfgs,
+                     ceil, args, do_mgpu=(kind == "prefill" or tokens == max(dec)))
+    if args.variants:
+        vcases = [("decode", max(dec), "w13"), ("decode", min(dec), "w13"), ("decode", max(dec), "w2")]
+        if not args.skip_prefill:
+            vcases.insert(1, ("prefill", args.prefill_tokens, "w13"))
+        for kind, tokens, mat in vcases:
+            n, k, w, pw, wbf16 = weights[mat]
+            if elapsed() > args.budget_s:
+                log("budget reached, skipping variants", kind, tokens, mat)
+                continue
+            run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, dec_var if kind == "decode" else pre_var,
+                     ceil, argparse.Namespace(**{**vars(args), "skip_baselines": True}), do_mgpu=False)
+    dump(ceil, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Checkpoint load speed: release-format load and orbax save/restore, against the disk's raw read rate.
+
+    python scripts/bench_load.py                       # preset 'bench' (~20 GB on disk), on the GPU machine
+    python scripts/bench_load.py --layers 4            # fewer layers (and less disk)
+    python scripts/bench_load.py --preset tiny         # CPU smoke test
+
+Writes a checkpoint of random bytes in the stored formats (values do not matter for loading, and random bytes
+are ~100x faster to make than init_params), evicts it from the page cache (fsync + POSIX_FADV_DONTNEED, no root
+needed), measures a raw parallel sequential read of the shard files, then times cold and warm `load_checkpoint`
+and orbax save / cold restore. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import gc
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv41 import checkpoint as ckpt  # noqa: E402
+from dsv41 import quant  # noqa: E402
+from dsv41.config import ModelConfig, preset  # noqa: E402
+from dsv41.params import Params, abstract_params, is_weight_leaf  # noqa: E402
+
+log = logging.getLogger("bench_load")
+
+
+def reduce_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The first n layers of cfg as a valid config (sources, candidate and Engram layers past n dropped)."""
+    if n >= cfg.n_layers:
+        return cfg
+    keep = lambda xs: tuple(x for x in xs if x < n)  # noqa: E731
+    engram = [(lay, rows) for lay, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if lay < n]
+    return cfg.replace(
+        n_layers=n, compress_ratios=cfg.compress_ratios[:n], kv_source_layers=keep(cfg.kv_source_layers),
+        index_source_layers=keep(cfg.index_source_layers),
+        candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
+        engram_layer_ids=tuple(lay for lay, _ in engram), engram_num_embeddings=tuple(r for _, r in engram))
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> Params:
+    """Host numpy arrays of random bytes with the stored-precision tree's shapes and dtypes."""
+    rng = np.random.default_rng(seed)
+
+    def fill(s):
+        n = math.prod(s.shape) * np.dtype(s.dtype).itemsize
+        return np.frombuffer(rng.bytes(n), np.uint8).view(np.dtype(s.dtype)).reshape(s.shape)
+
+    return jax.tree_util.tree_map(fill, abstract_params(cfg))
+
+
+def files_under(path: str, suffix: str = "") -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(suffix))
+
+
+def evict(paths: list[str]) -> None:
+    """Drops the files' clean pages from the page cache (dirty pages are flushed first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(paths: list[str], threads: int, block: int = 64 << 20) -> tuple[int, float]:
+    """Reads every file start to end in `block` chunks, `threads` files at a time -> (bytes, seconds)."""
+    def one(p):
+        buf = bytearray(max(1, min(block, os.path.getsize(p))))
+        n = 0
+        with open(p, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+        return n
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(one, paths))
+    return total, time.perf_counter() - t0
+
+
+def device_bytes(params: Params) -> tuple[int, int]:
+    """(bytes on devices, bytes of host Engram tables)."""
+    dev = host = 0
+    for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_weight_leaf):
+        arrays = [leaf.weight, leaf.scale] if is_weight_leaf(leaf) else [leaf]
+        n = sum(a.size * np.dtype(a.dtype).itemsize for a in arrays)
+        if isinstance(leaf, quant.Fp8Rows):
+            host += n
+        else:
+            dev += n
+    return dev, host
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench", help="config preset (default: bench)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=8, help="load_checkpoint threads")
+    ap.add_argument("--read-threads", type=int, default=8, help="threads of the raw read")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated load_checkpoint read modes to time, of {list(ckpt.READ_MODES)} "
+                         "(default: the loader's default for this backend)")
+    ap.add_argument("--no-orbax", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the written files")
+    ap.add_argument("--reuse", action="store_true", help="reuse a release checkpoint already in --dir")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step at INFO
+
+    cfg = preset(args.preset)
+    if args.layers:
+        cfg = reduce_layers(cfg, args.layers)
+    root = args.dir or tempfile.mkdtemp(prefix="dsv41_bench_")
+    release, orbax_dir = os.path.join(root, "release"), os.path.join(root, "orbax")
+    log.info("devices: %s; writing under %s", jax.devices(), root)
+    rows: list[tuple[str, float, float]] = []
+    try:
+        if not (args.reuse and os.path.exists(os.path.join(release, ckpt.INDEX_NAME))):
+            t0 = time.perf_counter()
+            params = random_params(cfg)
+            log.info("random params: %.1f s", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ckpt.save_checkpoint(params, cfg, release, n_shards=args.shards, fsync=True)
+            size = sum(os.path.getsize(p) for p in files_under(release, ".safetensors"))
+            rows.append(("write release (fsync)", size, time.perf_counter() - t0))
+            del params
+            gc.collect()
+
+        shards = files_under(release, ".safetensors")
+        evict(shards)
+        n, dt = raw_read(shards, args.read_threads)
+        raw_rate = n / dt
+        rows.append((f"raw read, cold, {args.read_threads} threads", n, dt))
+        evict(shards)
+        n1, dt1 = raw_read(shards, 1)
+        rows.append(("raw read, cold, 1 thread", n1, dt1))
+        n2, dt2 = raw_read(shards, args.read_threads)
+        rows.append((f"raw read, page cache, {args.read_threads} threads", n2, dt2))
+
+        # the first transfers of a process set up the runtime's copy machinery (~2 s on an H200): keep that out
+        jax.device_put(np.zeros(64 << 20, np.uint8)).block_until_ready()
+        loaded = None
+        modes = args.modes.split(",") if args.modes else ["mmap"]
+        for mode in modes:
+            for label, cold in (("cold", True), ("page cache", False)):
+                loaded = None
+                gc.collect()
+                if cold:
+                    evict(shards)
+                t0 = time.perf_counter()
+                _, loaded = ckpt.load_checkpoint(release, workers=args.workers, progress=False, read_mode=mode)
+                jax.block_until_ready(loaded)
+                dt = time.perf_counter() - t0
+                dev, host = device_bytes(loaded)
+                rows.append((f"load {mode} x{args.workers}, {label} (+{host / 1e9:.1f} GB mapped)", dev,
+                             dt))
+
+        if not args.no_orbax:
+            t0 = time.perf_counter()
+            ckpt.save_orbax(loaded, cfg, orbax_dir)
+            dev, host = device_bytes(loaded)
+            rows.append(("orbax save (+ tables as .npy)", dev + host, time.perf_counter() - t0))
+            loaded = None
+            gc.collect()
+            evict(files_under(orbax_dir))
+            t0 = time.perf_counter()
+            _, restored = ckpt.load_orbax(orbax_dir)
+            jax.block_until_ready(restored)
+            rows.append(("orbax restore, cold", device_bytes(restored)[0], time.perf_counter() - t0))
+            del restored
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\n{args.preset} preset, {cfg.n_layers} layers, {cfg.n_routed_experts} experts, "
+          f"device {jax.devices()[0].device_kind}")
+    print(f"| {'what':<52} | {'GB':>7} | {'s':>7} | {'GB/s':>6} | {'x raw':>5} |")
+    print(f"|{'-' * 54}|{'-' * 9}|{'-' * 9}|{'-' * 8}|{'-' * 7}|")
+    for what, nbytes, secs in rows:
+        rate = nbytes / max(secs, 1e-9)
+        print(f"| {what:<52} | {nbytes / 1e9:7.2f} | {secs:7.2f} | {rate / 1e9:6.2f} | {rate / raw_rate:5.2f} |")
+
+
+if __name__ == "__main__":
+    main()

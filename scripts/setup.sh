@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.12, from .python-version) in the repo root and installs dsv41 with its test extras.
+# --test also builds .venv-ref, the Python 3.11 PyTorch reference the equivalence tests compare against.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ ! -x .venv/bin/python ]; then
+  py=$(command -v python3.12 || true)
+  [ -n "$py" ] || { echo "python3.12 not found: install Python 3.12 (pyenv install 3.12) and retry" >&2; exit 1; }
+  "$py" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import dsv41, jax; assert jax.__version__ == '0.11.2', jax.__version__" \
+  || { echo "dsv41 did not install into .venv" >&2; exit 1; }
+if [ "${1:-}" = "--test" ]; then
+  bash scripts/setup_reference_env.sh
+fi

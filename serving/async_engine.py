@@ -1,0 +1,444 @@
+"""The synchronous `Engine` on a thread of its own, behind an asyncio-facing API.
+
+The engine is single-threaded: only the engine thread here ever calls it. The asyncio side talks to that thread
+through one command queue (add / abort / stats / stop); the engine thread hands each step's outputs back to the
+event loop in one `call_soon_threadsafe` per step, where they are routed to per-request `RequestStream`s.
+
+    aeng = AsyncEngine(engine)
+    aeng.start()                                   # from inside the running event loop
+    async with await aeng.add(rid, prompt_ids, sampling, session) as stream:
+        async for out in stream: ...               # StepOutput, the last one has finished=True
+    # leaving the block early (client gone, stop string, cancellation) aborts the request: its pages free at once
+
+Failure isolation: a request the engine refuses (EngineError, QueueFull) raises in its own `add` only. A step
+that raises is logged with its traceback and fails the request the exception names (a `request_id` attribute)
+or, when it names none, every request in flight (each stream raises `EngineStepError`); the loop goes on serving
+new requests, and `healthy` is False until a step succeeds or the engine is idle again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+from serving.engine.engine import EngineError, QueueFull, SamplingParams, StepOutput
+
+__all__ = ["AsyncEngine", "RequestStream", "EngineError", "QueueFull", "EngineStepError", "EngineDead",
+           "SamplingParams"]
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised while this request was in flight; the request was dropped."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is not running (never started, stopped, or crashed); no request can be served."""
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Any
+    session: str | None
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _Stats:
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Call:
+    """Runs fn(engine) on the engine thread (tests, admin)."""
+    fn: Callable[[Any], Any]
+    done: concurrent.futures.Future
+
+
+_STOP = object()
+
+
+def _settle(fut: concurrent.futures.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Sets a future that the waiting side may have cancelled meanwhile."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterate with `async for`. Aborts the request when closed early."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str, num_prompt_tokens: int, arrival: float) -> None:
+        self.request_id = request_id
+        self.arrival = arrival  # time.monotonic() when the request reached the server
+        self.num_prompt_tokens = num_prompt_tokens
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_generated = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    # ---- consumer side ----
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return item
+
+    def abort(self, reason: str = "abort") -> None:
+        """Stops generation now (no-op once finished); pages are freed by the engine thread's next command.
+        reason: the finish reason counted in the metrics ("stop" when a stop string ended it)."""
+        if not self.finished:
+            self.finished = True
+            self.finish_reason = reason
+            self._owner._abort(self.request_id)
+            if self._owner.metrics is not None:
+                self._owner.metrics.requests_finished.inc(labels={"finish_reason": reason})
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+    # ---- event-loop side (AsyncEngine._deliver) ----
+
+    def _push(self, out: StepOutput, now: float) -> None:
+        n = len(out.new_token_ids)
+        m = self._owner.metrics
+        if n:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                if m is not None:
+                    m.ttft.observe(now - self.arrival)
+                    if n > 1:
+                        m.itl.observe(0.0, count=n - 1)
+            elif m is not None:
+                m.itl.observe((now - self.last_token_time) / n, count=n)
+            self.last_token_time = now
+            self.num_generated += n
+            if m is not None:
+                m.generation_tokens.inc(n)
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+            if m is not None:
+                m.requests_finished.inc(labels={"finish_reason": str(out.finish_reason)})
+                m.e2e.observe(now - self.arrival)
+                m.output_len.observe(self.num_generated)
+        self._queue.put_nowait(out)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.finished:
+            if self._owner.metrics is not None:
+                self._owner.metrics.requests_finished.inc(labels={"finish_reason": "error"})
+            self._queue.put_nowait(exc)
+
+
+class AsyncEngine:
+    """Owns the engine thread. Construct anywhere; `start()` from inside the event loop that will consume it."""
+
+    def __init__(self, engine: Any, *, metrics: ServingMetrics | None = None,
+                 stats_interval_s: float = 0.25) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = int(engine.max_model_len)
+        self.healthy = True
+        self.last_stats: dict[str, Any] = {}
+        self._stats_interval = stats_interval_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # event-loop side: request id -> stream
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._crashed: BaseException | None = None
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() called twice; one AsyncEngine runs one engine thread")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="dsv41-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops the engine thread after its current step; requests still in flight are aborted."""
+        if self._thread is None:
+            return
+        for rid in list(self._streams):
+            self._commands.put(_Abort(rid))
+        self._commands.put(_STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop within %.0f s (a step still running?); leaving it as a daemon",
+                      timeout_s)
+        for stream in list(self._streams.values()):
+            stream._fail(EngineDead("the server is shutting down; retry on another replica"))
+        self._streams.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ----
+
+    async def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                  session: str | None = None, *, arrival: float | None = None) -> RequestStream:
+        """Queues a request; returns its stream once the engine has accepted it.
+
+        Raises what `Engine.add_request` raises (EngineError, QueueFull) or EngineDead; never affects others.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise EngineError(f"request id {request_id!r} is already in flight; use a unique id per request")
+        stream = RequestStream(self, request_id, len(prompt_ids), time.monotonic() if arrival is None else arrival)
+        self._streams[request_id] = stream  # before the engine sees it, so no output can arrive unrouted
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, list(prompt_ids), sampling, session, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The caller went away while we waited; the engine may still accept it, so abort behind the add.
+            self._streams.pop(request_id, None)
+            self._commands.put(_Abort(request_id))
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       session: str | None = None) -> AsyncIterator[StepOutput]:
+        """Async iterator of the request's StepOutputs. Closing it early (or cancelling its consumer) aborts the
+        request. Refusals (EngineError, QueueFull) raise at the first iteration."""
+        stream = await self.add(request_id, prompt_ids, sampling, session)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+        else:
+            self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._commands.put(_Abort(request_id))
+
+    async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Fresh `Engine.stats()` from the engine thread (waits for a step in progress); the last snapshot if the
+        engine thread is gone or busier than `timeout_s`."""
+        if not self.alive:
+            return dict(self.last_stats)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Stats(done))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("engine stats took over %.1f s (long step?); serving the last snapshot", timeout_s)
+            return dict(self.last_stats)
+
+    def call_in_engine_thread(self, fn: Callable[[Any], Any], timeout_s: float = 30.0) -> Any:
+        """Runs fn(engine) on the engine thread and returns its result; for threads other than the event loop's
+        (tests, tools). Blocks the calling thread."""
+        self._check_alive()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return done.result(timeout_s)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _check_alive(self) -> None:
+        if self._thread is None:
+            raise EngineDead("AsyncEngine.start() was not called")
+        if not self._thread.is_alive():
+            raise EngineDead(f"the engine thread has stopped ({self._crashed!r}); restart the server")
+
+    # ---- event-loop side of the engine thread's callbacks ----
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            try:
+                stream._push(out, now)
+            except Exception:  # a broken consumer must not stop the routing of the others
+                log.exception("delivering an output of request %s failed; aborting it", out.request_id)
+                stream._fail(EngineStepError(f"internal error while delivering request {out.request_id}"))
+                self._abort(out.request_id)
+                continue
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+
+    def _fail_requests(self, request_ids: list[str], exc_factory: Callable[[str], BaseException]) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._fail(exc_factory(rid))
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            return False
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        active: set[str] = set()  # engine-thread view: accepted and not yet finished / aborted
+        last_stats = 0.0
+        failures = 0
+        try:
+            while True:
+                has_work = self.engine.has_work()
+                if not self._drain(active, block=not has_work):
+                    break
+                if not self.engine.has_work():
+                    self.healthy = True  # idle again: whatever failed was cleaned up
+                    if time.monotonic() - last_stats > self._stats_interval:
+                        last_stats = self._refresh_stats()
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    failures += 1
+                    self._on_step_failure(e, active, failures)
+                    continue
+                failures = 0
+                self.healthy = True
+                if self.metrics is not None:
+                    self.metrics.step_time.observe(time.perf_counter() - t0)
+                if outputs:
+                    for out in outputs:
+                        if out.finished:
+                            active.discard(out.request_id)
+                    if not self._post(self._deliver, outputs):
+                        log.info("event loop closed; engine thread exits")
+                        break
+                if time.monotonic() - last_stats > self._stats_interval:
+                    last_stats = self._refresh_stats()
+        except BaseException as e:  # a bug in this loop or in has_work/stats: nothing more can be served
+            self._crashed = e
+            self.healthy = False
+            log.exception("engine thread crashed; failing %d request(s) in flight", len(active))
+            self._post(self._fail_requests, list(active),
+                       lambda rid: EngineDead(f"the engine thread crashed ({e!r}); see the server log"))
+            self._reject_pending(EngineDead(f"the engine thread crashed ({e!r})"))
+        else:
+            self._reject_pending(EngineDead("the engine thread stopped"))
+
+    def _drain(self, active: set[str], *, block: bool) -> bool:
+        """Runs queued commands; False on stop. Blocks for the first one when the engine is idle."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=self._stats_interval) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is _STOP:
+                for rid in list(active):
+                    self._engine_abort(rid)
+                return False
+            if isinstance(cmd, _Add):
+                if cmd.done.cancelled():
+                    continue
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling, session=cmd.session)
+                except Exception as e:  # EngineError / QueueFull / anything: that request's problem only
+                    _settle(cmd.done, exc=e)
+                else:
+                    active.add(cmd.request_id)
+                    _settle(cmd.done, True)
+            elif isinstance(cmd, _Abort):
+                if cmd.request_id in active:
+                    active.discard(cmd.request_id)
+                    self._engine_abort(cmd.request_id)
+            elif isinstance(cmd, _Stats):
+                try:
+                    self.last_stats = self.engine.stats()
+                    _settle(cmd.done, dict(self.last_stats))
+                except Exception as e:
+                    _settle(cmd.done, exc=e)
+            elif isinstance(cmd, _Call):
+                try:
+                    _settle(cmd.done, cmd.fn(self.engine))
+                except Exception as e:
+                    _settle(cmd.done, exc=e)
+
+    def _refresh_stats(self) -> float:
+        try:
+            self.last_stats = self.engine.stats()
+        except Exception:
+            log.exception("engine.stats() raised; /metrics keeps the last snapshot")
+        return time.monotonic()
+
+    def _engine_abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("engine.abort(%r) raised; its pages may not have been freed", request_id)
+
+    def _on_step_failure(self, exc: Exception, active: set[str], failures: int) -> None:
+        """An exception that names its request (a `request_id` attribute) fails that request only; any other
+        fails every request in flight, since the engine state they share may be inconsistent."""
+        self.healthy = False
+        if self.metrics is not None:
+            self.metrics.step_failures.inc()
+        culprit = getattr(exc, "request_id", None)
+        failed = [culprit] if isinstance(culprit, str) and culprit in active else sorted(active)
+        log.exception("engine step raised; failing %d request(s): %s", len(failed), failed[:16])
+        for rid in failed:
+            self._engine_abort(rid)
+            active.discard(rid)
+        self._post(self._fail_requests, failed,
+                   lambda rid: EngineStepError(f"the engine step failed while request {rid} was in flight "
+                                               f"({type(exc).__name__}: {exc}); retry the request"))
+        if failures > 1:
+            time.sleep(min(0.05 * 2 ** min(failures, 6), 2.0))  # a step that keeps failing: do not spin
+
+    def _reject_pending(self, exc: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, (_Add, _Stats, _Call)):
+                _settle(cmd.done, exc=exc)

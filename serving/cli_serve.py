@@ -1,0 +1,223 @@
+"""`dsv41 serve` and `dsv41 bench serve`: argument definitions and entry points (flags named as vLLM names them).
+
+    dsv41 serve --preset tiny --port 8000
+    dsv41 serve --checkpoint /ckpt/flash --max-model-len 131072 --max-num-seqs 64
+    dsv41 bench serve --port 8000 --max-concurrency 1,4,16 --num-turns 4 --result-dir out/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRESET = "tiny"
+
+
+def _ensure_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---- serve ---------------------------------------------------------------------------------------------------
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("model")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="checkpoint directory (the release's format); default: --preset")
+    src.add_argument("--preset", help="built-in config with random weights: tiny (default), bench, flash")
+    g.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint directory's "
+                                               "name or the preset name)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the engine's)")
+    g.add_argument("--max-num-seqs", type=int, help="most requests in one running batch")
+    g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false", default=None,
+                   help="replay the whole prefix on a prefix-cache hit instead of the bounded SWA window")
+    g.add_argument("--attention-backend", help="attention implementation (e.g. pallas or xla; default: the "
+                                               "engine's choice for the device)")
+    g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
+    g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
+                   help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep full KV pages of finished requests for later prompts with the same prefix "
+                        "(default: the engine's)")
+    g.add_argument("--max-waiting", type=int, help="waiting-queue bound; beyond it requests get 503 + Retry-After")
+    g.add_argument("--seed", type=int, help="seed of the random weights of --preset")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000)
+    return parser
+
+
+# Engine keyword argument -> the flag that sets it.
+_ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
+                 "max_num_batched_tokens": "--max-num-batched-tokens",
+                 "swa_bounded_replay": "--no-swa-bounded-replay", "attention_backend": "--attention-backend",
+                 "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
+                 "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting"}
+
+
+def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:
+    """The engine flags that were given, as Engine keyword arguments (unset ones keep the engine's defaults).
+    accepted: the keyword names the engine takes; a given flag outside them is an error that names it."""
+    kw = {n: getattr(args, n) for n in _ENGINE_FLAGS if getattr(args, n, None) is not None}
+    for n, v in kw.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise SystemExit(f"{_ENGINE_FLAGS[n]} {v}: give a positive integer")
+    if accepted is not None:
+        unknown = sorted(n for n in kw if n not in accepted)
+        if unknown:
+            raise SystemExit(f"{', '.join(_ENGINE_FLAGS[n] for n in unknown)}: not supported by this engine build "
+                             f"(Engine takes {sorted(accepted & set(_ENGINE_FLAGS))}); leave the flag out")
+    return kw
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    import inspect
+
+    from serving.engine.engine import Engine
+
+    kw = engine_kwargs(args, set(inspect.signature(Engine.__init__).parameters))
+    if args.checkpoint:
+        if not os.path.isdir(args.checkpoint):
+            raise SystemExit(f"--checkpoint {args.checkpoint}: not a directory; give the checkpoint's folder")
+        log.info("loading checkpoint %s (%s)", args.checkpoint, kw)
+        return Engine.from_checkpoint(args.checkpoint, **kw)
+    if args.seed is not None:
+        kw["seed"] = args.seed
+    log.info("building preset %r with random weights (%s)", args.preset or DEFAULT_PRESET, kw)
+    return Engine.from_preset(args.preset or DEFAULT_PRESET, **kw)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.checkpoint:
+        return os.path.basename(os.path.normpath(args.checkpoint))
+    return args.preset or DEFAULT_PRESET
+
+
+async def _serve_forever(engine: Any, args: argparse.Namespace) -> None:
+    from serving.api import create_app, serve
+    from serving.async_engine import AsyncEngine
+    from serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics()
+    app = create_app(AsyncEngine(engine, metrics=metrics), model_name=served_model_name(args), metrics=metrics)
+    runner = await serve(app, args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread / not supported here
+            pass
+    log.info("listening on http://%s:%d (model %r, max_model_len %d)", args.host, args.port,
+             served_model_name(args), engine.max_model_len)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await runner.cleanup()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _ensure_logging()
+    engine = build_engine(args)
+    try:
+        asyncio.run(_serve_forever(engine, args))
+    except OSError as e:
+        log.error("could not listen on %s:%d (%s); pick another --port or stop what holds it", args.host,
+                  args.port, e)
+        return 1
+    return 0
+
+
+# ---- bench serve ------------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 1,4,16") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more integers >= 1")
+    return vals
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated numbers, e.g. 50,90,99") from None
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("server")
+    g.add_argument("--base-url", help="server URL (default: http://HOST:PORT)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--model", help="model id (default: the first of GET /v1/models)")
+    g = parser.add_argument_group("load")
+    g.add_argument("--max-concurrency", type=_int_list, default=(4,),
+                   help="requests in flight; a comma list runs one level each (default 4)")
+    g.add_argument("--num-sessions", type=int, help="sessions per level (default: the level's concurrency)")
+    g.add_argument("--num-turns", type=int, default=4, help="turns per session")
+    g.add_argument("--think-time", type=float, default=1.0, help="mean seconds between a session's turns (0: none)")
+    g.add_argument("--shared-prefix-len", type=int, default=256, help="words of the system prompt all share")
+    g.add_argument("--input-len", type=int, default=128, help="words of a session's first user message")
+    g.add_argument("--turn-input-len", type=int, default=32, help="words of each later user message")
+    g.add_argument("--output-len", type=int, default=32, help="max_tokens per turn")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate --output-len tokens every turn (default on)")
+    g.add_argument("--thinking", action="store_true", help="send chat_template_kwargs.thinking=true")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g = parser.add_argument_group("report")
+    g.add_argument("--metric-percentiles", type=_float_list, default=(50.0, 90.0, 99.0),
+                   help="comma list of percentiles to report (default 50,90,99)")
+    g.add_argument("--result-dir", help="write bench_serve.json and the PNG plots here")
+    return parser
+
+
+def bench_config(args: argparse.Namespace) -> Any:
+    from serving.bench import BenchConfig
+
+    return BenchConfig(
+        base_url=args.base_url or f"http://{args.host}:{args.port}", model=args.model,
+        max_concurrency=tuple(args.max_concurrency), num_sessions=args.num_sessions, num_turns=args.num_turns,
+        think_time_s=args.think_time, shared_prefix_len=args.shared_prefix_len, first_input_len=args.input_len,
+        turn_input_len=args.turn_input_len, output_len=args.output_len, ignore_eos=args.ignore_eos,
+        thinking=args.thinking, temperature=args.temperature, seed=args.seed,
+        request_timeout_s=args.request_timeout, percentiles=tuple(args.metric_percentiles),
+        result_dir=args.result_dir)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Exit status 0 when every request succeeded, 1 otherwise."""
+    _ensure_logging()
+    from serving.bench import run_bench as run
+
+    try:
+        cfg = bench_config(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    try:
+        report = asyncio.run(run(cfg))
+    except (OSError, RuntimeError) as e:
+        log.error("bench failed: %s", e)
+        return 1
+    failed = sum(level["requests_failed"] for level in report["levels"])
+    if failed:
+        log.error("%d request(s) failed; see the warnings above", failed)
+    return 1 if failed else 0

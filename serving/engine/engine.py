@@ -1,0 +1,515 @@
+"""The engine: requests in, tokens out, over the paged KV pool.
+
+One `step()` runs at most one prefill chunk (chunked prefill, FCFS) and one decode step over every running
+sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and the split layer's KV writes on
+every token (`run_encoder`, chunk by chunk), then the rest on its last `window` tokens (`run_decoder`). A prefix
+cache keeps full pages of global KV; on a hit the encoder re-runs [H - window, H) to rebuild its SWA rings
+without rewriting the cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import model, quant
+from dsv41.config import ModelConfig
+from dsv41.quant import Numerics
+from serving.engine import kv_pool, programs
+from serving.engine.kv_pool import PoolLayout
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take (bad ids, too long, bad sampling values)."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full: retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise EngineError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise EngineError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise EngineError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclasses.dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclasses.dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    session: str | None
+    arrival: float
+    output: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the pool
+    prefill_len: int = 0  # tokens the current prefill covers: the prompt, or everything after a preemption
+    start: int = 0  # first position of the prompt this prefill runs (replay start on a prefix hit)
+    write_lo: int = 0  # global KV below this position is cached
+    cached: int = 0
+    history: np.ndarray | None = None
+    tail: tuple | None = None  # (stream, pre) of the last `window` encoder rows, replay mode
+    steps: int = 0
+    replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
+    logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prefill_len
+
+
+def _bucket(n: int, lo: int = 1) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class PrefixCache:
+    """Full pages of global KV keyed by a chained hash of their tokens; reference counted, LRU-evicted."""
+
+    def __init__(self, page_tokens: int):
+        self.page_tokens = page_tokens
+        self.by_key: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.refs: collections.Counter = collections.Counter()
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    def keys(self, tokens: list[int]) -> list[bytes]:
+        out, h = [], b""
+        P = self.page_tokens
+        for i in range(len(tokens) // P):
+            h = hashlib.blake2b(h + np.asarray(tokens[i * P:(i + 1) * P], np.int32).tobytes(), digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def match(self, tokens: list[int]) -> list[int]:
+        pages = []
+        for k in self.keys(tokens):
+            p = self.by_key.get(k)
+            if p is None:
+                break
+            pages.append(p)
+        return pages
+
+    def acquire(self, page: int) -> None:
+        self.refs[page] += 1
+        self.evictable.pop(page, None)
+
+    def release(self, page: int) -> bool:
+        """-> True when the page is cached (kept, evictable) rather than free."""
+        self.refs[page] -= 1
+        if self.refs[page] <= 0:
+            del self.refs[page]
+            if page in self.key_of:
+                self.evictable[page] = None
+                return True
+            return False
+        return True
+
+    def insert(self, key: bytes, page: int) -> None:
+        if key in self.by_key or page in self.key_of:
+            return
+        self.by_key[key] = page
+        self.key_of[page] = key
+
+    def evict(self) -> int | None:
+        if not self.evictable:
+            return None
+        page, _ = self.evictable.popitem(last=False)
+        del self.by_key[self.key_of.pop(page)]
+        return page
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, *, max_num_seqs: int = 8,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 512, page_tokens: int = 64,
+                 num_pages: int | None = None, swa_bounded_replay: bool = True,
+                 enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
+                 numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
+                 min_ctx_pages: int = 1):
+        self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
+        self.params, self.tables = model.strip_tables(params)
+        self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        self.replay = swa_bounded_replay and cfg.split_layer >= 0
+        if max_num_batched_tokens < cfg.window_size:
+            raise EngineError(f"max_num_batched_tokens must be >= the window ({cfg.window_size})")
+        if page_tokens % 2:
+            raise EngineError("page_tokens must be even (ratio-2 groups may not straddle pages)")
+        self.chunk = max_num_batched_tokens
+        pages_per_seq = -(-self.max_model_len // page_tokens)
+        # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, block tables to a power of
+        # two >= min_ctx_pages; fewer buckets mean fewer compiles, bigger ones more padding
+        self.max_pages_per_seq = pages_per_seq
+        self.min_prefill_bucket, self.min_ctx_pages = min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
+        num_pages = num_pages or max_num_seqs * pages_per_seq
+        self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs)
+        self.pool = kv_pool.allocate(cfg, self.layout)
+        self.free_pages = collections.deque(range(num_pages))
+        self.free_slots = collections.deque(range(max_num_seqs))
+        self.prefix = PrefixCache(page_tokens) if (self.replay if enable_prefix_caching is None
+                                                   else enable_prefix_caching) else None
+        self.waiting: collections.deque[_Request] = collections.deque()
+        self.running: dict[str, _Request] = {}
+        self.max_waiting = max_waiting
+        self.eos = getattr(tokenizer, "eos_id", cfg.eos_token_id)
+        self.counters = collections.Counter()
+        self.keep_logits = keep_logits  # tests and the replay study read the logits behind each token
+        self.finished_logits: dict[str, list] = {}
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_preset(cls, name: str = "tiny", seed: int = 0, **kw) -> "Engine":
+        from dsv41 import params as P
+        from dsv41 import tokenizer as T
+        from dsv41.config import preset
+
+        cfg = preset(name)
+        return cls(cfg, P.init_params(cfg, seed), T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
+
+    @classmethod
+    def from_checkpoint(cls, path: str, **kw) -> "Engine":
+        from dsv41 import checkpoint, ngram_hash
+        from dsv41 import tokenizer as T
+
+        cfg, params = checkpoint.load_checkpoint(path)
+        tok = T.load_tokenizer(path)
+        hasher = ngram_hash.NgramHasher(cfg, T.build_compressed_token_map(tok)[0]) if cfg.engram_layer_ids else None
+        return cls(cfg, params, tok, hasher, **kw)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids, sampling: SamplingParams = SamplingParams(),
+                    session: str | None = None, replay_at: int = 0) -> None:
+        """Queues a request. `replay_at` (tests, studies): compute as a prefix-cache hit of that many tokens
+        would, without the cache: the global KV of [0, replay_at) is computed here, then the encoder's SWA
+        is rebuilt from replay_at - window exactly as after a hit."""
+        sampling.validate()
+        ids = list(map(int, prompt_ids))
+        if not ids:
+            raise EngineError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(f"prompt of {len(ids)} tokens leaves no room within max_model_len={self.max_model_len}")
+        if request_id in self.running or any(r.id == request_id for r in self.waiting):
+            raise EngineError(f"request id {request_id!r} is already in use")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max {self.max_waiting})")
+        if replay_at and not (self.replay and 0 < replay_at < len(ids)):
+            raise EngineError(f"replay_at={replay_at} needs bounded replay and 0 < replay_at < {len(ids)}")
+        self.waiting.append(_Request(request_id, ids, sampling, session, time.monotonic(), prefill_len=len(ids),
+                                     replay_at=replay_at))
+
+    def abort(self, request_id: str) -> None:
+        for r in list(self.waiting):
+            if r.id == request_id:
+                self.waiting.remove(r)
+                return
+        r = self.running.pop(request_id, None)
+        if r is not None:
+            self._free(r, keep=False)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict[str, Any]:
+        used = self.layout.num_pages - len(self.free_pages) - (len(self.prefix.evictable) if self.prefix else 0)
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_pages_used": used,
+            "kv_pages_total": self.layout.num_pages,
+            "kv_page_tokens": self.layout.page_tokens,
+            "prefix_cache_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
+            "prefix_cache_query_tokens": self.prefix.query_tokens if self.prefix else 0,
+            **self.counters,
+        }
+
+    # ---- pages --------------------------------------------------------------------------------
+
+    def _take_page(self) -> int | None:
+        if self.free_pages:
+            return self.free_pages.popleft()
+        return self.prefix.evict() if self.prefix else None
+
+    def _ensure_pages(self, r: _Request, upto: int) -> bool:
+        need = -(-upto // self.layout.page_tokens)
+        while len(r.pages) < need:
+            p = self._take_page()
+            if p is None:
+                return False
+            if self.prefix:
+                self.prefix.acquire(p)
+            r.pages.append(p)
+        return True
+
+    def _free(self, r: _Request, keep: bool) -> None:
+        """Releases a request's slot and pages; with `keep`, its full pages enter the prefix cache."""
+        if self.prefix and keep:
+            for k, p in zip(self.prefix.keys(r.tokens[: r.computed]), r.pages):
+                self.prefix.insert(k, p)
+        for p in r.pages:
+            if not (self.prefix and self.prefix.release(p)):
+                self.free_pages.append(p)
+        r.pages = []
+        if r.slot >= 0:
+            self.free_slots.append(r.slot)
+            r.slot = -1
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            r = self.waiting[0]
+            W = self.cfg.window_size
+            hit: list[int] = []
+            if self.prefix:
+                hit = self.prefix.match(r.tokens[: r.prefill_len - 1])
+                self.prefix.query_tokens += len(r.prompt)
+            H = len(hit) * self.layout.page_tokens
+            for p in hit:
+                self.prefix.acquire(p)
+            r.pages = list(hit)
+            r.cached = H
+            r.write_lo = H
+            r.start = max(0, H - W) if H else 0
+            r.computed = r.start
+            if not self._ensure_pages(r, min(r.prefill_len, r.start + self.chunk)):
+                for p in r.pages:
+                    if not (self.prefix and self.prefix.release(p)):
+                        self.free_pages.append(p)
+                r.pages = []
+                break
+            self.waiting.popleft()
+            if self.prefix:
+                self.prefix.hit_tokens += H
+            r.slot = self.free_slots.popleft()
+            r.history = self.hasher.history_from_ids(np.asarray([r.tokens[: r.start]], np.int64)) \
+                if self.hasher is not None else None
+            r.tail = None
+            lo = jnp.full((self.cfg.n_layers,), r.start, jnp.int32)
+            self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(lo))
+            self.running[r.id] = r
+
+    def _preempt(self, keep: _Request) -> bool:
+        """Frees the newest other running request (recompute later). -> False when there is none."""
+        victims = [r for r in self.running.values() if r is not keep]
+        if not victims:
+            return False
+        v = max(victims, key=lambda r: r.arrival)
+        del self.running[v.id]
+        self._free(v, keep=False)
+        v.prefill_len, v.computed = len(v.tokens), 0  # recompute everything, then go on decoding
+        self.waiting.appendleft(v)
+        self.counters["preemptions"] += 1
+        return True
+
+    # ---- batches ------------------------------------------------------------------------------
+
+    def _rows(self, reqs: list[_Request], toks: list[list[int]], B: int, T: int) -> list:
+        """Engram rows [B, T, n_cols, d] per Engram layer for each row's valid tokens, advancing its history."""
+        if self.hasher is None or not self.cfg.engram_layer_ids:
+            return []
+        rid = np.zeros((B, T, len(self.cfg.engram_layer_ids), self.cfg.engram_n_cols), np.int64)
+        for i, (r, t) in enumerate(zip(reqs, toks)):
+            rid[i, : len(t)], r.history = self.hasher.hash_step(np.asarray([t], np.int64), r.history)
+        return [jnp.asarray(x) for x in model.engram_rows(self.tables, rid)]
+
+    def _batch(self, reqs: list[_Request], toks: list[list[int]], pos0: list[int], T: int, B: int) -> tuple:
+        ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in reqs), self.min_ctx_pages))
+        P = self.layout.num_pages
+        tokens = np.zeros((B, T), np.int32)
+        bt = np.full((B, ctx_pages), P, np.int32)
+        n_valid = np.zeros(B, np.int32)
+        slot = np.full(B, self.layout.num_slots, np.int32)
+        p0 = np.zeros(B, np.int32)
+        wlo = np.zeros(B, np.int32)
+        for i, (r, t, p) in enumerate(zip(reqs, toks, pos0)):
+            tokens[i, : len(t)] = t
+            n_valid[i] = len(t)
+            bt[i, : len(r.pages)] = r.pages
+            slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
+        rows = self._rows(reqs, toks, B, T)
+        b = programs.Batch(jnp.asarray(tokens), jnp.asarray(p0), jnp.asarray(n_valid), jnp.asarray(slot),
+                           jnp.asarray(bt), jnp.asarray(wlo), rows)
+        return b
+
+    def _sampling(self, reqs: list[_Request], B: int) -> programs.Sampling:
+        t = np.zeros(B, np.float32)
+        tp = np.ones(B, np.float32)
+        tk = np.zeros(B, np.int32)
+        key = np.zeros((B, 2), np.uint32)
+        for i, r in enumerate(reqs):
+            s = r.sampling
+            t[i], tp[i], tk[i] = s.temperature, s.top_p, s.top_k
+            seed = s.seed if s.seed is not None else hash(r.id) & 0xFFFFFFFF
+            key[i] = (seed & 0xFFFFFFFF, r.steps)
+            r.steps += 1
+        return programs.Sampling(jnp.asarray(t), jnp.asarray(tp), jnp.asarray(tk), jnp.asarray(key))
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        outs: list[StepOutput] = []
+        pre = [r for r in self.running.values() if r.prefilling]
+        if pre:
+            r = min(pre, key=lambda r: r.arrival)
+            tok = self._prefill_chunk(r)
+            if tok is not None:
+                outs += self._accept(r, tok)
+        dec = [r for r in self.running.values() if not r.prefilling and r.id in self.running]
+        dec = [r for r in dec if not any(o.request_id == r.id for o in outs)]
+        if dec:
+            outs += self._decode(dec)
+        return outs
+
+    def _prefill_chunk(self, r: _Request) -> int | None:
+        N = r.prefill_len
+        end = min(N, r.computed + self.chunk)
+        if r.replay_at and r.computed < r.replay_at:
+            end = min(end, r.replay_at)
+        while not self._ensure_pages(r, end):
+            if not self._preempt(r):
+                raise EngineError(f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                                  f"{end} tokens; raise num_pages or lower max_model_len")
+        chunk = r.tokens[r.computed:end]
+        T = min(self.chunk, _bucket(len(chunk), self.min_prefill_bucket))
+        b = self._batch([r], [chunk], [r.computed], T, 1)
+        cfg, num = self.cfg, self.num
+        last = end == N
+        if self.replay:
+            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, cfg=cfg, num=num)
+            n = len(chunk)
+            W = cfg.window_size
+            h, pre = h[0, W - min(n, W):], pre[0, W - min(n, W):]
+            if r.tail is not None:
+                h, pre = jnp.concatenate([r.tail[0], h])[-W:], jnp.concatenate([r.tail[1], pre])[-W:]
+            r.tail = (h, pre)
+            r.computed = end
+            if r.replay_at and end == r.replay_at:
+                self._restart_as_hit(r)
+                return None
+            if not last:
+                return None
+            Td = h.shape[0]
+            lo = self.pool.ring_lo.at[cfg.split_layer + 1:, r.slot].set(N - Td)
+            self.pool = dataclasses.replace(self.pool, ring_lo=lo)
+            hp = jnp.zeros((1, W, *h.shape[1:]), h.dtype).at[0, :Td].set(h)
+            pp = jnp.zeros((1, W, *pre.shape[1:]), pre.dtype).at[0, :Td].set(pre)
+            bd = programs.Batch(b.tokens[:, :1], jnp.asarray([N - Td], jnp.int32), jnp.asarray([Td], jnp.int32),
+                                b.slot, b.block_table, b.write_lo, [])
+            self.pool, logits, tok = programs.run_decoder(self.params, self.pool, bd, hp, pp,
+                                                          self._sampling([r], 1), cfg=cfg, num=num)
+            r.tail = None
+        else:
+            self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling([r], 1), cfg=cfg,
+                                                       num=num)
+            r.computed = end
+            if not last:
+                return None
+        self.counters["prefill_tokens"] += N - r.start
+        if self.keep_logits:
+            r.logits.append(np.asarray(logits[0]))
+        return int(tok[0])
+
+    def _restart_as_hit(self, r: _Request) -> None:
+        """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
+        H, W = r.replay_at, self.cfg.window_size
+        r.replay_at = 0
+        r.write_lo, r.start, r.computed, r.tail = H, max(0, H - W), max(0, H - W), None
+        r.history = self.hasher.history_from_ids(np.asarray([r.tokens[: r.start]], np.int64)) if self.hasher else None
+        self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(r.start))
+
+    def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
+        for r in list(reqs):
+            while not self._ensure_pages(r, len(r.tokens)):
+                if not self._preempt(r):
+                    raise EngineError("the KV pool cannot hold one more token for a single sequence")
+                reqs = [x for x in reqs if x.id in self.running]
+        reqs = [r for r in reqs if r.id in self.running]
+        if not reqs:
+            return []
+        B = _bucket(len(reqs))
+        b = self._batch(reqs, [[r.tokens[-1]] for r in reqs], [len(r.tokens) - 1 for r in reqs], 1, B)
+        self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling(reqs, B), cfg=self.cfg,
+                                                   num=self.num)
+        tok = np.asarray(tok)
+        outs = []
+        for i, r in enumerate(reqs):
+            r.computed = len(r.tokens)
+            if self.keep_logits:
+                r.logits.append(np.asarray(logits[i]))
+            outs += self._accept(r, int(tok[i]))
+        self.counters["decode_steps"] += 1
+        return outs
+
+    def _accept(self, r: _Request, tok: int) -> list[StepOutput]:
+        r.output.append(tok)
+        s = r.sampling
+        reason = None
+        if (tok == self.eos and not s.ignore_eos) or tok in s.stop_token_ids:
+            reason = "stop"
+        elif len(r.output) >= s.max_tokens or len(r.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason:
+            del self.running[r.id]
+            self._free(r, keep=True)
+            if self.keep_logits:
+                self.finished_logits[r.id] = r.logits
+        return [StepOutput(r.id, [tok], reason is not None, reason, len(r.prompt), r.cached)]
+
+    def generate(self, prompt_ids, sampling: SamplingParams = SamplingParams(), **kw) -> list[int]:
+        """Runs one request to completion (a convenience for scripts and tests); kw as for add_request."""
+        rid = f"gen-{time.monotonic_ns()}"
+        self.add_request(rid, prompt_ids, sampling, **kw)
+        out: list[int] = []
+        while True:
+            for o in self.step():
+                if o.request_id == rid:
+                    out += o.new_token_ids
+                    if o.finished:
+                        return out

@@ -1,0 +1,296 @@
+"""The jitted programs of the engine. Each takes (params, pool, batch) and returns the new pool (donated).
+
+- `run_full`: all layers on a chunk of tokens (exact prefill chunks, and decode with one token a row).
+- `run_encoder`: layers [0, split) plus the split layer's KV writes (SWA, compressed KV, index keys) for every
+  token of the chunk; returns the split layer's input stream for the chunk's last `window` rows.
+- `run_decoder`: the rest of the split layer and the layers after it on each request's last `window` prompt
+  tokens (SWA bounded replay: their windows start at N - window).
+The layer math is dsv41's; what is new here is reading/writing the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import attention as A
+from dsv41 import compressor, engram, indexer, mhc, model, moe, quant
+from dsv41.config import AttnRole, ModelConfig
+from dsv41.nn import rms_norm
+from dsv41.quant import Numerics
+from serving.engine.kv_pool import KVPool, PoolLayout, ring_size
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A padded batch of B rows x T tokens. Padding rows have slot == num_slots and n_valid == 0."""
+
+    tokens: jax.Array  # int32 [B, T]
+    pos0: jax.Array  # int32 [B]: position of tokens[:, 0]
+    n_valid: jax.Array  # int32 [B]: real tokens in the row
+    slot: jax.Array  # int32 [B]: sequence slot in the pool
+    block_table: jax.Array  # int32 [B, ctx_pages]: the sequence's pages (num_pages where unused)
+    write_lo: jax.Array  # int32 [B]: global KV is written only for positions >= write_lo (prefix replay)
+    rows: list  # per Engram layer: bf16 [B, T, n_cols, d]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: jax.Array  # float32 [B]; 0 = greedy
+    top_p: jax.Array  # float32 [B]
+    top_k: jax.Array  # int32 [B]; 0 = off
+    key: jax.Array  # uint32 [B, 2]: per-request key folded with the step
+
+
+def _dequant_fp8_rows(q, s):
+    return quant.fp8_dequantize(q, quant.ue8m0_decode(s))
+
+
+def _ring_positions(end: jax.Array, R: int, lo: jax.Array) -> jax.Array:
+    """Position each ring slot holds when `end` tokens are written: slot j holds the newest p < end with
+    p % R == j. -> int32 [B, R], NO_POS where empty or below lo."""
+    j = jnp.arange(R, dtype=jnp.int32)[None]
+    last = end[:, None] - 1
+    p = last - jnp.mod(last - j, R)
+    return jnp.where((p >= 0) & (p >= lo[:, None]), p, A.NO_POS)
+
+
+def _write_ring(ring: jax.Array, new: jax.Array, pos0, n_valid) -> jax.Array:
+    """ring [B, R, ...] <- the newest of the chunk's valid tokens new [B, T, ...] at slot pos % R."""
+    R, T = ring.shape[1], new.shape[1]
+    j = jnp.arange(R, dtype=jnp.int32)[None]
+    last = pos0[:, None] + n_valid[:, None] - 1
+    t = n_valid[:, None] - 1 - jnp.mod(last - j, R)  # newest chunk token landing in slot j
+    ok = (t >= 0) & (n_valid[:, None] > 0)
+    picked = jnp.take_along_axis(new, jnp.clip(t, 0, T - 1).reshape(*t.shape, *([1] * (new.ndim - 2))), axis=1)
+    return jnp.where(ok.reshape(*ok.shape, *([1] * (new.ndim - 2))), picked, ring)
+
+
+def _page_index(block_table, g, E):
+    """Entry ids g [B, ...] -> (page [B, ...], offset) through the block table."""
+    col = jnp.clip(g // E, 0, block_table.shape[1] - 1)
+    page = jnp.take_along_axis(block_table, col.reshape(col.shape[0], -1), axis=1).reshape(g.shape)
+    return page, g % E
+
+
+def _gather_kv(pool: KVPool, si: int, block_table, idx, cfg):
+    """Compressed main-KV entries idx [B, S, K] (-1 = none) -> dequantized [B, S, K, Dh], valid [B, S, K]."""
+    E = pool.kv_packed[si].shape[1]
+    valid = idx >= 0
+    page, off = _page_index(block_table, jnp.maximum(idx, 0), E)
+    packed = pool.kv_packed[si].at[page, off].get(mode="fill", fill_value=0)
+    scale = pool.kv_scale[si].at[page, off].get(mode="fill", fill_value=0)
+    return quant.fp4_dequantize(packed, scale.astype(jnp.float32), 16), valid
+
+
+def _context_index_keys(pool: KVPool, si: int, block_table, cfg):
+    """Every index key of the sequences' pages -> [B, ctx_pages * E, ID] (dequantized)."""
+    P = pool.ik_packed[si].shape[0]
+    bt = block_table
+    packed = pool.ik_packed[si].at[bt].get(mode="fill", fill_value=0)
+    scale = pool.ik_scale[si].at[bt].get(mode="fill", fill_value=0)
+    k = quant.fp4_dequantize(packed, quant.ue8m0_decode(scale), 32)
+    del P
+    return k.reshape(bt.shape[0], -1, cfg.index_head_dim)
+
+
+def _write_entries(arr, block_table, g, ok, values):
+    """arr [pages, E, ...] <- values [B, G, ...] at entry ids g [B, G] where ok."""
+    E = arr.shape[1]
+    page, off = _page_index(block_table, g, E)
+    page = jnp.where(ok, page, arr.shape[0])  # out of range: dropped
+    return arr.at[page, off].set(values.astype(arr.dtype), mode="drop")
+
+
+def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
+    """Latents of the groups that complete inside this chunk. -> latent [B, G, Dh], abs group ids [B, G],
+    complete [B, G], new pending state."""
+    B, T, _ = x.shape
+    if r == 1:
+        lat = compressor.compress(x, p, 1, cfg, num)
+        g = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        return lat, g, jnp.arange(T)[None] < b.n_valid[:, None], pool.comp_state[si]
+    Dh = cfg.head_dim
+    kv, score = compressor.project(x, p, r, num)
+    state = pool.comp_state[si].at[b.slot].get(mode="fill", fill_value=0)
+    pend_kv, pend_sc = state[:, :Dh], state[:, Dh:]
+    has = (b.pos0 % 2 == 1)[:, None, None]
+    zero = jnp.zeros_like(kv[:, :1])
+    ekv = jnp.where(has, jnp.concatenate([pend_kv[:, None], kv], 1), jnp.concatenate([kv, zero], 1))
+    esc = jnp.where(has, jnp.concatenate([pend_sc[:, None], score], 1), jnp.concatenate([score, zero], 1))
+    G = (T + 1) // 2
+    ekv = ekv[:, : 2 * G].reshape(B, G, 2, Dh)
+    esc = esc[:, : 2 * G].reshape(B, G, 2, Dh)
+    lat = compressor.pool_groups(ekv, esc, p, cfg, num.jdtype)
+    g = (b.pos0 // 2)[:, None] + jnp.arange(G, dtype=jnp.int32)[None]
+    complete = g < ((b.pos0 + b.n_valid) // 2)[:, None]
+    end = b.pos0 + b.n_valid
+    last = jnp.clip(b.n_valid - 1, 0, T - 1)[:, None, None]
+    new_pend = jnp.concatenate([jnp.take_along_axis(kv, last, 1)[:, 0], jnp.take_along_axis(score, last, 1)[:, 0]], -1)
+    upd = (end % 2 == 1) & (b.n_valid > 0)
+    new_state = jnp.where(upd[:, None], new_pend, state)
+    return lat, g, complete, pool.comp_state[si].at[b.slot].set(new_state, mode="drop")
+
+
+def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
+                     freqs, phase: str):
+    """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
+    split layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
+    -> (output [B, T, D] or None, pool)."""
+    p = lp
+    B, T, _ = x.shape
+    role, r = cfg.role(layer), cfg.compress_ratios[layer]
+    pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
+    R = ring_size(cfg, layer)
+    lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
+    rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
+    rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
+    swa_q, swa_s = list(pool.swa_q), list(pool.swa_s)
+    if phase == "attn_only":
+        win_k = _dequant_fp8_rows(rq, rs)
+        win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
+    else:
+        kv = A.window_kv(x, p, pos, freqs, cfg, num)
+        kq, ks = quant.fp8_quantize(kv)
+        swa_q[layer] = pool.swa_q[layer].at[b.slot].set(_write_ring(rq, kq, b.pos0, b.n_valid), mode="drop")
+        swa_s[layer] = pool.swa_s[layer].at[b.slot].set(
+            _write_ring(rs, quant.ue8m0_encode(ks), b.pos0, b.n_valid), mode="drop")
+        win_k = jnp.concatenate([_dequant_fp8_rows(rq, rs), kv.astype(jnp.float32)], 1)
+        win_pos = jnp.concatenate([_ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
+    pool = dataclasses.replace(pool, swa_q=swa_q, swa_s=swa_s)
+
+    comp_k = comp_valid = None
+    if role is not AttnRole.SWA:
+        si = cfg.kv_source_layers.index(cfg.kv_source_of(layer))
+        if role is AttnRole.FULL and phase != "attn_only":
+            lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, pool, si, b)
+            gpos = g * r
+            ik = indexer.index_keys(lat, p["indexer"], gpos, freqs, cfg, num)
+            ce = A.compressed_entries(lat, gpos, freqs, num)
+            ok = complete & (gpos >= b.write_lo[:, None])
+            ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
+            cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
+            lists = {k: list(getattr(pool, k)) for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state")}
+            lists["kv_packed"][si] = _write_entries(pool.kv_packed[si], b.block_table, g, ok, cep)
+            lists["kv_scale"][si] = _write_entries(pool.kv_scale[si], b.block_table, g, ok, quant.e4m3(ces))
+            lists["ik_packed"][si] = _write_entries(pool.ik_packed[si], b.block_table, g, ok, ikp)
+            lists["ik_scale"][si] = _write_entries(pool.ik_scale[si], b.block_table, g, ok, quant.ue8m0_encode(iks))
+            lists["comp_state"][si] = new_state
+            pool = dataclasses.replace(pool, **lists)
+        if phase == "kv_only":
+            return None, pool
+        if role in (AttnRole.FULL, AttnRole.REINDEX):
+            q, qr = A.project_q(x, p, pos, freqs, cfg, num)
+            keys = _context_index_keys(pool, si, b.block_table, cfg)
+            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
+            s = indexer.scores(qi, wi, keys, pos, r, num)
+            if layer == cfg.candidate_source_layer:
+                shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
+            elif cfg.uses_candidates(layer):
+                s = jnp.where(shared["cand"], s, -jnp.inf)
+            shared["topk"] = indexer.select_topk(s, pos, r, cfg)
+        else:
+            q, _ = A.project_q(x, p, pos, freqs, cfg, num)
+        comp_k, comp_valid = _gather_kv(pool, si, b.block_table, shared["topk"], cfg)
+    else:
+        if phase == "kv_only":
+            return None, pool
+        q, _ = A.project_q(x, p, pos, freqs, cfg, num)
+    o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
+    return A.output(o, pos, p, freqs, cfg, num), pool
+
+
+def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict):
+    freqs = model.freqs_for(cfg)
+    shared: dict = {}
+    for i in range(first, last):
+        lp = params["layers"][i]
+        phase = phases.get(i, "full")
+        if i in cfg.engram_layer_ids and phase != "attn_only":
+            h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
+        if phase == "kv_only":
+            x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
+            _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase)
+            break
+
+        def attn_fn(x, lp=lp, i=i, phase=phase):
+            nonlocal pool
+            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase)
+            return y
+
+        h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn)
+    return h, pre, pool
+
+
+def _last_rows(x, n_valid, n: int):
+    """x [B, T, ...] -> the last n valid rows [B, n, ...] (left-padded by clamping to row 0)."""
+    T = x.shape[1]
+    t = n_valid[:, None] - n + jnp.arange(n)[None]
+    t = jnp.clip(t, 0, T - 1)
+    return jnp.take_along_axis(x, t.reshape(*t.shape, *([1] * (x.ndim - 2))), axis=1)
+
+
+def sample(logits: jax.Array, s: Sampling) -> jax.Array:
+    """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p filtered sampling."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, -1)
+    t = jnp.maximum(s.temperature, 1e-5)[:, None]
+    z = logits / t
+    srt = jnp.sort(z, -1)[:, ::-1]
+    V = z.shape[-1]
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], -1)
+    z = jnp.where(z < kth, -jnp.inf, z)
+    probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), -1)
+    cum = jnp.cumsum(probs, -1) - probs  # mass strictly above each sorted entry
+    keep_sorted = (cum < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
+    cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), -1, keepdims=True)
+    z = jnp.where(z < cutoff, -jnp.inf, z)
+    keys = jax.vmap(jax.random.wrap_key_data)(s.key)
+    drawn = jax.vmap(jax.random.categorical)(keys, z)
+    return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
+    h_last = _last_rows(h, b.n_valid, 1)
+    pre_last = _last_rows(pre, b.n_valid, 1)
+    logits = model.head(params, h_last, pre_last, cfg)[:, 0]
+    tok = sample(logits, samp) if samp is not None else jnp.argmax(logits, -1).astype(jnp.int32)
+    return logits, tok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num"), donate_argnames=("pool",))
+def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics):
+    """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B])."""
+    h, pre = model.embed(params, b.tokens, cfg, num)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {})
+    logits, tok = _head_sample(params, h, pre, b, cfg, samp)
+    return pool, logits, tok
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num"), donate_argnames=("pool",))
+def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics):
+    """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
+    [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
+    h, pre = model.embed(params, b.tokens, cfg, num)
+    split = cfg.split_layer
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"})
+    W = cfg.window_size
+    return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num"), donate_argnames=("pool",))
+def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics):
+    """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
+    b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
+    split = cfg.split_layer
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"})
+    logits, tok = _head_sample(params, h, pre, b, cfg, samp)
+    return pool, logits, tok

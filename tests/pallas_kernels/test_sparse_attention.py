@@ -1,0 +1,247 @@
+"""Tests of the fused sparse MQA decode attention (pallas_kernels/sparse_attention).
+
+CPU tests run the Mosaic GPU kernel in the Mosaic GPU interpreter at small
+shapes (D=128, small W/K) against the plain-jnp reference, with fresh random
+data, ragged validity (rows with no valid key, -1 indices) and both consumer
+modes.  Note: in interpret mode the producer's PTX dequant (inline_mgpu) is
+replaced by an equivalent per-row jnp dequant; the PTX path is checked
+bit-exactly by the numpy emulation test below and on the GPU (gpu tests and
+scripts/bench_sparse_attention.py).
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import sparse_attention as sa
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.gpu
+skip_no_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def make_inputs(seed, b, h, d, w, k, p=16, pages_per_seq=4, ragged=True):
+  ks = jax.random.split(jax.random.key(seed), 10)
+  q = jax.random.normal(ks[0], (b, h, d)).astype(jnp.bfloat16)
+  swa_q, swa_s = sa.quantize_swa_fp8(jax.random.normal(ks[1], (b, w, d)))
+  npages = b * pages_per_seq + 3                      # a few pages nobody uses
+  kvp, kvs = sa.quantize_kv_fp4(jax.random.normal(ks[2], (npages, p, d)))
+  page_table = jax.random.permutation(ks[3], npages)[: b * pages_per_seq]
+  page_table = page_table.reshape(b, pages_per_seq).astype(jnp.int32)
+  topk = jax.random.randint(ks[4], (b, k), 0, pages_per_seq * p).astype(jnp.int32)
+  swa_valid = jnp.ones((b, w), bool)
+  if ragged:
+    swa_valid = jax.random.bernoulli(ks[5], 0.75, (b, w))
+    topk = jnp.where(jax.random.bernoulli(ks[6], 0.25, (b, k)), -1, topk)
+    swa_valid = swa_valid.at[0].set(False)           # sequence 0: no key at all
+    topk = topk.at[0].set(-1)
+  sink = jax.random.normal(ks[7], (h,))
+  return q, swa_q, swa_s, swa_valid, topk, page_table, kvp, kvs, sink
+
+
+def rel_l2(a, b):
+  a = np.asarray(a, np.float32)
+  b = np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ----------------------------------------------------------------- formats
+def test_quantizers_roundtrip_and_decoders():
+  x = jax.random.normal(jax.random.key(1), (4, 256)) * 3
+  packed, scale = sa.quantize_kv_fp4(x)
+  assert packed.shape == (4, 128) and packed.dtype == jnp.uint8
+  assert scale.shape == (4, 16) and scale.dtype == jnp.uint8
+  y = sa.dequant_kv_fp4(packed, scale)
+  assert rel_l2(y, x) < 0.15                          # 4-bit quantization error
+  # Both e2m1 decoders agree on every byte.
+  allb = jnp.arange(256, dtype=jnp.uint8)
+  np.testing.assert_array_equal(sa.decode_e2m1_packed(allb),
+                                sa.decode_e2m1_packed(allb, arithmetic=True))
+  # float8 scale input is accepted as well as its uint8 bits.
+  sf8 = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+  np.testing.assert_array_equal(sa.dequant_kv_fp4(packed, sf8), y)
+  q, s = sa.quantize_swa_fp8(x)
+  assert rel_l2(sa.dequant_swa_fp8(q, s), x) < 0.05
+  np.testing.assert_array_equal(sa.decode_ue8m0(jnp.array([127, 128, 1], jnp.uint8)),
+                                np.array([1.0, 2.0, 2.0 ** -126], np.float32))
+
+
+def _prmt(a, b, sel):
+  by = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  out = 0
+  for i in range(4):
+    s = (sel >> (4 * i)) & 0xF
+    v = by[s & 7]
+    if s & 8:
+      v = 0xFF if v & 0x80 else 0
+    out |= v << (8 * i)
+  return out
+
+
+def test_fp4_ptx_bit_logic_emulated():
+  """Emulates _FP4_WORD_PTX (prmt LUT + sign merge) for every byte value."""
+  import ml_dtypes
+  assert "prmt.b32 ha, 0x3F3F3F00, 0x40404040, sa;" in sa._FP4_WORD_PTX
+  rng = np.random.default_rng(0)
+  words = list(rng.integers(0, 2 ** 32, 300, dtype=np.uint64)) + [
+      int.from_bytes(bytes([v, v, v, v]), "little") for v in range(256)]
+  for w in words:
+    w = int(w)
+    sa_, sb = w & 0x7777, (w >> 16) & 0x7777
+    ha, la = _prmt(0x3F3F3F00, 0x40404040, sa_), _prmt(0xC0800000, 0xC0804000, sa_)
+    hb, lb = _prmt(0x3F3F3F00, 0x40404040, sb), _prmt(0xC0800000, 0xC0804000, sb)
+    so, se = w & 0x80808080, (w << 4) & 0x80808080
+    ha |= _prmt(se, so, 0x5140)
+    hb |= _prmt(se, so, 0x7362)
+    regs = [_prmt(la, ha, 0x5140), _prmt(la, ha, 0x7362),
+            _prmt(lb, hb, 0x5140), _prmt(lb, hb, 0x7362)]
+    halves = np.array([[r & 0xFFFF, r >> 16] for r in regs], np.uint16).reshape(-1)
+    got = halves.view(ml_dtypes.bfloat16).astype(np.float32)
+    want = np.asarray(sa.decode_e2m1_packed(
+        jnp.asarray(np.frombuffer(w.to_bytes(4, "little"), np.uint8))))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_swizzle_offsets_are_a_permutation():
+  t, d = 64, 512
+  offs = {sa._swizzled_chunk_offset(r, q, d) for r in range(t) for q in range(d // 8)}
+  assert len(offs) == t * d // 8 and max(offs) == t * d * 2 - 16
+
+
+# ----------------------------------------------------------------- reference
+def test_reference_matches_dense_numpy():
+  args = make_inputs(3, 2, 4, 128, 16, 24)
+  q, swa_q, swa_s, swa_valid, topk, page_table, kvp, kvs, sink = args
+  out = sa.sparse_attention_reference(*args, out_dtype=jnp.float32)
+  qn = np.asarray(q, np.float64)
+  swa = np.asarray(sa.dequant_swa_fp8(swa_q, swa_s), np.float64)
+  allkv = np.asarray(sa.dequant_kv_fp4(kvp, kvs), np.float64)     # [pages, P, D]
+  p = kvp.shape[1]
+  for b in range(q.shape[0]):
+    keys = [swa[b, j] for j in range(swa.shape[1]) if swa_valid[b, j]]
+    for g in np.asarray(topk[b]):
+      if g >= 0:
+        keys.append(allkv[int(page_table[b, g // p]), g % p])
+    sk = np.asarray(sink, np.float64)
+    if keys:
+      kk = np.stack(keys)
+      s = qn[b] @ kk.T / np.sqrt(q.shape[2])                       # [H, N]
+      m = np.maximum(s.max(-1), sk)
+      e = np.exp(s - m[:, None])
+      want = e @ kk / (e.sum(-1) + np.exp(sk - m))[:, None]
+    else:
+      want = np.zeros((q.shape[1], q.shape[2]))
+    np.testing.assert_allclose(np.asarray(out[b]), want, rtol=2e-4, atol=2e-5)
+
+
+def test_reference_rope_roundtrip():
+  x = jax.random.normal(jax.random.key(0), (2, 4, 128))
+  ang = jax.random.uniform(jax.random.key(1), (2, 32)) * 6
+  y = sa.apply_rope_tail(x, jnp.cos(ang), jnp.sin(ang))
+  np.testing.assert_allclose(y[..., :64], x[..., :64])
+  z = sa.apply_rope_tail(y, jnp.cos(ang), jnp.sin(ang), inverse=True)
+  np.testing.assert_allclose(z, x, atol=1e-5)
+
+
+# ----------------------------------------------------------------- kernel (interpret)
+@pytest.mark.parametrize("b,h,w,k,splits,mode", [
+    (2, 16, 16, 40, 1, "redundant"),
+    (2, 64, 24, 64, 2, "split"),
+])
+def test_kernel_interpret_matches_reference(b, h, w, k, splits, mode):
+  d = 128
+  args = make_inputs(10 + b + k, b, h, d, w, k)
+  ref = sa.sparse_attention_reference(*args, out_dtype=jnp.float32)
+  out = sa.sparse_attention(*args, backend="interpret", num_splits=splits,
+                            config=sa.KernelConfig(qk_mode=mode))
+  assert out.shape == (b, h, d) and out.dtype == jnp.bfloat16
+  out = np.asarray(out, np.float32)
+  assert np.all(np.isfinite(out))
+  assert rel_l2(out, ref) < 1e-2
+  np.testing.assert_array_equal(out[0], 0.0)        # sequence 0 has no key
+
+
+def test_kernel_interpret_rope_precomputed_rows_three_splits():
+  b, h, d, w, k = 1, 8, 128, 72, 20      # 2 ring tiles (padded) + 1 pool tile
+  args = make_inputs(5, b, h, d, w, k, ragged=False)
+  ang = jax.random.uniform(jax.random.key(2), (b, 32)) * 6
+  kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True,
+            rope_output=True)
+  ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
+  rows = sa.compressed_rows(args[4], args[5], args[6].shape[1])
+  out = sa.sparse_attention(*args, backend="interpret", rows=rows, num_splits=3, **kw)
+  assert rel_l2(out, ref) < 1e-2
+  # count-style swa_valid gives the same as the equivalent mask
+  cnt = jnp.array([5])
+  a2 = list(args)
+  a2[3] = cnt
+  r2 = sa.sparse_attention(*a2, backend="xla")
+  a2[3] = jnp.arange(w)[None] < cnt[:, None]
+  np.testing.assert_array_equal(r2, sa.sparse_attention(*a2, backend="xla"))
+
+
+def test_dequant_probe_interpret_exact():
+  key = jax.random.key(4)
+  r, d = 50, 128
+  rows = jax.random.randint(key, (sa.TILE,), 0, r).astype(jnp.int32).at[7].set(-1)
+  kvp, kvs = sa.quantize_kv_fp4(jax.random.normal(key, (r, d)))
+  out, bias = sa.dequant_probe("fp4", kvp, kvs, rows, interpret=True)
+  g = jnp.maximum(rows, 0)
+  want = jnp.where((rows >= 0)[:, None], sa.dequant_kv_fp4(kvp[g], kvs[g]), 0)
+  np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(bias, jnp.where(rows >= 0, 0.0, -jnp.inf))
+
+
+def test_kernel_lowers_for_cuda_at_flash_shapes():
+  """Mosaic GPU lowering (layouts, smem budget, wgmma shapes) runs on CPU."""
+  b, h, d, w, k, p = 2, 64, 512, 128, 512, 64
+  sds = jax.ShapeDtypeStruct
+  shapes = (sds((b, h, d), jnp.bfloat16), sds((b, w, d), jnp.uint8),
+            sds((b, w, d // 32), jnp.uint8), sds((b, w), jnp.bool_),
+            sds((b, k), jnp.int32), sds((b, 16), jnp.int32),
+            sds((64, p, d // 2), jnp.uint8), sds((64, p, d // 16), jnp.uint8),
+            sds((h,), jnp.float32))
+  for splits, mode in ((1, "redundant"), (5, "split")):
+    f = jax.jit(lambda *a, s=splits, m=mode: sa.sparse_attention_decode(
+        *a, num_splits=s, config=sa.KernelConfig(qk_mode=m)))
+    f.trace(*shapes).lower(lowering_platforms=("cuda",))
+
+
+# ----------------------------------------------------------------- GPU
+@gpu
+@skip_no_gpu
+@pytest.mark.parametrize("b,splits,mode", [(1, None, "redundant"), (3, 1, "split"),
+                                           (3, 2, "redundant")])
+def test_kernel_gpu_flash_shapes(b, splits, mode):
+  args = make_inputs(20 + b, b, 64, 512, 128, 512, p=64, pages_per_seq=16)
+  ref = sa.sparse_attention_reference(*args, out_dtype=jnp.float32)
+  out = sa.sparse_attention(*args, backend="pallas", num_splits=splits,
+                            config=sa.KernelConfig(qk_mode=mode))
+  out = np.asarray(out, np.float32)
+  assert np.all(np.isfinite(out))
+  assert rel_l2(out, ref) < 1e-2
+  np.testing.assert_array_equal(out[0], 0.0)
+
+
+@gpu
+@skip_no_gpu
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_dequant_probe_gpu_exact(fmt):
+  key = jax.random.key(9)
+  r, d = 300, 512
+  rows = jax.random.randint(key, (sa.TILE,), 0, r).astype(jnp.int32).at[3].set(-1)
+  x = jax.random.normal(key, (r, d)) * 5
+  if fmt == "fp4":
+    src, sc = sa.quantize_kv_fp4(x)
+    deq = sa.dequant_kv_fp4
+  else:
+    src, sc = sa.quantize_swa_fp8(x)
+    deq = sa.dequant_swa_fp8
+  out, bias = sa.dequant_probe(fmt, src, sc, rows)
+  g = jnp.maximum(rows, 0)
+  want = jnp.where((rows >= 0)[:, None], deq(src[g], sc[g]), 0).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(bias, jnp.where(rows >= 0, 0.0, -jnp.inf))

@@ -1,0 +1,92 @@
+"""Shared serving fixtures. Every server listens on 127.0.0.1 on a free port and stops at the end of its scope.
+
+- `fake_server`: the HTTP stack over FakeEngine (scripted replies, fault injection, millisecond steps): the fast
+  protocol tests.
+- `tiny_server`: the HTTP stack over the real `Engine.from_preset("tiny")`, shared by the whole session so its
+  programs compile once; its shapes are kept few (short prompts, max_num_seqs 4) because every new prefill
+  length bucket / batch bucket / context-page bucket costs a CPU compile of tens of seconds. The persistent JAX
+  compilation cache makes later runs much faster.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import pathlib
+import sys
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # fake_engine
+
+from fake_engine import FakeEngine  # noqa: E402
+
+from serving.api import BackgroundServer  # noqa: E402
+
+MODEL = "tiny"
+
+REPLIES = {
+    "SAY_TOOL": 'Let me check.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+                '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+                '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n'
+                '</｜DSML｜ invoke>\n</｜DSML｜ calls>',
+    "SAY_THINK": "I should greet them.</think>Hello there!",
+    "SAY_STOP": "alpha beta STOP gamma delta",
+}
+
+TINY_ENGINE_KW = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="session")
+def fake_server():
+    with BackgroundServer(FakeEngine(replies=REPLIES, max_model_len=1024), model_name=MODEL) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    import jax
+
+    cache = pathlib.Path(os.path.expanduser("~/.cache/dsv41/jax-compilation-cache"))
+    cache.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    from serving.engine.engine import Engine
+
+    with BackgroundServer(Engine.from_preset("tiny", **TINY_ENGINE_KW), model_name=MODEL) as srv:
+        yield srv
+
+
+def post(srv: BackgroundServer, path: str, body: Any = None, *, raw: bytes | None = None,
+         headers: dict[str, str] | None = None, conn: http.client.HTTPConnection | None = None
+         ) -> tuple[int, dict[str, str], Any]:
+    """(status, headers, parsed JSON body or text) of one POST."""
+    own = conn is None
+    conn = conn or http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    if own:
+        conn.close()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = text
+    return resp.status, dict(resp.getheaders()), parsed
+
+
+def get(srv: BackgroundServer, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, text
+
+
+def engine_stats(srv: BackgroundServer) -> dict[str, Any]:
+    """Fresh Engine.stats(), taken on the engine thread."""
+    return srv.async_engine.call_in_engine_thread(lambda e: e.stats())

@@ -1,0 +1,129 @@
+"""The engine against the exact full-sequence model, bounded replay against exact, prefix hits against a cold
+run with the same replay semantics. float32 activations with the serving formats' KV numerics on both sides,
+so differences are summation order only (bf16 runs diverge chaotically through FP8 bins, see docs/REPLAY.md)."""
+
+import numpy as np
+import pytest
+
+from dsv41 import model, quant
+from dsv41 import params as P
+from dsv41 import tokenizer as T
+from dsv41.config import preset
+from serving.engine import kv_pool
+from serving.engine.engine import Engine, EngineError, SamplingParams
+
+NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
+TOL = 1e-4  # max |logit| difference; logits are O(1)
+GREEDY4 = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny")
+    return cfg, P.dequantize_params(P.init_params(cfg, seed=0), "float32")
+
+
+def make(tiny, **kw):
+    cfg, params = tiny
+    # one prefill width and one block-table width: every engine here shares the same few compiled programs
+    base = dict(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
+                min_prefill_bucket=128, min_ctx_pages=8)
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **{**base, **kw})
+
+
+def run(eng, prompt, sampling=GREEDY4, **kw):
+    rid = f"r{len(eng.finished_logits)}"
+    eng.add_request(rid, prompt, sampling, **kw)
+    toks = []
+    while eng.has_work():
+        for o in eng.step():
+            if o.request_id == rid:
+                toks += o.new_token_ids
+    return toks, np.stack(eng.finished_logits[rid])
+
+
+def prompt(n, seed=0):
+    return list(np.random.default_rng(seed).integers(3, 1000, n))
+
+
+def test_exact_engine_equals_forward(tiny):
+    cfg, params = tiny
+    eng = make(tiny, swa_bounded_replay=False)
+    ids = prompt(200)  # two prefill chunks, past the window, an odd decode position completes a ratio-2 group
+    toks, logits = run(eng, ids)
+    full = np.asarray(model.forward(params, cfg, np.asarray([ids + toks[:-1]]), NUM))[0, len(ids) - 1:]
+    assert np.abs(logits - full).max() < TOL
+    assert toks == list(full.argmax(-1))
+
+
+def test_short_prompts_identical_with_replay(tiny):
+    ids = prompt(100, seed=1)
+    t_exact, l_exact = run(make(tiny, swa_bounded_replay=False), ids)
+    t_rep, l_rep = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False), ids)
+    assert t_exact == t_rep
+    assert np.abs(l_exact - l_rep).max() < TOL
+
+
+def test_long_prompt_replay_is_close_not_exact(tiny):
+    ids = prompt(256, seed=2)
+    _, l_exact = run(make(tiny, swa_bounded_replay=False), ids, SamplingParams(max_tokens=1))
+    _, l_rep = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False), ids, SamplingParams(max_tokens=1))
+    d = np.abs(l_exact - l_rep).max()
+    assert 1e-4 < d < 5.0  # replay changes the decoder's windows: a real, bounded difference
+
+
+def test_prefix_hit_equals_cold_replay(tiny):
+    first, second = prompt(200, seed=3), prompt(60, seed=4)
+    eng = make(tiny, swa_bounded_replay=True, enable_prefix_caching=True)
+    run(eng, first, SamplingParams(max_tokens=1))
+    toks, logits = run(eng, first + second)
+    st = eng.stats()
+    assert st["prefix_cache_hit_tokens"] == 192  # 3 full pages of 64
+    cold_t, cold_l = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False), first + second,
+                         replay_at=192)
+    assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
+
+
+def test_concurrent_requests_and_back_pressure(tiny):
+    eng = make(tiny, swa_bounded_replay=False, num_pages=5)  # room for ~320 tokens: forces a preemption
+    a, b = prompt(180, seed=5), prompt(150, seed=6)
+    eng.add_request("a", a, GREEDY4)
+    eng.add_request("b", b, GREEDY4)
+    outs = {"a": [], "b": []}
+    while eng.has_work():
+        for o in eng.step():
+            outs[o.request_id] += o.new_token_ids
+    assert len(outs["a"]) == 4 and len(outs["b"]) == 4
+    assert eng.stats()["preemptions"] >= 1 and eng.stats()["kv_pages_used"] == 0
+    alone, _ = run(make(tiny, swa_bounded_replay=False), b)
+    assert outs["b"] == alone
+
+
+def test_sampling_is_seeded(tiny):
+    eng = make(tiny, swa_bounded_replay=False)
+    ids = prompt(20, seed=7)
+    s = SamplingParams(max_tokens=4, temperature=1.5, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
+    assert run(eng, ids, s)[0] == run(eng, ids, s)[0]
+    assert run(eng, ids, SamplingParams(max_tokens=4, temperature=5.0, top_k=1, ignore_eos=True))[0] == run(eng, ids)[0]
+
+
+@pytest.mark.parametrize("kw, sampling, msg", [
+    (dict(prompt_ids=list(range(3, 600))), SamplingParams(), "max_model_len"),
+    (dict(prompt_ids=[]), SamplingParams(), "empty"),
+    (dict(prompt_ids=[1, 2000]), SamplingParams(), "vocabulary"),
+    (dict(prompt_ids=[1, 2]), SamplingParams(max_tokens=0), "max_tokens"),
+    (dict(prompt_ids=[1, 2]), SamplingParams(top_p=0.0), "top_p"),
+])
+def test_bad_requests(tiny, kw, sampling, msg):
+    with pytest.raises(EngineError, match=msg):
+        make(tiny).add_request("x", kw["prompt_ids"], sampling)
+
+
+def test_flash_pool_is_890_bytes_per_token():
+    cfg = preset("flash")
+    lay = kv_pool.PoolLayout(num_pages=1000, page_tokens=64, num_slots=4)
+    assert kv_pool.global_bytes_per_token(cfg, lay) == 890.0
+    a = kv_pool.abstract_pool(cfg, lay)  # shapes only: nothing is allocated
+    assert a.kv_packed[0].shape == (1000, 32, 256) and a.kv_scale[3].shape == (1000, 64, 32)
+    assert a.ik_packed[0].shape[-1] + a.ik_scale[0].shape[-1] == 68
+    assert a.swa_q[0].shape[-1] + a.swa_s[0].shape[-1] == 528

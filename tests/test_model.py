@@ -1,0 +1,66 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41 import ModelConfig, forward, init_params, quant
+from dsv41 import params as P
+from dsv41.config import preset
+from dsv41.model import InputError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny")
+    return cfg, init_params(cfg, seed=0)
+
+
+def test_public_api_shapes(tiny):
+    cfg, params = tiny
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
+    logits = forward(params, cfg, ids)
+    assert logits.shape == (2, 40, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert bool(jnp.isfinite(logits).all())
+    assert isinstance(cfg, ModelConfig)
+
+
+def test_causal_across_the_window_float32(tiny):
+    """Row i depends only on tokens <= i: a 150-token prefix equals the first rows of a 301-token run."""
+    cfg, params = tiny
+    pf = P.dequantize_params(params, "float32")
+    ids = np.random.default_rng(1).integers(3, cfg.vocab_size, (1, 301)).astype(np.int32)
+    full = np.asarray(forward(pf, cfg, ids, quant.EXACT_F32))
+    part = np.asarray(forward(pf, cfg, ids[:, :150], quant.EXACT_F32))
+    np.testing.assert_allclose(part, full[:, :150], rtol=0, atol=2e-5)
+    assert np.abs(full[:, 150:] - full[:, 149:-1]).max() > 1e-2  # and later rows do change
+
+
+def test_numerics_switches_matter(tiny):
+    cfg, params = tiny
+    ids = np.random.default_rng(2).integers(3, cfg.vocab_size, (1, 40)).astype(np.int32)
+    pf = P.dequantize_params(params, "float32")
+    exact = np.asarray(forward(pf, cfg, ids, quant.EXACT_F32))
+    kvq = np.asarray(forward(pf, cfg, ids, quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")))
+    assert 1e-4 < np.abs(exact - kvq).max()
+
+
+@pytest.mark.parametrize("ids, msg", [
+    (np.array([[1, 2, 5000]]), "outside the vocabulary"),
+    (np.array([[1, -1]]), "outside the vocabulary"),
+    (np.zeros((1, 0), np.int32), "empty"),
+    (np.zeros((2, 2, 2), np.int32), r"\[batch, seq\]"),
+    (np.array([[0.5, 1.0]]), "integers"),
+])
+def test_bad_input_is_rejected_before_tracing(tiny, ids, msg):
+    cfg, params = tiny
+    with pytest.raises(InputError, match=msg):
+        forward(params, cfg, ids)
+
+
+def test_abstract_shapes_match_release():
+    ab = P.abstract_params(preset("flash"))
+    a = ab["layers"][20]["attn"]
+    assert a["wq_b"].weight.shape == (32768, 1280) and a["wq_b"].scale.shape == (1024, 40)
+    e = ab["layers"][3]["ffn"]["experts"]
+    assert e["w1"].weight.shape == (384, 2304, 2560) and e["w1"].scale.shape == (384, 2304, 160)
+    assert e["w2"].weight.shape == (384, 5120, 1152) and e["w2"].scale.shape == (384, 5120, 72)
+    assert ab["layers"][1]["engram"]["embed"].weight.shape == (384006168, 256)

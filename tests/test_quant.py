@@ -1,0 +1,69 @@
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv41 import quant
+
+
+def test_e2m1_rounds_to_nearest_even():
+    x = jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.74, -2.6, 0.0])
+    v = quant.e2m1_values(quant.e2m1_codes(jnp.clip(x, -6, 6)))
+    np.testing.assert_array_equal(np.asarray(v), [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5, -3.0, 0.0])
+
+
+def test_e2m1_matches_ml_dtypes():
+    x = np.random.default_rng(0).uniform(-6, 6, 4096).astype(np.float32)
+    ours = np.asarray(quant.e2m1_values(quant.e2m1_codes(jnp.asarray(x))))
+    theirs = x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_pow2_scale_is_ceil_of_log2():
+    amax = jnp.array([448.0, 449.0, 1.0, 896.0, 1e-4])
+    s = np.asarray(quant.pow2_scale(amax, 448.0))
+    np.testing.assert_array_equal(s, [1.0, 2.0, 2.0**-8, 2.0, 2.0**-22])
+
+
+def test_fp8_qdq_matches_a_numpy_port():
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32) * 10
+    g = x.reshape(4, 2, 32)
+    amax = np.maximum(np.abs(g).max(-1), 1e-4)
+    s = 2.0 ** np.ceil(np.log2(amax / 448.0))
+    ref = (np.clip(g / s[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s[..., None])
+    np.testing.assert_array_equal(np.asarray(quant.fp8_qdq(jnp.asarray(x))), ref.reshape(4, 64))
+
+
+@pytest.mark.parametrize("block, e4m3", [(16, True), (32, False)])
+def test_fp4_pack_round_trip_equals_qdq(block, e4m3):
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 128)).astype(np.float32))
+    packed, s = quant.fp4_quantize(x, block, e4m3)
+    assert packed.dtype == jnp.uint8 and packed.shape == (3, 64)
+    np.testing.assert_array_equal(np.asarray(quant.fp4_dequantize(packed, s, block)),
+                                  np.asarray(quant.fp4_qdq(x, block, e4m3)))
+    # the serving pool re-quantizes values that were already round-tripped: that must be lossless
+    again = quant.fp4_qdq(quant.fp4_qdq(x, block, e4m3), block, e4m3)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(quant.fp4_qdq(x, block, e4m3)))
+    np.testing.assert_array_equal(np.asarray(quant.fp8_qdq(quant.fp8_qdq(x))), np.asarray(quant.fp8_qdq(x)))
+
+
+def test_nibble_order_low_first():
+    codes = jnp.array([[1, 2, 3, 15]], jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(quant.pack_nibbles(codes)), [[0x21, 0xF3]])
+    np.testing.assert_array_equal(np.asarray(quant.unpack_nibbles(quant.pack_nibbles(codes))), codes)
+
+
+def test_weight_formats_round_trip():
+    w = np.random.default_rng(3).standard_normal((70, 96)).astype(np.float32)  # 70: a partial 32-row block
+    q8 = quant.quantize_fp8_weight(w)
+    assert q8.weight.dtype == jnp.float8_e4m3fn and q8.scale.shape == (3, 3)
+    d8 = np.asarray(q8.dequantize())
+    assert np.abs(d8 - w).max() / np.abs(w).max() < 0.07
+    np.testing.assert_array_equal(np.asarray(quant.quantize_fp8_weight(d8).dequantize()), d8)
+    q4 = quant.quantize_fp4_weight(w)
+    assert q4.weight.shape == (70, 48) and q4.scale.shape == (70, 3) and q4.shape == (70, 96)
+    d4 = np.asarray(q4.dequantize())
+    np.testing.assert_array_equal(np.asarray(quant.quantize_fp4_weight(d4).dequantize()), d4)
+    # exactly representable in bf16: the XLA path dequantizes into bf16 without loss
+    np.testing.assert_array_equal(np.asarray(q4.dequantize(jnp.bfloat16), np.float32), d4)
+    np.testing.assert_array_equal(np.asarray(quant.ue8m0_decode(quant.ue8m0_encode(jnp.array([2.0**-5])))), [2.0**-5])
