@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -24,6 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
     p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+    p.add_argument("--attention-backend", choices=["xla", "pallas"], default="xla",
+                   help="decode attention: the fused Mosaic GPU kernel (GPU only) or the XLA path")
 
 
 def build_engine(args: argparse.Namespace):
@@ -31,7 +32,7 @@ def build_engine(args: argparse.Namespace):
 
     kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              swa_bounded_replay=not args.no_swa_bounded_replay)
+              swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend)
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, **kw)
     return Engine.from_preset(args.preset or "tiny", seed=args.seed, **{k: v for k, v in kw.items()})

@@ -20,13 +20,15 @@ Kernel design (one CTA per (sequence, key split), 3 warpgroups):
 
 * WG2 (producer): TMA-loads q [64, D] bf16 and the CTA's physical row ids,
   then for every tile of T=64 keys gathers the quantized rows straight from
-  HBM with 16-byte ``ld.global.nc`` (8 rows in flight per thread), dequantizes
+  HBM with 16-byte ``ld.global.nc`` (4 rows in flight per thread), dequantizes
   them with integer / ``prmt`` bit tricks (e2m1 via a byte LUT, exact
   ``mul.rn.bf16x2`` by the E4M3 scale; e4m3 via ``cvt.f16x2.e4m3x2``) and
   stores bf16 into a 128B-swizzled shared tile (2 stages), plus a 0/-inf bias
   per key (invalid rows are zero-filled, so garbage pages never leak NaNs).
 * WG0/WG1 (consumers): each computes S = Q K^T [64, T] with wgmma (redundantly,
-  both need all of S) and accumulates its half of the output columns,
+  both need all of S; or, qk_mode='split', each half of the keys with row
+  maxima and P halves exchanged in smem) and accumulates its half of the
+  output columns,
   O[:, w*D/2:(w+1)*D/2] += P V_half, with an online softmax in exp2 domain.
   P is rounded to bf16 before PV (as the reference kernel does).
 * num_splits > 1 (flash decoding, for small B): each CTA handles a contiguous
@@ -35,9 +37,11 @@ Kernel design (one CTA per (sequence, key split), 3 warpgroups):
   normalisation, bf16 store).
 
 Interpret mode: the Mosaic GPU interpreter cannot run ``inline_mgpu`` (the
-PTX dequant), so with ``interpret=True`` the producer uses an equivalent
-jnp/Pallas per-row dequant; everything else (pipeline, barriers, wgmma, masks,
-online softmax, splits, epilogues) is the same code as on the GPU.
+PTX gather + dequant), ``pl.run_state`` over a WGMMA accumulator, or wgmma
+with a register LHS.  With ``interpret=True`` the wrapper pre-gathers the rows
+and the producer dequantizes a tile with jnp, and P is staged through smem;
+everything else (pipeline, barriers, wgmma, masks, online softmax, splits,
+epilogues) is the same code as on the GPU.
 
 Formats (ARCHITECTURE.md section 4):
 * SWA ring ``swa_q`` uint8 (or float8_e4m3fn) [B, W, D], ``swa_s`` uint8 UE8M0
@@ -641,6 +645,11 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[slot])
 
+      # Drain: observe the consumers' last releases (keeps every barrier's
+      # phases observed by all its users; the interpreter checks this).
+      for j in range(max(0, tps - ns), tps):
+        plgpu.barrier_wait(consumed.at[j % ns])
+
     # ------------------------------------------------------------ consumers
     def sync(bar):
       plgpu.barrier_arrive(bar)
@@ -857,8 +866,13 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
 
   Args beyond the reference's: ``rows`` -- precomputed ``compressed_rows``;
   ``num_splits`` -- key splits per sequence (None: fill ~132 SMs);
-  ``interpret`` -- run in the Mosaic GPU interpreter (CPU).
-  Requirements: H <= 64 (padded to 64), D % 128 == 0.
+  ``interpret`` -- run in the Mosaic GPU interpreter (CPU);
+  ``config`` -- ``KernelConfig`` (consumer mode, prefetch, registers).
+  Requirements: H <= 64 (padded to 64), D % 128 == 0.  W and K are padded to
+  multiples of 64 with invalid entries.  Status (H200, 2026-11-30): verified
+  on device for B=1, num_splits=10, qk_mode='redundant' (rel. L2 1.7e-3);
+  the other configurations are verified in the interpreter and lower for
+  sm_90a, but have not run on the GPU yet.
   """
   b, h, d = q.shape
   if h > HEADS_PER_CTA:
@@ -942,8 +956,8 @@ def sparse_attention(q, swa_q, swa_s, swa_valid, topk, page_table, kv_packed,
   Mosaic GPU interpreter), 'xla' (the jnp reference under jit)."""
   args = (q, swa_q, swa_s, swa_valid, topk, page_table, kv_packed, kv_scale, sink)
   if backend == "xla":
-    kwargs.pop("num_splits", None)
-    kwargs.pop("interpret", None)
+    for k in ("num_splits", "interpret", "config"):
+      kwargs.pop(k, None)
     return sparse_attention_reference(*args, **kwargs)
   if backend in ("pallas", "interpret"):
     return sparse_attention_decode(*args, interpret=(backend == "interpret"), **kwargs)

@@ -612,16 +612,14 @@ class OpenAIServer:
 
     # ---- generation ----
 
-    async def _read(self, request: web.Request) -> dict[str, Any]:
-        return parse_json_body(await request.read())
-
     async def _admit(self, request: web.Request, parse: Callable, endpoint: str, prefix: str
                      ) -> tuple[GenRequest, RequestStream]:
         arrival = time.monotonic()
-        body = await self._read(request)
+        raw = await request.read()
         session = request.headers.get("X-Session-Id") or None
         try:
-            if len(await request.read()) > _TOKENIZE_OFF_LOOP_BYTES:  # long prompts: keep the loop responsive
+            body = parse_json_body(raw)
+            if len(raw) > _TOKENIZE_OFF_LOOP_BYTES:  # long prompts: keep the event loop responsive
                 req = await asyncio.to_thread(parse, body, self.cfg, self.tokenizer, session)
             else:
                 req = parse(body, self.cfg, self.tokenizer, session)

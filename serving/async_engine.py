@@ -27,11 +27,10 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
+from serving.engine.engine import EngineError, QueueFull, SamplingParams, StepOutput
 from serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
-
-from serving.engine.engine import EngineError, QueueFull, SamplingParams, StepOutput
 
 __all__ = ["AsyncEngine", "RequestStream", "EngineError", "QueueFull", "EngineStepError", "EngineDead",
            "SamplingParams"]
@@ -181,6 +180,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._crashed: BaseException | None = None
+        self._closed: str | None = None  # why the engine thread takes no more commands; set under _lock
+        self._lock = threading.Lock()  # orders _submit against the thread's close, so no command is stranded
 
     # ---- lifecycle ----
 
@@ -208,7 +209,8 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The engine thread runs and takes commands."""
+        return self._thread is not None and self._closed is None and self._thread.is_alive()
 
     # ---- requests ----
 
@@ -218,13 +220,16 @@ class AsyncEngine:
 
         Raises what `Engine.add_request` raises (EngineError, QueueFull) or EngineDead; never affects others.
         """
-        self._check_alive()
         if request_id in self._streams:
             raise EngineError(f"request id {request_id!r} is already in flight; use a unique id per request")
         stream = RequestStream(self, request_id, len(prompt_ids), time.monotonic() if arrival is None else arrival)
         self._streams[request_id] = stream  # before the engine sees it, so no output can arrive unrouted
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, list(prompt_ids), sampling, session, done))
+        try:
+            self._submit(_Add(request_id, list(prompt_ids), sampling, session, done))
+        except EngineDead:
+            self._streams.pop(request_id, None)
+            raise
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -263,7 +268,10 @@ class AsyncEngine:
         if not self.alive:
             return dict(self.last_stats)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Stats(done))
+        try:
+            self._submit(_Stats(done))
+        except EngineDead:
+            return dict(self.last_stats)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
         except asyncio.TimeoutError:
@@ -273,20 +281,22 @@ class AsyncEngine:
     def call_in_engine_thread(self, fn: Callable[[Any], Any], timeout_s: float = 30.0) -> Any:
         """Runs fn(engine) on the engine thread and returns its result; for threads other than the event loop's
         (tests, tools). Blocks the calling thread."""
-        self._check_alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Call(fn, done))
+        self._submit(_Call(fn, done))
         return done.result(timeout_s)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def _check_alive(self) -> None:
-        if self._thread is None:
-            raise EngineDead("AsyncEngine.start() was not called")
-        if not self._thread.is_alive():
-            raise EngineDead(f"the engine thread has stopped ({self._crashed!r}); restart the server")
+    def _submit(self, cmd: Any) -> None:
+        """Queues a command that waits for an answer; EngineDead when the thread will never read it."""
+        with self._lock:
+            if self._thread is None:
+                raise EngineDead("AsyncEngine.start() was not called")
+            if self._closed is not None:
+                raise EngineDead(self._closed)
+            self._commands.put(cmd)
 
     # ---- event-loop side of the engine thread's callbacks ----
 
@@ -359,11 +369,11 @@ class AsyncEngine:
             self._crashed = e
             self.healthy = False
             log.exception("engine thread crashed; failing %d request(s) in flight", len(active))
-            self._post(self._fail_requests, list(active),
-                       lambda rid: EngineDead(f"the engine thread crashed ({e!r}); see the server log"))
-            self._reject_pending(EngineDead(f"the engine thread crashed ({e!r})"))
+            why = f"the engine thread crashed ({e!r}); see the server log and restart the server"
+            self._close(why)
+            self._post(self._fail_requests, list(active), lambda rid: EngineDead(why))
         else:
-            self._reject_pending(EngineDead("the engine thread stopped"))
+            self._close("the engine thread stopped (server shutting down); retry on another replica")
 
     def _drain(self, active: set[str], *, block: bool) -> bool:
         """Runs queued commands; False on stop. Blocks for the first one when the engine is idle."""
@@ -434,7 +444,11 @@ class AsyncEngine:
         if failures > 1:
             time.sleep(min(0.05 * 2 ** min(failures, 6), 2.0))  # a step that keeps failing: do not spin
 
-    def _reject_pending(self, exc: BaseException) -> None:
+    def _close(self, why: str) -> None:
+        """Takes no more commands, and answers the queued ones with EngineDead."""
+        with self._lock:
+            self._closed = why
+        exc = EngineDead(why)
         while True:
             try:
                 cmd = self._commands.get_nowait()

@@ -55,6 +55,7 @@ class BenchConfig:
     thinking: bool = False
     temperature: float = 0.0
     seed: int = 0
+    num_warmups: int = 0  # single-turn requests sent (and not counted) before the first level
     request_timeout_s: float = 600.0
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     result_dir: str | None = None  # None: no files written
@@ -68,7 +69,7 @@ class BenchConfig:
         for name in ("num_turns", "output_len"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)}: give >= 1")
-        for name in ("think_time_s", "shared_prefix_len", "first_input_len", "turn_input_len"):
+        for name in ("think_time_s", "shared_prefix_len", "first_input_len", "turn_input_len", "num_warmups"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} {getattr(self, name)}: give >= 0")
         if any(not 0 < p <= 100 for p in self.percentiles):
@@ -237,9 +238,13 @@ async def _resolve_model(http: aiohttp.ClientSession, cfg: BenchConfig) -> str:
     return data[0]["id"]
 
 
+def _system(cfg: BenchConfig) -> str:
+    return "You are a coding agent. Project notes: " + _words(random.Random(cfg.seed), cfg.shared_prefix_len)
+
+
 async def run_level(cfg: BenchConfig, http: aiohttp.ClientSession, model: str, concurrency: int) -> dict[str, Any]:
     sessions = cfg.num_sessions or concurrency
-    system = "You are a coding agent. Project notes: " + _words(random.Random(cfg.seed), cfg.shared_prefix_len)
+    system = _system(cfg)
     client = _Client(cfg, http, model)
     sem = asyncio.Semaphore(concurrency)
     results: list[TurnResult] = []
@@ -255,6 +260,11 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
         model = await _resolve_model(http, cfg)
+        if cfg.num_warmups:
+            log.info("warming up with %d request(s) (not counted)", cfg.num_warmups)
+            warm = dataclasses.replace(cfg, num_turns=1)
+            await asyncio.gather(*(_session(_Client(warm, http, model), warm, asyncio.Semaphore(1), _system(cfg),
+                                            0, i, []) for i in range(cfg.num_warmups)))
         levels = []
         for c in cfg.max_concurrency:
             log.info("level max_concurrency=%d: %d session(s) x %d turn(s), output_len %d", c,

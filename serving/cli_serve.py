@@ -181,6 +181,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--thinking", action="store_true", help="send chat_template_kwargs.thinking=true")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-warmups", type=int, default=0, help="uncounted single-turn requests sent first")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g = parser.add_argument_group("report")
     g.add_argument("--metric-percentiles", type=_float_list, default=(50.0, 90.0, 99.0),
@@ -197,7 +198,7 @@ def bench_config(args: argparse.Namespace) -> Any:
         max_concurrency=tuple(args.max_concurrency), num_sessions=args.num_sessions, num_turns=args.num_turns,
         think_time_s=args.think_time, shared_prefix_len=args.shared_prefix_len, first_input_len=args.input_len,
         turn_input_len=args.turn_input_len, output_len=args.output_len, ignore_eos=args.ignore_eos,
-        thinking=args.thinking, temperature=args.temperature, seed=args.seed,
+        thinking=args.thinking, temperature=args.temperature, seed=args.seed, num_warmups=args.num_warmups,
         request_timeout_s=args.request_timeout, percentiles=tuple(args.metric_percentiles),
         result_dir=args.result_dir)
 

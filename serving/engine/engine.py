@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineError(ValueError):
-    """A request the engine cannot take (bad ids, too long, bad sampling values)."""
+    """A request the engine cannot take (bad ids, too long, bad sampling values) or cannot finish; raised from
+    `step()` it names the failed request in `request_id` (that request is dropped, the others go on)."""
+
+    request_id: str | None = None
 
 
 class QueueFull(RuntimeError):
@@ -169,8 +172,14 @@ class Engine:
                  num_pages: int | None = None, swa_bounded_replay: bool = True,
                  enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
-                 min_ctx_pages: int = 1):
+                 min_ctx_pages: int = 1, attention_backend: str = "xla"):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
+        if attention_backend not in ("xla", "pallas"):
+            raise EngineError(f"attention_backend must be 'xla' or 'pallas', got {attention_backend!r}")
+        if attention_backend == "pallas" and (jax.default_backend() != "gpu" or cfg.head_dim % 128):
+            raise EngineError("attention_backend='pallas' needs a CUDA GPU and head_dim % 128 == 0 "
+                              f"(backend {jax.default_backend()}, head_dim {cfg.head_dim}); use 'xla'")
+        self.attention_backend = attention_backend
         self.params, self.tables = model.strip_tables(params)
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         self.replay = swa_bounded_replay and cfg.split_layer >= 0
@@ -414,8 +423,8 @@ class Engine:
             end = min(end, r.replay_at)
         while not self._ensure_pages(r, end):
             if not self._preempt(r):
-                raise EngineError(f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
-                                  f"{end} tokens; raise num_pages or lower max_model_len")
+                self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                              f"{end} tokens; raise num_pages or lower max_model_len")
         chunk = r.tokens[r.computed:end]
         T = min(self.chunk, _bucket(len(chunk), self.min_prefill_bucket))
         b = self._batch([r], [chunk], [r.computed], T, 1)
@@ -456,6 +465,13 @@ class Engine:
             r.logits.append(np.asarray(logits[0]))
         return int(tok[0])
 
+    def _fail(self, r: _Request, msg: str) -> None:
+        self.running.pop(r.id, None)
+        self._free(r, keep=False)
+        err = EngineError(msg)
+        err.request_id = r.id
+        raise err
+
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
         H, W = r.replay_at, self.cfg.window_size
@@ -468,7 +484,8 @@ class Engine:
         for r in list(reqs):
             while not self._ensure_pages(r, len(r.tokens)):
                 if not self._preempt(r):
-                    raise EngineError("the KV pool cannot hold one more token for a single sequence")
+                    self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                                  f"{len(r.tokens)} tokens; raise num_pages or lower max_model_len")
                 reqs = [x for x in reqs if x.id in self.running]
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
@@ -476,7 +493,7 @@ class Engine:
         B = _bucket(len(reqs))
         b = self._batch(reqs, [[r.tokens[-1]] for r in reqs], [len(r.tokens) - 1 for r in reqs], 1, B)
         self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling(reqs, B), cfg=self.cfg,
-                                                   num=self.num)
+                                                   num=self.num, backend=self.attention_backend)
         tok = np.asarray(tok)
         outs = []
         for i, r in enumerate(reqs):

@@ -15,14 +15,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dsv41 import attention as A
-from dsv41 import compressor, engram, indexer, mhc, model, moe, quant
+from dsv41 import compressor, engram, indexer, mhc, model, quant
 from dsv41.config import AttnRole, ModelConfig
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
-from serving.engine.kv_pool import KVPool, PoolLayout, ring_size
+from serving.engine.kv_pool import KVPool, ring_size
 
 
 @jax.tree_util.register_dataclass
@@ -138,8 +137,24 @@ def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
     return lat, g, complete, pool.comp_state[si].at[b.slot].set(new_state, mode="drop")
 
 
+def _pallas_decode_attention(q, rq, rs, win_pos, pos, pool, si, b: Batch, shared, sink, cfg):
+    """The fused Mosaic GPU kernel for one query a row: ring (this token already written) + selected entries."""
+    from pallas_kernels import sparse_attention as sa
+
+    p0 = pos[:, 0]
+    valid = (win_pos <= p0[:, None]) & (win_pos > p0[:, None] - cfg.window_size)
+    if si is None:  # SWA-only layer: no compressed entries
+        topk = jnp.full((q.shape[0], 64), -1, jnp.int32)
+        si = 0
+    else:
+        topk = shared["topk"][:, 0]
+    o = sa.sparse_attention(q[:, 0], rq, rs, valid, topk, b.block_table, pool.kv_packed[si], pool.kv_scale[si],
+                            sink, backend="pallas")
+    return o[:, None]
+
+
 def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
-                     freqs, phase: str):
+                     freqs, phase: str, backend: str = "xla"):
     """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
     split layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
     -> (output [B, T, D] or None, pool)."""
@@ -159,9 +174,10 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     else:
         kv = A.window_kv(x, p, pos, freqs, cfg, num)
         kq, ks = quant.fp8_quantize(kv)
-        swa_q[layer] = pool.swa_q[layer].at[b.slot].set(_write_ring(rq, kq, b.pos0, b.n_valid), mode="drop")
-        swa_s[layer] = pool.swa_s[layer].at[b.slot].set(
-            _write_ring(rs, quant.ue8m0_encode(ks), b.pos0, b.n_valid), mode="drop")
+        new_rq = _write_ring(rq, kq, b.pos0, b.n_valid)
+        new_rs = _write_ring(rs, quant.ue8m0_encode(ks), b.pos0, b.n_valid)
+        swa_q[layer] = pool.swa_q[layer].at[b.slot].set(new_rq, mode="drop")
+        swa_s[layer] = pool.swa_s[layer].at[b.slot].set(new_rs, mode="drop")
         win_k = jnp.concatenate([_dequant_fp8_rows(rq, rs), kv.astype(jnp.float32)], 1)
         win_pos = jnp.concatenate([_ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
     pool = dataclasses.replace(pool, swa_q=swa_q, swa_s=swa_s)
@@ -203,11 +219,16 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if phase == "kv_only":
             return None, pool
         q, _ = A.project_q(x, p, pos, freqs, cfg, num)
-    o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
+    if backend == "pallas" and T == 1 and phase == "full":
+        si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
+        o = _pallas_decode_attention(q, new_rq, new_rs, _ring_positions(b.pos0 + b.n_valid, R, lo), pos, pool, si, b,
+                                     shared, p["attn_sink"], cfg)
+    else:
+        o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
     return A.output(o, pos, p, freqs, cfg, num), pool
 
 
-def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict):
+def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict, backend: str = "xla"):
     freqs = model.freqs_for(cfg)
     shared: dict = {}
     for i in range(first, last):
@@ -217,12 +238,12 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
             h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
         if phase == "kv_only":
             x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
-            _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase)
+            _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend)
             break
 
         def attn_fn(x, lp=lp, i=i, phase=phase):
             nonlocal pool
-            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase)
+            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend)
             return y
 
         h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn)
@@ -266,11 +287,12 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
     return logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num"), donate_argnames=("pool",))
-def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics):
-    """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B])."""
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
+def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics, backend: str = "xla"):
+    """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
+    backend 'pallas': one-token rows (decode) attend through the fused Mosaic GPU kernel."""
     h, pre = model.embed(params, b.tokens, cfg, num)
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {})
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
 

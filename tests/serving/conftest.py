@@ -10,22 +10,18 @@
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import pathlib
 import sys
-from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # fake_engine
 
 from fake_engine import FakeEngine  # noqa: E402
+from serving_helpers import MODEL  # noqa: E402
 
 from serving.api import BackgroundServer  # noqa: E402
-
-MODEL = "tiny"
 
 REPLIES = {
     "SAY_TOOL": 'Let me check.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
@@ -57,36 +53,3 @@ def tiny_server():
 
     with BackgroundServer(Engine.from_preset("tiny", **TINY_ENGINE_KW), model_name=MODEL) as srv:
         yield srv
-
-
-def post(srv: BackgroundServer, path: str, body: Any = None, *, raw: bytes | None = None,
-         headers: dict[str, str] | None = None, conn: http.client.HTTPConnection | None = None
-         ) -> tuple[int, dict[str, str], Any]:
-    """(status, headers, parsed JSON body or text) of one POST."""
-    own = conn is None
-    conn = conn or http.client.HTTPConnection(srv.host, srv.port, timeout=60)
-    data = raw if raw is not None else json.dumps(body).encode()
-    conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    if own:
-        conn.close()
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError:
-        parsed = text
-    return resp.status, dict(resp.getheaders()), parsed
-
-
-def get(srv: BackgroundServer, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
-    conn.request("GET", path)
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
-    return resp.status, text
-
-
-def engine_stats(srv: BackgroundServer) -> dict[str, Any]:
-    """Fresh Engine.stats(), taken on the engine thread."""
-    return srv.async_engine.call_in_engine_thread(lambda e: e.stats())

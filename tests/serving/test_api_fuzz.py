@@ -9,7 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 
-from conftest import MODEL, get, post
+from serving_helpers import MODEL, get, post
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

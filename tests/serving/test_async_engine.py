@@ -103,3 +103,31 @@ def test_dead_engine_refuses_with_a_clear_error():
             await aeng.add("x", [0], SamplingParams())
 
     asyncio.run(body())
+
+
+def test_engine_thread_crash_fails_requests_and_later_adds():
+    class Crashy(FakeEngine):
+        crash = False
+
+        def has_work(self):
+            if self.crash:
+                raise RuntimeError("boom")
+            return super().has_work()
+
+        def step(self):
+            self.crash = True  # the loop's next has_work() raises: the thread dies
+            return super().step()
+
+    async def body():
+        aeng = AsyncEngine(Crashy())
+        aeng.start()
+        stream = await aeng.add("a", [0, 1], SamplingParams(max_tokens=50, ignore_eos=True))
+        with pytest.raises(EngineDead, match="crashed"):
+            async for _ in stream:
+                pass
+        assert not aeng.alive and not aeng.healthy
+        with pytest.raises(EngineDead, match="crashed"):
+            await aeng.add("b", [0, 1], SamplingParams())
+        await aeng.shutdown()
+
+    asyncio.run(body())

@@ -35,9 +35,11 @@ def test_bench_flags(fake_server, tmp_path):
     parser = add_bench_args(argparse.ArgumentParser())
     args = parser.parse_args(["--base-url", fake_server.base_url, "--max-concurrency", "1,2", "--num-sessions", "2",
                               "--num-turns", "2", "--think-time", "0", "--shared-prefix-len", "20", "--input-len", "5",
-                              "--turn-input-len", "3", "--output-len", "2", "--metric-percentiles", "50,95"])
+                              "--turn-input-len", "3", "--output-len", "2", "--metric-percentiles", "50,95",
+                              "--num-warmups", "1"])
     cfg = bench_config(args)
     assert cfg.max_concurrency == (1, 2) and cfg.percentiles == (50.0, 95.0) and cfg.ignore_eos
+    assert cfg.num_warmups == 1
     assert run_bench(args) == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-concurrency", "0"])

@@ -1,0 +1,266 @@
+"""Engine benchmarks on one GPU with the `bench` preset (Flash's per-layer widths, 8 layers, 64 experts):
+prefill with SWA bounded replay on vs off, decode step time vs the HBM roofline, host overhead per decode
+step, compile times. Prints tables (markdown) for docs/PERFORMANCE.md.
+
+    PYTHONPATH=. python3 scripts/bench_engine.py [--lengths 1024,4096,16384] [--batches 1,8,64]
+
+Weights are random, dense bf16 (the XLA path; the Pallas kernels have their own benchmarks), made on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dsv41 import model, quant
+from dsv41 import params as P
+from dsv41 import tokenizer as T
+from dsv41.config import preset
+from serving.engine import programs
+from serving.engine.engine import Engine, SamplingParams, _Request
+
+log = logging.getLogger("bench_engine")
+
+
+def device_params(cfg, seed=0):
+    """Dense bf16 weights drawn on the device; Engram tables as host zeros (read by row, never on the GPU)."""
+    specs = P.param_specs(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P.Spec))
+    key = jax.random.key(seed)
+    out = []
+    for i, s in enumerate(leaves):
+        if s.fmt == "table":
+            out.append(quant.Fp8Rows(np.zeros(s.shape, ml_dtypes.float8_e4m3fn),
+                                     np.full((s.shape[0], s.shape[1] // 32), 127, np.uint8)))
+            continue
+        dt = jnp.float32 if s.fmt == "f32" else jnp.bfloat16
+        if s.init == "ones":
+            out.append(jnp.ones(s.shape, dt))
+            continue
+        std = {"small": 0.1, "hc": 0.5 / math.sqrt(s.shape[-1]), "embed": 1.0}.get(s.init, 1 / math.sqrt(s.shape[-1]))
+        out.append((jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32) * std).astype(dt))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def measure_hbm(gb=4.0):
+    n = int(gb * 2**30 / 4)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * n * 4 / statistics.median(ts)
+
+
+def measure_mxu(n=8192):
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(ts)
+
+
+def timed(fn, reps=5):
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
+    return Engine(cfg, params, T.load_tokenizer(), _ZeroHasher(cfg), max_num_seqs=seqs, max_model_len=max_len,
+                  max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
+                  min_prefill_bucket=2048, min_ctx_pages=max_len // 64, attention_backend=backend)
+
+
+def compare_backends(cfg, params, max_len, n=3000, steps=4):
+    """Decode logits with the Pallas attention vs the XLA path from the same prefilled pool (replay on)."""
+    ids = list(np.random.default_rng(5).integers(3, cfg.vocab_size, n))
+    eng = make_engine(cfg, params, True, max_len, 1)
+    eng.add_request("c", ids, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    while not any(r.output for r in eng.running.values()):
+        eng.step()
+    r = eng.running["c"]
+    worst = 0.0
+    agree = 0
+    for _ in range(steps):
+        b = eng._batch([r], [[r.tokens[-1]]], [len(r.tokens) - 1], 1, 1)
+        s = eng._sampling([r], 1)
+        outs = {}
+        for be in ("xla", "pallas"):
+            pool = jax.tree_util.tree_map(jnp.copy, eng.pool)
+            pool, logits, tok = programs.run_full(eng.params, pool, b, s, cfg=cfg, num=eng.num, backend=be)
+            outs[be] = (np.asarray(logits[0]), int(tok[0]), pool)
+        worst = max(worst, float(np.abs(outs["xla"][0] - outs["pallas"][0]).max()))
+        agree += outs["xla"][1] == outs["pallas"][1]
+        eng.pool = outs["xla"][2]
+        r.output.append(outs["xla"][1])
+        r.computed = len(r.tokens) - 1
+    scale = float(np.abs(outs["xla"][0]).max())
+    return worst, scale, agree, steps
+
+
+class _ZeroHasher:
+    """Engram hashing stand-in for the bench vocabulary (the built-in tokenizer is the tiny preset's): row 0."""
+
+    def __init__(self, cfg):
+        self.n = (len(cfg.engram_layer_ids), cfg.engram_n_cols)
+
+    def initial_history(self, b):
+        return np.zeros((b, 3), np.int64)
+
+    def history_from_ids(self, ids):
+        return self.initial_history(ids.shape[0])
+
+    def hash_step(self, ids, hist):
+        return np.zeros((*ids.shape, *self.n), np.int64), hist
+
+
+def bench_prefill(cfg, params, lengths, max_len):
+    rows = []
+    rng = np.random.default_rng(0)
+    for replay in (False, True):
+        eng = make_engine(cfg, params, replay, max_len, 2)
+        for n in lengths:
+            ids = list(rng.integers(3, cfg.vocab_size, n))
+            sp = SamplingParams(max_tokens=1)
+            t0 = time.perf_counter()
+            eng.generate(ids, sp)
+            first = time.perf_counter() - t0
+            warm = timed(lambda: eng.generate(ids, sp), reps=3)
+            rows.append((n, replay, first, warm))
+            log.info("prefill n=%d replay=%s first=%.2fs warm=%.3fs", n, replay, first, warm)
+    return rows
+
+
+def fake_decode_state(eng, B, ctx):
+    """B running requests at position ctx with their pages assigned (the pool holds zeros: cost is the same)."""
+    eng.running.clear()
+    pages = iter(range(eng.layout.num_pages))
+    for i in range(B):
+        r = _Request(f"d{i}", [5] * ctx, SamplingParams(max_tokens=10**6, ignore_eos=True), None, float(i),
+                     prefill_len=ctx)
+        r.output = [7]
+        r.computed = ctx
+        r.slot = i
+        r.pages = [next(pages) for _ in range(-(-(ctx + 1) // eng.layout.page_tokens))]
+        r.history = eng.hasher.initial_history(1)
+        eng.running[r.id] = r
+
+
+def decode_bytes(cfg, B, ctx, weight_bytes_per_expert, dense_bytes, expert_bytes_per):
+    """Bytes a decode step must touch at least: non-expert weights, the experts the batch selects (expected
+    distinct experts of B*k uniform draws), the KV each sequence reads."""
+    E, k = cfg.n_routed_experts, cfg.n_activated_experts
+    distinct = E * (1 - (1 - k / E) ** B)
+    experts = cfg.n_layers * distinct * expert_bytes_per
+    swa = cfg.n_layers * 128 * 528 * B
+    comp_layers = sum(1 for r in cfg.compress_ratios if r)
+    idx_layers = len(cfg.index_source_layers)
+    kv = B * (comp_layers * min(cfg.index_topk, ctx) * 288 + idx_layers * ctx * 68)
+    return dense_bytes + experts + swa + kv
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="1024,4096,16384")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--decode-ctx", type=int, default=4096)
+    ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
+    ap.add_argument("--backends", default="xla", help="decode attention backends to time: xla,pallas")
+    ap.add_argument("--skip-prefill", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    cfg = preset(args.preset)
+    dev = jax.devices()[0]
+    log.info("device %s", dev)
+    small = dev.platform == "cpu"
+    hbm = measure_hbm(0.25 if small else 4.0)
+    mxu = measure_mxu(1024 if small else 8192)
+    log.info("HBM %.2f TB/s, bf16 matmul %.0f TFLOP/s", hbm / 1e12, mxu / 1e12)
+    t = time.perf_counter()
+    params = device_params(cfg)
+    jax.block_until_ready(params)
+    log.info("params on device in %.1fs", time.perf_counter() - t)
+    max_len = max(lengths) + 2048
+    max_len = -(-max_len // 64) * 64
+
+    pre = [] if args.skip_prefill else bench_prefill(cfg, params, lengths, max_len)
+    backends = args.backends.split(",")
+    cmp = None
+    if "pallas" in backends:
+        cmp = compare_backends(cfg, params, max_len)
+        log.info("pallas vs xla decode logits: max |diff| %.4g (logit scale %.3g), greedy agree %d/%d", *cmp)
+
+    core, _ = model.strip_tables(params)
+    experts_b = sum(x.size * x.dtype.itemsize for lp in core["layers"] for x in jax.tree_util.tree_leaves(lp["ffn"]["experts"]))
+    per_expert = experts_b / (cfg.n_layers * cfg.n_routed_experts)
+    dense_b = P.tree_bytes(core) - experts_b - core["embed"].size * 2  # embedding: one row per token
+    fp4_per_expert = 3 * cfg.moe_inter_dim * cfg.dim * (0.5 + 1 / 32)
+    dec = []
+    for be, B in [(be, B) for be in backends for B in batches]:
+        eng = make_engine(cfg, params, True, max(max_len, args.decode_ctx + 128), max(batches), be)
+        fake_decode_state(eng, B, args.decode_ctx)
+        t0 = time.perf_counter()
+        eng.step()
+        compile_s = time.perf_counter() - t0
+        step = timed(eng.step, reps=10)
+        reqs = list(eng.running.values())
+        Bp = 1 << (B - 1).bit_length()
+        b = eng._batch(reqs, [[r.tokens[-1]] for r in reqs], [len(r.tokens) - 1 for r in reqs], 1, Bp)
+        s = eng._sampling(reqs, Bp)
+
+        def dev_only():
+            eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, s, cfg=cfg, num=eng.num, backend=be)
+            tok.block_until_ready()
+
+        dev_t = timed(dev_only, reps=10)
+        host_t = timed(lambda: (eng._batch(reqs, [[r.tokens[-1]] for r in reqs],
+                                           [len(r.tokens) - 1 for r in reqs], 1, Bp), eng._sampling(reqs, Bp)), reps=10)
+        bytes_bf16 = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b, per_expert)
+        bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b / 2, fp4_per_expert)
+        dec.append((be, B, compile_s, step, dev_t, host_t, bytes_bf16, bytes_fp4))
+        log.info("decode %s B=%d step=%.2fms device=%.2fms host=%.2fms", be, B, step * 1e3, dev_t * 1e3, host_t * 1e3)
+
+    print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
+          f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (f32 scale, read+write), bf16 matmul "
+          f"{mxu / 1e12:.0f} TFLOP/s\n")
+    print("| prompt tokens | exact prefill s | replay prefill s | replay saves | first call (compile) exact / replay s |")
+    print("|---|---|---|---|---|")
+    by = {(n, r): (f, w) for n, r, f, w in pre}
+    for n in (lengths if pre else []):
+        e, r = by[(n, False)], by[(n, True)]
+        print(f"| {n} | {e[1]:.3f} | {r[1]:.3f} | {100 * (1 - r[1] / e[1]):.0f}% | {e[0]:.1f} / {r[0]:.1f} |")
+    print("\n| attention | batch | engine step ms | device ms | host prep ms | roofline ms (bf16 weights) | "
+          "of roofline | roofline ms (FP8/FP4 weights) | first step (compile) s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for be, B, c, st, dv, ho, bb, bf in dec:
+        rb, rf = bb / hbm, bf / hbm
+        print(f"| {be} | {B} | {st * 1e3:.2f} | {dv * 1e3:.2f} | {ho * 1e3:.2f} | {rb * 1e3:.2f} | "
+              f"{100 * rb / dv:.0f}% | {rf * 1e3:.2f} | {c:.1f} |")
+    if cmp:
+        print(f"\npallas vs xla decode logits (3000-token prompt, replay on, 4 steps): max |diff| {cmp[0]:.4g} "
+              f"(max |logit| {cmp[1]:.3g}), greedy tokens agree {cmp[2]}/{cmp[3]}")
+
+
+if __name__ == "__main__":
+    main()
