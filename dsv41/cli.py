@@ -120,8 +120,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compilation_cache() -> None:
+    """Programs compiled once are reused by later runs (the first `generate` spends most of its time compiling)."""
+    import os
+
+    import jax
+
+    path = os.environ.get("DSV41_COMPILATION_CACHE", os.path.expanduser("~/.cache/dsv41/jax-compilation-cache"))
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" on every start
+    _compilation_cache()
     ap = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference and serving in JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
 

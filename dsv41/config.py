@@ -323,7 +323,8 @@ def _validate(c: ModelConfig) -> None:
     _need(0 < c.rope_head_dim <= min(c.head_dim, c.index_head_dim) and c.rope_head_dim % 2 == 0, "rope_head_dim",
           f"must be even and <= min(head_dim, index_head_dim), got {c.rope_head_dim}")
     for name in ("dim", "head_dim", "q_lora_rank", "moe_inter_dim", "index_head_dim", "o_lora_rank"):
-        _need(getattr(c, name) % 32 == 0, name, f"must be a multiple of 32 (quantization blocks), got {getattr(c, name)}")
+        v = getattr(c, name)
+        _need(v % 32 == 0, name, f"must be a multiple of 32 (quantization blocks), got {v}")
     _need((c.n_heads * c.head_dim // c.o_groups) % 32 == 0, "head_dim",
           "n_heads*head_dim/o_groups must be a multiple of 32")
     for s in c.kv_source_layers:

@@ -55,24 +55,14 @@ def measure_hbm(gb=4.0):
     x = jnp.ones((n,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
     f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * n * 4 / statistics.median(ts)
+    return 2 * n * 4 / timed(lambda: f(x).block_until_ready(), reps=10)
 
 
 def measure_mxu(n=8192):
     a = jnp.ones((n, n), jnp.bfloat16)
     f = jax.jit(lambda a: a @ a)
     f(a).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(ts)
+    return 2 * n**3 / timed(lambda: f(a).block_until_ready(), reps=10)
 
 
 def timed(fn, reps=5):
@@ -212,7 +202,7 @@ def main():
         log.info("pallas vs xla decode logits: max |diff| %.4g (logit scale %.3g), greedy agree %d/%d", *cmp)
 
     core, _ = model.strip_tables(params)
-    experts_b = sum(x.size * x.dtype.itemsize for lp in core["layers"] for x in jax.tree_util.tree_leaves(lp["ffn"]["experts"]))
+    experts_b = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in core["layers"])
     per_expert = experts_b / (cfg.n_layers * cfg.n_routed_experts)
     dense_b = P.tree_bytes(core) - experts_b - core["embed"].size * 2  # embedding: one row per token
     fp4_per_expert = 3 * cfg.moe_inter_dim * cfg.dim * (0.5 + 1 / 32)
@@ -244,7 +234,8 @@ def main():
     print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
           f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (f32 scale, read+write), bf16 matmul "
           f"{mxu / 1e12:.0f} TFLOP/s\n")
-    print("| prompt tokens | exact prefill s | replay prefill s | replay saves | first call (compile) exact / replay s |")
+    print("| prompt tokens | exact prefill s | replay prefill s | replay saves "
+          "| first call (compile) exact / replay s |")
     print("|---|---|---|---|---|")
     by = {(n, r): (f, w) for n, r, f, w in pre}
     for n in (lengths if pre else []):

@@ -383,3 +383,17 @@ def test_sharded_load_on_a_two_device_mesh(ckpt_dir):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                        cwd=os.path.dirname(os.path.dirname(ckpt.__file__)))
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_forward_on_loaded_checkpoint_equals_written_params(tmp_path):
+    from dsv41 import model
+    from dsv41.tokenizer import BUILTIN_DIR
+
+    cfg = preset("tiny")
+    params = init_params(cfg, seed=1)
+    path = ckpt.save_checkpoint(params, cfg, tmp_path / "fwd", tokenizer_dir=BUILTIN_DIR, n_shards=3)
+    cfg2, loaded = ckpt.load_checkpoint(path)
+    assert cfg2 == cfg
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(model.forward(loaded, cfg, ids)),
+                                  np.asarray(model.forward(params, cfg, ids)))

@@ -111,7 +111,8 @@ def test_attention_and_moe(f32):
     cfg, ours, ref = f32
     for i in range(cfg.n_layers):
         assert rel(ours[f"layer{i}.attn_out"], ref[f"layer{i}.attn_out"]) < F32_REL, i
-        np.testing.assert_array_equal(np.sort(ours[f"layer{i}.moe.experts"], -1), np.sort(ref[f"layer{i}.moe.topk_idx"], -1))
+        np.testing.assert_array_equal(np.sort(ours[f"layer{i}.moe.experts"], -1),
+                                      np.sort(ref[f"layer{i}.moe.topk_idx"], -1))
         order_o = np.argsort(ours[f"layer{i}.moe.experts"], -1)
         order_r = np.argsort(ref[f"layer{i}.moe.topk_idx"], -1)
         w_o = np.take_along_axis(ours[f"layer{i}.moe.weights"], order_o, -1)

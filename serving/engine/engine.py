@@ -180,7 +180,10 @@ class Engine:
             raise EngineError("attention_backend='pallas' needs a CUDA GPU and head_dim % 128 == 0 "
                               f"(backend {jax.default_backend()}, head_dim {cfg.head_dim}); use 'xla'")
         self.attention_backend = attention_backend
-        self.params, self.tables = model.strip_tables(params)
+        self.params, tables = model.strip_tables(params)
+        # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
+        self.tables = [t if isinstance(t.weight, np.ndarray)
+                       else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         self.replay = swa_bounded_replay and cfg.split_layer >= 0
         if max_num_batched_tokens < cfg.window_size:
@@ -363,9 +366,16 @@ class Engine:
         if self.hasher is None or not self.cfg.engram_layer_ids:
             return []
         rid = np.zeros((B, T, len(self.cfg.engram_layer_ids), self.cfg.engram_n_cols), np.int64)
-        for i, (r, t) in enumerate(zip(reqs, toks)):
-            rid[i, : len(t)], r.history = self.hasher.hash_step(np.asarray([t], np.int64), r.history)
-        return [jnp.asarray(x) for x in model.engram_rows(self.tables, rid)]
+        if len({len(t) for t in toks}) == 1:  # decode: every row hashes one token, in one call
+            n = len(reqs)
+            rid[:n, : len(toks[0])], hist = self.hasher.hash_step(np.asarray(toks, np.int64),
+                                                                  np.concatenate([r.history for r in reqs]))
+            for i, r in enumerate(reqs):
+                r.history = hist[i:i + 1]
+        else:
+            for i, (r, t) in enumerate(zip(reqs, toks)):
+                rid[i, : len(t)], r.history = self.hasher.hash_step(np.asarray([t], np.int64), r.history)
+        return model.engram_rows(self.tables, rid)
 
     def _batch(self, reqs: list[_Request], toks: list[list[int]], pos0: list[int], T: int, B: int) -> tuple:
         ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in reqs), self.min_ctx_pages))
@@ -382,8 +392,8 @@ class Engine:
             bt[i, : len(r.pages)] = r.pages
             slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
         rows = self._rows(reqs, toks, B, T)
-        b = programs.Batch(jnp.asarray(tokens), jnp.asarray(p0), jnp.asarray(n_valid), jnp.asarray(slot),
-                           jnp.asarray(bt), jnp.asarray(wlo), rows)
+        # host arrays: the jitted call moves them with its own (fast) argument transfer
+        b = programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rows)
         return b
 
     def _sampling(self, reqs: list[_Request], B: int) -> programs.Sampling:
@@ -397,7 +407,7 @@ class Engine:
             seed = s.seed if s.seed is not None else hash(r.id) & 0xFFFFFFFF
             key[i] = (seed & 0xFFFFFFFF, r.steps)
             r.steps += 1
-        return programs.Sampling(jnp.asarray(t), jnp.asarray(tp), jnp.asarray(tk), jnp.asarray(key))
+        return programs.Sampling(t, tp, tk, key)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -449,7 +459,7 @@ class Engine:
             self.pool = dataclasses.replace(self.pool, ring_lo=lo)
             hp = jnp.zeros((1, W, *h.shape[1:]), h.dtype).at[0, :Td].set(h)
             pp = jnp.zeros((1, W, *pre.shape[1:]), pre.dtype).at[0, :Td].set(pre)
-            bd = programs.Batch(b.tokens[:, :1], jnp.asarray([N - Td], jnp.int32), jnp.asarray([Td], jnp.int32),
+            bd = programs.Batch(b.tokens[:, :1], np.asarray([N - Td], np.int32), np.asarray([Td], np.int32),
                                 b.slot, b.block_table, b.write_lo, [])
             self.pool, logits, tok = programs.run_decoder(self.params, self.pool, bd, hp, pp,
                                                           self._sampling([r], 1), cfg=cfg, num=num)

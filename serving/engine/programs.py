@@ -193,7 +193,8 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
             ok = complete & (gpos >= b.write_lo[:, None])
             ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
             cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
-            lists = {k: list(getattr(pool, k)) for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state")}
+            lists = {k: list(getattr(pool, k))
+                     for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state")}
             lists["kv_packed"][si] = _write_entries(pool.kv_packed[si], b.block_table, g, ok, cep)
             lists["kv_scale"][si] = _write_entries(pool.kv_scale[si], b.block_table, g, ok, quant.e4m3(ces))
             lists["ik_packed"][si] = _write_entries(pool.ik_packed[si], b.block_table, g, ok, ikp)

@@ -3,11 +3,10 @@ the Mosaic GPU interpreter (CPU). GPU-only tests run the compiled kernel (marked
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from dsv41.quant import Fp4Weight, quantize_fp4_weight
 from pallas_kernels import expert_gemm as eg

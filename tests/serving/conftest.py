@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -43,13 +42,7 @@ def fake_server():
 
 @pytest.fixture(scope="session")
 def tiny_server():
-    import jax
-
-    cache = pathlib.Path(os.path.expanduser("~/.cache/dsv41/jax-compilation-cache"))
-    cache.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from serving.engine.engine import Engine
+    from serving.engine.engine import Engine  # the root conftest turned on the persistent compilation cache
 
     with BackgroundServer(Engine.from_preset("tiny", **TINY_ENGINE_KW), model_name=MODEL) as srv:
         yield srv

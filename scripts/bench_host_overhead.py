@@ -1,0 +1,55 @@
+"""Host work the engine does per decode step (batch arrays, Engram hashing and row gather, sampling keys), no
+device work: the part of a step that Python adds. Prints a markdown table.
+
+    PYTHONPATH=. python scripts/bench_host_overhead.py [--batches 1,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from dsv41 import model
+from dsv41 import params as P
+from dsv41 import tokenizer as T
+from dsv41.config import preset
+from serving.engine.engine import Engine, SamplingParams, _Request
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--ctx", type=int, default=1000)
+    args = ap.parse_args()
+    cfg = preset("tiny")  # host work depends on batch, pages and Engram columns, not on the model's widths
+    batches = [int(x) for x in args.batches.split(",")]
+    eng = Engine(cfg, P.init_params(cfg, 0), T.load_tokenizer(), model.builtin_hasher(cfg),
+                 max_num_seqs=max(batches), max_model_len=4096)
+    pages = -(-(args.ctx + 1) // eng.layout.page_tokens)
+    print("| batch | host prep per decode step ms (median of 50) |\n|---|---|")
+    for B in batches:
+        reqs = []
+        for i in range(B):
+            r = _Request(f"d{i}", [5] * args.ctx, SamplingParams(max_tokens=10), None, 0.0, prefill_len=args.ctx)
+            r.output, r.computed, r.slot = [7], args.ctx, i
+            r.pages = list(range(i * pages, (i + 1) * pages))
+            r.history = eng.hasher.initial_history(1)
+            reqs.append(r)
+        Bp = 1 << (B - 1).bit_length()
+
+        def prep():
+            eng._batch(reqs, [[r.tokens[-1]] for r in reqs], [len(r.tokens) - 1 for r in reqs], 1, Bp)
+            eng._sampling(reqs, Bp)
+
+        prep()
+        ts = []
+        for _ in range(50):
+            t = time.perf_counter()
+            prep()
+            ts.append(time.perf_counter() - t)
+        print(f"| {B} | {statistics.median(ts) * 1e3:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
