@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -39,9 +41,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, help="most requests in one running batch")
     g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (prefill chunks + decodes)")
     g.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false", default=None,
-                   help="replay the whole prefix on a prefix-cache hit instead of the bounded SWA window")
-    g.add_argument("--attention-backend", help="attention implementation (e.g. pallas or xla; default: the "
-                                               "engine's choice for the device)")
+                   help="exact prefill: run every layer on every prompt token instead of the decoder layers on "
+                        "the last 128 (SWA bounded replay); also turns prefix caching off unless enabled")
+    g.add_argument("--attention-backend", choices=["xla", "pallas"],
+                   help="decode attention: xla (default) or the fused Mosaic GPU kernel (GPU only)")
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
                    help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")
@@ -53,6 +56,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--demo", action="store_true",
+                   help="start on a free port, send one chat request over HTTP, print request and answer, stop")
     return parser
 
 
@@ -128,9 +133,28 @@ async def _serve_forever(engine: Any, args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
+def run_demo(engine, args: argparse.Namespace) -> int:
+    """One served request, end to end: what a new user sees first."""
+    import urllib.request
+
+    from serving.api import BackgroundServer
+
+    body = {"model": served_model_name(args), "max_tokens": 16,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    with BackgroundServer(engine, model_name=served_model_name(args)) as srv:
+        url = srv.base_url + "/v1/chat/completions"
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            answer = json.loads(resp.read())
+    sys.stdout.write(f"POST {url}\n{json.dumps(body, indent=1)}\n-> {json.dumps(answer, indent=1)}\n")
+    return 0
+
+
 def run_serve(args: argparse.Namespace) -> int:
     _ensure_logging()
     engine = build_engine(args)
+    if args.demo:
+        return run_demo(engine, args)
     try:
         asyncio.run(_serve_forever(engine, args))
     except OSError as e:
