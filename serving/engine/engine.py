@@ -320,7 +320,6 @@ class Engine:
             hit: list[int] = []
             if self.prefix:
                 hit = self.prefix.match(r.tokens[: r.prefill_len - 1])
-                self.prefix.query_tokens += len(r.prompt)
             H = len(hit) * self.layout.page_tokens
             for p in hit:
                 self.prefix.acquire(p)
@@ -338,6 +337,7 @@ class Engine:
             self.waiting.popleft()
             if self.prefix:
                 self.prefix.hit_tokens += H
+                self.prefix.query_tokens += r.prefill_len
             r.slot = self.free_slots.popleft()
             r.history = self.hasher.history_from_ids(np.asarray([r.tokens[: r.start]], np.int64)) \
                 if self.hasher is not None else None
