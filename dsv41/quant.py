@@ -79,8 +79,12 @@ def e2m1_codes(v: jax.Array) -> jax.Array:
 
 
 def e2m1_values(codes: jax.Array) -> jax.Array:
-    """4-bit codes -> float32 values."""
-    return jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
+    """4-bit codes -> float32 values. Decoded arithmetically (exponent = bits 1-2, mantissa = bit 0), not by a
+    table gather: elementwise code shards and fuses like any other elementwise op."""
+    c = codes.astype(jnp.int32)
+    e, m = (c >> 1) & 3, (c & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2((e - 1).astype(jnp.float32)))
+    return jnp.where((c & 8) != 0, -mag, mag)
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:
