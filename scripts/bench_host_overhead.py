@@ -14,7 +14,8 @@ from dsv41 import model
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
-from serving.engine.engine import Engine, SamplingParams, _Request
+from scripts.bench_engine import fake_decode_state
+from serving.engine.engine import Engine
 
 
 def main():
@@ -26,16 +27,10 @@ def main():
     batches = [int(x) for x in args.batches.split(",")]
     eng = Engine(cfg, P.init_params(cfg, 0), T.load_tokenizer(), model.builtin_hasher(cfg),
                  max_num_seqs=max(batches), max_model_len=4096)
-    pages = -(-(args.ctx + 1) // eng.layout.page_tokens)
     print("| batch | host prep per decode step ms (median of 50) |\n|---|---|")
     for B in batches:
-        reqs = []
-        for i in range(B):
-            r = _Request(f"d{i}", [5] * args.ctx, SamplingParams(max_tokens=10), None, 0.0, prefill_len=args.ctx)
-            r.output, r.computed, r.slot = [7], args.ctx, i
-            r.pages = list(range(i * pages, (i + 1) * pages))
-            r.history = eng.hasher.initial_history(1)
-            reqs.append(r)
+        fake_decode_state(eng, B, args.ctx)
+        reqs = list(eng.running.values())
         Bp = 1 << (B - 1).bit_length()
 
         def prep():

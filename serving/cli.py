@@ -1,4 +1,5 @@
-"""The `dsv41` command: generate, serve, bench, kv-budget, make-checkpoint, convert."""
+"""The `dsv41` command: generate, serve, bench, kv-budget, make-checkpoint, convert. It lives in `serving`
+because it drives the engine; `dsv41` itself stays importable without it."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def build_engine(args: argparse.Namespace):
               swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend)
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, **kw)
-    return Engine.from_preset(args.preset or "tiny", seed=args.seed, **{k: v for k, v in kw.items()})
+    return Engine.from_preset(args.preset or "tiny", seed=args.seed, **kw)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
