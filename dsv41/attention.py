@@ -74,14 +74,14 @@ def attend(q: jax.Array, q_pos: jax.Array, win_k: jax.Array, win_pos: jax.Array,
     pw = jnp.exp(sw - m[..., None])
     denom = jnp.sum(pw, -1)
     if num.bf16_probs:
-        pw = pw.astype(jnp.bfloat16)
+        pw = quant.round_to(pw, jnp.bfloat16)
     o = jnp.einsum("bsht,btd->bshd", pw.astype(jnp.float32), win_k.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
     if comp_k is not None and comp_k.shape[2] > 0:
         pc = jnp.exp(sc - m[..., None])
         denom = denom + jnp.sum(pc, -1)
         if num.bf16_probs:
-            pc = pc.astype(jnp.bfloat16)
+            pc = quant.round_to(pc, jnp.bfloat16)
         o = o + jnp.einsum("bshk,bskd->bshd", pc.astype(jnp.float32), comp_k.astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
     denom = denom + jnp.exp(sink.astype(jnp.float32) - m)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41 import quant
 from dsv41.config import ModelConfig
 from dsv41.nn import linear, linear_f32, rms_norm
 from dsv41.quant import Numerics
@@ -27,7 +28,7 @@ def pool_groups(kv: jax.Array, score: jax.Array, p: dict, cfg: ModelConfig, dtyp
     w = jax.nn.softmax(score, axis=-2)
     latent = jnp.sum(kv * w, axis=-2)
     # the pooled latent is rounded to the activation dtype before the norm, as the reference does
-    return rms_norm(latent.astype(dtype), p["norm"], cfg.norm_eps)
+    return rms_norm(quant.round_to(latent, dtype).astype(dtype), p["norm"], cfg.norm_eps)
 
 
 def compress(x: jax.Array, p: dict, ratio: int, cfg: ModelConfig, num: Numerics) -> jax.Array:

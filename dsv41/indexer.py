@@ -35,14 +35,20 @@ def index_queries(x: jax.Array, qr: jax.Array, p: dict, pos: jax.Array, freqs: n
     return q, w
 
 
+def raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype) -> jax.Array:
+    """score(i, g) = sum_h w_h relu(q_h . k_g), each step rounded to `dtype` as the reference does (bf16 scores
+    make exact ties common). q [B, S, IH, ID], w [B, S, IH], k [B, G, ID] -> float32 [B, S, G]."""
+    s = quant.round_to(jnp.einsum("bshd,btd->bsht", q.astype(dtype), k.astype(dtype),
+                                  preferred_element_type=jnp.float32), dtype)
+    # a dtype x dtype product is exact in float32: one rounding after it is the dtype multiply
+    s = quant.round_to(jax.nn.relu(s) * w[..., None].astype(dtype).astype(jnp.float32), dtype)
+    return quant.round_to(jnp.sum(s, axis=2), dtype)
+
+
 def scores(q: jax.Array, w: jax.Array, k: jax.Array, q_pos: jax.Array, ratio: int, num: Numerics) -> jax.Array:
-    """score(i, g) = sum_h w_h relu(q_h . k_g) with each step rounded to the activation dtype as the reference
-    does (bf16 scores make exact ties common); -inf where group g is not complete for query i.
+    """`raw_scores` in the activation dtype, -inf where group g is not complete for query i.
     q [B, S, IH, ID], w [B, S, IH], k [B, G, ID], q_pos [B, S] -> float32 [B, S, G]."""
-    dt = num.jdtype
-    s = jnp.einsum("bshd,btd->bsht", q.astype(dt), k.astype(dt), preferred_element_type=jnp.float32).astype(dt)
-    s = (jax.nn.relu(s) * w[..., None].astype(dt)).astype(dt)
-    s = jnp.sum(s.astype(jnp.float32), axis=2).astype(dt).astype(jnp.float32)
+    s = raw_scores(q, w, k, num.jdtype)
     G = k.shape[1]
     visible = jnp.arange(G)[None, None, :] < ((q_pos + 1) // ratio)[..., None]
     return jnp.where(visible, s, -jnp.inf)

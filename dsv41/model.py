@@ -169,10 +169,17 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
 
 @functools.lru_cache(maxsize=4)
 def builtin_hasher(cfg: ModelConfig):
-    """The Engram hasher of the built-in tokenizer (the tiny preset's)."""
+    """The Engram hasher of the built-in tokenizer (the tiny preset's). For a preset with a larger vocabulary
+    (bench, flash: random weights, ids the built-in tokenizer never emits) the ids past the tokenizer's get
+    classes round-robin over the rest of the compressed vocabulary, so the hasher has the config's sizes."""
     from dsv41 import ngram_hash, tokenizer
 
-    return ngram_hash.NgramHasher(cfg, tokenizer.builtin_compressed_token_map()[0])
+    base, n = tokenizer.builtin_compressed_token_map()
+    extra = cfg.vocab_size - base.shape[0]
+    if extra > 0 and cfg.engram_compressed_vocab_size > n:
+        rest = n + np.arange(extra) % (cfg.engram_compressed_vocab_size - n)
+        base = np.concatenate([base, rest.astype(base.dtype)])
+    return ngram_hash.NgramHasher(cfg, base)
 
 
 def prepare(params: dict, cfg: ModelConfig, token_ids, hasher=None):

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from dsv41 import quant
 from dsv41.config import ModelConfig
 from dsv41.nn import linear, linear_f32
-from dsv41.quant import Numerics
+from dsv41.quant import Fp4Weight, Numerics
+from pallas_kernels import expert_gemm
 
 
 def route(x: jax.Array, gate: dict, cfg: ModelConfig, image_mask: jax.Array | None = None):
@@ -56,6 +57,9 @@ def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: Mod
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
 
     def gmm(a, weight):  # a [N, in], weight [E, out, in]
+        if isinstance(weight, expert_gemm.PreparedFp4):  # FP4 decoded in the Mosaic GPU kernel (prepare_experts)
+            backend = "interpret" if weight.interpret else "pallas"
+            return expert_gemm.grouped_fp4_matmul(a.astype(jnp.bfloat16), weight, sizes, backend).astype(dt)
         wd = jnp.swapaxes(quant.dense(weight, dt), 1, 2)
         return jax.lax.ragged_dot(a, wd, sizes, preferred_element_type=jnp.float32).astype(dt)
 
@@ -65,6 +69,22 @@ def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: Mod
         h = quant.fp8_qdq(h)
     y = gmm(h, p["w2"]).astype(jnp.float32)
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[tok].add(y)
+
+
+def prepare_experts(params: dict, interpret: bool = False) -> dict:
+    """The routed experts' FP4 weights in the grouped-GEMM kernel's layout (once, at load): `routed_experts`
+    then runs the Mosaic GPU kernel instead of dequantizing every expert for lax.ragged_dot. The old arrays are
+    dropped as each layer is converted, so peak memory grows by one layer's experts."""
+    layers = []
+    for i, lp in enumerate(params["layers"]):
+        ex = lp["ffn"]["experts"]
+        bad = [k for k, w in ex.items() if not isinstance(w, (Fp4Weight, expert_gemm.PreparedFp4))]
+        if bad:
+            raise ValueError(f"layer {i}: routed experts {bad} are not FP4 (the release's format); the grouped FP4 "
+                             f"kernel needs FP4 weights: load a release checkpoint or use init_params without dtype")
+        ex = {k: expert_gemm.prepare_fp4_experts(w, interpret=interpret) for k, w in ex.items()}
+        layers.append({**lp, "ffn": {**lp["ffn"], "experts": ex}})
+    return {**params, "layers": layers}
 
 
 def moe(x: jax.Array, p: dict, cfg: ModelConfig, num: Numerics, image_mask: jax.Array | None = None,

@@ -138,20 +138,35 @@ def stored_format(spec: Spec, cfg: ModelConfig) -> str:
     return spec.fmt
 
 
-def _dense_init(spec: Spec, key: jax.Array) -> np.ndarray:
+# Leaves at least this large (the bench and flash presets' experts, Engram tables) are drawn with jax.random on
+# the default device: a host RNG takes minutes for the bench preset's ~13 G values, a GPU seconds. Smaller ones
+# keep numpy's RNG, which costs no compile per shape (the tiny preset starts in a few seconds).
+_DEVICE_RNG_MIN = 1 << 24
+
+
+def _dense_init(spec: Spec, key: jax.Array) -> np.ndarray | jax.Array:
     shape = spec.shape
     if spec.init == "ones":
         return np.ones(shape, np.float32)
     if spec.init == "zeros":
         return np.zeros(shape, np.float32)
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32))
     if spec.init == "small":
-        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
-    if spec.init == "hc":  # the coefficient projection is read through an RMS-normalized stream
-        return (0.5 * rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
-    if spec.init in ("embed", "table"):
-        return rng.standard_normal(shape).astype(np.float32)
-    return (rng.standard_normal(shape) / math.sqrt(spec.fan_in())).astype(np.float32)
+        std = 0.1
+    elif spec.init == "hc":  # the coefficient projection is read through an RMS-normalized stream
+        std = 0.5 / math.sqrt(shape[-1])
+    elif spec.init in ("embed", "table"):
+        std = 1.0
+    else:
+        std = 1 / math.sqrt(spec.fan_in())
+    if math.prod(shape) >= _DEVICE_RNG_MIN:
+        return _normal(key, shape, std)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32))
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    return jax.random.normal(key, shape, jnp.float32) * std
 
 
 @functools.partial(jax.jit, static_argnames="fmt")

@@ -115,6 +115,16 @@ def fp8_dequantize(q: jax.Array, s: jax.Array, block: int = 32) -> jax.Array:
     return (qg * s.astype(jnp.float32)[..., None]).reshape(q.shape)
 
 
+def round_to(x: jax.Array, dtype) -> jax.Array:
+    """x rounded to dtype's precision (nearest even), kept in x's float type. A plain astype(bf16).astype(f32)
+    pair is not a rounding under jit: XLA's excess-precision simplification removes it, so the reference
+    kernels' bf16 rounding steps are written with this."""
+    fi = jnp.finfo(dtype)
+    if jnp.finfo(x.dtype).nmant <= fi.nmant:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
 def fp8_qdq(x: jax.Array, block: int = 32) -> jax.Array:
     """The reference's act_quant(..., inplace=True): FP8 round trip, result in x's dtype."""
     q, s = fp8_quantize(x, block)

@@ -83,10 +83,12 @@ def grouped_fp4_matmul_xla(x: jax.Array, w: Fp4Weight, group_sizes: jax.Array) -
 @dataclasses.dataclass(frozen=True)
 class PreparedFp4:
     """Routed-expert FP4 weight in the kernel layout: `weight` uint8 [E, N, K/2] (nibbles permuted within
-    each 32-input group, see the module doc), `scale_t` uint8 [E, K/32, N] (UE8M0 bytes, transposed)."""
+    each 32-input group, see the module doc), `scale_t` uint8 [E, K/32, N] (UE8M0 bytes, transposed).
+    `interpret` (static): the model runs the kernel in the Mosaic GPU interpreter (CPU tests)."""
 
     weight: jax.Array
     scale_t: jax.Array
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -108,7 +110,7 @@ def _perm_from_kernel(codes: jax.Array) -> jax.Array:
     return c.reshape(*lead, k)
 
 
-def prepare_fp4_experts(w: Fp4Weight, check: bool = True) -> PreparedFp4:
+def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = False) -> PreparedFp4:
     """Fp4Weight [E, N, K] -> PreparedFp4 (do this once, when the weights are loaded)."""
     if isinstance(w, PreparedFp4):
         return w
@@ -120,7 +122,7 @@ def prepare_fp4_experts(w: Fp4Weight, check: bool = True) -> PreparedFp4:
         if smax > MAX_SCALE_BYTE:
             raise ValueError(f"UE8M0 scale byte {smax} > {MAX_SCALE_BYTE}: |w| > 12 is outside the kernel's range")
     packed = pack_nibbles(_perm_to_kernel(unpack_nibbles(w.weight)))
-    return PreparedFp4(packed, jnp.swapaxes(w.scale, -1, -2))
+    return PreparedFp4(packed, jnp.swapaxes(w.scale, -1, -2), interpret)
 
 
 def unprepare_fp4_experts(p: PreparedFp4) -> Fp4Weight:
@@ -184,7 +186,7 @@ class KernelConfig:
 
 def default_config(m: int, n: int, k: int) -> KernelConfig:
     if m <= 512:  # decode-like: few rows per expert
-        return KernelConfig(tm=8, tk=256, num_wgs=2, stages=4)
+        return KernelConfig(tm=8, tk=256 if k % 256 == 0 else 128, num_wgs=2, stages=4)
     return KernelConfig(tm=128, tk=128, num_wgs=2, stages=4)
 
 
@@ -395,6 +397,9 @@ def grouped_fp4_matmul_pallas(x: jax.Array, w: Fp4Weight | PreparedFp4, group_si
                               config: KernelConfig | None = None, interpret: bool = False) -> jax.Array:
     pw = prepare_fp4_experts(w, check=False)
     m, k = x.shape
+    if m % 8 and m > 8:  # a TMA box of 8 rows needs a row count below 8 or a multiple of it
+        y = grouped_fp4_matmul_pallas(jnp.pad(x, ((0, -m % 8), (0, 0))), pw, group_sizes, config, interpret)
+        return y[:m]
     e, n, k2 = pw.weight.shape
     if k2 * 2 != k:
         raise ValueError(f"x has K={k}, weight has K={k2 * 2}")

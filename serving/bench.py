@@ -301,8 +301,10 @@ def log_summary(s: dict[str, Any]) -> None:
     log.info("\n".join(lines))
 
 
-def write_plots(levels: list[dict[str, Any]], out: pathlib.Path) -> list[pathlib.Path]:
-    """throughput_vs_interactivity.png and ttft_vs_load.png; none (with a log line) without matplotlib."""
+def write_plots(levels: list[dict[str, Any]] | dict[str, list[dict[str, Any]]], out: pathlib.Path,
+                title: str = "") -> list[pathlib.Path]:
+    """throughput_vs_interactivity.png and ttft_vs_load.png; none (with a log line) without matplotlib.
+    levels: one run's level summaries, or {label: levels} to draw several runs (server variants) together."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -310,34 +312,41 @@ def write_plots(levels: list[dict[str, Any]], out: pathlib.Path) -> list[pathlib
     except ImportError:
         log.info("matplotlib is not importable; skipping the plots (pip install matplotlib to get them)")
         return []
+    runs = levels if isinstance(levels, dict) else {"": levels}
+    suffix = f" ({title})" if title else ""
     paths = []
-    conc = [s["max_concurrency"] for s in levels]
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    x = [s["per_user_tokens_per_s"]["p50"] for s in levels]
-    y = [s["output_tokens_per_s"] for s in levels]
-    ax.plot(x, y, "o-")
-    for c, xi, yi in zip(conc, x, y):
-        ax.annotate(f"c={c}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for label, lv in runs.items():
+        x = [s["per_user_tokens_per_s"]["p50"] for s in lv]
+        y = [s["output_tokens_per_s"] for s in lv]
+        ax.plot(x, y, "o-", label=label or None)
+        for s, xi, yi in zip(lv, x, y):
+            ax.annotate(f"c={s['max_concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("interactivity: median per-user tokens/s (1 / TPOT)")
     ax.set_ylabel("output tokens/s (all users)")
-    ax.set_title("Throughput vs interactivity")
+    ax.set_title("Throughput vs interactivity" + suffix)
     ax.grid(True, alpha=0.3)
+    if len(runs) > 1:
+        ax.legend()
     paths.append(out / "throughput_vs_interactivity.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for key in [k for k in levels[0]["ttft_ms"] if k != "mean"]:
-        ax.plot(conc, [s["ttft_ms"][key] for s in levels], "o-", label=f"TTFT {key}")
+    conc = sorted({s["max_concurrency"] for lv in runs.values() for s in lv})
+    for label, lv in runs.items():
+        for key in [k for k in lv[0]["ttft_ms"] if k != "mean"]:
+            ax.plot([s["max_concurrency"] for s in lv], [s["ttft_ms"][key] for s in lv], "o-",
+                    label=f"{label} TTFT {key}".strip())
     if max(conc) >= 4 * min(conc):
         ax.set_xscale("log", base=2)
     ax.set_xlabel("max concurrency (sessions in flight)")
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title("TTFT vs load")
+    ax.set_title("TTFT vs load" + suffix)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     paths.append(out / "ttft_vs_load.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)

@@ -24,8 +24,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
     p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
-    p.add_argument("--attention-backend", choices=["xla", "pallas"], default="xla",
-                   help="decode attention: the fused Mosaic GPU kernel (GPU only) or the XLA path")
+    p.add_argument("--attention-backend", choices=["auto", "xla", "pallas"], default="auto",
+                   help="decode attention: the fused Mosaic GPU kernel or the XLA path (auto: the kernel on a GPU)")
+    p.add_argument("--moe-backend", choices=["auto", "xla", "pallas"], default="auto",
+                   help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
+                        "weights (auto: the kernel on a GPU with FP4 experts)")
 
 
 def build_engine(args: argparse.Namespace):
@@ -33,7 +36,8 @@ def build_engine(args: argparse.Namespace):
 
     kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend)
+              swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend,
+              moe_backend=args.moe_backend)
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, **kw)
     return Engine.from_preset(args.preset or "tiny", seed=args.seed, **kw)

@@ -43,8 +43,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false", default=None,
                    help="exact prefill: run every layer on every prompt token instead of the decoder layers on "
                         "the last 128 (SWA bounded replay); also turns prefix caching off unless enabled")
-    g.add_argument("--attention-backend", choices=["xla", "pallas"],
-                   help="decode attention: xla (default) or the fused Mosaic GPU kernel (GPU only)")
+    g.add_argument("--attention-backend", choices=["auto", "xla", "pallas"],
+                   help="decode attention: the fused Mosaic GPU kernel or the XLA path (default auto: the kernel "
+                        "on a GPU)")
+    g.add_argument("--moe-backend", choices=["auto", "xla", "pallas"],
+                   help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
+                        "weights (default auto: the kernel on a GPU with FP4 experts)")
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
                    help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")
@@ -52,6 +56,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="keep full KV pages of finished requests for later prompts with the same prefix "
                         "(default: the engine's)")
     g.add_argument("--max-waiting", type=int, help="waiting-queue bound; beyond it requests get 503 + Retry-After")
+    g.add_argument("--min-prefill-bucket", type=int,
+                   help="smallest padded prefill chunk; chunks pad to powers of two from here up to "
+                        "--max-num-batched-tokens (equal to it: one prefill program, more padding)")
+    g.add_argument("--min-block-table-pages", dest="min_ctx_pages", type=int,
+                   help="smallest padded block table, in pages (max-model-len / block-size: one width)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every program shape before listening, so no request waits for a compile "
+                        "(default: on with a GPU, off on CPU; fewer buckets = shorter warm-up)")
     g.add_argument("--seed", type=int, help="seed of the random weights of --preset")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -65,8 +77,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
                  "max_num_batched_tokens": "--max-num-batched-tokens",
                  "swa_bounded_replay": "--no-swa-bounded-replay", "attention_backend": "--attention-backend",
+                 "moe_backend": "--moe-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
-                 "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting"}
+                 "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
+                 "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages"}
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:
@@ -153,6 +167,11 @@ def run_demo(engine, args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     _ensure_logging()
     engine = build_engine(args)
+    import jax
+
+    warmup = args.warmup if args.warmup is not None else jax.default_backend() == "gpu"
+    if warmup and not args.demo:
+        engine.warmup()
     if args.demo:
         return run_demo(engine, args)
     try:

@@ -84,6 +84,18 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_fused_attention_wiring_equals_xla(tiny, replay):
+    """Decode through the fused kernel's inputs (ring slots, page table, FP4 entries; its jnp reference on CPU)
+    gives the XLA attention path's logits: the wiring is right. The kernel against that reference is
+    tests/pallas_kernels/test_sparse_attention.py; the compiled kernel in the engine, tests/test_engine_gpu.py."""
+    ids = prompt(300, seed=12)  # past the window (ring wrap), several compressed groups, two prefill chunks
+    t_xla, l_xla = run(make(tiny, swa_bounded_replay=replay, enable_prefix_caching=False), ids)
+    t_ref, l_ref = run(make(tiny, swa_bounded_replay=replay, enable_prefix_caching=False,
+                            attention_backend="reference"), ids)
+    assert t_xla == t_ref and np.abs(l_xla - l_ref).max() < TOL
+
+
 def test_concurrent_requests_and_back_pressure(tiny):
     eng = make(tiny, swa_bounded_replay=False, num_pages=5)  # room for ~320 tokens: forces a preemption
     a, b = prompt(180, seed=5), prompt(150, seed=6)

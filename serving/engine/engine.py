@@ -10,6 +10,7 @@ without rewriting the cached KV (encoder-side replay). Not thread-safe: drive it
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
@@ -20,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import model, quant
+from dsv41 import model, moe, quant
 from dsv41.config import ModelConfig
 from dsv41.quant import Numerics
+from pallas_kernels import expert_gemm
 from serving.engine import kv_pool, programs
 from serving.engine.kv_pool import PoolLayout
 
@@ -108,6 +110,41 @@ def _bucket(n: int, lo: int = 1) -> int:
     return b
 
 
+# 'xla': routed experts dequantized for lax.ragged_dot. 'pallas': the grouped FP4 Mosaic GPU kernel on the
+# experts in its layout (converted once here). 'interpret': that kernel in the interpreter (CPU tests).
+MOE_BACKENDS = ("xla", "pallas", "interpret")
+
+
+def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend: str) -> tuple[str, str]:
+    """'auto' -> the Mosaic GPU kernels on a GPU where the shapes and weight formats allow them, else XLA.
+    An explicit 'pallas' that cannot run raises EngineError saying why."""
+    gpu = jax.default_backend() == "gpu"
+    if attention not in ("auto", *programs.ATTENTION_BACKENDS):
+        raise EngineError(f"attention_backend must be 'auto' or one of {programs.ATTENTION_BACKENDS}, got {attention!r}")
+    if moe_backend not in ("auto", *MOE_BACKENDS):
+        raise EngineError(f"moe_backend must be 'auto' or one of {MOE_BACKENDS}, got {moe_backend!r}")
+    attn_why = ("needs a CUDA GPU" if not gpu else
+                f"needs head_dim % 128 == 0 and n_heads <= 64 (head_dim {cfg.head_dim}, n_heads {cfg.n_heads})"
+                if cfg.head_dim % 128 or cfg.n_heads > 64 else "")
+    fp4 = all(isinstance(w, (quant.Fp4Weight, expert_gemm.PreparedFp4))
+              for lp in params["layers"] for w in lp["ffn"]["experts"].values())
+    moe_why = ("needs a CUDA GPU" if not gpu else
+               "needs FP4 expert weights (a release checkpoint, or init_params without dtype)" if not fp4 else
+               f"needs dim and moe_inter_dim multiples of 256 ({cfg.dim}, {cfg.moe_inter_dim})"
+               if cfg.dim % 256 or cfg.moe_inter_dim % 256 else "")
+    if attention == "auto":
+        attention = "xla" if attn_why else "pallas"
+    elif attention == "pallas" and attn_why:
+        raise EngineError(f"attention_backend='pallas' {attn_why}; use 'xla'")
+    if moe_backend == "auto":
+        moe_backend = "xla" if moe_why else "pallas"
+    elif moe_backend == "pallas" and moe_why:
+        raise EngineError(f"moe_backend='pallas' {moe_why}; use 'xla'")
+    elif moe_backend == "interpret" and not fp4:
+        raise EngineError("moe_backend='interpret' needs FP4 expert weights")
+    return attention, moe_backend
+
+
 class PrefixCache:
     """Full pages of global KV keyed by a chained hash of their tokens; reference counted, LRU-evicted."""
 
@@ -172,15 +209,12 @@ class Engine:
                  num_pages: int | None = None, swa_bounded_replay: bool = True,
                  enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
-                 min_ctx_pages: int = 1, attention_backend: str = "xla"):
+                 min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto"):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
-        if attention_backend not in ("xla", "pallas"):
-            raise EngineError(f"attention_backend must be 'xla' or 'pallas', got {attention_backend!r}")
-        if attention_backend == "pallas" and (jax.default_backend() != "gpu" or cfg.head_dim % 128):
-            raise EngineError("attention_backend='pallas' needs a CUDA GPU and head_dim % 128 == 0 "
-                              f"(backend {jax.default_backend()}, head_dim {cfg.head_dim}); use 'xla'")
-        self.attention_backend = attention_backend
+        self.attention_backend, self.moe_backend = resolve_backends(cfg, params, attention_backend, moe_backend)
         self.params, tables = model.strip_tables(params)
+        if self.moe_backend != "xla":
+            self.params = moe.prepare_experts(self.params, interpret=self.moe_backend == "interpret")
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
@@ -408,6 +442,71 @@ class Engine:
             key[i] = (seed & 0xFFFFFFFF, r.steps)
             r.steps += 1
         return programs.Sampling(t, tp, tk, key)
+
+    # ---- warm-up ------------------------------------------------------------------------------
+
+    def program_shapes(self) -> list[tuple[str, int, int, int]]:
+        """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
+        buckets. Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages = the longest sequence's pages)
+        mean fewer programs and more padding."""
+
+        def ladder(lo: int, hi: int) -> list[int]:
+            out, b = [], lo
+            while b < hi:
+                out.append(b)
+                b *= 2
+            return out + [hi]
+
+        ctxs = ladder(self.min_ctx_pages, self.max_pages_per_seq)
+        chunks = ladder(min(self.min_prefill_bucket, self.chunk), self.chunk)
+        prefill = "encoder" if self.replay else "full"
+        shapes = [(prefill, 1, T, c) for T in chunks for c in ctxs]
+        if self.replay:
+            shapes += [("decoder", 1, 1, c) for c in ctxs]
+        shapes += [("decode", B, 1, c) for B in ladder(1, _bucket(self.layout.num_slots)) for c in ctxs]
+        return shapes
+
+    def _padding_call(self, kind: str, B: int, T: int, ctx: int):
+        """(jitted program, args, static kwargs) for an all-padding batch of that shape: it writes nothing."""
+        P, S = self.layout.num_pages, self.layout.num_slots
+        rows = [] if kind == "decoder" else self._rows([], [], B, T)
+        b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
+                           np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32), rows)
+        samp = self._sampling([], B)
+        static = {"cfg": self.cfg, "num": self.num}
+        if kind == "encoder":
+            return programs.run_encoder, (self.params, self.pool, b), static
+        if kind == "decoder":
+            W, hc = self.cfg.window_size, self.cfg.hc_mult
+            h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype)
+            pre = jnp.zeros((1, W, hc), jnp.float32)
+            return programs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
+        if kind == "decode":  # the keywords exactly as the step passes them: jit's cache keys on them
+            static["backend"] = self.attention_backend
+        return programs.run_full, (self.params, self.pool, b, samp), static
+
+    def warmup(self, workers: int = 8) -> list[tuple[str, int, int, int]]:
+        """Compiles and loads every program of `program_shapes()` so that no request waits for a compile (the
+        serving analog of capturing CUDA graphs at start-up). With a persistent compilation cache configured,
+        the programs are first compiled in `workers` threads at once (XLA compiles off the GIL), then each runs
+        once on an all-padding batch, which loads it from that cache. -> the shapes."""
+        shapes = self.program_shapes()
+        t0 = time.perf_counter()
+        if jax.config.jax_compilation_cache_dir and workers > 1:
+            def compile_one(shape):
+                fn, args, static = self._padding_call(*shape)
+                fn.lower(*args, **static).compile()
+
+            with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+                list(ex.map(compile_one, shapes))
+            log.info("compiled %d programs in %.1f s (%d threads)", len(shapes), time.perf_counter() - t0, workers)
+        for shape in shapes:
+            fn, args, static = self._padding_call(*shape)
+            out = fn(*args, **static)
+            self.pool = out[0]
+        jax.block_until_ready(self.pool)
+        log.info("warm-up: %d programs ready in %.1f s", len(shapes), time.perf_counter() - t0)
+        return shapes
 
     # ---- the loop -----------------------------------------------------------------------------
 

@@ -24,6 +24,12 @@ from dsv41.quant import Numerics
 from serving.engine.kv_pool import KVPool, ring_size
 
 
+# Decode KV path. 'xla': dsv41's attention and indexer on dequantized KV. 'pallas': the fused Mosaic GPU kernels
+# (KV writes, indexer scores + top-k, sparse attention; GPU). 'interpret' / 'reference': those kernels in the
+# Mosaic GPU interpreter / their jnp references, for tests on any backend.
+ATTENTION_BACKENDS = ("xla", "pallas", "interpret", "reference")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Batch:
@@ -137,20 +143,73 @@ def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
     return lat, g, complete, pool.comp_state[si].at[b.slot].set(new_state, mode="drop")
 
 
-def _pallas_decode_attention(q, rq, rs, win_pos, pos, pool, si, b: Batch, shared, sink, cfg):
-    """The fused Mosaic GPU kernel for one query a row: ring (this token already written) + selected entries."""
+def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict, freqs,
+                         backend: str):
+    """Decode (one token a row, phase 'full') through the fused kernels: the token's KV writes (ring, and on
+    KV-source layers the compressed entry, index key and pending state) in one kernel, the indexer's scores and
+    top-k straight from the MXFP4 pool (candidate entries only after the candidate source layer), and the sparse
+    attention over the FP8 ring and the selected FP4 entries. -> (output [B, 1, D], pool).
+    backend: 'pallas' (Mosaic GPU), 'interpret' (the kernels in the interpreter) or 'reference' (their jnp
+    references on the kernels' inputs: checks this wiring, not the kernels)."""
+    from pallas_kernels import indexer_logits as il
+    from pallas_kernels import kv_write as kvw
     from pallas_kernels import sparse_attention as sa
 
-    p0 = pos[:, 0]
-    valid = (win_pos <= p0[:, None]) & (win_pos > p0[:, None] - cfg.window_size)
-    if si is None:  # SWA-only layer: no compressed entries
-        topk = jnp.full((q.shape[0], 64), -1, jnp.int32)
-        si = 0
+    kb = "xla" if backend == "reference" else backend
+    role, r = cfg.role(layer), cfg.compress_ratios[layer]
+    pos = b.pos0[:, None]
+    ratio = r if role is AttnRole.FULL else 0  # other layers only write their ring
+    si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
+
+    kv = A.window_kv(x, p, pos, freqs, cfg, num)
+    lkv = kvw.LayerKV(pool.swa_q[layer], pool.swa_s[layer])
+    extra = {}
+    if ratio:
+        lkv = dataclasses.replace(lkv, kv_packed=pool.kv_packed[si], kv_scale=pool.kv_scale[si],
+                                  ik_packed=pool.ik_packed[si], ik_scale=pool.ik_scale[si],
+                                  comp_state=pool.comp_state[si] if ratio == 2 else None)
+        ck, cs = compressor.project(x, p["compressor"], ratio, num)
+        extra = dict(comp_kv=ck[:, 0], comp_score=None if cs is None else cs[:, 0], p_comp=p["compressor"],
+                     p_idx=p["indexer"], freqs=freqs)
+    new = kvw.kv_write_decode(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
+                              kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb, **extra)
+    lists = {k: list(getattr(pool, k)) for k in ("swa_q", "swa_s", "kv_packed", "kv_scale", "ik_packed", "ik_scale",
+                                                 "comp_state")}
+    lists["swa_q"][layer], lists["swa_s"][layer] = new.swa_q, new.swa_s
+    if ratio:
+        for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale") + (("comp_state",) if ratio == 2 else ()):
+            lists[k][si] = getattr(new, k)
+    pool = dataclasses.replace(pool, **lists)
+
+    if role in (AttnRole.FULL, AttnRole.REINDEX):
+        q, qr = A.project_q(x, p, pos, freqs, cfg, num)
+        qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
+        ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
+        kw = dict(cfg=il.IndexerConfig.from_model(cfg), backend=kb, dtype=num.jdtype)
+        if cfg.uses_candidates(layer):
+            shared["topk"], _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=shared["cand"],
+                                              **kw)
+        else:
+            shared["topk"], cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
+                                                 num_entries=b.block_table.shape[1] * ikp.shape[1],
+                                                 want_candidates=layer == cfg.candidate_source_layer, **kw)
+            if layer == cfg.candidate_source_layer:
+                shared["cand"] = cand  # block ids here, where the XLA path keeps an entry mask
     else:
-        topk = shared["topk"][:, 0]
-    o = sa.sparse_attention(q[:, 0], rq, rs, valid, topk, b.block_table, pool.kv_packed[si], pool.kv_scale[si],
-                            sink, backend="pallas")
-    return o[:, None]
+        q, _ = A.project_q(x, p, pos, freqs, cfg, num)
+
+    R = ring_size(cfg, layer)
+    lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
+    win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
+    valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
+    topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if si is None else shared["topk"][:, 0]
+    src = 0 if si is None else si  # SWA-only layers select no entry; any source's pages do
+    rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
+    rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
+    kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
+    o = sa.sparse_attention(q[:, 0], rq, rs, valid, topk, b.block_table, pool.kv_packed[src], pool.kv_scale[src],
+                            p["attn_sink"], **kw)
+    return A.output(o[:, None], pos, p, freqs, cfg, num), pool
 
 
 def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
@@ -160,6 +219,8 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     -> (output [B, T, D] or None, pool)."""
     p = lp
     B, T, _ = x.shape
+    if backend != "xla" and T == 1 and phase == "full":
+        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend)
     role, r = cfg.role(layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
@@ -220,12 +281,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if phase == "kv_only":
             return None, pool
         q, _ = A.project_q(x, p, pos, freqs, cfg, num)
-    if backend == "pallas" and T == 1 and phase == "full":
-        si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
-        o = _pallas_decode_attention(q, new_rq, new_rs, _ring_positions(b.pos0 + b.n_valid, R, lo), pos, pool, si, b,
-                                     shared, p["attn_sink"], cfg)
-    else:
-        o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
+    o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
     return A.output(o, pos, p, freqs, cfg, num), pool
 
 
@@ -291,7 +347,7 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
 @functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
 def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics, backend: str = "xla"):
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
-    backend 'pallas': one-token rows (decode) attend through the fused Mosaic GPU kernel."""
+    backend other than 'xla' (see ATTENTION_BACKENDS): one-token rows (decode) run the KV path's fused kernels."""
     h, pre = model.embed(params, b.tokens, cfg, num)
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)

@@ -1,0 +1,357 @@
+"""Fused decode-time KV writes of one attention layer (Pallas / Mosaic GPU), issue #5.
+
+At decode every row of the batch brings one new token (T = 1). For each layer the engine writes
+  * the SWA ring: FP8 e4m3 + UE8M0 per 32 of the token's window latent, at ring slot pos % R of its sequence;
+  * on FULL layers (KV sources; Flash: ratio 2 at layers 2/8/14, ratio 1 at layer 20), when the token completes
+    a compressor group at a position >= write_lo: the compressed main-KV entry (RoPE + FP4 e2m1 with E4M3 per 16,
+    288 B) and the index key (wk + k_norm + RoPE + MXFP4 e2m1 with UE8M0 per 32, 68 B) into the paged pool
+    through the block table; for ratio 2 the open group's pending kv || score (f32) in `comp_state`.
+Today (`serving/engine/programs.py`, `cached_attention`) that is ~20 small XLA ops per layer: ring gathers,
+a select over the whole gathered ring, scatters back, a state gather/scatter and four entry scatters.
+
+Split of the work (why): everything whose float result depends on evaluation order or transcendental
+implementations (the compressor's softmax, RMSNorms, the wk GEMM, RoPE's cos/sin, the quantize-dequantize round
+trips) stays in XLA, computed by the very dsv41 functions programs.py calls, so the written bytes are the same
+by construction. The kernel does everything after the bytes exist, in ONE launch: the destination arithmetic
+(ring slot, group id, write_lo, block-table lookup, padding rows) and all seven writes, in place on the pool
+(mutable refs -> `input_output_aliases`; no pool copy). GEMMs producing the inputs (wkv, compressor wkv/wgate)
+stay outside; the wk GEMM of the index key runs in the XLA prelude.
+
+Kernel: grid (B,), one warpgroup per row. Each destination row >= 16 B (and a multiple of 16) goes
+GMEM -> SMEM by TMA (`cp.async.bulk`) and SMEM -> GMEM by a bulk store at the dynamic row; rows < 16 B (the
+4-byte index-key scales at Flash; several at test shapes) are copied as scalar stores. The pool arrays reach
+the kernel only reshaped to rows (no bitcast, no copy); the kernel is decode-only (T = 1: n_valid is 0 or 1).
+
+Public API:
+  * `kv_write_decode(layer_kv, swa_kv, slot, pos, n_valid, block_table, write_lo, ...)` -> new `LayerKV`;
+    backend 'pallas' | 'interpret' | 'xla' ('xla' = the reference).
+  * `kv_write_reference(...)` (same arguments) -- a transcription of programs.py at T=1, the spec.
+  * `token_bytes(...)` (the XLA prelude) and `write_rows(...)` (the kernel alone) / `write_rows_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from dsv41 import attention as A
+from dsv41 import compressor, indexer, quant
+from dsv41.nn import rms_norm
+from dsv41.quant import Numerics
+
+BULK_ALIGN = 16  # cp.async.bulk: sizes and addresses are multiples of 16 bytes
+TMA_MAX_BOX = 256  # a TMA box holds at most 256 elements along each dimension
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One layer's slice of the KV pool (serving/engine/kv_pool.py). Entry arrays are None on SWA-only layers,
+    comp_state is None unless ratio 2.
+
+    swa_q float8_e4m3fn [S, R, Dh]; swa_s uint8 [S, R, Dh/32];
+    kv_packed uint8 [P, E, Dh/2]; kv_scale float8_e4m3fn [P, E, Dh/16];
+    ik_packed uint8 [P, E, ID/2]; ik_scale uint8 [P, E, ID/32]; comp_state float32 [S, 2*Dh]."""
+
+    swa_q: jax.Array
+    swa_s: jax.Array
+    kv_packed: jax.Array | None = None
+    kv_scale: jax.Array | None = None
+    ik_packed: jax.Array | None = None
+    ik_scale: jax.Array | None = None
+    comp_state: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KVWriteConfig:
+    """Static description of the layer: ratio 0 = SWA-only, 1 or 2 = a FULL (KV-source) layer."""
+
+    ratio: int
+    norm_eps: float
+
+
+# ---- the reference: programs.py's cached_attention writes at T = 1 ------------------------------------
+
+
+def _page_index(block_table, g, E):
+    """Entry ids g [B, ...] -> (page [B, ...], offset) through the block table (programs._page_index)."""
+    col = jnp.clip(g // E, 0, block_table.shape[1] - 1)
+    page = jnp.take_along_axis(block_table, col.reshape(col.shape[0], -1), axis=1).reshape(g.shape)
+    return page, g % E
+
+
+def _write_entries(arr, block_table, g, ok, values):
+    E = arr.shape[1]
+    page, off = _page_index(block_table, g, E)
+    page = jnp.where(ok, page, arr.shape[0])
+    return arr.at[page, off].set(values.astype(arr.dtype), mode="drop")
+
+
+def _write_ring(ring, new, pos0, n_valid):
+    R, T = ring.shape[1], new.shape[1]
+    j = jnp.arange(R, dtype=jnp.int32)[None]
+    last = pos0[:, None] + n_valid[:, None] - 1
+    t = n_valid[:, None] - 1 - jnp.mod(last - j, R)
+    ok = (t >= 0) & (n_valid[:, None] > 0)
+    picked = jnp.take_along_axis(new, jnp.clip(t, 0, T - 1).reshape(*t.shape, *([1] * (new.ndim - 2))), axis=1)
+    return jnp.where(ok.reshape(*ok.shape, *([1] * (new.ndim - 2))), picked, ring)
+
+
+def _entry_values(lkv: LayerKV, comp_kv, comp_score, slot, pos, p_comp, p_idx, freqs, kcfg, num):
+    """The compressed entry and index key of the group each row's token may complete (programs._compress_chunk,
+    index_keys, compressed_entries and the quantization at T = 1, pos = the token's position).
+    -> (bytes {field: [B, 1, row]}, group ids g [B, 1], ratio 2: (kv, score, gathered state) else None)."""
+    r = kcfg.ratio
+    pos0 = pos
+    if r == 1:
+        lat = rms_norm(comp_kv[:, None], p_comp["norm"], kcfg.norm_eps)
+        g = pos0[:, None]
+        new_state = None
+    else:
+        Dh = comp_kv.shape[-1]
+        kv, score = comp_kv[:, None], comp_score[:, None]
+        state = lkv.comp_state.at[slot].get(mode="fill", fill_value=0)
+        pend_kv, pend_sc = state[:, :Dh], state[:, Dh:]
+        has = (pos0 % 2 == 1)[:, None, None]
+        zero = jnp.zeros_like(kv[:, :1])
+        ekv = jnp.where(has, jnp.concatenate([pend_kv[:, None], kv], 1), jnp.concatenate([kv, zero], 1))
+        esc = jnp.where(has, jnp.concatenate([pend_sc[:, None], score], 1), jnp.concatenate([score, zero], 1))
+        lat = compressor.pool_groups(ekv.reshape(-1, 1, 2, Dh), esc.reshape(-1, 1, 2, Dh), p_comp, _cfg(kcfg),
+                                     num.jdtype)
+        g = (pos0 // 2)[:, None]
+        new_state = (kv[:, 0], score[:, 0], state)
+    gpos = g * r
+    ik = indexer.index_keys(lat, p_idx, gpos, freqs, _cfg(kcfg), num)
+    ce = A.compressed_entries(lat, gpos, freqs, num)
+    ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
+    cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
+    vals = {"kv_packed": cep, "kv_scale": quant.e4m3(ces), "ik_packed": ikp, "ik_scale": quant.ue8m0_encode(iks)}
+    return vals, g, new_state
+
+
+@dataclasses.dataclass(frozen=True)
+class _NormCfg:
+    """The one ModelConfig field rms_norm users read here (index_keys, pool_groups take a cfg)."""
+
+    norm_eps: float
+
+
+def _cfg(kcfg: KVWriteConfig):
+    return _NormCfg(kcfg.norm_eps)
+
+
+def kv_write_reference(lkv: LayerKV, swa_kv, slot, pos, n_valid, block_table, write_lo, *, kcfg: KVWriteConfig,
+                       comp_kv=None, comp_score=None, p_comp=None, p_idx=None, freqs=None,
+                       num: Numerics = quant.REFERENCE) -> LayerKV:
+    """What programs.cached_attention writes for one token a row (T = 1), in plain jnp.
+
+    swa_kv [B, Dh] (A.window_kv's output), slot/pos/n_valid/write_lo int32 [B] (pos = Batch.pos0; padding rows
+    have slot == S and n_valid == 0), block_table int32 [B, C] (P where unused). FULL layers: comp_kv [B, Dh]
+    (ratio 2: float32 with comp_score [B, Dh] float32, compressor.project's outputs; ratio 1: the activation
+    dtype), p_comp = params["compressor"] (reads "norm"), p_idx = params["indexer"] (reads "wk", "k_norm"),
+    freqs = the layer's RoPE frequencies. -> the updated LayerKV."""
+    kq, ks = quant.fp8_quantize(swa_kv[:, None])
+    rq = lkv.swa_q.at[slot].get(mode="fill", fill_value=0)
+    rs = lkv.swa_s.at[slot].get(mode="fill", fill_value=0)
+    new_rq = _write_ring(rq, kq, pos, n_valid)
+    new_rs = _write_ring(rs, quant.ue8m0_encode(ks), pos, n_valid)
+    out = {"swa_q": lkv.swa_q.at[slot].set(new_rq, mode="drop"), "swa_s": lkv.swa_s.at[slot].set(new_rs, mode="drop")}
+    if kcfg.ratio == 0:
+        return dataclasses.replace(lkv, **out)
+    vals, g, st = _entry_values(lkv, comp_kv, comp_score, slot, pos, p_comp, p_idx, freqs, kcfg, num)
+    r = kcfg.ratio
+    complete = g < ((pos + n_valid) // r)[:, None]
+    ok = complete & (g * r >= write_lo[:, None])
+    for k, v in vals.items():
+        out[k] = _write_entries(getattr(lkv, k), block_table, g, ok, v)
+    if r == 2:
+        kv, score, state = st
+        upd = ((pos + n_valid) % 2 == 1) & (n_valid > 0)
+        new_state = jnp.where(upd[:, None], jnp.concatenate([kv, score], -1), state)
+        out["comp_state"] = lkv.comp_state.at[slot].set(new_state, mode="drop")
+    return dataclasses.replace(lkv, **out)
+
+
+# ---- the kernel ----------------------------------------------------------------------------------------
+
+# Destination groups. A row is written when its group's condition holds (computed in-kernel from scalars).
+_RING, _ENTRY, _STATE = 0, 1, 2
+
+
+def _as_bytes(x):
+    """fp8 arrays -> their uint8 bits (same width: a bitcast, no copy). Other dtypes unchanged."""
+    return lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 and x.dtype != jnp.uint8 else x
+
+
+def _typed_like(x, dtype):
+    """uint8 bits -> the same bits as `dtype` (fp8 pools); other dtypes unchanged."""
+    return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype and jnp.dtype(dtype).itemsize == 1 else x
+
+
+def _copy_mode(row_bytes: int) -> str:
+    if row_bytes % BULK_ALIGN == 0:
+        return "bulk"
+    if row_bytes < BULK_ALIGN:
+        return "scalar"
+    raise ValueError(f"a destination row of {row_bytes} B is neither < 16 B nor a multiple of 16 B")
+
+
+def _build_kernel(B, groups, ring_size, entries_per_page, num_pages, num_slots, ratio, ctx_cols, interpret):
+    """groups: tuple of (group id, row_len, dtype) in the order of the src/dst refs.
+
+    Kernel refs: slot, pos, n_valid, write_lo [B] int32, block_table [B, C] int32, then one src [B, n] per
+    destination, then the destinations (mutable, flattened to rows [N, n])."""
+    n = len(groups)
+    modes = [_copy_mode(L * jnp.dtype(dt).itemsize) for _, L, dt in groups]
+    bulk = [i for i in range(n) if modes[i] == "bulk"]
+
+    def body(slot_ref, pos_ref, nv_ref, wlo_ref, bt_ref, *refs):
+        srcs, dsts = refs[:n], refs[n:2 * n]
+        smem, bars = refs[2 * n:2 * n + len(bulk)], refs[2 * n + len(bulk)]
+        b = lax.axis_index("b")
+        s, p, nv, wlo = slot_ref[b], pos_ref[b], nv_ref[b], wlo_ref[b]
+        slot_ok = (s >= 0) & (s < num_slots) & (nv > 0)
+        rows, conds = {}, {}
+        rows[_RING] = s * ring_size + lax.rem(p, ring_size)
+        conds[_RING] = slot_ok
+        if ratio:
+            g = lax.div(p, ratio)
+            complete = g < lax.div(p + nv, ratio)
+            col = jnp.minimum(lax.div(g, entries_per_page), ctx_cols - 1)
+            page = bt_ref[b, col]
+            rows[_ENTRY] = page * entries_per_page + lax.rem(g, entries_per_page)
+            conds[_ENTRY] = complete & (g * ratio >= wlo) & (page >= 0) & (page < num_pages) & (nv > 0)
+        if ratio == 2:
+            rows[_STATE] = s
+            conds[_STATE] = slot_ok & (lax.rem(p + nv, 2) == 1)
+        # Start every bulk load first (all land on one barrier each), then store what is due.
+        for k, i in enumerate(bulk):
+            plgpu.copy_gmem_to_smem(srcs[i].at[b], smem[k], bars.at[k])
+        for i, (grp, L, _) in enumerate(groups):
+            if modes[i] == "scalar":
+                @pl.when(conds[grp])
+                def _(i=i, grp=grp, L=L):
+                    for j in range(L):  # < 16 bytes: a few uniform scalar stores beat a TMA round trip
+                        dsts[i][rows[grp], j] = srcs[i][b, j]
+        for k, i in enumerate(bulk):
+            grp = groups[i][0]
+            plgpu.barrier_wait(bars.at[k])
+
+            @pl.when(conds[grp])
+            def _(i=i, k=k, grp=grp):
+                plgpu.copy_smem_to_gmem(smem[k], dsts[i].at[rows[grp]])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    scratch = [plgpu.SMEM(_row_shape(groups[i][1]), groups[i][2]) for i in bulk]
+    scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=max(len(bulk), 1)))
+    kw = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    return plgpu.kernel(body, out_type=(), grid=(B,), grid_names=("b",), scratch_types=scratch,
+                        kernel_name="kv_write_decode", **kw)
+
+
+def _row_shape(L: int) -> tuple[int, int]:
+    """A row of L elements as a 2-D TMA box (L / c, c), c <= 256."""
+    c = min(L, TMA_MAX_BOX)
+    if L % c:
+        raise ValueError(f"row length {L} is not a multiple of {c}")
+    return (L // c, c)
+
+
+def _rows(x):
+    """[..., L] -> [N, *_row_shape(L)] for bulk rows, [N, L] for scalar ones (a reshape: no copy)."""
+    L = x.shape[-1]
+    if _copy_mode(L * x.dtype.itemsize) == "scalar":
+        return x.reshape(-1, L)
+    return x.reshape(-1, *_row_shape(L))
+
+
+def token_bytes(lkv: LayerKV, swa_kv, slot, pos, *, kcfg: KVWriteConfig, comp_kv=None, comp_score=None,
+                p_comp=None, p_idx=None, freqs=None, num: Numerics = quant.REFERENCE) -> dict:
+    """The XLA prelude: each row's bytes to write, by pool field -> {name: [B, row] array} (uint8, or float32
+    for comp_state), whether or not the row ends up written (the kernel decides)."""
+    kq, ks = quant.fp8_quantize(swa_kv)
+    out = {"swa_q": _as_bytes(kq), "swa_s": quant.ue8m0_encode(ks)}
+    if kcfg.ratio:
+        vals, _, st = _entry_values(lkv, comp_kv, comp_score, slot, pos, p_comp, p_idx, freqs, kcfg, num)
+        out.update({k: _as_bytes(v[:, 0]) for k, v in vals.items()})
+        if kcfg.ratio == 2:
+            out["comp_state"] = jnp.concatenate([st[0], st[1]], -1).astype(jnp.float32)
+    return out
+
+
+_GROUP = {"swa_q": _RING, "swa_s": _RING, "kv_packed": _ENTRY, "kv_scale": _ENTRY, "ik_packed": _ENTRY,
+          "ik_scale": _ENTRY, "comp_state": _STATE}
+
+
+def write_rows(lkv: LayerKV, rows: dict, slot, pos, n_valid, block_table, write_lo, *, ratio: int,
+               interpret: bool = False) -> LayerKV:
+    """The kernel alone: rows = token_bytes(...) -> lkv with each row written where due, in place.
+
+    Ring rows go to swa_*[slot, pos % R] when 0 <= slot < S and n_valid > 0; entry rows to
+    [page, g % E] with g = pos // ratio, page = block_table[clip(g // E)], when the token completes its group
+    (g < (pos + n_valid) // ratio), g * ratio >= write_lo and 0 <= page < P; comp_state[slot] when the token
+    opens a group ((pos + n_valid) odd). Anything else is left untouched."""
+    names = [k for k in _GROUP if k in rows]
+    B = rows["swa_q"].shape[0]
+    S, R, _ = lkv.swa_q.shape
+    P, E = lkv.kv_packed.shape[:2] if ratio else (1, 1)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    # Sources take the pool's dtype (fp8 bits: a bitcast of a small array) so the pool arrays go to the kernel
+    # as they are: a reshape only, nothing XLA could decide to copy.
+    srcs = [_typed_like(rows[k], getattr(lkv, k).dtype) for k in names]
+    groups = tuple((_GROUP[k], x.shape[-1], x.dtype) for k, x in zip(names, srcs))
+    srcs = [_rows(x) for x in srcs]
+    refs = [jax.new_ref(_rows(getattr(lkv, k))) for k in names]
+    kern = _build_kernel(B, groups, R, E, P, S, ratio, block_table.shape[1], interpret)
+    kern(i32(slot), i32(pos), i32(n_valid), i32(write_lo), i32(block_table), *srcs, *refs)
+    out = {k: jax.freeze(ref).reshape(getattr(lkv, k).shape) for k, ref in zip(names, refs)}
+    return dataclasses.replace(lkv, **out)
+
+
+def write_rows_reference(lkv: LayerKV, rows: dict, slot, pos, n_valid, block_table, write_lo, *,
+                         ratio: int) -> LayerKV:
+    """`write_rows` in plain jnp (gather / select / scatter as programs.py does): the kernel-only check on the
+    device, independent of how XLA fuses the prelude."""
+    def typed(k):
+        dt = getattr(lkv, k).dtype
+        v = rows[k][:, None]
+        return lax.bitcast_convert_type(v, dt) if v.dtype != dt and dt.itemsize == 1 else v
+
+    out = {}
+    for k in ("swa_q", "swa_s"):
+        ring = getattr(lkv, k).at[slot].get(mode="fill", fill_value=0)
+        out[k] = getattr(lkv, k).at[slot].set(_write_ring(ring, typed(k), pos, n_valid), mode="drop")
+    if ratio:
+        g = (pos // ratio)[:, None]
+        ok = (g < ((pos + n_valid) // ratio)[:, None]) & (g * ratio >= write_lo[:, None])
+        for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale"):
+            out[k] = _write_entries(getattr(lkv, k), block_table, g, ok, typed(k))
+    if ratio == 2:
+        upd = ((pos + n_valid) % 2 == 1) & (n_valid > 0)
+        state = lkv.comp_state.at[slot].get(mode="fill", fill_value=0)
+        out["comp_state"] = lkv.comp_state.at[slot].set(jnp.where(upd[:, None], rows["comp_state"], state),
+                                                        mode="drop")
+    return dataclasses.replace(lkv, **out)
+
+
+def kv_write_decode(lkv: LayerKV, swa_kv, slot, pos, n_valid, block_table, write_lo, *, kcfg: KVWriteConfig,
+                    comp_kv=None, comp_score=None, p_comp=None, p_idx=None, freqs=None,
+                    num: Numerics = quant.REFERENCE, backend: str = "pallas") -> LayerKV:
+    """Same arguments and result as `kv_write_reference`; backend 'pallas' (Mosaic GPU), 'interpret' (the
+    kernel in the Mosaic GPU interpreter) or 'xla' (the reference). Call it inside the jitted program that
+    donates the pool: the kernel updates the arrays in place (aliased), only written rows change."""
+    if backend == "xla":
+        return kv_write_reference(lkv, swa_kv, slot, pos, n_valid, block_table, write_lo, kcfg=kcfg,
+                                  comp_kv=comp_kv, comp_score=comp_score, p_comp=p_comp, p_idx=p_idx,
+                                  freqs=freqs, num=num)
+    if backend not in ("pallas", "interpret"):
+        raise ValueError(f"unknown backend {backend!r}")
+    rows = token_bytes(lkv, swa_kv, slot, pos, kcfg=kcfg, comp_kv=comp_kv, comp_score=comp_score, p_comp=p_comp,
+                       p_idx=p_idx, freqs=freqs, num=num)
+    return write_rows(lkv, rows, slot, pos, n_valid, block_table, write_lo, ratio=kcfg.ratio,
+                      interpret=backend == "interpret")

@@ -1,0 +1,390 @@
+#!/usr/bin/env python3
+"""Check and time the fused decode KV writes (pallas_kernels/kv_write.py) at Flash shapes.
+
+On the H200:  PYTHONUNBUFFERED=1 PYTHONPATH=. timeout 150 python3 scripts/bench_kv_write.py --out $OUT
+On a CPU (script logic only, Mosaic GPU interpreter, small pools): .venv/bin/python scripts/bench_kv_write.py --cpu-smoke
+
+Cases (most important first): FULL ratio 2 (layers 2/8/14), FULL ratio 1 (layer 20, the split layer: 256-slot
+ring), SWA-only (every other layer), each at B = 64, 8, 1. Every case is one jitted program that runs --steps
+consecutive decode steps of one layer (positions advance, so ratio-2 groups open and complete alternately),
+with the pool donated, in two versions:
+  xla:   kv_write_reference (programs.py's write path at T=1, the code the model runs today);
+  fused: kv_write_decode(backend='pallas') (XLA prelude + one Mosaic GPU kernel, pool aliased in place);
+  kernel: the kernel alone (write_rows) on precomputed bytes.
+Correctness: both start from the same poisoned pool (random bytes); after the steps every pool array must be
+identical byte for byte (PASS), else the number of differing bytes is printed ("check"). "kernel check": the
+kernel alone against write_rows_reference on the same precomputed bytes (isolates the kernel from any
+difference in how XLA fuses the prelude's float math in the two programs).
+Timing: wall clock per decode step (a program of --steps steps, pipelined calls, median of --reps groups).
+Roofline: the bytes a step must move (inputs read + rows written) / the HBM bandwidth measured in this run;
+everything here is launch-bound, so the time columns are the point, not % of bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dsv41 import rope
+from dsv41.config import ModelConfig
+from pallas_kernels import kv_write as kw
+
+T0 = time.time()
+CFG = ModelConfig()
+KINDS = {"full-r2 (L2)": (2, 2), "full-r1 (L20)": (1, 20), "swa-only (L0)": (0, 0)}
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def hbm_bandwidth(nbytes: int) -> dict:
+    res = {}
+    try:
+        import torch
+
+        x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        x.random_(0, 255)
+        y = torch.empty_like(x)
+        ts = []
+        for i in range(13):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            y.copy_(x)
+            e.record()
+            e.synchronize()
+            if i >= 3:
+                ts.append(s.elapsed_time(e) / 1e3)
+        res["torch_copy_TBps"] = 2 * nbytes / statistics.median(ts) / 1e12
+        del x, y
+        torch.cuda.empty_cache()
+    except Exception as ex:  # noqa: BLE001
+        log("torch bandwidth failed:", type(ex).__name__, str(ex)[:200])
+    try:
+        x = jnp.ones((nbytes // 4,), jnp.float32)
+        f = jax.jit(lambda v: v * 1.0001)
+        jax.block_until_ready(f(x))
+        ts = []
+        for _ in range(10):
+            t = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts.append(time.perf_counter() - t)
+        res["xla_f32_scale_TBps"] = 2 * nbytes / statistics.median(ts) / 1e12
+        del x
+    except Exception as ex:  # noqa: BLE001
+        log("xla bandwidth failed:", type(ex).__name__, str(ex)[:200])
+    res["hbm_TBps"] = max([v for v in res.values()] or [4.3])
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    B: int
+    S: int  # sequence slots
+    R: int  # ring
+    P: int  # pages
+    E: int  # entries per page
+    C: int  # block-table columns
+
+
+def shape_for(ratio, layer, B, smoke):
+    page_tokens = 64
+    S = max(B, 8) if smoke else 128
+    C = 4 if smoke else 16
+    E = page_tokens // max(ratio, 1)
+    R = 2 * CFG.window_size if layer == CFG.split_layer else CFG.window_size
+    return Shape(B=B, S=S, R=R if not smoke else 16, P=S * C + 1, E=E, C=C)
+
+
+def make_pool(ratio, sh: Shape, seed):
+    """A poisoned layer pool (random bytes / normal floats): unwritten bytes stay recognisable."""
+    Dh, ID = CFG.head_dim, CFG.index_head_dim
+    k = jax.random.split(jax.random.key(seed), 8)
+
+    def u8(i, shape, dtype=jnp.uint8):
+        a = jax.random.randint(k[i], shape, 0, 256, jnp.int32).astype(jnp.uint8)
+        return a if dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, dtype)
+
+    lkv = kw.LayerKV(u8(0, (sh.S, sh.R, Dh), jnp.float8_e4m3fn), u8(1, (sh.S, sh.R, Dh // 32)))
+    if ratio:
+        lkv = dataclasses.replace(
+            lkv, kv_packed=u8(2, (sh.P, sh.E, Dh // 2)), kv_scale=u8(3, (sh.P, sh.E, Dh // 16), jnp.float8_e4m3fn),
+            ik_packed=u8(4, (sh.P, sh.E, ID // 2)), ik_scale=u8(5, (sh.P, sh.E, ID // 32)),
+            comp_state=jax.random.normal(k[6], (sh.S, 2 * Dh), jnp.float32) if ratio == 2 else None)
+    return lkv
+
+
+def make_inputs(ratio, layer, sh: Shape, steps, seed):
+    """Per-step token inputs [steps, B, ...] and a batch: distinct slots and pages, the last row padding when
+    B > 1, write_lo blocking one row's early groups."""
+    Dh, ID = CFG.head_dim, CFG.index_head_dim
+    rng = np.random.default_rng(seed)
+    B = sh.B
+    slot = rng.permutation(sh.S)[:B].astype(np.int32)
+    n_valid = np.ones(B, np.int32)
+    if B > 1:
+        slot[-1], n_valid[-1] = sh.S, 0
+    span = sh.C * sh.E * max(ratio, 1)
+    pos = rng.integers(0, span - steps, B).astype(np.int32)
+    write_lo = np.zeros(B, np.int32)
+    if B > 2:
+        write_lo[0] = pos[0] + steps // 2
+    bt = rng.permutation(sh.P)[: B * sh.C].reshape(B, sh.C).astype(np.int32)
+    x = {
+        "swa_kv": jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.bfloat16),
+        "slot": jnp.asarray(slot), "pos": jnp.asarray(pos), "n_valid": jnp.asarray(n_valid),
+        "block_table": jnp.asarray(bt), "write_lo": jnp.asarray(write_lo),
+    }
+    static = {}
+    if ratio:
+        x["comp_kv"] = jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.float32 if ratio == 2 else jnp.bfloat16)
+        if ratio == 2:
+            x["comp_score"] = jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.float32)
+        x["p_comp"] = {"norm": jnp.asarray(1 + 0.1 * rng.standard_normal(Dh), jnp.bfloat16)}
+        x["p_idx"] = {"wk": jnp.asarray(rng.standard_normal((ID, Dh)) / np.sqrt(Dh), jnp.bfloat16),
+                      "k_norm": jnp.asarray(1 + 0.1 * rng.standard_normal(ID), jnp.bfloat16)}
+        static["freqs"] = rope.inv_freq(CFG, layer)
+    return x, static
+
+
+def step_program(ratio, static, steps, variant, interpret=False):
+    """-> jitted f(lkv, x) running `steps` decode steps; variant 'xla' | 'fused' | 'interpret', or f(lkv, rows, x)
+    for 'kernel' (write_rows alone on precomputed bytes) | 'rows_reference' (write_rows_reference)."""
+    kc = kw.KVWriteConfig(ratio, CFG.norm_eps)
+
+    def one(lkv, x, t, backend):
+        kwargs = {}
+        if ratio:
+            kwargs = {"comp_kv": x["comp_kv"][t], "comp_score": x["comp_score"][t] if ratio == 2 else None,
+                          "p_comp": x["p_comp"], "p_idx": x["p_idx"], "freqs": static["freqs"]}
+        pos = x["pos"] + t
+        args = (x["swa_kv"][t], x["slot"], pos, x["n_valid"], x["block_table"], x["write_lo"])
+        return kw.kv_write_decode(lkv, *args, kcfg=kc, backend=backend, **kwargs)
+
+    def run(lkv, x):
+        for t in range(steps):
+            lkv = one(lkv, x, t, {"xla": "xla", "fused": "pallas", "interpret": "interpret"}[variant])
+        return lkv
+
+    def run_rows(lkv, rows, x):
+        for t in range(steps):
+            a = (lkv, rows[t], x["slot"], x["pos"] + t, x["n_valid"], x["block_table"], x["write_lo"])
+            if variant == "kernel":
+                lkv = kw.write_rows(*a, ratio=ratio, interpret=interpret)
+            else:
+                lkv = kw.write_rows_reference(*a, ratio=ratio)
+        return lkv
+
+    if variant in ("kernel", "rows_reference"):
+        return jax.jit(run_rows, donate_argnums=0)
+    return jax.jit(run, donate_argnums=0)
+
+
+def precompute_rows(ratio, static, steps, lkv, x):
+    kc = kw.KVWriteConfig(ratio, CFG.norm_eps)
+
+    def f(lkv, x):
+        out = []
+        for t in range(steps):
+            kwargs = {}
+            if ratio:
+                kwargs = {"comp_kv": x["comp_kv"][t], "comp_score": x["comp_score"][t] if ratio == 2 else None,
+                              "p_comp": x["p_comp"], "p_idx": x["p_idx"], "freqs": static["freqs"]}
+            out.append(kw.token_bytes(lkv, x["swa_kv"][t], x["slot"], x["pos"] + t, kcfg=kc, **kwargs))
+        return out
+
+    return jax.jit(f)(lkv, x)
+
+
+def count_kernels(compiled) -> int | None:
+    """Kernel-launching instructions in the optimized HLO's entry computation (approximate)."""
+    try:
+        txt = compiled.as_text()
+        entry = txt[txt.index("ENTRY"):]
+        entry = entry[: entry.index("\n}")]
+        free = ("parameter(", "bitcast(", "get-tuple-element(", "tuple(", "constant(")
+        return sum(1 for line in entry.splitlines()[1:] if "=" in line and not any(f in line for f in free))
+    except Exception as ex:  # noqa: BLE001
+        log("kernel count failed:", type(ex).__name__, str(ex)[:160])
+        return None
+
+
+def time_program(compiled, lkv, args, reps, calls=5):
+    """Median seconds per call over `reps` groups of `calls` pipelined calls (the donated pool is chained)."""
+    lkv = compiled(lkv, *args)
+    jax.block_until_ready(lkv)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(calls):
+            lkv = compiled(lkv, *args)
+        jax.block_until_ready(lkv)
+        ts.append((time.perf_counter() - t) / calls)
+    return statistics.median(ts)
+
+
+def step_bytes(ratio, B) -> int:
+    """Bytes a step must move at least: token inputs read + rows written (entries counted for every row)."""
+    Dh, ID = CFG.head_dim, CFG.index_head_dim
+    n = B * Dh * 2 + B * (Dh + Dh // 32)  # swa kv in, ring row out
+    if ratio:
+        n += B * Dh * (8 if ratio == 2 else 2)  # compressor kv (+ score) in
+        n += ID * Dh * 2 + 2 * (Dh + ID)  # wk, norms
+        n += B * (Dh // 2 + Dh // 16 + ID // 2 + ID // 32)  # entries out
+    if ratio == 2:
+        n += 2 * B * 2 * Dh * 4  # state in and out
+    return n
+
+
+def diff_bytes(a: kw.LayerKV, b: kw.LayerKV) -> dict:
+    out = {}
+    for f in dataclasses.fields(kw.LayerKV):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x is None:
+            continue
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype.itemsize == 1:
+            x, y = x.view(np.uint8), y.view(np.uint8)
+        else:
+            x, y = x.view(np.uint32), y.view(np.uint32)
+        out[f.name] = int((x != y).sum())
+    return out
+
+
+def run_case(kind, B, args, bw, smoke):
+    ratio, layer = KINDS[kind]
+    sh = shape_for(ratio, layer, B, smoke)
+    steps = args.steps
+    row = {"kind": kind, "B": B, "steps": steps, "shape": dataclasses.asdict(sh)}
+    x, static = make_inputs(ratio, layer, sh, steps, seed=B * 7 + ratio)
+    pool0 = make_pool(ratio, sh, 1)
+    rows = precompute_rows(ratio, static, steps, pool0, x)
+    # every program is compiled once (AOT) and serves both the check and the timing
+    variants = {"xla": ("xla", (x,)), "fused": ("interpret" if smoke else "fused", (x,)),
+                "kernel": ("kernel", (rows, x)), "rows_reference": ("rows_reference", (rows, x))}
+    comp = {}
+    for name, (variant, fargs) in variants.items():
+        try:
+            t = time.time()
+            comp[name] = step_program(ratio, static, steps, variant, interpret=smoke).lower(pool0, *fargs).compile()
+            row[f"kernels_{name}"] = count_kernels(comp[name])
+            log(kind, "B", B, name, f"compiled in {time.time() - t:.1f}s,", row[f"kernels_{name}"], "HLO kernels")
+        except Exception:  # noqa: BLE001
+            row[f"err_{name}"] = traceback.format_exc()[-2000:]
+            log(kind, "B", B, name, "compile failed:\n" + row[f"err_{name}"])
+    del pool0
+
+    def run(name):  # from a fresh copy of the same poisoned pool
+        return comp[name](make_pool(ratio, sh, 1), *variants[name][1])
+
+    try:  # the whole path: fused vs today's XLA path
+        ref, out = run("xla"), run("fused")
+        d, changed = diff_bytes(out, ref), diff_bytes(make_pool(ratio, sh, 1), ref)
+        row["diff_bytes"], row["changed_bytes"] = d, changed
+        row["check"] = "PASS" if sum(d.values()) == 0 and sum(changed.values()) > 0 else "FAIL"
+        log(kind, "B", B, row["check"], "differing bytes", d, "bytes written", sum(changed.values()))
+    except Exception:  # noqa: BLE001
+        row["check"] = "ERROR"
+        row["check_error"] = traceback.format_exc()[-2000:]
+        log(kind, "B", B, "check failed:\n" + row["check_error"])
+    try:  # the kernel alone on the same bytes (independent of how XLA fuses the prelude in two programs)
+        dk = diff_bytes(run("kernel"), run("rows_reference"))
+        row["kernel_diff_bytes"] = dk
+        row["kernel_check"] = "PASS" if sum(dk.values()) == 0 else "FAIL"
+        log(kind, "B", B, "kernel alone vs write_rows_reference:", row["kernel_check"], dk)
+    except Exception:  # noqa: BLE001
+        row["kernel_check"] = "ERROR"
+        row["kernel_check_error"] = traceback.format_exc()[-2000:]
+        log(kind, "B", B, "kernel check failed:\n" + row["kernel_check_error"])
+    for name in ("xla", "fused", "kernel"):
+        if name not in comp:
+            continue
+        try:
+            t = time_program(comp[name], make_pool(ratio, sh, 2), variants[name][1], args.reps,
+                             calls=1 if smoke else 5)
+            row[f"us_{name}"] = t / steps * 1e6
+            log(kind, "B", B, name, f"{row[f'us_{name}']:.2f} us/step")
+        except Exception:  # noqa: BLE001
+            row[f"err_time_{name}"] = traceback.format_exc()[-2000:]
+            log(kind, "B", B, name, "timing failed:\n" + row[f"err_time_{name}"])
+    row["bytes"] = step_bytes(ratio, B)
+    row["us_roofline"] = row["bytes"] / (bw * 1e12) * 1e6
+    return row
+
+
+def fmt(v, f="{:.2f}"):
+    return "-" if v is None else f.format(v)
+
+
+def print_table(rows, bw):
+    print(f"\nHBM bandwidth measured: {bw:.2f} TB/s. Times: us per decode step of one layer "
+          f"(wall clock, median, {rows[0]['steps'] if rows else '?'} steps per program).", flush=True)
+    hdr = ("case", "B", "check", "diff B", "kernel check", "xla us", "fused us", "kernel us", "roof us", "xla/fused",
+           "fused/roof", "kern xla", "kern fused")
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "---|" * len(hdr))
+    for r in rows:
+        x, f = r.get("us_xla"), r.get("us_fused")
+        ratio = x / f if x and f else None
+        over = f / r["us_roofline"] if f and r.get("us_roofline") else None
+        diff = sum(r["diff_bytes"].values()) if "diff_bytes" in r else None
+        print("| " + " | ".join([
+            r["kind"], str(r["B"]), r["check"], fmt(diff, "{}"), r.get("kernel_check", "-"), fmt(x), fmt(f), fmt(r.get("us_kernel")),
+            fmt(r.get("us_roofline"), "{:.4f}"), fmt(ratio), fmt(over, "{:.0f}x"),
+            fmt(r.get("kernels_xla"), "{}"), fmt(r.get("kernels_fused"), "{}")]) + " |", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=4, help="decode steps per program (unrolled)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--batches", default="64,8,1")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--budget-s", type=float, default=105.0, help="start no new case after this")
+    ap.add_argument("--cpu-smoke", action="store_true", help="interpreter, small pools, B=1 (logic only)")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    if smoke:  # the interpreter is slow: check the logic, not the numbers
+        args.steps, args.batches, args.reps = 2, "1", 1
+    log("jax", jax.__version__, jax.devices())
+    bwres = {"hbm_TBps": 4.3} if smoke else hbm_bandwidth(256 << 20)
+    bw = bwres["hbm_TBps"]
+    log("bandwidth", bwres)
+    rows = []
+    for B in (int(b) for b in args.batches.split(",")):
+        for kind in args.kinds.split(","):
+            if time.time() - T0 > args.budget_s:
+                log("budget reached, skipping", kind, B)
+                continue
+            try:
+                rows.append(run_case(kind, B, args, bw, smoke))
+            except Exception:  # noqa: BLE001
+                log(kind, B, "failed:\n" + traceback.format_exc())
+                rows.append({"kind": kind, "B": B, "check": "ERROR", "steps": args.steps,
+                             "error": traceback.format_exc()[-2000:]})
+    print_table(rows, bw)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_kv_write.json"), "w") as fh:
+            json.dump({"bandwidth": bwres, "rows": rows, "argv": sys.argv}, fh, indent=1, default=str)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Fused MoE router: reference semantics vs dsv41.moe.route, the counting-sort permutation, the Mosaic GPU
+kernels in the Mosaic GPU interpreter (CPU), and the real Pallas -> Mosaic GPU lowering at Flash's shapes.
+GPU-only tests run the compiled kernels (marked `gpu`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41.config import ModelConfig
+from pallas_kernels import router as R
+
+RC = R.RouteConfig()  # Flash: k=6, route_scale 1.5, renormalised
+SMALL = R.KernelConfig(tm=8, tk=64, splits=2, num_wgs=2, stages=2)  # interpret: D=128 in 2 splits of 64
+
+
+def _cfg(k=6, e=384):
+    return dataclasses.replace(ModelConfig(), n_activated_experts=k, n_routed_experts=e)
+
+
+def _data(seed, t, d, e, gap=2e-3):
+    """Random routing data without near-ties: the biases are spaced so that the top-k keys of a token
+    are separated by far more than the GEMM's rounding differences (about 1e-6 here)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((e, d)) * 0.1, jnp.bfloat16)
+    bias = jnp.asarray(rng.permutation(e) * gap, jnp.float32)
+    return x, w, bias
+
+
+def _check_against_reference(out, x, w, bias, rc=RC, tie_gap=0.0):
+    """ids identical (rows whose reference top-(k+1) keys are closer than tie_gap excepted), weights close,
+    order and group sizes identical when all ids are."""
+    wts, ids, order, sizes = (np.asarray(a) for a in out)
+    rw, rids, rorder, rsizes = (np.asarray(a) for a in R.route_reference(x, {"weight": w, "bias": bias}, rc))
+    t = x.shape[0]
+    assert wts.shape == (t, rc.k) and ids.shape == (t, rc.k) and order.shape == (t * rc.k,)
+    bad = (ids != rids).any(axis=1)
+    if tie_gap > 0 and bad.any():
+        keys = np.asarray(R.scores_reference(x, w)) + np.asarray(bias)[None]
+        top = -np.sort(-keys, axis=1)[:, :rc.k + 1]
+        near = (np.diff(-top, axis=1) < tie_gap).any(axis=1)
+        assert not (bad & ~near).any(), np.argwhere(bad & ~near)[:5]
+        keep = ~bad
+        np.testing.assert_allclose(wts[keep], rw[keep], rtol=2e-5, atol=1e-6)
+        return
+    assert not bad.any(), np.argwhere(ids != rids)[:5]
+    # bf16 x bf16 products are exact in f32; the sums differ from the HIGHEST-precision reference only in
+    # order (wgmma + split-K vs XLA), and softplus uses log-based log1p: a few f32 ulp.
+    np.testing.assert_allclose(wts, rw, rtol=2e-5, atol=1e-6)
+    assert (order == rorder).all() and (sizes == rsizes).all()
+
+
+def test_reference_matches_moe_route():
+    """route_reference (HIGHEST f32) and today's XLA path pick the same experts and weights."""
+    x, w, bias = _data(0, 37, 256, 384)
+    cfg = _cfg()
+    gate = {"weight": w, "bias": bias, "bias_vl": bias}
+    out = R.route_fused(x, gate, cfg, backend="xla")
+    _check_against_reference(out, x, w, bias)
+
+
+@pytest.mark.parametrize("t,e,k", [(5, 16, 6), (100, 384, 6)])
+def test_permutation_count_equals_argsort(t, e, k):
+    rng = np.random.default_rng(t)
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    o1, s1 = R.permutation(ids, e, "argsort")
+    o2, s2 = R.permutation(ids, e, "count")
+    assert (np.asarray(o1) == np.asarray(o2)).all() and (np.asarray(s1) == np.asarray(s2)).all()
+    assert int(np.asarray(s2).sum()) == t * k
+
+
+@pytest.mark.parametrize("t", [70])
+def test_kernel_interpret_matches_reference(t):
+    """T=70: two epilogue tiles (Tp=128, rows 70..127 padding), 9 GEMM tiles, prefill's 2 warpgroups, no
+    split. (T <= 64, where the epilogue reads only round_up(T, 8) rows, 2 D splits and the decode's single
+    warpgroup are covered by the ties test with T=3.)"""
+    d, e = 64, 128
+    x, w, bias = _data(10 + t, t, d, e)
+    out = R.route_pallas(x, w, bias, RC, dataclasses.replace(SMALL, splits=1), interpret=True)
+    _check_against_reference(out, x, w, bias)
+
+
+def test_kernel_interpret_exact_ties_go_to_lower_id():
+    """Duplicated gate rows give bit-identical scores: top_k's rule (lower id first) must hold, both within
+    a 128-expert chunk and across chunks."""
+    d, e, t = 128, 256, 3
+    x, w, _ = _data(7, t, d, e)
+    w = np.array(w.astype(jnp.float32))
+    bias = np.zeros(e, np.float32)
+    for a, b in [(3, 40), (200, 9), (130, 131)]:  # (copy-from, copy-to): ties across and within chunks
+        w[b] = w[a]
+    bias[[3, 40, 200, 9, 130, 131]] = 10.0  # make the six tied experts the top-6
+    w = jnp.asarray(w, jnp.bfloat16)
+    bias = jnp.asarray(bias)
+    out = R.route_pallas(x, w, bias, RC, dataclasses.replace(SMALL, num_wgs=1), interpret=True)  # decode WGs
+    ids = np.asarray(out[1])
+    assert sorted(ids[0].tolist()) == [3, 9, 40, 130, 131, 200]
+    _check_against_reference(out, x, w, bias)
+    # Order within a tie: the lower id first.
+    for row in ids:
+        for lo, hi in [(3, 40), (9, 200), (130, 131)]:
+            assert list(row).index(lo) < list(row).index(hi)
+
+
+def test_image_mask_falls_back_to_xla():
+    x, w, bias = _data(3, 4, 64, 128)
+    gate = {"weight": w, "bias": bias, "bias_vl": -bias}
+    cfg = _cfg(e=128)
+    mask = jnp.asarray([True, False, True, False])
+    from dsv41 import moe
+
+    rw, rids = moe.route(x, gate, cfg, mask)
+    w_, ids, _, _ = R.route_fused(x, gate, cfg, backend="interpret", image_mask=mask)
+    assert (np.asarray(ids) == np.asarray(rids)).all() and (np.asarray(w_) == np.asarray(rw)).all()
+
+
+def test_lowering_for_cuda_at_flash_shapes():
+    """The whole Pallas -> Mosaic GPU lowering (layouts, smem budget, wgmma shapes, TMA descriptors) at
+    D=5120, E=384: the full route with the T=1 decode config at T=17 (also the x padding for T % 8 != 0, which
+    TMA needs), the gate kernel at exactly T=1, and the prefill gate config (tm=128, no split) at T=4096."""
+    d, e = 5120, 384
+    dec = R.default_config(1, d, e)
+    assert (dec.tm, dec.splits, dec.num_wgs) == (8, 20, 1)
+    f = lambda x, w, b: R.route_pallas(x, w, b, RC, dec)
+    args = (jax.ShapeDtypeStruct((17, d), jnp.bfloat16), jax.ShapeDtypeStruct((e, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e,), jnp.float32))
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    for t, cfg, t_pad in ((1, dec, 8), (4096, R.default_config(4096, d, e), 4096)):
+        g = R._gate_kernel(t_pad, d, e, cfg, False)
+        jax.jit(g).trace(jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((e, d), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    assert R.default_config(4096, d, e).splits == 1 and R.default_config(4096, d, e).tm == 128
+
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 512, 4096])
+def test_kernel_gpu_flash_shapes(t):
+    x, w, bias = _data(100 + t, t, 5120, 384)
+    out = jax.jit(lambda x, w, b: R.route_pallas(x, w, b, RC))(x, w, bias)
+    _check_against_reference(out, x, w, bias, tie_gap=1e-5)  # T=4096 may hold a few near-ties

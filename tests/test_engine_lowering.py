@@ -1,0 +1,50 @@
+"""The engine's programs with the Mosaic GPU kernels, lowered for CUDA on the CPU at the bench preset's shapes
+(Flash's per-layer widths). Lowering runs every kernel's Pallas -> Mosaic GPU pass (layouts, TMA boxes, shared
+memory, wgmma shapes) at the shapes the engine really passes, which the kernels' own tests at their own shapes
+can miss: two decode rows give the expert GEMM 12 token rows, which once failed on the H200 ("dimension 0 must
+have size smaller or a multiple of its tiling 8"). Nothing is allocated: parameters and pool are abstract."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dsv41 import model, moe, quant
+from dsv41 import params as P
+from dsv41.config import preset
+from serving.engine import kv_pool, programs
+
+SD = jax.ShapeDtypeStruct
+
+
+@pytest.fixture(scope="module")
+def bench():
+    cfg = preset("bench")
+    core, _ = model.strip_tables(P.abstract_params(cfg))
+    core = jax.eval_shape(moe.prepare_experts, core)  # the routed experts in the FP4 kernel's layout
+    pool = kv_pool.abstract_pool(cfg, kv_pool.PoolLayout(num_pages=64, page_tokens=64, num_slots=8))
+    return cfg, core, pool
+
+
+def _batch(cfg, B, T, ctx_pages):
+    i = lambda *s: SD(s, jnp.int32)  # noqa: E731
+    rows = [SD((B, T, cfg.engram_n_cols, cfg.engram_head_dim), jnp.bfloat16) for _ in cfg.engram_layer_ids]
+    return programs.Batch(i(B, T), i(B), i(B), i(B), i(B, ctx_pages), i(B), rows)
+
+
+def _sampling(B):
+    return programs.Sampling(SD((B,), jnp.float32), SD((B,), jnp.float32), SD((B,), jnp.int32),
+                             SD((B, 2), jnp.uint32))
+
+
+def test_decode_lowers_for_cuda(bench):
+    cfg, core, pool = bench
+    B = 2
+    programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
+                            backend="pallas").lower(lowering_platforms=("cuda",))
+
+
+def test_prefill_chunk_lowers_for_cuda(bench):
+    """A 2048-token chunk: 12288 expert rows, the GEMM's prefill tiles."""
+    cfg, core, pool = bench
+    programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg,
+                               num=quant.REFERENCE).lower(lowering_platforms=("cuda",))
