@@ -16,10 +16,16 @@ from dsv41.config import ModelConfig
 def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig):
     """x [B, S, hc, D] -> pre [B, S, hc], post [B, S, hc], comb [B, S, hc, hc] (comb[i, j]: source i -> j),
     all float32. One RMS statistic over the flattened hc*D values; comb made doubly stochastic by Sinkhorn."""
-    hc, eps = cfg.hc_mult, cfg.hc_eps
     xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
     rs = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
     m = jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * rs
+    return coefficients_from_mix(m, scale, base, cfg)
+
+
+def coefficients_from_mix(m: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig, unroll: bool = False):
+    """The mix values m [..., (2 + hc) * hc] (already times the RMS factor) -> pre, post, comb.
+    unroll: the Sinkhorn iterations as straight-line code (one fused GPU kernel instead of a while loop)."""
+    hc, eps = cfg.hc_mult, cfg.hc_eps
     scale, base = scale.astype(jnp.float32), base.astype(jnp.float32)
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
@@ -33,7 +39,7 @@ def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
         c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
         return c, None
 
-    comb, _ = jax.lax.scan(step, comb, None, length=cfg.hc_sinkhorn_iters - 1)
+    comb, _ = jax.lax.scan(step, comb, None, length=cfg.hc_sinkhorn_iters - 1, unroll=unroll)
     return pre, post, comb
 
 

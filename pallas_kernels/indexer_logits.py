@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv41 import indexer
+from pallas_kernels import sparse_attention as sa
 
 log = logging.getLogger(__name__)
 
@@ -143,34 +144,7 @@ def entry_scores_reference(q, w, ik_packed, ik_scale, rows, dtype=jnp.bfloat16):
 # GPU producer: gather + MXFP4 dequant (inline Mosaic GPU + PTX), 128 threads
 # ----------------------------------------------------------------------------------------------------------------
 
-# One 32-bit word = 8 e2m1 codes -> 4 bf16x2 registers (elements in order) times a bf16x2 scale ($5).
-# Magnitude bytes via prmt LUTs (hi: 00 3F 3F 3F 40 40 40 40; lo: 00 00 80 C0 00 40 80 C0), sign bits merged in.
-# Same code as sparse_attention._FP4_WORD_PTX (bit-exact on the H200, 2026-11-30).
-_FP4_WORD_PTX = """{
-.reg .b32 sa, sb, ha, la, hb, lb, so, se, sga, sgb, t0, t1;
-and.b32 sa, $4, 0x7777;
-shr.u32 sb, $4, 16;
-and.b32 sb, sb, 0x7777;
-prmt.b32 ha, 0x3F3F3F00, 0x40404040, sa;
-prmt.b32 la, 0xC0800000, 0xC0804000, sa;
-prmt.b32 hb, 0x3F3F3F00, 0x40404040, sb;
-prmt.b32 lb, 0xC0800000, 0xC0804000, sb;
-and.b32 so, $4, 0x80808080;
-shl.b32 se, $4, 4;
-and.b32 se, se, 0x80808080;
-prmt.b32 sga, se, so, 0x5140;
-prmt.b32 sgb, se, so, 0x7362;
-or.b32 ha, ha, sga;
-or.b32 hb, hb, sgb;
-prmt.b32 t0, la, ha, 0x5140;
-prmt.b32 t1, la, ha, 0x7362;
-mul.rn.bf16x2 $0, t0, $5;
-mul.rn.bf16x2 $1, t1, $5;
-prmt.b32 t0, lb, hb, 0x5140;
-prmt.b32 t1, lb, hb, 0x7362;
-mul.rn.bf16x2 $2, t0, $5;
-mul.rn.bf16x2 $3, t1, $5;
-}"""
+# The e2m1 word decoder is sparse_attention.FP4_WORD_PTX (bit-exact on the H200, 2026-11-30).
 
 
 def _mgpu_dequant_fn(d: int):
@@ -247,7 +221,7 @@ def _mgpu_dequant_fn(d: int):
             # UE8M0 byte b -> bf16x2 (2^(b-127), 2^(b-127)): bf16 bits are b << 7 (b = 0 gives 0, as ue8m0_decode).
             s2 = arith.ori(arith.shli(sc, ci(7)), arith.shli(sc, ci(23)))
             for j, w in enumerate(words):
-                regs = mu.inline_ptx(_FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
+                regs = mu.inline_ptx(sa.FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
                 store_chunk(r, arith.addi(arith.muli(m, ci(4)), ci(j)), regs)
         return ()
 

@@ -81,30 +81,13 @@ def mhc_reference(y, h, post, comb, pre_delayed, fn, scale, base, norm_w, cfg: M
 # phase 2: statistics -> coefficients and the normalized collapse
 
 
-def _coefficients_from_mix(m, scale, base, cfg: ModelConfig):
-    """m [T, 24] f32 (already times the RMS factor) -> pre, post, comb. Same math as dsv41.mhc.coefficients
-    after its GEMM; the Sinkhorn loop is unrolled so XLA fuses it into one kernel."""
-    hc, eps = cfg.hc_mult, cfg.hc_eps
-    scale, base = scale.astype(jnp.float32), base.astype(jnp.float32)
-    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = comb / jnp.sum(comb, axis=-1, keepdims=True) + eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    return pre, post, comb
-
-
 def _finish(part, xc, scale, base, norm_w, cfg: ModelConfig):
     """part [C, T, TOKEN_ROWS] f32 partial sums, xc [T, D] bf16 -> x [T, D] bf16, pre, post, comb."""
     hc, d = cfg.hc_mult, xc.shape[-1]
     nm = (2 + hc) * hc
     tot = jnp.sum(part[..., :nm + 2], axis=0)  # [T, 26]
     rs = jax.lax.rsqrt(tot[:, nm:nm + 1] / (hc * d) + cfg.norm_eps)
-    pre, post, comb = _coefficients_from_mix(tot[:, :nm] * rs, scale, base, cfg)
+    pre, post, comb = mhc.coefficients_from_mix(tot[:, :nm] * rs, scale, base, cfg, unroll=True)
     rx = jax.lax.rsqrt(tot[:, nm + 1:nm + 2] / d + cfg.norm_eps)
     x = (norm_w.astype(jnp.float32) * (xc.astype(jnp.float32) * rx)).astype(xc.dtype)
     return x, pre, post, comb

@@ -189,15 +189,21 @@ def swa_valid_mask(swa_valid, window):
   return swa_valid.astype(bool)
 
 
-def compressed_rows(topk, page_table, page_size):
-  """Physical row (page * P + slot) of each selected entry, -1 where none.
+def compressed_rows(topk, page_table, page_size, num_pages=None):
+  """Physical row (page * P + slot) of each selected entry, -1 where none or where the page table points
+  outside the pool (padding rows of a batch carry out-of-range pages; the kernel must not load from there).
 
   Layers that reuse the same top-k and pool can compute this once.
   """
   topk = jnp.asarray(topk, jnp.int32)
+  pt = jnp.asarray(page_table, jnp.int32)
   g = jnp.maximum(topk, 0)
-  page = jnp.take_along_axis(jnp.asarray(page_table, jnp.int32), g // page_size, axis=1)
-  return jnp.where(topk >= 0, page * page_size + g % page_size, -1).astype(jnp.int32)
+  col = g // page_size
+  page = jnp.take_along_axis(pt, jnp.clip(col, 0, pt.shape[1] - 1), axis=1)
+  ok = (topk >= 0) & (col < pt.shape[1]) & (page >= 0)
+  if num_pages is not None:
+    ok &= page < num_pages
+  return jnp.where(ok, page * page_size + g % page_size, -1).astype(jnp.int32)
 
 
 def _pad_last(x, multiple, value):
@@ -254,7 +260,7 @@ def sparse_attention_reference(q, swa_q, swa_s, swa_valid, topk, page_table,
 # GPU dequant (inline Mosaic GPU + PTX); producer warpgroup, 128 threads
 # ----------------------------------------------------------------------------
 
-_FP4_WORD_PTX = """{
+FP4_WORD_PTX = """{
 .reg .b32 sa, sb, ha, la, hb, lb, so, se, sga, sgb, t0, t1;
 and.b32 sa, $4, 0x7777;
 shr.u32 sb, $4, 16;
@@ -428,7 +434,7 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
           s_lo, s_hi = mu.inline_ptx(_E4M3_SCALE_PTX, sc, result_types=[i32, i32])
           for j, w in enumerate(words):
             s2 = s_lo if j < 2 else s_hi
-            regs = mu.inline_ptx(_FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
+            regs = mu.inline_ptx(FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
             q = arith.addi(arith.muli(m, ci(4)), ci(j))
             store_chunk(r, q, regs)
         else:
@@ -892,7 +898,7 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
   swa_rows = jnp.where(valid_w, jnp.arange(b, dtype=jnp.int32)[:, None] * w
                        + jnp.arange(w, dtype=jnp.int32)[None, :], -1)
   if rows is None:
-    rows = compressed_rows(topk, page_table, p)
+    rows = compressed_rows(topk, page_table, p, kv_packed.shape[0])
   swa_rows = _pad_last(swa_rows.astype(jnp.int32), t, -1)
   c_rows = _pad_last(jnp.asarray(rows, jnp.int32), t, -1)
   n_tiles_swa = swa_rows.shape[1] // t

@@ -80,8 +80,8 @@ KERNELS = {"xla": ("xla", "xla"), "attn": ("pallas", "xla"), "pallas": ("pallas"
 
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     attn, moe_be = KERNELS[backend]
-    return Engine(cfg, params, T.load_tokenizer(), _ZeroHasher(cfg), max_num_seqs=seqs, max_model_len=max_len,
-                  max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
+                  max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
                   min_prefill_bucket=2048, min_ctx_pages=max_len // 64, attention_backend=attn, moe_backend=moe_be)
 
 
@@ -93,20 +93,6 @@ def with_fp4_experts(params):
     return {**params, "layers": layers}
 
 
-class _ZeroHasher:
-    """Engram hashing stand-in for the bench vocabulary (the built-in tokenizer is the tiny preset's): row 0."""
-
-    def __init__(self, cfg):
-        self.n = (len(cfg.engram_layer_ids), cfg.engram_n_cols)
-
-    def initial_history(self, b):
-        return np.zeros((b, 3), np.int64)
-
-    def history_from_ids(self, ids):
-        return self.initial_history(ids.shape[0])
-
-    def hash_step(self, ids, hist):
-        return np.zeros((*ids.shape, *self.n), np.int64), hist
 
 
 def bench_prefill(cfg, params, lengths, max_len):

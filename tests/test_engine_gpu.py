@@ -12,7 +12,7 @@ scale."""
 import numpy as np
 import pytest
 
-from dsv41 import quant
+from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
@@ -33,20 +33,6 @@ def bench():
     return cfg, P.init_params(cfg, seed=0)
 
 
-class _ZeroHasher:
-    """The built-in tokenizer's Engram hashing is the tiny preset's; the bench preset reads row 0."""
-
-    def __init__(self, cfg):
-        self.n = (len(cfg.engram_layer_ids), cfg.engram_n_cols)
-
-    def initial_history(self, b):
-        return np.zeros((b, 3), np.int64)
-
-    def history_from_ids(self, ids):
-        return self.initial_history(ids.shape[0])
-
-    def hash_step(self, ids, hist):
-        return np.zeros((*ids.shape, *self.n), np.int64), hist
 
 
 @pytest.mark.parametrize("kernel, replay", [("attention", True), ("attention", False), ("moe", True)])
@@ -58,8 +44,8 @@ def test_pallas_decode_matches_xla_on_bench_preset(bench, kernel, replay):
     for backend in ("xla", "pallas"):
         backends = dict(attention_backend=backend, moe_backend="xla") if kernel == "attention" else \
             dict(attention_backend="xla", moe_backend=backend)
-        eng = Engine(cfg, params, T.load_tokenizer(), _ZeroHasher(cfg), max_num_seqs=1, max_model_len=2048,
-                     max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
+        eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=1,
+                     max_model_len=2048, max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
                      numerics=NUM, keep_logits=True, min_prefill_bucket=2048, min_ctx_pages=32, **backends)
         toks = []
         eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))

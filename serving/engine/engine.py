@@ -120,7 +120,8 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     An explicit 'pallas' that cannot run raises EngineError saying why."""
     gpu = jax.default_backend() == "gpu"
     if attention not in ("auto", *programs.ATTENTION_BACKENDS):
-        raise EngineError(f"attention_backend must be 'auto' or one of {programs.ATTENTION_BACKENDS}, got {attention!r}")
+        raise EngineError(f"attention_backend must be 'auto' or one of {programs.ATTENTION_BACKENDS}, "
+                          f"got {attention!r}")
     if moe_backend not in ("auto", *MOE_BACKENDS):
         raise EngineError(f"moe_backend must be 'auto' or one of {MOE_BACKENDS}, got {moe_backend!r}")
     attn_why = ("needs a CUDA GPU" if not gpu else

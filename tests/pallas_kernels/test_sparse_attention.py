@@ -81,9 +81,9 @@ def _prmt(a, b, sel):
 
 
 def test_fp4_ptx_bit_logic_emulated():
-  """Emulates _FP4_WORD_PTX (prmt LUT + sign merge) for every byte value."""
+  """Emulates FP4_WORD_PTX (prmt LUT + sign merge) for every byte value."""
   import ml_dtypes
-  assert "prmt.b32 ha, 0x3F3F3F00, 0x40404040, sa;" in sa._FP4_WORD_PTX
+  assert "prmt.b32 ha, 0x3F3F3F00, 0x40404040, sa;" in sa.FP4_WORD_PTX
   rng = np.random.default_rng(0)
   words = list(rng.integers(0, 2 ** 32, 300, dtype=np.uint64)) + [
       int.from_bytes(bytes([v, v, v, v]), "little") for v in range(256)]

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The device runs that check and time what the CPU cannot, grouped so that each group fits one device call
+# (10 minutes). Run from the repository root on the GPU machine; results and logs go to $OUT (default ./out).
+#
+#   bash scripts/h200_checks.sh tests     # GPU tests: engine with kernels vs XLA, every kernel vs its reference (~5 min)
+#   bash scripts/h200_checks.sh engine    # decode step, XLA vs all kernels, batch 1/8/64 + prefill (~6 min)
+#   bash scripts/h200_checks.sh serve     # dsv41 bench serve, replay on vs off, bench preset (~8 min)
+#   bash scripts/h200_checks.sh kernels   # router and mHC kernel benches (~4 min)
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+PY=${PYTHON:-python3}
+
+case "${1:-}" in
+  tests)
+    timeout 560 $PY -m pytest -q -s -rA -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
+    ;;
+  engine)
+    timeout 560 $PY scripts/bench_engine.py --backends xla,pallas --batches 1,8,64 --lengths 4096,16384 \
+      --decode-ctx 4096 > "$OUT/engine_log.txt" 2>&1
+    echo "bench_engine rc=$?"
+    grep -E "decode |prefill |\| " "$OUT/engine_log.txt" | tail -30
+    ;;
+  serve)
+    timeout 560 $PY scripts/bench_serve_compare.py --out "$OUT/serve" --preset bench \
+      --variant replay= --variant exact=--no-swa-bounded-replay \
+      --server-args "--max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048 --min-block-table-pages 128" \
+      --bench-args "--max-concurrency 1,4,8 --num-turns 3 --think-time 0.3 --shared-prefix-len 1500 --input-len 300 --turn-input-len 100 --output-len 32 --num-warmups 1" \
+      > "$OUT/serve_log.txt" 2>&1
+    echo "bench_serve_compare rc=$?"
+    grep -E "healthy|warm-up|compiled|\| " "$OUT/serve_log.txt" | tail -20
+    for f in "$OUT"/serve/*.server.log; do echo "== $f"; tail -n 5 "$f"; done
+    ;;
+  kernels)
+    timeout 170 $PY scripts/bench_router.py --out "$OUT" > "$OUT/router_log.txt" 2>&1; echo "router rc=$?"
+    tail -c 3000 "$OUT/router_log.txt"
+    timeout 170 $PY scripts/bench_mhc.py --out "$OUT" > "$OUT/mhc_log.txt" 2>&1; echo "mhc rc=$?"
+    tail -c 3000 "$OUT/mhc_log.txt"
+    ;;
+  *)
+    echo "usage: $0 tests|engine|serve|kernels" >&2
+    exit 2
+    ;;
+esac
