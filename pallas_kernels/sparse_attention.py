@@ -222,17 +222,23 @@ def sparse_attention_reference(q, swa_q, swa_s, swa_valid, topk, page_table,
                                kv_packed, kv_scale, sink, *, rope_cos=None,
                                rope_sin=None, rope_query=False,
                                rope_output=False, out_dtype=jnp.bfloat16,
-                               rows=None):
-  """Plain-jnp reference (f32 math; probabilities are NOT rounded to bf16)."""
+                               rows=None, swa_rows=None):
+  """Plain-jnp reference (f32 math; probabilities are NOT rounded to bf16). With ``swa_rows`` [B, W'] (int32,
+  -1 = none) the window keys are those rows of a flat FP8 buffer swa_q [N, D] / swa_s [N, D/32] and swa_valid
+  is ignored: how prefill gives every query token its own window without copying keys."""
   del rows
   b, h, d = q.shape
-  w = swa_q.shape[1]
   p = kv_packed.shape[1]
   qf = q.astype(jnp.float32)
   if rope_query:
     qf = apply_rope_tail(qf, rope_cos, rope_sin)
-  swa = dequant_swa_fp8(swa_q, swa_s)                               # [B, W, D]
-  valid_w = swa_valid_mask(swa_valid, w)
+  if swa_rows is None:
+    swa = dequant_swa_fp8(swa_q, swa_s)                             # [B, W, D]
+    valid_w = swa_valid_mask(swa_valid, swa_q.shape[1])
+  else:
+    r = jnp.maximum(swa_rows, 0)
+    swa = dequant_swa_fp8(_as_u8(swa_q)[r], _as_u8(swa_s)[r])      # [B, W', D] from the flat buffer
+    valid_w = swa_rows >= 0
   topk = jnp.asarray(topk, jnp.int32)
   valid_c = topk >= 0
   g = jnp.maximum(topk, 0)
@@ -867,25 +873,25 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
                             kv_packed, kv_scale, sink, *, rope_cos=None,
                             rope_sin=None, rope_query=False, rope_output=False,
                             out_dtype=jnp.bfloat16, rows=None, num_splits=None,
-                            interpret=False, config=None):
+                            interpret=False, config=None, swa_rows=None):
   """Fused sparse MQA decode attention (Mosaic GPU kernel).
 
   Args beyond the reference's: ``rows`` -- precomputed ``compressed_rows``;
   ``num_splits`` -- key splits per sequence (None: fill ~132 SMs);
   ``interpret`` -- run in the Mosaic GPU interpreter (CPU);
-  ``config`` -- ``KernelConfig`` (consumer mode, prefetch, registers).
+  ``config`` -- ``KernelConfig`` (consumer mode, prefetch, registers);
+  ``swa_rows`` -- explicit window rows of a flat FP8 key buffer (see the reference): prefill, one row of the
+  batch per query token.
   Requirements: H <= 64 (padded to 64), D % 128 == 0.  W and K are padded to
   multiples of 64 with invalid entries.  Status (H200, 2026-11-30): verified
-  on device for B=1, num_splits=10, qk_mode='redundant' (rel. L2 1.7e-3);
-  the other configurations are verified in the interpreter and lower for
-  sm_90a, but have not run on the GPU yet.
+  on the device at B=1/8/64, both QK modes, 1-10 key splits (rel. L2 1.7e-3);
+  ``swa_rows`` (prefill) is verified in the interpreter and lowers for sm_90a.
   """
   b, h, d = q.shape
   if h > HEADS_PER_CTA:
     raise NotImplementedError(f"H={h} > {HEADS_PER_CTA}")
   if d % 128:
     raise NotImplementedError(f"D={d} must be a multiple of 128")
-  w = swa_q.shape[1]
   p = kv_packed.shape[1]
   t = TILE
   qb = q
@@ -894,9 +900,11 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
   qb = qb.astype(jnp.bfloat16)
   if h < HEADS_PER_CTA:
     qb = jnp.pad(qb, ((0, 0), (0, HEADS_PER_CTA - h), (0, 0)))
-  valid_w = swa_valid_mask(swa_valid, w)
-  swa_rows = jnp.where(valid_w, jnp.arange(b, dtype=jnp.int32)[:, None] * w
-                       + jnp.arange(w, dtype=jnp.int32)[None, :], -1)
+  if swa_rows is None:  # decode: row b's window is its own ring copy [W, D]
+    w = swa_q.shape[1]
+    valid_w = swa_valid_mask(swa_valid, w)
+    swa_rows = jnp.where(valid_w, jnp.arange(b, dtype=jnp.int32)[:, None] * w
+                         + jnp.arange(w, dtype=jnp.int32)[None, :], -1)
   if rows is None:
     rows = compressed_rows(topk, page_table, p, kv_packed.shape[0])
   swa_rows = _pad_last(swa_rows.astype(jnp.int32), t, -1)
@@ -911,8 +919,8 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
     c_rows = jnp.pad(c_rows, ((0, 0), (0, extra * t)), constant_values=-1)
     n_tiles_c += extra
   all_rows = jnp.concatenate([swa_rows, c_rows], axis=1).reshape(b, n_tiles_swa + n_tiles_c, t)
-  swa_flat = _as_u8(swa_q).reshape(b * w, d)
-  swas_flat = _as_u8(swa_s).reshape(b * w, d // 32)
+  swa_flat = _as_u8(swa_q).reshape(-1, d)
+  swas_flat = _as_u8(swa_s).reshape(-1, d // 32)
   kv_flat = _as_u8(kv_packed).reshape(-1, d // 2)
   kvs_flat = _as_u8(kv_scale).reshape(-1, d // 16)
   sinkf = jnp.asarray(sink, jnp.float32)

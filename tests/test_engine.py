@@ -2,10 +2,12 @@
 run with the same replay semantics. float32 activations with the serving formats' KV numerics on both sides,
 so differences are summation order only (bf16 runs diverge chaotically through FP8 bins, see docs/REPLAY.md)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41 import model, quant
+from dsv41 import engram, model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
@@ -84,16 +86,62 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
-@pytest.mark.parametrize("replay", [True, False])
-def test_fused_attention_wiring_equals_xla(tiny, replay):
-    """Decode through the fused kernel's inputs (ring slots, page table, FP4 entries; its jnp reference on CPU)
-    gives the XLA attention path's logits: the wiring is right. The kernel against that reference is
-    tests/pallas_kernels/test_sparse_attention.py; the compiled kernel in the engine, tests/test_engine_gpu.py."""
-    ids = prompt(300, seed=12)  # past the window (ring wrap), several compressed groups, two prefill chunks
-    t_xla, l_xla = run(make(tiny, swa_bounded_replay=replay, enable_prefix_caching=False), ids)
-    t_ref, l_ref = run(make(tiny, swa_bounded_replay=replay, enable_prefix_caching=False,
-                            attention_backend="reference"), ids)
-    assert t_xla == t_ref and np.abs(l_xla - l_ref).max() < TOL
+def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
+    """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
+    their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
+    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer.
+    The kernels against those references: tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
+    from dsv41 import model
+    from serving.engine import programs
+
+    cfg, params = tiny
+    core, _ = model.strip_tables(params)
+    lay = kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2)
+    pool = kv_pool.allocate(cfg, lay)
+    B, T, ctx = 2, 128, 6
+    rows = [np.zeros((B, T, cfg.engram_n_cols, cfg.engram_head_dim), np.float32) for _ in cfg.engram_layer_ids]
+    bt = np.arange(B * ctx, dtype=np.int32).reshape(B, ctx)
+    tokens = np.asarray([prompt(T, seed=20), prompt(T, seed=21)], np.int32)
+
+    def batch(tok, pos0, n_valid, rows):
+        return programs.Batch(tok, np.full(B, pos0, np.int32), np.asarray(n_valid, np.int32),
+                              np.arange(B, dtype=np.int32), bt, np.zeros(B, np.int32), rows)
+
+    # the first 128 tokens of both rows, through the XLA path: the rings and pages hold them afterwards
+    samp = programs.Sampling(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
+                             np.zeros((B, 2), np.uint32))
+    pool, _, _ = programs.run_full(core, pool, batch(tokens, 0, [T, T], rows), samp, cfg=cfg, num=NUM)
+    freqs = model.freqs_for(cfg)
+
+    @jax.jit
+    def both_paths(pool, b):
+        """The layers with each attention computed twice from the same state: -> per-layer relative max
+        difference over the valid tokens (the run continues on the XLA path's output and pool)."""
+        h, pre = model.embed(core, b.tokens, cfg, NUM)
+        shared = {"xla": {}, "reference": {}}
+        valid = (jnp.arange(b.tokens.shape[1])[None] < b.n_valid[:, None])[..., None]
+        diffs = []
+        for i, lp in enumerate(core["layers"]):
+            if i in cfg.engram_layer_ids:
+                h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, NUM)
+
+            def attn_fn(x, lp=lp, i=i):
+                nonlocal pool
+                y_ref, _ = programs.cached_attention(x, lp["attn"], i, cfg, NUM, pool, b, shared["reference"],
+                                                     freqs[i], "full", "reference")
+                y, pool = programs.cached_attention(x, lp["attn"], i, cfg, NUM, pool, b, shared["xla"], freqs[i],
+                                                    "full", "xla")
+                diffs.append(jnp.max(jnp.abs(y - y_ref) * valid) / jnp.max(jnp.abs(y)))
+                return y
+
+            h, pre = model.block(h, pre, lp, i, cfg, NUM, attn_fn)
+        return jnp.stack(diffs)
+
+    worst = {}
+    for name, b in [("prefill", batch(tokens[:, ::-1].copy(), T, [T, 77], rows)),
+                    ("decode", batch(tokens[:, :1].copy(), 2 * T, [1, 1], [r[:, :1] for r in rows]))]:
+        worst[name] = np.asarray(both_paths(pool, b))
+    assert max(float(d.max()) for d in worst.values()) < 1e-5, worst
 
 
 def test_concurrent_requests_and_back_pressure(tiny):

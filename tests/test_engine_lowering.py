@@ -44,7 +44,7 @@ def test_decode_lowers_for_cuda(bench):
 
 
 def test_prefill_chunk_lowers_for_cuda(bench):
-    """A 2048-token chunk: 12288 expert rows, the GEMM's prefill tiles."""
+    """A 2048-token chunk: 12288 expert rows (the GEMM's prefill tiles), 2048 attention kernel rows."""
     cfg, core, pool = bench
-    programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg,
-                               num=quant.REFERENCE).lower(lowering_platforms=("cuda",))
+    programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
+                               backend="pallas").lower(lowering_platforms=("cuda",))

@@ -474,7 +474,8 @@ class Engine:
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
                            np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32), rows)
         samp = self._sampling([], B)
-        static = {"cfg": self.cfg, "num": self.num}
+        # the keywords exactly as the step passes them: jit's cache keys on them
+        static = {"cfg": self.cfg, "num": self.num, "backend": self.attention_backend}
         if kind == "encoder":
             return programs.run_encoder, (self.params, self.pool, b), static
         if kind == "decoder":
@@ -482,8 +483,6 @@ class Engine:
             h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype)
             pre = jnp.zeros((1, W, hc), jnp.float32)
             return programs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
-        if kind == "decode":  # the keywords exactly as the step passes them: jit's cache keys on them
-            static["backend"] = self.attention_backend
         return programs.run_full, (self.params, self.pool, b, samp), static
 
     def warmup(self, workers: int = 8) -> list[tuple[str, int, int, int]]:
@@ -538,10 +537,10 @@ class Engine:
         chunk = r.tokens[r.computed:end]
         T = min(self.chunk, _bucket(len(chunk), self.min_prefill_bucket))
         b = self._batch([r], [chunk], [r.computed], T, 1)
-        cfg, num = self.cfg, self.num
+        cfg, num, be = self.cfg, self.num, self.attention_backend
         last = end == N
         if self.replay:
-            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, cfg=cfg, num=num)
+            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, cfg=cfg, num=num, backend=be)
             n = len(chunk)
             W = cfg.window_size
             h, pre = h[0, W - min(n, W):], pre[0, W - min(n, W):]
@@ -562,11 +561,11 @@ class Engine:
             bd = programs.Batch(b.tokens[:, :1], np.asarray([N - Td], np.int32), np.asarray([Td], np.int32),
                                 b.slot, b.block_table, b.write_lo, [])
             self.pool, logits, tok = programs.run_decoder(self.params, self.pool, bd, hp, pp,
-                                                          self._sampling([r], 1), cfg=cfg, num=num)
+                                                          self._sampling([r], 1), cfg=cfg, num=num, backend=be)
             r.tail = None
         else:
             self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling([r], 1), cfg=cfg,
-                                                       num=num)
+                                                       num=num, backend=be)
             r.computed = end
             if not last:
                 return None

@@ -212,6 +212,42 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     return A.output(o[:, None], pos, p, freqs, cfg, num), pool
 
 
+def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
+    """Rows of each query's window keys, positions (pos - W, pos], in the flat FP8 buffer [ring rows (B*R) |
+    chunk rows (B*T)]: a ring slot serves a position only if it holds it (ring_pos, NO_POS below ring_lo);
+    positions >= chunk_start are the chunk's own keys (chunk_start None: every key is in the ring).
+    pos [B, T], ring_pos [B, R] -> int32 [B, T, W], -1 where none."""
+    B = pos.shape[0]
+    kp = pos[:, :, None] - jnp.arange(W, dtype=jnp.int32)[None, None, :]
+    bi = jnp.arange(B, dtype=jnp.int32)[:, None, None]
+    slot = jnp.mod(kp, R)
+    held = jnp.take_along_axis(ring_pos, slot.reshape(B, -1), axis=1).reshape(kp.shape)
+    rows = jnp.where((kp >= 0) & (held == kp), bi * R + slot, -1)
+    if chunk_start is not None:
+        off = kp - chunk_start[:, None, None]
+        rows = jnp.where(off >= 0, B * R + bi * T + off, rows)
+    return rows.astype(jnp.int32)
+
+
+def _prefill_attention_kernel(q, pos, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink,
+                              cfg: ModelConfig, backend: str):
+    """Many queries a row through the fused sparse-attention kernel, one kernel row per query token: its window
+    rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries.
+    q [B, T, H, Dh] -> [B, T, H, Dh]."""
+    from pallas_kernels import sparse_attention as sa
+
+    B, T, H, Dh = q.shape
+    if si is None:
+        topk, src = jnp.full((B * T, 64), -1, jnp.int32), 0
+    else:
+        topk, src = shared["topk"].reshape(B * T, -1), si
+    kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
+    o = sa.sparse_attention(q.reshape(B * T, H, Dh), keys_q, keys_s, None, topk,
+                            jnp.repeat(b.block_table, T, axis=0), pool.kv_packed[src], pool.kv_scale[src], sink,
+                            swa_rows=rows.reshape(B * T, -1), **kw)
+    return o.reshape(B, T, H, Dh)
+
+
 def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
                      freqs, phase: str, backend: str = "xla"):
     """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
@@ -229,18 +265,28 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
     rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
     swa_q, swa_s = list(pool.swa_q), list(pool.swa_s)
+    Dh = cfg.head_dim
     if phase == "attn_only":
         win_k = _dequant_fp8_rows(rq, rs)
         win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
+        # the kernel's flat window buffer: the ring, which already holds this chunk
+        keys_q, keys_s = rq.reshape(B * R, Dh), rs.reshape(B * R, -1)
+        ring_pos, chunk_start = win_pos, None
     else:
         kv = A.window_kv(x, p, pos, freqs, cfg, num)
         kq, ks = quant.fp8_quantize(kv)
+        ks = quant.ue8m0_encode(ks)
         new_rq = _write_ring(rq, kq, b.pos0, b.n_valid)
-        new_rs = _write_ring(rs, quant.ue8m0_encode(ks), b.pos0, b.n_valid)
+        new_rs = _write_ring(rs, ks, b.pos0, b.n_valid)
         swa_q[layer] = pool.swa_q[layer].at[b.slot].set(new_rq, mode="drop")
         swa_s[layer] = pool.swa_s[layer].at[b.slot].set(new_rs, mode="drop")
         win_k = jnp.concatenate([_dequant_fp8_rows(rq, rs), kv.astype(jnp.float32)], 1)
         win_pos = jnp.concatenate([_ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
+        # the kernel's flat window buffer: the ring as it was before this chunk, then the chunk's keys (FP8; with
+        # the serving numerics the keys are FP8 values already, so this rounding changes nothing)
+        keys_q = jnp.concatenate([rq.reshape(B * R, Dh), kq.astype(rq.dtype).reshape(B * T, Dh)])
+        keys_s = jnp.concatenate([rs.reshape(B * R, -1), ks.astype(rs.dtype).reshape(B * T, -1)])
+        ring_pos, chunk_start = _ring_positions(b.pos0, R, lo), b.pos0
     pool = dataclasses.replace(pool, swa_q=swa_q, swa_s=swa_s)
 
     comp_k = comp_valid = None
@@ -281,7 +327,13 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if phase == "kv_only":
             return None, pool
         q, _ = A.project_q(x, p, pos, freqs, cfg, num)
-    o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
+    if backend != "xla":
+        rows = _window_rows(pos, ring_pos, R, chunk_start, T, cfg.window_size)
+        si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
+        o = _prefill_attention_kernel(q, pos, keys_q, keys_s, rows, pool, si, b, shared, p["attn_sink"], cfg,
+                                      backend)
+    else:
+        o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
     return A.output(o, pos, p, freqs, cfg, num), pool
 
 
@@ -347,29 +399,31 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
 @functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
 def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics, backend: str = "xla"):
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
-    backend other than 'xla' (see ATTENTION_BACKENDS): one-token rows (decode) run the KV path's fused kernels."""
+    backend other than 'xla' (see ATTENTION_BACKENDS): the fused kernels (decode: KV writes, indexer, attention;
+    longer chunks: attention, one kernel row per query token)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num"), donate_argnames=("pool",))
-def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics):
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
+def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backend: str = "xla"):
     """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
     [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
     split = cfg.split_layer
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"})
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backend)
     W = cfg.window_size
     return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num"), donate_argnames=("pool",))
-def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics):
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
+def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
+                backend: str = "xla"):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
     b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
     split = cfg.split_layer
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"})
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backend)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok

@@ -183,6 +183,28 @@ def test_kernel_interpret_rope_precomputed_rows_three_splits():
   np.testing.assert_array_equal(r2, sa.sparse_attention(*a2, backend="xla"))
 
 
+def test_kernel_interpret_flat_window_rows():
+  """Prefill form: every query row names its own window rows in one flat FP8 key buffer (shared, overlapping,
+  -1 holes, a query with no window key), equal to the reference and to the per-row-copy decode form."""
+  b, h, d, w, k = 3, 16, 128, 20, 30
+  args = make_inputs(21, b, h, d, w, k, ragged=False)
+  q, swa_q, swa_s, _, topk, page_table, kvp, kvs, sink = args
+  rng = np.random.default_rng(4)
+  n = b * w
+  rows = jnp.asarray(np.where(rng.random((b, w)) < 0.2, -1, rng.integers(0, n, (b, w))), jnp.int32)
+  rows = rows.at[2].set(-1)
+  flat_q, flat_s = swa_q.reshape(n, d), swa_s.reshape(n, d // 32)
+  flat = (q, flat_q, flat_s, None, topk, page_table, kvp, kvs, sink)
+  ref = sa.sparse_attention_reference(*flat, swa_rows=rows, out_dtype=jnp.float32)
+  out = sa.sparse_attention(*flat, backend="interpret", swa_rows=rows, num_splits=1)
+  assert rel_l2(out, ref) < 1e-2
+  # the same windows copied per row (decode form) give the same reference
+  copy_q, copy_s = flat_q[jnp.maximum(rows, 0)], flat_s[jnp.maximum(rows, 0)]
+  ref2 = sa.sparse_attention_reference(q, copy_q, copy_s, rows >= 0, topk, page_table, kvp, kvs, sink,
+                                       out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(ref), np.asarray(ref2), rtol=1e-6, atol=1e-6)
+
+
 def test_dequant_probe_interpret_exact():
   key = jax.random.key(4)
   r, d = 50, 128
