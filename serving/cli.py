@@ -25,8 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
     p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
     p.add_argument("--attention-backend", choices=["auto", "xla", "pallas"], default="auto",
-                   help="decode KV path (KV writes, indexer top-k, sparse attention): the fused Mosaic GPU kernels or "
-                        "the XLA path (auto: the kernels on a GPU)")
+                   help="KV path (prefill and decode attention; decode KV writes and indexer top-k): the fused "
+                        "Mosaic GPU kernels or the XLA path (auto: the kernels on a GPU)")
     p.add_argument("--moe-backend", choices=["auto", "xla", "pallas"], default="auto",
                    help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
                         "weights (auto: the kernel on a GPU with FP4 experts)")

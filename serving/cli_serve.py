@@ -44,8 +44,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="exact prefill: run every layer on every prompt token instead of the decoder layers on "
                         "the last 128 (SWA bounded replay); also turns prefix caching off unless enabled")
     g.add_argument("--attention-backend", choices=["auto", "xla", "pallas"],
-                   help="decode KV path (KV writes, indexer top-k, sparse attention): the fused Mosaic GPU kernels "
-                        "or the XLA path (default auto: the kernels on a GPU)")
+                   help="KV path (prefill and decode attention; decode KV writes and indexer top-k): the fused "
+                        "Mosaic GPU kernels or the XLA path (default auto: the kernels on a GPU)")
     g.add_argument("--moe-backend", choices=["auto", "xla", "pallas"],
                    help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
                         "weights (default auto: the kernel on a GPU with FP4 experts)")

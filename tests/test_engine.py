@@ -144,6 +144,18 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
     assert max(float(d.max()) for d in worst.values()) < 1e-5, worst
 
 
+def test_program_shapes_cover_the_buckets(tiny):
+    """What warm-up compiles: every prefill chunk bucket x block-table bucket, and every decode batch bucket."""
+    eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_ctx_pages=4)
+    shapes = eng.program_shapes()
+    ctx = [4, 8]  # 512 tokens / 64 per page = 8 pages at most
+    assert [s for s in shapes if s[0] == "encoder"] == [("encoder", 1, T, c) for T in (32, 64, 128) for c in ctx]
+    assert [s for s in shapes if s[0] == "decoder"] == [("decoder", 1, 1, c) for c in ctx]
+    assert [s for s in shapes if s[0] == "decode"] == [("decode", B, 1, c) for B in (1, 2, 4) for c in ctx]
+    exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_ctx_pages=8).program_shapes()
+    assert exact == [("full", 1, 128, 8), ("decode", 1, 1, 8), ("decode", 2, 1, 8)]
+
+
 def test_concurrent_requests_and_back_pressure(tiny):
     eng = make(tiny, swa_bounded_replay=False, num_pages=5)  # room for ~320 tokens: forces a preemption
     a, b = prompt(180, seed=5), prompt(150, seed=6)

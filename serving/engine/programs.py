@@ -229,8 +229,7 @@ def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
     return rows.astype(jnp.int32)
 
 
-def _prefill_attention_kernel(q, pos, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink,
-                              cfg: ModelConfig, backend: str):
+def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink, backend: str):
     """Many queries a row through the fused sparse-attention kernel, one kernel row per query token: its window
     rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries.
     q [B, T, H, Dh] -> [B, T, H, Dh]."""
@@ -330,8 +329,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     if backend != "xla":
         rows = _window_rows(pos, ring_pos, R, chunk_start, T, cfg.window_size)
         si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
-        o = _prefill_attention_kernel(q, pos, keys_q, keys_s, rows, pool, si, b, shared, p["attn_sink"], cfg,
-                                      backend)
+        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pool, si, b, shared, p["attn_sink"], backend)
     else:
         o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
     return A.output(o, pos, p, freqs, cfg, num), pool
