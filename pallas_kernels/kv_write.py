@@ -66,6 +66,15 @@ class LayerKV:
     ik_scale: jax.Array | None = None
     comp_state: jax.Array | None = None
 
+    @classmethod
+    def of_pool(cls, pool, layer: int, source: int | None, ratio: int) -> LayerKV:
+        """Layer `layer`'s arrays of a serving KVPool: its SWA ring, and with ratio > 0 the pages of its KV source
+        `source` (index into the pool's per-source lists; the pending state only at ratio 2)."""
+        if not ratio:
+            return cls(pool.swa_q[layer], pool.swa_s[layer])
+        return cls(pool.swa_q[layer], pool.swa_s[layer], pool.kv_packed[source], pool.kv_scale[source],
+                   pool.ik_packed[source], pool.ik_scale[source], pool.comp_state[source] if ratio == 2 else None)
+
 
 @dataclasses.dataclass(frozen=True)
 class KVWriteConfig:

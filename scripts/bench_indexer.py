@@ -56,38 +56,16 @@ def log(*a):
 
 
 # ---------------------------------------------------------------------------------------------------
-# timing (the approach of bench_sparse_attention.time_gpu: CUPTI per-kernel GPU time, cold L2)
-
-_CUPTI_OK = None
-
+# timing
 
 def time_gpu(f, args, *, iters, flush):
-    """-> (median total GPU us per call, median us of its longest kernel, kernel count, method)."""
-    global _CUPTI_OK
-    jax.block_until_ready(f(*args))
-    if _CUPTI_OK is not False:
-        try:
-            from jax.experimental.mosaic.gpu import profiler
-            runs = []
-            for _ in range(iters):
-                jax.block_until_ready(flush())
-                _, ts = profiler.measure(f, aggregate=False, iterations=1)(*args)
-                runs.append(list(ts))
-            _CUPTI_OK = True
-            tot = statistics.median(sum(t for _, t in r) for r in runs) * 1e3
-            mx = statistics.median(max(t for _, t in r) for r in runs) * 1e3
-            return tot, mx, len(runs[0]), "cupti"
-        except Exception as ex:  # noqa: BLE001
-            log("CUPTI failed, wall clock from now on:", repr(ex)[:300])
-            _CUPTI_OK = False
-    ts = []
-    for _ in range(iters):
-        jax.block_until_ready(flush())
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append((time.perf_counter() - t) * 1e6)
-    m = statistics.median(ts)
-    return m, m, 0, "wall"
+    """-> (median total GPU us per call, median us of its longest kernel, kernel count, method), L2 flushed
+    before each call: bench_sparse_attention.time_gpu (CUPTI, wall clock if unavailable) in microseconds."""
+    import bench_sparse_attention as bsa
+
+    tot, mx, names = bsa.time_gpu(f, args, iters=iters, cold=True, flush=flush)
+    wall = names == ["wall-clock"]
+    return tot * 1e3, mx * 1e3, 0 if wall else len(names), "wall" if wall else "cupti"
 
 
 def hbm_read_TBps():

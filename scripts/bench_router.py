@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -40,64 +39,20 @@ def log(*a):
 # ---------------------------------------------------------------------------------------------------
 # timing
 
-_CUPTI_OK = None
-
-
 def time_gpu(f, args, iters, flush):
-    """Median GPU ms per call (CUPTI: sum over the call's kernels), L2 flushed before each call; falls back
-    to wall clock (which then includes the dispatch, ~10+ us)."""
-    global _CUPTI_OK
-    jax.block_until_ready(f(*args))
-    if _CUPTI_OK is not False:
-        try:
-            from jax.experimental.mosaic.gpu import profiler
+    """Median GPU ms per call, L2 flushed before each call: bench_sparse_attention.time_gpu (CUPTI, the sum over
+    the call's kernels; wall clock, which then includes the dispatch, if CUPTI is unavailable)."""
+    import bench_sparse_attention as bsa
 
-            tots = []
-            for _ in range(iters):
-                jax.block_until_ready(flush())
-                _, ts = profiler.measure(f, aggregate=False, iterations=1)(*args)
-                tots.append(sum(t for _, t in ts))
-            _CUPTI_OK = True
-            return statistics.median(tots), "cupti"
-        except Exception as e:  # noqa: BLE001
-            log("CUPTI measure failed, using wall clock:", repr(e)[:300])
-            _CUPTI_OK = False
-    ts = []
-    for _ in range(iters):
-        jax.block_until_ready(flush())
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts), "wall"
+    tot, _, names = bsa.time_gpu(f, args, iters=iters, cold=True, flush=flush)
+    return tot, "wall" if names == ["wall-clock"] else "cupti"
 
 
 def ceilings():
-    res = {}
-    try:
-        import torch
+    """HBM read bandwidth and bf16 matmul rate measured here (bench_expert_gemm's: PyTorch and XLA, the best)."""
+    import bench_expert_gemm
 
-        bufs = {"x": torch.randn((1 << 30) // 4, device="cuda", dtype=torch.float32),
-                "a": torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)}
-        for name, fn, work in (("hbm_TBps", lambda: bufs["x"].sum(), (1 << 30)),
-                               ("mm_TFLOPs", lambda: bufs["a"] @ bufs["a"], 2 * 8192**3)):
-            ts = []
-            for i in range(13):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                if i >= 3:
-                    ts.append(s.elapsed_time(e) / 1e3)
-            res[name] = work / statistics.median(ts) / 1e12
-        bufs.clear()
-        torch.cuda.empty_cache()
-    except Exception as e:  # noqa: BLE001
-        log("torch ceilings failed:", repr(e)[:200])
-        res.setdefault("hbm_TBps", 4.3)
-        res.setdefault("mm_TFLOPs", 660.0)
-        res["ceilings_assumed"] = True
-    return res
+    return bench_expert_gemm.ceilings(quick=False)
 
 
 # ---------------------------------------------------------------------------------------------------

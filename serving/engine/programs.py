@@ -162,12 +162,9 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
 
     kv = A.window_kv(x, p, pos, freqs, cfg, num)
-    lkv = kvw.LayerKV(pool.swa_q[layer], pool.swa_s[layer])
+    lkv = kvw.LayerKV.of_pool(pool, layer, si, ratio)
     extra = {}
     if ratio:
-        lkv = dataclasses.replace(lkv, kv_packed=pool.kv_packed[si], kv_scale=pool.kv_scale[si],
-                                  ik_packed=pool.ik_packed[si], ik_scale=pool.ik_scale[si],
-                                  comp_state=pool.comp_state[si] if ratio == 2 else None)
         ck, cs = compressor.project(x, p["compressor"], ratio, num)
         extra = dict(comp_kv=ck[:, 0], comp_score=None if cs is None else cs[:, 0], p_comp=p["compressor"],
                      p_idx=p["indexer"], freqs=freqs)
@@ -202,13 +199,15 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
     win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
+    valid &= (b.slot < pool.swa_q[layer].shape[0])[:, None]  # padding rows: slot == num_slots, no ring
+    # the window's rows straight in the pool's ring buffer (no per-row copy of the rings)
+    swa_rows = jnp.where(valid, b.slot[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None], -1)
     topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if si is None else shared["topk"][:, 0]
     src = 0 if si is None else si  # SWA-only layers select no entry; any source's pages do
-    rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
-    rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
-    o = sa.sparse_attention(q[:, 0], rq, rs, valid, topk, b.block_table, pool.kv_packed[src], pool.kv_scale[src],
-                            p["attn_sink"], **kw)
+    o = sa.sparse_attention(q[:, 0], pool.swa_q[layer].reshape(-1, cfg.head_dim),
+                            pool.swa_s[layer].reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
+                            pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw)
     return A.output(o[:, None], pos, p, freqs, cfg, num), pool
 
 

@@ -192,12 +192,9 @@ def test_reference_equals_programs(tiny, layer):
 
     def both(x, p, pool, b):  # one jit (one CPU compile) for the engine's path and the reference
         _, want = programs.cached_attention(x, p, layer, cfg, num, pool, b, {}, freqs, "kv_only")
-        lkv = kw.LayerKV(pool.swa_q[layer], pool.swa_s[layer])
+        lkv = kw.LayerKV.of_pool(pool, layer, si, ratio)
         extra = {}
         if ratio:
-            lkv = dataclasses.replace(lkv, kv_packed=pool.kv_packed[si], kv_scale=pool.kv_scale[si],
-                                      ik_packed=pool.ik_packed[si], ik_scale=pool.ik_scale[si],
-                                      comp_state=pool.comp_state[si] if ratio == 2 else None)
             ck, cs = compressor.project(x, p["compressor"], ratio, num)
             extra = {"comp_kv": ck[:, 0], "comp_score": None if cs is None else cs[:, 0], "p_comp": p["compressor"],
                          "p_idx": p["indexer"], "freqs": freqs}
