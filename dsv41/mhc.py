@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv41 import quant
 from dsv41.config import ModelConfig
 
 
@@ -44,12 +45,15 @@ def coefficients_from_mix(m: jax.Array, scale: jax.Array, base: jax.Array, cfg: 
 
 
 def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
-    """[B, S, hc, D] x [B, S, hc] -> [B, S, D]: the sublayer input, summed in float32."""
-    return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+    """[B, S, hc, D] x [B, S, hc] -> [B, S, D]: the sublayer input, summed in float32. Rounded with round_to:
+    a bare astype would be dropped inside a GPU fusion with the norm that follows (excess precision)."""
+    out = jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2)
+    return quant.round_to(out, x.dtype).astype(x.dtype)
 
 
 def expand(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_j = post_j * y + sum_i comb[i, j] * X_i; y [B, S, D], residual [B, S, hc, D] -> [B, S, hc, D]."""
     mixed = jnp.einsum("...ij,...id->...jd", comb, residual.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
-    return (post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed).astype(y.dtype)
+    out = post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed
+    return quant.round_to(out, y.dtype).astype(y.dtype)  # rounded as stored, also where the use fuses

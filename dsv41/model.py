@@ -5,6 +5,7 @@ MoE, final collapse and head (spec §2). This is the exact path: no cache, no re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -85,17 +86,52 @@ def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Num
     return attn_lib.output(o, pos, p, freqs, cfg, num)
 
 
+SITE_BACKENDS = ("xla", "pallas", "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sites:
+    """Which per-layer sites run as fused Pallas kernels: one of SITE_BACKENDS each ('xla': the plain
+    composition; 'pallas': Mosaic GPU; 'interpret': the same kernel in the interpreter, for CPU tests).
+
+    mhc: each mHC site's coefficients, collapse and norm (and the FFN site's expand of the attention output) in
+    one kernel (pallas_kernels/mhc.py, same roundings); the expand of the FFN output stays in XLA, so Engram can
+    rewrite the copies before the next block.
+    router: the gate GEMM, sqrt-softplus, bias, top-k and renormalisation (pallas_kernels/router.py) and the
+    experts' permutation; with an image mask the route stays in XLA (the kernel has no bias_vl)."""
+
+    mhc: str = "xla"
+    router: str = "xla"
+
+    def __post_init__(self):
+        for name in ("mhc", "router"):
+            if getattr(self, name) not in SITE_BACKENDS:
+                raise ValueError(f"Sites.{name} must be one of {SITE_BACKENDS}, got {getattr(self, name)!r}")
+
+
 def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, attn_fn,
-          trace: dict | None = None, image_mask=None):
+          trace: dict | None = None, image_mask=None, sites: Sites = Sites()):
     """One mHC block with the delayed pre-mix: attention reads the copies through `pre_mix` (from the previous
     block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre)."""
-    a_pre, a_post, a_comb = mhc.coefficients(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg)
-    x = rms_norm(mhc.collapse(h, pre_mix), p["attn_norm"], cfg.norm_eps)
-    y = attn_fn(x)
-    h1 = mhc.expand(y, h, a_post, a_comb)
-    f_pre, f_post, f_comb = mhc.coefficients(h1, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg)
-    x = rms_norm(mhc.collapse(h1, a_pre), p["ffn_norm"], cfg.norm_eps)
-    z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True)
+    if sites.mhc == "xla":
+        a_pre, a_post, a_comb = mhc.coefficients(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg)
+        x = rms_norm(mhc.collapse(h, pre_mix), p["attn_norm"], cfg.norm_eps)
+        y = attn_fn(x)
+        h1 = mhc.expand(y, h, a_post, a_comb)
+        f_pre, f_post, f_comb = mhc.coefficients(h1, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg)
+        x = rms_norm(mhc.collapse(h1, a_pre), p["ffn_norm"], cfg.norm_eps)
+    else:
+        from pallas_kernels.mhc import mhc_fused
+
+        def site(y, h, post, comb, pre, name, norm):
+            return mhc_fused(y, h, post, comb, pre, p[f"hc_{name}_fn"], p[f"hc_{name}_scale"], p[f"hc_{name}_base"],
+                             p[norm], cfg, backend=sites.mhc)
+
+        _, x, a_pre, a_post, a_comb = site(None, h, None, None, pre_mix, "attn", "attn_norm")
+        y = attn_fn(x.astype(num.jdtype))
+        h1, x, f_pre, f_post, f_comb = site(y, h, a_post, a_comb, a_pre, "ffn", "ffn_norm")
+        x = x.astype(num.jdtype)
+    z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True, router_backend=sites.router)
     h2 = mhc.expand(z, h1, f_post, f_comb)
     if trace is not None:
         trace.update({

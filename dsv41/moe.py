@@ -43,18 +43,22 @@ def shared_expert(x: jax.Array, p: dict, cfg: ModelConfig, num: Numerics) -> jax
     return linear(h.astype(num.jdtype), p["w2"], num, fp8_input=True)
 
 
-def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: ModelConfig, num: Numerics):
-    """Grouped GEMMs over tokens sorted by expert: x [T, D], w/idx [T, k] -> float32 [T, D]."""
+def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: ModelConfig, num: Numerics,
+                   permutation: tuple[jax.Array, jax.Array] | None = None):
+    """Grouped GEMMs over tokens sorted by expert: x [T, D], w/idx [T, k] -> float32 [T, D].
+    permutation: (order [T*k] = stable argsort of idx's slots, group sizes [E]) when the router made them."""
     T, k = idx.shape
     E = cfg.n_routed_experts
     dt = num.jdtype
     flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    if permutation is None:
+        order, sizes = jnp.argsort(flat, stable=True), jnp.bincount(flat, length=E).astype(jnp.int32)
+    else:
+        order, sizes = permutation
     tok = order // k
     xs = x[tok].astype(dt)
     if num.act_quant:
         xs = quant.fp8_qdq(xs)
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
 
     def gmm(a, weight):  # a [N, in], weight [E, out, in]
         if isinstance(weight, expert_gemm.PreparedFp4):  # FP4 decoded in the Mosaic GPU kernel (prepare_experts)
@@ -88,12 +92,22 @@ def prepare_experts(params: dict, interpret: bool = False) -> dict:
 
 
 def moe(x: jax.Array, p: dict, cfg: ModelConfig, num: Numerics, image_mask: jax.Array | None = None,
-        return_routing: bool = False):
-    """x [..., D] -> [..., D]: routed experts summed in float32, the shared expert added, one cast."""
+        return_routing: bool = False, router_backend: str = "xla"):
+    """x [..., D] -> [..., D]: routed experts summed in float32, the shared expert added, one cast.
+    router_backend 'pallas' / 'interpret': the fused router kernel (pallas_kernels/router.py) routes and builds
+    the experts' permutation; with an image mask the route stays here (the kernel has no bias_vl)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    w, idx = route(xt, p["gate"], cfg, None if image_mask is None else image_mask.reshape(-1))
-    y = routed_experts(xt, w, idx, p["experts"], cfg, num)
+    if router_backend == "xla" or image_mask is not None:
+        w, idx = route(xt, p["gate"], cfg, None if image_mask is None else image_mask.reshape(-1))
+        perm = None
+    else:
+        from pallas_kernels import router
+
+        gate = {**p["gate"], "weight": quant.dense(p["gate"]["weight"], jnp.bfloat16)}
+        w, idx, order, sizes = router.route_fused(xt.astype(jnp.bfloat16), gate, cfg, backend=router_backend)
+        perm = (order, sizes)
+    y = routed_experts(xt, w, idx, p["experts"], cfg, num, perm)
     y = (y + shared_expert(xt, p["shared_experts"], cfg, num).astype(jnp.float32)).astype(x.dtype)
     y = y.reshape(shape)
     if return_routing:

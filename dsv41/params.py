@@ -192,12 +192,16 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None) -> Pa
     dtype=None keeps the release's stored precision (FP8/FP4 + scales, bf16, f32); 'bfloat16' or 'float32'
     gives the dense tree of those same (quantization-rounded) values, for the exact reference path.
     """
-    specs = param_specs(cfg)
+    params = init_tree(param_specs(cfg), cfg, seed)
+    return params if dtype is None else dequantize_params(params, dtype)
+
+
+def init_tree(specs, cfg: ModelConfig, seed: int = 0) -> Params:
+    """Seeded random weights for any subtree of specs (e.g. `layer_specs(cfg, i)["ffn"]`), in stored formats."""
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = [quantize_leaf(_dense_init(s, k), stored_format(s, cfg)) for s, k in zip(leaves, keys)]
-    params = jax.tree_util.tree_unflatten(treedef, out)
-    return params if dtype is None else dequantize_params(params, dtype)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def is_weight_leaf(x) -> bool:

@@ -74,15 +74,17 @@ def timed(fn, reps=5):
     return statistics.median(ts)
 
 
-# --backends names -> (attention, routed experts)
-KERNELS = {"xla": ("xla", "xla"), "attn": ("pallas", "xla"), "pallas": ("pallas", "pallas")}
+# --backends names -> (attention, routed experts, mHC and router sites)
+KERNELS = {"xla": ("xla", "xla", "xla"), "attn": ("pallas", "xla", "xla"), "pallas": ("pallas", "pallas", "xla"),
+           "all": ("pallas", "pallas", "pallas")}
 
 
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
-    attn, moe_be = KERNELS[backend]
+    attn, moe_be, site_be = KERNELS[backend]
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
-                  min_prefill_bucket=2048, min_ctx_pages=max_len // 64, attention_backend=attn, moe_backend=moe_be)
+                  min_prefill_bucket=2048, min_ctx_pages=max_len // 64, attention_backend=attn, moe_backend=moe_be,
+                  mhc_backend=site_be, router_backend=site_be)
 
 
 def with_fp4_experts(params):
@@ -147,8 +149,8 @@ def main():
     ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
     ap.add_argument("--backends", default="xla",
-                    help="decode configurations to time: xla (plain XLA), attn (fused attention kernel), "
-                         "pallas (fused attention + grouped FP4 expert GEMM)")
+                    help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
+                         "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites)")
     ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -170,7 +172,7 @@ def main():
 
     pre = [] if args.skip_prefill else bench_prefill(cfg, params, lengths, max_len)
     backends = args.backends.split(",")
-    fp4_params = with_fp4_experts(params) if "pallas" in backends else None
+    fp4_params = with_fp4_experts(params) if any(KERNELS[be][1] == "pallas" for be in backends) else None
 
     core, _ = model.strip_tables(params)
     experts_b = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in core["layers"])
@@ -192,7 +194,7 @@ def main():
         s = eng._sampling(reqs, Bp)
 
         def dev_only():
-            eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, s, cfg=cfg, num=eng.num, backend=be)
+            eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, s, **eng.static)
             tok.block_until_ready()
 
         dev_t = timed(dev_only, reps=10)

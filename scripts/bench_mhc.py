@@ -8,8 +8,8 @@ One process:
 1. HBM ceiling in the same run (bench_sparse_attention.copy_bandwidth: PyTorch 2 GiB d2d copy and an XLA f32
    copy, read+write bytes; the best of the two);
 2. per T in --tokens (default 64, 1, 8, 512; decode first): fresh random inputs, the pallas path vs the XLA
-   path (the dsv41.mhc composition the model runs today, jitted) -> PASS/FAIL with max errors: h1 exact
-   up to one bf16 ulp on <= 1% of elements vs the reference; x (same ulp rule) and pre/post/comb (abs
+   path (the dsv41.mhc composition the model runs today, jitted) -> PASS/FAIL with max errors: h1 within
+   two bf16 ulps (+1e-6 absolute) on <= 1% of elements vs the reference; x (same rule) and pre/post/comb (abs
    <= 2e-5) vs the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves the mix values by
    |fn| * ulp, which is not a kernel error; the pre error vs the plain reference is printed as info);
    every output finite;
@@ -73,11 +73,12 @@ def compare(out, ref):
             errs[name] = "shape/nonfinite"
             ok = False
             continue
-        if name in ("h1", "x"):
-            rel = np.max(np.abs(o - r) / np.maximum(np.abs(r), 1e-30) * (o != r))
+        if name in ("h1", "x"):  # the rule of tests/pallas_kernels/test_mhc.py: <= 2 bf16 ulps (+1e-6 absolute:
+            # near-zero results of cancelling sums), on <= 1% of elements
+            excess = float(np.max(np.abs(o - r) - (2 ** -6 * np.abs(r) + 1e-6)))
             frac = float(np.mean(o != r))
-            errs[name] = f"rel {rel:.1e} diff {frac:.1e}"
-            ok &= bool(rel <= 2 ** -7 and frac <= 0.01)
+            errs[name] = f"excess {max(excess, 0):.1e} differ {frac:.1e}"
+            ok &= bool(excess <= 0 and frac <= 0.01)
         else:
             e = float(np.max(np.abs(o - r)))
             errs[name] = f"{e:.1e}"

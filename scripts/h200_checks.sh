@@ -2,8 +2,9 @@
 # The device runs that check and time what the CPU cannot, grouped so that each group fits one device call
 # (10 minutes). Run from the repository root on the GPU machine; results and logs go to $OUT (default ./out).
 #
-#   bash scripts/h200_checks.sh tests     # GPU tests: engine with kernels vs XLA, every kernel vs its reference (~5 min)
-#   bash scripts/h200_checks.sh engine    # decode step, XLA vs all kernels, batch 1/8/64 + prefill (~6 min)
+#   bash scripts/h200_checks.sh tests         # every kernel's GPU tests against its reference (~3 min)
+#   bash scripts/h200_checks.sh engine-tests  # engine with kernels vs XLA: per layer, MoE, end to end (~8 min)
+#   bash scripts/h200_checks.sh engine    # decode step, XLA vs kernels (+ mHC), batch 1/8/64 + prefill (~8 min)
 #   bash scripts/h200_checks.sh serve     # dsv41 bench serve, replay on vs off, bench preset (~8 min)
 #   bash scripts/h200_checks.sh kernels   # router and mHC kernel benches (~4 min)
 set -u
@@ -14,12 +15,21 @@ PY=${PYTHON:-python3}
 
 case "${1:-}" in
   tests)
-    timeout 560 $PY -m pytest -q -s -rA -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.txt" 2>&1
+    # every kernel against its reference on the device (tests/serving needs the openai client, absent there)
+    timeout 560 $PY -m pytest -q -s -rA --tb=line -m gpu -p no:cacheprovider tests/pallas_kernels \
+      > "$OUT/gpu_tests.txt" 2>&1
     echo "pytest rc=$?"
-    grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
+    ;;
+  engine-tests)
+    # the engine with the kernels against the XLA path: per layer, MoE, end to end (replay on: auto, + mHC)
+    timeout 560 $PY -m pytest -q -s -rA --tb=line -p no:cacheprovider tests/test_engine_gpu.py \
+      -k "not False-auto" > "$OUT/engine_tests.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "rel\. max|per-layer|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests.txt" | tail -40
     ;;
   engine)
-    timeout 560 $PY scripts/bench_engine.py --backends xla,pallas --batches 1,8,64 --lengths 4096,16384 \
+    timeout 560 $PY scripts/bench_engine.py --backends xla,pallas,all --batches 1,8,64 --lengths 4096,16384 \
       --decode-ctx 4096 > "$OUT/engine_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "decode |prefill |\| " "$OUT/engine_log.txt" | tail -30

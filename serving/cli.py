@@ -30,6 +30,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backend", choices=["auto", "xla", "pallas"], default="auto",
                    help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
                         "weights (auto: the kernel on a GPU with FP4 experts)")
+    p.add_argument("--mhc-backend", choices=["auto", "xla", "pallas"], default="auto",
+                   help="mHC sites: one fused Mosaic GPU kernel per site or XLA (auto: XLA for now, opt-in kernel)")
+    p.add_argument("--router-backend", choices=["auto", "xla", "pallas"], default="auto",
+                   help="MoE router: the fused Mosaic GPU kernels or XLA (auto: XLA for now, opt-in kernel)")
 
 
 def build_engine(args: argparse.Namespace):
@@ -38,7 +42,8 @@ def build_engine(args: argparse.Namespace):
     kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
               swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend,
-              moe_backend=args.moe_backend)
+              moe_backend=args.moe_backend, mhc_backend=args.mhc_backend,
+              router_backend=args.router_backend)
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, **kw)
     return Engine.from_preset(args.preset or "tiny", seed=args.seed, **kw)

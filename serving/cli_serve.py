@@ -49,6 +49,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-backend", choices=["auto", "xla", "pallas"],
                    help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
                         "weights (default auto: the kernel on a GPU with FP4 experts)")
+    g.add_argument("--mhc-backend", choices=["auto", "xla", "pallas"],
+                   help="mHC sites (stream coefficients, collapse, norm, expand): one fused Mosaic GPU kernel per "
+                        "site or XLA (default auto: XLA for now; the kernel is opt-in, see docs/KERNELS_MHC.md)")
+    g.add_argument("--router-backend", choices=["auto", "xla", "pallas"],
+                   help="MoE router (gate GEMM, sqrt-softplus, top-k, renorm, expert permutation): the fused Mosaic "
+                        "GPU kernels or XLA (default auto: XLA for now; opt-in, see docs/KERNELS_ROUTER.md)")
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
                    help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")
@@ -77,7 +83,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
                  "max_num_batched_tokens": "--max-num-batched-tokens",
                  "swa_bounded_replay": "--no-swa-bounded-replay", "attention_backend": "--attention-backend",
-                 "moe_backend": "--moe-backend",
+                 "moe_backend": "--moe-backend", "mhc_backend": "--mhc-backend",
+                 "router_backend": "--router-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages"}

@@ -2,12 +2,10 @@
 run with the same replay semantics. float32 activations with the serving formats' KV numerics on both sides,
 so differences are summation order only (bf16 runs diverge chaotically through FP8 bins, see docs/REPLAY.md)."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41 import engram, model, quant
+from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
@@ -91,56 +89,23 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
     reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer.
     The kernels against those references: tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
+    from layer_paths import attention_diffs, fill, make_batch, zero_rows
+
     from dsv41 import model
-    from serving.engine import programs
 
     cfg, params = tiny
     core, _ = model.strip_tables(params)
-    lay = kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2)
-    pool = kv_pool.allocate(cfg, lay)
+    pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2))
     B, T, ctx = 2, 128, 6
-    rows = [np.zeros((B, T, cfg.engram_n_cols, cfg.engram_head_dim), np.float32) for _ in cfg.engram_layer_ids]
-    bt = np.arange(B * ctx, dtype=np.int32).reshape(B, ctx)
+    bt = np.arange(B * ctx).reshape(B, ctx)
     tokens = np.asarray([prompt(T, seed=20), prompt(T, seed=21)], np.int32)
-
-    def batch(tok, pos0, n_valid, rows):
-        return programs.Batch(tok, np.full(B, pos0, np.int32), np.asarray(n_valid, np.int32),
-                              np.arange(B, dtype=np.int32), bt, np.zeros(B, np.int32), rows)
-
-    # the first 128 tokens of both rows, through the XLA path: the rings and pages hold them afterwards
-    samp = programs.Sampling(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
-                             np.zeros((B, 2), np.uint32))
-    pool, _, _ = programs.run_full(core, pool, batch(tokens, 0, [T, T], rows), samp, cfg=cfg, num=NUM)
-    freqs = model.freqs_for(cfg)
-
-    @jax.jit
-    def both_paths(pool, b):
-        """The layers with each attention computed twice from the same state: -> per-layer relative max
-        difference over the valid tokens (the run continues on the XLA path's output and pool)."""
-        h, pre = model.embed(core, b.tokens, cfg, NUM)
-        shared = {"xla": {}, "reference": {}}
-        valid = (jnp.arange(b.tokens.shape[1])[None] < b.n_valid[:, None])[..., None]
-        diffs = []
-        for i, lp in enumerate(core["layers"]):
-            if i in cfg.engram_layer_ids:
-                h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, NUM)
-
-            def attn_fn(x, lp=lp, i=i):
-                nonlocal pool
-                y_ref, _ = programs.cached_attention(x, lp["attn"], i, cfg, NUM, pool, b, shared["reference"],
-                                                     freqs[i], "full", "reference")
-                y, pool = programs.cached_attention(x, lp["attn"], i, cfg, NUM, pool, b, shared["xla"], freqs[i],
-                                                    "full", "xla")
-                diffs.append(jnp.max(jnp.abs(y - y_ref) * valid) / jnp.max(jnp.abs(y)))
-                return y
-
-            h, pre = model.block(h, pre, lp, i, cfg, NUM, attn_fn)
-        return jnp.stack(diffs)
-
-    worst = {}
-    for name, b in [("prefill", batch(tokens[:, ::-1].copy(), T, [T, 77], rows)),
-                    ("decode", batch(tokens[:, :1].copy(), 2 * T, [1, 1], [r[:, :1] for r in rows]))]:
-        worst[name] = np.asarray(both_paths(pool, b))
+    pool = fill(core, pool, make_batch(tokens, 0, [T, T], [0, 1], bt, zero_rows(cfg, B, T)), cfg, NUM)
+    worst = {
+        "prefill": attention_diffs(core, pool, make_batch(tokens[:, ::-1].copy(), T, [T, 77], [0, 1], bt,
+                                                          zero_rows(cfg, B, T)), cfg, NUM, "reference"),
+        "decode": attention_diffs(core, pool, make_batch(tokens[:, :1].copy(), 2 * T, [1, 1], [0, 1], bt,
+                                                         zero_rows(cfg, B, 1)), cfg, NUM, "reference"),
+    }
     assert max(float(d.max()) for d in worst.values()) < 1e-5, worst
 
 

@@ -1,28 +1,46 @@
-"""The engine on the bench preset (Flash's per-layer widths) with the Mosaic GPU kernels against the XLA path:
-the KV-path kernels (prefill and decode attention, decode KV writes and indexer; replay on and off) and the
-grouped FP4 expert GEMM. GPU only.
+"""The engine on the bench preset (Flash's per-layer widths) with the Mosaic GPU kernels against the XLA path.
+GPU only.
 
-The kernels use bf16 scores, bf16 probabilities and a bf16 output where the XLA path keeps float32 sums, and
-the GPU's scatter-add order is not deterministic (the XLA path against itself: up to 0.003). FP8 activation
-quantization is off here: with it, a 1e-3 change moves some activations across an FP8 rounding boundary (6%
-steps) and random-weight logits then differ by O(10%) whichever path is right. TOL is relative to the logits'
-scale."""
+Each kernel is checked where its own error can be read: every layer's attention through the KV-path kernels
+(prefill chunk and decode step: KV writes, indexer scores + top-k, sparse attention) from the XLA path's state
+(tests/layer_paths.py), and the MoE through the grouped FP4 expert GEMM on the same input. The kernels use bf16
+scores, bf16 probabilities and a bf16 output where the XLA path keeps float32 sums; the MoE kernel rounds each
+expert's output to bf16 before the weighted sum.
 
+The end-to-end run (all kernels, the engine as `dsv41 serve` runs it) is a smoke check with a loose bound: with
+random weights a 1% difference in one layer grows chaotically through eight layers (the XLA path's own GPU
+scatter-add order moves prefill logits by up to 0.003), and once the first sampled token differs every later
+step compares different inputs. FP8 activation quantization is off throughout: with it, a 1e-3 change moves
+activations across an FP8 rounding boundary (6% steps)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv41 import model, quant
+from dsv41 import model, moe, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
+from layer_paths import attention_diffs, fill, make_batch, zero_rows
+from serving.engine import kv_pool
 from serving.engine.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 NUM = quant.Numerics(act_quant=False, bf16_probs=True, dtype="bfloat16")
-# max |logit difference| / max |logit|, prefill and first decode step. Measured on the H200 (2026-11-30), with the
-# decode attention kernel alone: 0.019 (replay) / 0.016 (exact); MoE kernel: 0.020; greedy tokens all equal.
-TOL = 5e-2
+# per layer: max |difference| / max |XLA output|. Measured on the H200 (2026-11-30): decode 0.005-0.007; prefill
+# 0.013, and 0.031 on the window-only layers, where the chunk's own keys dominate: the kernel reads them as FP8
+# (the pool's format) while the XLA path, with activation quantization off, keeps them unrounded (with the
+# serving numerics they are FP8 values on both paths).
+LAYER_TOL = {"prefill": 5e-2, "decode": 2e-2}
+MOE_TOL = 2e-2  # measured 0.005 (1 and 8 tokens), 0 (300 tokens)
+# end to end: max |logit difference| / max |logit| at the prefill's last token; measured 0.079 (replay on), where
+# the two best tokens are a near tie that flips with either path's rounding (the XLA path itself chose the other
+# token before the mHC rounding fix of 2026-11-30)
+E2E_TOL = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -31,28 +49,71 @@ def bench():
     return cfg, P.init_params(cfg, seed=0)
 
 
+def test_kv_path_kernels_match_xla_layer_by_layer(bench):
+    """Two rows whose pools hold 1536 tokens (ratio-2 layers: 768 entries, so the top-512 selection is real),
+    then a prefill chunk (one ragged row) whose windows reach into the rings, and a decode step."""
+    cfg, params = bench
+    core, _ = model.strip_tables(params)
+    B, T0, ctx = 2, 1536, 32
+    pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=B * ctx, page_tokens=64, num_slots=B))
+    bt = np.arange(B * ctx).reshape(B, ctx)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(3, cfg.vocab_size, (B, T0))
+    pool = fill(core, pool, make_batch(tokens, 0, [T0, T0], [0, 1], bt, zero_rows(cfg, B, T0)), cfg, NUM)
+    chunk = rng.integers(3, cfg.vocab_size, (B, 256))
+    diffs = {
+        "prefill": attention_diffs(core, pool, make_batch(chunk, T0, [256, 200], [0, 1], bt, zero_rows(cfg, B, 256)),
+                                   cfg, NUM, "pallas"),
+        "decode": attention_diffs(core, pool, make_batch(chunk[:, :1], T0, [1, 1], [0, 1], bt, zero_rows(cfg, B, 1)),
+                                  cfg, NUM, "pallas"),
+    }
+    for k, d in diffs.items():
+        print(f"{k}: per-layer rel. max difference {np.array2string(d, precision=4)}")
+    assert all(np.all(np.isfinite(d)) and d.max() < LAYER_TOL[k] for k, d in diffs.items()), diffs
 
 
-@pytest.mark.parametrize("kernel, replay", [("attention", True), ("attention", False), ("moe", True)])
-def test_pallas_decode_matches_xla_on_bench_preset(bench, kernel, replay):
-    """One side at a time (the other on XLA): the KV-path kernels, or the routed experts' FP4 GEMM."""
+def test_moe_kernel_matches_xla(bench):
+    cfg, params = bench
+    ffn = params["layers"][3]["ffn"]
+    prepared = moe.prepare_experts({"layers": [params["layers"][3]]})["layers"][0]["ffn"]
+    run = jax.jit(functools.partial(moe.moe, cfg=cfg, num=NUM))
+    for n in (1, 8, 300):
+        x = (jax.random.normal(jax.random.key(n), (n, cfg.dim)) * 2).astype(jnp.bfloat16)
+        y, yk = (np.asarray(run(x, p).astype(jnp.float32)) for p in (ffn, prepared))
+        rel = np.abs(y - yk).max() / np.abs(y).max()
+        print(f"moe {n} tokens: rel. max difference {rel:.3g}")
+        assert rel < MOE_TOL
+
+
+def _run(cfg, params, ids, **kw):
+    eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=1, max_model_len=2048,
+                 max_num_batched_tokens=2048, enable_prefix_caching=False, numerics=NUM, keep_logits=True,
+                 min_prefill_bucket=2048, min_ctx_pages=32, **kw)
+    toks = []
+    eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_work():
+        for o in eng.step():
+            toks += o.new_token_ids
+    return toks, np.stack(eng.finished_logits["r"]).astype(np.float32)
+
+
+_XLA_RUNS: dict = {}
+
+
+@pytest.mark.parametrize("replay, sites", [(True, "auto"), (True, "pallas"), (False, "auto")])
+def test_engine_with_all_kernels_end_to_end(bench, replay, sites):
+    """The XLA path against `auto` (what `dsv41 serve` picks on a GPU), and with the opt-in fused mHC and router
+    sites."""
     cfg, params = bench
     ids = list(np.random.default_rng(3).integers(3, cfg.vocab_size, 1500))
-    out = {}
-    for backend in ("xla", "pallas"):
-        backends = dict(attention_backend=backend, moe_backend="xla") if kernel == "attention" else \
-            dict(attention_backend="xla", moe_backend=backend)
-        eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=1,
-                     max_model_len=2048, max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
-                     numerics=NUM, keep_logits=True, min_prefill_bucket=2048, min_ctx_pages=32, **backends)
-        toks = []
-        eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
-        while eng.has_work():
-            for o in eng.step():
-                toks += o.new_token_ids
-        out[backend] = (toks, np.stack(eng.finished_logits["r"]).astype(np.float32))
-    (tx, lx), (tp, lp) = out["xla"], out["pallas"]
-    rel_prefill, rel = (np.abs(lx[i] - lp[i]).max() / np.abs(lx[i]).max() for i in (0, 1))
-    print(f"{kernel} replay={replay}: rel. max logit difference: prefill {rel_prefill:.3g}, first decode step "
-          f"{rel:.3g}; tokens {tx} vs {tp}")
-    assert max(rel_prefill, rel) < TOL
+    if replay not in _XLA_RUNS:  # shared by the parameter sets with the same replay mode (a run is ~80 s)
+        _XLA_RUNS[replay] = _run(cfg, params, ids, swa_bounded_replay=replay, attention_backend="xla",
+                                 moe_backend="xla", mhc_backend="xla", router_backend="xla")
+    tx, lx = _XLA_RUNS[replay]
+    tp, lp = _run(cfg, params, ids, swa_bounded_replay=replay, attention_backend="auto", moe_backend="auto",
+                  mhc_backend=sites, router_backend=sites)
+    rel = [float(np.abs(lx[i] - lp[i]).max() / np.abs(lx[i]).max()) for i in range(len(lx))]
+    same = next((i for i, (a, b) in enumerate(zip(tx, tp)) if a != b), len(tx))
+    print(f"replay={replay} sites={sites}: rel. max logit difference per step {np.round(rel, 4).tolist()} (inputs "
+          f"equal for the first {same + 1}); tokens {tx} vs {tp}")
+    assert np.all(np.isfinite(lp)) and rel[0] < E2E_TOL

@@ -1,4 +1,4 @@
-"""The engine's programs with the Mosaic GPU kernels, lowered for CUDA on the CPU at the bench preset's shapes
+"""The engine's programs with the Mosaic GPU kernels (KV path, expert GEMM, mHC and router sites), lowered for CUDA on the CPU at the bench preset's shapes
 (Flash's per-layer widths). Lowering runs every kernel's Pallas -> Mosaic GPU pass (layouts, TMA boxes, shared
 memory, wgmma shapes) at the shapes the engine really passes, which the kernels' own tests at their own shapes
 can miss: two decode rows give the expert GEMM 12 token rows, which once failed on the H200 ("dimension 0 must
@@ -14,6 +14,7 @@ from dsv41.config import preset
 from serving.engine import kv_pool, programs
 
 SD = jax.ShapeDtypeStruct
+ALL_SITES = model.Sites(mhc="pallas", router="pallas")
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +41,11 @@ def test_decode_lowers_for_cuda(bench):
     cfg, core, pool = bench
     B = 2
     programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
-                            backend="pallas").lower(lowering_platforms=("cuda",))
+                            backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
 
 
 def test_prefill_chunk_lowers_for_cuda(bench):
     """A 2048-token chunk: 12288 expert rows (the GEMM's prefill tiles), 2048 attention kernel rows."""
     cfg, core, pool = bench
     programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
-                               backend="pallas").lower(lowering_platforms=("cuda",))
+                               backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))

@@ -115,10 +115,26 @@ def _bucket(n: int, lo: int = 1) -> int:
 MOE_BACKENDS = ("xla", "pallas", "interpret")
 
 
-def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend: str) -> tuple[str, str]:
-    """'auto' -> the Mosaic GPU kernels on a GPU where the shapes and weight formats allow them, else XLA.
-    An explicit 'pallas' that cannot run raises EngineError saying why."""
+def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend: str, mhc_backend: str = "auto",
+                     router_backend: str = "auto", num: Numerics = quant.REFERENCE) -> tuple[str, str, model.Sites]:
+    """-> (attention backend, MoE backend, the fused per-layer sites). 'auto' -> the Mosaic GPU kernels on a GPU
+    where the shapes and weight formats allow them, else XLA. An explicit 'pallas' that cannot run raises
+    EngineError saying why. The fused mHC and router sites are opt-in for now ('auto' -> 'xla'): each kernel is
+    verified on the H200 on its own (docs/KERNELS_MHC.md, docs/KERNELS_ROUTER.md), not yet inside the engine."""
     gpu = jax.default_backend() == "gpu"
+    site = {"mhc": mhc_backend, "router": router_backend}
+    why = {"mhc": ("needs a CUDA GPU" if not gpu else
+                   f"needs bfloat16 activations (numerics dtype {num.dtype})" if num.jdtype != jnp.bfloat16 else
+                   f"needs dim % 128 == 0 (dim {cfg.dim})" if cfg.dim % 128 else ""),
+           "router": ("needs a CUDA GPU" if not gpu else
+                      f"needs dim % 128 == 0 and n_routed_experts % 64 == 0 ({cfg.dim}, {cfg.n_routed_experts})"
+                      if cfg.dim % 128 or cfg.n_routed_experts % 64 else "")}
+    for name, be in site.items():
+        if be not in ("auto", *model.SITE_BACKENDS):
+            raise EngineError(f"{name}_backend must be 'auto' or one of {model.SITE_BACKENDS}, got {be!r}")
+        if be == "pallas" and why[name]:
+            raise EngineError(f"{name}_backend='pallas' {why[name]}; use 'xla'")
+    sites = model.Sites(**{n: "xla" if be == "auto" else be for n, be in site.items()})
     if attention not in ("auto", *programs.ATTENTION_BACKENDS):
         raise EngineError(f"attention_backend must be 'auto' or one of {programs.ATTENTION_BACKENDS}, "
                           f"got {attention!r}")
@@ -143,7 +159,7 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
         raise EngineError(f"moe_backend='pallas' {moe_why}; use 'xla'")
     elif moe_backend == "interpret" and not fp4:
         raise EngineError("moe_backend='interpret' needs FP4 expert weights")
-    return attention, moe_backend
+    return attention, moe_backend, sites
 
 
 class PrefixCache:
@@ -210,9 +226,13 @@ class Engine:
                  num_pages: int | None = None, swa_bounded_replay: bool = True,
                  enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
-                 min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto"):
+                 min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
+                 mhc_backend: str = "auto", router_backend: str = "auto"):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
-        self.attention_backend, self.moe_backend = resolve_backends(cfg, params, attention_backend, moe_backend)
+        self.attention_backend, self.moe_backend, self.sites = resolve_backends(
+            cfg, params, attention_backend, moe_backend, mhc_backend, router_backend, numerics)
+        # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
+        self.static = {"cfg": cfg, "num": numerics, "backend": self.attention_backend, "sites": self.sites}
         self.params, tables = model.strip_tables(params)
         if self.moe_backend != "xla":
             self.params = moe.prepare_experts(self.params, interpret=self.moe_backend == "interpret")
@@ -474,8 +494,7 @@ class Engine:
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
                            np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32), rows)
         samp = self._sampling([], B)
-        # the keywords exactly as the step passes them: jit's cache keys on them
-        static = {"cfg": self.cfg, "num": self.num, "backend": self.attention_backend}
+        static = self.static
         if kind == "encoder":
             return programs.run_encoder, (self.params, self.pool, b), static
         if kind == "decoder":
@@ -537,10 +556,10 @@ class Engine:
         chunk = r.tokens[r.computed:end]
         T = min(self.chunk, _bucket(len(chunk), self.min_prefill_bucket))
         b = self._batch([r], [chunk], [r.computed], T, 1)
-        cfg, num, be = self.cfg, self.num, self.attention_backend
+        cfg = self.cfg
         last = end == N
         if self.replay:
-            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, cfg=cfg, num=num, backend=be)
+            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, **self.static)
             n = len(chunk)
             W = cfg.window_size
             h, pre = h[0, W - min(n, W):], pre[0, W - min(n, W):]
@@ -561,11 +580,11 @@ class Engine:
             bd = programs.Batch(b.tokens[:, :1], np.asarray([N - Td], np.int32), np.asarray([Td], np.int32),
                                 b.slot, b.block_table, b.write_lo, [])
             self.pool, logits, tok = programs.run_decoder(self.params, self.pool, bd, hp, pp,
-                                                          self._sampling([r], 1), cfg=cfg, num=num, backend=be)
+                                                          self._sampling([r], 1), **self.static)
             r.tail = None
         else:
-            self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling([r], 1), cfg=cfg,
-                                                       num=num, backend=be)
+            self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling([r], 1),
+                                                       **self.static)
             r.computed = end
             if not last:
                 return None
@@ -601,8 +620,7 @@ class Engine:
             return []
         B = _bucket(len(reqs))
         b = self._batch(reqs, [[r.tokens[-1]] for r in reqs], [len(r.tokens) - 1 for r in reqs], 1, B)
-        self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling(reqs, B), cfg=self.cfg,
-                                                   num=self.num, backend=self.attention_backend)
+        self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling(reqs, B), **self.static)
         tok = np.asarray(tok)
         outs = []
         for i, r in enumerate(reqs):

@@ -334,7 +334,8 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     return A.output(o, pos, p, freqs, cfg, num), pool
 
 
-def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict, backend: str = "xla"):
+def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict, backend: str = "xla",
+            sites: model.Sites = model.Sites()):
     freqs = model.freqs_for(cfg)
     shared: dict = {}
     for i in range(first, last):
@@ -352,7 +353,7 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
             y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend)
             return y
 
-        h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn)
+        h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn, sites=sites)
     return h, pre, pool
 
 
@@ -393,34 +394,39 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
     return logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
-def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics, backend: str = "xla"):
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites"), donate_argnames=("pool",))
+def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics, backend: str = "xla",
+             sites: model.Sites = model.Sites()):
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
     backend other than 'xla' (see ATTENTION_BACKENDS): the fused kernels (decode: KV writes, indexer, attention;
-    longer chunks: attention, one kernel row per query token)."""
+    longer chunks: attention, one kernel row per query token). sites: which per-layer sites (mHC, router) run
+    fused (`model.Sites`)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend, sites)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
-def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backend: str = "xla"):
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites"), donate_argnames=("pool",))
+def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backend: str = "xla",
+                sites: model.Sites = model.Sites()):
     """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
     [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
     split = cfg.split_layer
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backend)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backend,
+                           sites)
     W = cfg.window_size
     return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites"), donate_argnames=("pool",))
 def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-                backend: str = "xla"):
+                backend: str = "xla", sites: model.Sites = model.Sites()):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
     b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
     split = cfg.split_layer
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backend)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backend,
+                           sites)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok

@@ -3,7 +3,8 @@
 GPU-only tests run the compiled kernel (marked `gpu`).
 
 Tolerances: h1 and x are bf16 outputs of f32 sums whose order differs from XLA's, so an element may round to
-the neighbouring bf16 value (<= 1 ulp, 2^-8 relative) on rare ties; the f32 coefficients differ only by the
+the neighbouring bf16 value on rare ties: h1 by one ulp, x by up to two (a tie flip in the bf16 collapse xc,
+then the normalization's own rounding; measured on the H200: 3-5 of 2.6M elements at T=512); the f32 coefficients differ only by the
 summation order of the hc*D-long dot products (abs 2e-5; measured ~5e-7 in the interpreter), checked against
 the reference applied to the kernel's own h1 (see _check_kernel)."""
 
@@ -44,7 +45,7 @@ def _check(out, ref, frac=0.01):
         r = np.asarray(r.astype(jnp.float32))
         assert np.all(np.isfinite(o)), f"{name}: non-finite (unwritten) elements"
         if name in ("h1", "x"):
-            np.testing.assert_allclose(o, r, rtol=2 ** -7, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(o, r, rtol=2 ** -6, atol=1e-6, err_msg=name)
             assert np.mean(o != r) <= frac, (name, np.mean(o != r))
         else:
             np.testing.assert_allclose(o, r, rtol=0, atol=2e-5, err_msg=name)
@@ -104,6 +105,33 @@ def _epilogue_case(y, h, post, comb, pre, fn, scale, base, w, t, hc, d, n_chunks
     x, p2, q2, c2 = M._finish(part, xc, scale, base, w, CFG)
     ref = M.mhc_reference(y, h, post, comb, pre, fn, scale, base, w, CFG)
     jax.debug.callback(_check, (h1, x, p2, q2, c2), ref)
+
+
+def test_block_with_fused_sites_matches_xla():
+    """dsv41.model.block with both mHC sites through the kernel (interpreter) against the XLA composition, on the
+    tiny preset's first layer (D=256, real FP8/FP4 weights, bf16): the stream out and the FFN's pre-mix. The
+    sublayers see the kernel's x, whose rare one-ulp ties move a few MoE outputs by their own rounding."""
+    from dsv41 import model, quant
+    from dsv41 import params as P
+    from dsv41.config import preset
+
+    cfg = preset("tiny")
+    lp = P.init_tree(P.layer_specs(cfg, 0), cfg, seed=0)
+    num = quant.Numerics(act_quant=False)
+    k = jax.random.split(jax.random.key(7), 2)
+    h = (jax.random.normal(k[0], (1, 5, cfg.hc_mult, cfg.dim)) * 2).astype(jnp.bfloat16)
+    pre = jax.nn.softmax(jax.random.normal(k[1], (1, 5, cfg.hc_mult)), -1)
+    attn = lambda x: (x.astype(jnp.float32) * 0.5).astype(x.dtype)  # noqa: E731
+    outs = {}
+    for be in ("xla", "interpret"):
+        outs[be] = jax.jit(lambda h, pre, lp, be=be: model.block(h, pre, lp, 0, cfg, num, attn,
+                                                                         sites=model.Sites(mhc=be)))(h, pre, lp)
+        jax.block_until_ready(outs[be])  # the interpreter is not re-entrant
+    (hx, px), (hk, pk) = outs["xla"], outs["interpret"]
+    hx, hk = np.asarray(hx, np.float32), np.asarray(hk, np.float32)
+    np.testing.assert_allclose(hk, hx, rtol=2 ** -6, atol=2e-2 * np.abs(hx).max())
+    assert np.mean(hk != hx) < 0.02
+    np.testing.assert_allclose(np.asarray(pk), np.asarray(px), atol=1e-4)
 
 
 def test_bad_config_rejected():

@@ -119,6 +119,29 @@ def test_image_mask_falls_back_to_xla():
     assert (np.asarray(ids) == np.asarray(rids)).all() and (np.asarray(w_) == np.asarray(rw)).all()
 
 
+def test_moe_with_fused_router_matches_xla():
+    """dsv41.moe.moe routed by the kernels (interpreter, with their permutation handed to the expert GEMMs)
+    against the XLA route, tiny widths with 64 experts (one of the kernel's 64-expert warpgroups)."""
+    from dsv41 import moe, quant
+    from dsv41 import params as P
+    from dsv41.config import preset
+
+    cfg = dataclasses.replace(preset("tiny"), n_routed_experts=64)
+    ffn = P.init_tree(P.layer_specs(cfg, 0)["ffn"], cfg, seed=1)
+    x, _, bias = _data(5, 6, cfg.dim, cfg.n_routed_experts)
+    ffn = {**ffn, "gate": {**ffn["gate"], "bias": bias}}  # spaced biases: no near-ties in the top-k
+    num = quant.Numerics(act_quant=False)
+    out = {}
+    for be in ("xla", "interpret"):
+        # params as arguments: closed over, they become constants and the compile takes 10x longer
+        out[be] = jax.jit(lambda x, p, be=be: moe.moe(x, p, cfg, num, return_routing=True, router_backend=be))(x, ffn)
+        jax.block_until_ready(out[be])
+    (yx, (wx, ix)), (yk, (wk, ik)) = out["xla"], out["interpret"]
+    np.testing.assert_array_equal(np.asarray(ik), np.asarray(ix))
+    np.testing.assert_allclose(np.asarray(wk), np.asarray(wx), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(yk, np.float32), np.asarray(yx, np.float32), rtol=2 ** -7, atol=1e-6)
+
+
 def test_lowering_for_cuda_at_flash_shapes():
     """The whole Pallas -> Mosaic GPU lowering (layouts, smem budget, wgmma shapes, TMA descriptors) at
     D=5120, E=384: the full route with the T=1 decode config at T=17 (also the x padding for T % 8 != 0, which
