@@ -120,10 +120,10 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
     f32, bf16 = jnp.float32, jnp.bfloat16
 
     def kernel(*refs):
-        if first:
-            (h_g, pre_g, fn_g, h1_g, xc_g, part_g,
+        if first:  # h1 = h: nothing to write back (the wrapper returns the input)
+            (h_g, pre_g, fn_g, xc_g, part_g,
              fn_s, h_s, h1_s, xc_s, s_s, p_s, bars) = refs
-            y_g = post_g = comb_g = y_s = None
+            y_g = post_g = comb_g = y_s = h1_g = None
         else:
             (y_g, h_g, post_g, comb_g, pre_g, fn_g, h1_g, xc_g, part_g,
              fn_s, h_s, y_s, h1_s, xc_s, s_s, p_s, bars) = refs
@@ -196,9 +196,7 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
             write_stats(tt - 1, 0)
             reduce_pair(tt // 2)
         plgpu.commit_smem()
-        if first:
-            plgpu.copy_smem_to_gmem(h_s, h1_g.at[pl.ds(t0, tt), :, pl.ds(d0, dc)])
-        else:
+        if not first:
             plgpu.copy_smem_to_gmem(h1_s, h1_g.at[pl.ds(t0, tt), :, pl.ds(d0, dc)])
         plgpu.copy_smem_to_gmem(xc_s, xc_g.at[pl.ds(t0, tt), pl.ds(d0, dc)])
         plgpu.copy_smem_to_gmem(p_s, part_g.at[c, tb])
@@ -211,7 +209,7 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
     if not first:
         scratch.append(plgpu.SMEM((tt, dc), bf16))  # y
     scratch += [
-        plgpu.SMEM((tt, hc, dc), bf16),  # h1 (unused at the first site: h1 = h is copied back from h_s)
+        plgpu.SMEM((tt, hc, dc), bf16),  # h1 (unused at the first site, where h1 = h)
         plgpu.SMEM((tt, dc), bf16),  # xc
         # per-thread partial vectors, one row per statistic; rows padded by 8 floats so the transposed (WGMMA
         # layout) read of 8 rows x 8 columns per warp hits distinct banks (unpadded: 8-way conflicts)
@@ -220,7 +218,7 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
         plgpu.Barrier(num_barriers=3),
     ]
     out_type = (
-        jax.ShapeDtypeStruct((t, hc, d), bf16),
+        *(() if first else (jax.ShapeDtypeStruct((t, hc, d), bf16),)),
         jax.ShapeDtypeStruct((t, d), bf16),
         jax.ShapeDtypeStruct((n_chunks, n_tblocks, pairs, ROWS), f32),
     )
@@ -247,8 +245,9 @@ def mhc_fused_pallas(y, h, post, comb, pre_delayed, fn, scale, base, norm_w, cfg
     call = _build_kernel(t, hc, d, first, kc, interpret)
     fn3 = fn.astype(jnp.float32).reshape(fn.shape[0], hc, d)  # free: hc-major, as the reference flattens
     pre_d = pre_delayed.astype(jnp.float32)
-    if first:
-        h1, xc, part = call(h.astype(jnp.bfloat16), pre_d, fn3)
+    if first:  # h1 = h, returned as given: writing it back would add 40 KB a token (at D=5120) for nothing
+        h1 = h.astype(jnp.bfloat16)
+        xc, part = call(h1, pre_d, fn3)
     else:
         h1, xc, part = call(y.astype(jnp.bfloat16), h.astype(jnp.bfloat16), post.astype(jnp.float32),
                             comb.astype(jnp.float32), pre_d, fn3)

@@ -87,8 +87,9 @@ def compare(out, ref):
 
 
 def op_bytes(t, hc, d, first):
+    """fn (f32) + h read and h1 written (the first site writes no h1) + y read (not at the first site) + x."""
     fn = 24 * hc * d * 4
-    return fn + t * hc * d * 2 * 2 + t * d * 2 * (1 if first else 2)
+    return fn + t * hc * d * 2 * (1 if first else 2) + t * d * 2 * (1 if first else 2)
 
 
 def main():
