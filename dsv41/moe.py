@@ -67,7 +67,12 @@ def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: Mod
         wd = jnp.swapaxes(quant.dense(weight, dt), 1, 2)
         return jax.lax.ragged_dot(a, wd, sizes, preferred_element_type=jnp.float32).astype(dt)
 
-    h = swiglu(gmm(xs, p["w1"]), gmm(xs, p["w3"]), cfg.swiglu_limit)
+    if "w13" in p:  # prepare_experts: w1 and w3 as one weight [E, 2F, D], one kernel call
+        gu = gmm(xs, p["w13"])
+        f = gu.shape[-1] // 2
+        h = swiglu(gu[:, :f], gu[:, f:], cfg.swiglu_limit)
+    else:
+        h = swiglu(gmm(xs, p["w1"]), gmm(xs, p["w3"]), cfg.swiglu_limit)
     h = (w.reshape(-1)[order][:, None] * h).astype(dt)
     if num.act_quant:
         h = quant.fp8_qdq(h)
@@ -77,8 +82,9 @@ def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: Mod
 
 def prepare_experts(params: dict, interpret: bool = False) -> dict:
     """The routed experts' FP4 weights in the grouped-GEMM kernel's layout (once, at load): `routed_experts`
-    then runs the Mosaic GPU kernel instead of dequantizing every expert for lax.ragged_dot. The old arrays are
-    dropped as each layer is converted, so peak memory grows by one layer's experts."""
+    then runs the Mosaic GPU kernel instead of dequantizing every expert for lax.ragged_dot. w1 and w3 become
+    one weight 'w13' [E, 2F, D] (one call per layer for both). The old arrays are dropped as each layer is
+    converted, so peak memory grows by one layer's experts."""
     layers = []
     for i, lp in enumerate(params["layers"]):
         ex = lp["ffn"]["experts"]
@@ -87,6 +93,8 @@ def prepare_experts(params: dict, interpret: bool = False) -> dict:
             raise ValueError(f"layer {i}: routed experts {bad} are not FP4 (the release's format); the grouped FP4 "
                              f"kernel needs FP4 weights: load a release checkpoint or use init_params without dtype")
         ex = {k: expert_gemm.prepare_fp4_experts(w, interpret=interpret) for k, w in ex.items()}
+        if "w1" in ex:
+            ex = {"w13": expert_gemm.concat_out_features(ex.pop("w1"), ex.pop("w3")), **ex}
         layers.append({**lp, "ffn": {**lp["ffn"], "experts": ex}})
     return {**params, "layers": layers}
 

@@ -125,6 +125,16 @@ def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = Fals
     return PreparedFp4(packed, jnp.swapaxes(w.scale, -1, -2), interpret)
 
 
+def concat_out_features(*ws: PreparedFp4) -> PreparedFp4:
+    """Prepared weights [E, N_i, K] -> one [E, sum N_i, K] (e.g. w1 and w3: one GEMM call reads each token's x
+    once and has twice the work items to spread over the SMs). Each output column is computed exactly as in
+    its own call: the kernel's result does not depend on how N is blocked."""
+    if len({(w.weight.shape[0], w.weight.shape[2], w.interpret) for w in ws}) != 1:
+        raise ValueError("weights to concatenate need the same experts, in-features and interpret flag")
+    return PreparedFp4(jnp.concatenate([w.weight for w in ws], axis=1),
+                       jnp.concatenate([w.scale_t for w in ws], axis=2), ws[0].interpret)
+
+
 def unprepare_fp4_experts(p: PreparedFp4) -> Fp4Weight:
     return Fp4Weight(pack_nibbles(_perm_from_kernel(unpack_nibbles(p.weight))), jnp.swapaxes(p.scale_t, -1, -2))
 

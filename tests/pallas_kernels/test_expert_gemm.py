@@ -192,6 +192,9 @@ def test_moe_layer_through_the_kernel_equals_xla():
     lp = params["layers"][0]["ffn"]
     prepared = moe.prepare_experts({"layers": [params["layers"][0]]}, interpret=True)["layers"][0]["ffn"]
     assert isinstance(prepared["experts"]["w2"], eg.PreparedFp4)
+    assert set(prepared["experts"]) == {"w13", "w2"}  # w1 and w3 in one call
+    again = moe.prepare_experts({"layers": [{"ffn": prepared}]}, interpret=True)["layers"][0]["ffn"]["experts"]
+    assert again["w13"] is prepared["experts"]["w13"]  # preparing twice is a no-op
     num = Numerics(act_quant=False, bf16_probs=True, dtype="bfloat16")
     x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 7, cfg.dim)), jnp.bfloat16)
     y_xla = moe.moe(x, lp, cfg, num)
