@@ -144,6 +144,19 @@ def test_sampling_is_seeded(tiny):
     assert run(eng, ids, SamplingParams(max_tokens=4, temperature=5.0, top_k=1, ignore_eos=True))[0] == run(eng, ids)[0]
 
 
+@pytest.mark.parametrize("kw, msg", [
+    (dict(mhc_backend="pallas"), "needs a CUDA GPU"),  # this CPU
+    (dict(router_backend="interpret"), "n_routed_experts % 64"),  # tiny: 8 experts
+    (dict(mhc_backend="interpret", numerics=quant.EXACT_F32), "bfloat16"),
+    (dict(mhc_backend="fast"), "one of"),
+    (dict(attention_backend="pallas"), "needs a CUDA GPU"),
+])
+def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
+    cfg, params = tiny
+    with pytest.raises(EngineError, match=msg):
+        Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
+
+
 @pytest.mark.parametrize("kw, sampling, msg", [
     (dict(prompt_ids=list(range(3, 600))), SamplingParams(), "max_model_len"),
     (dict(prompt_ids=[]), SamplingParams(), "empty"),

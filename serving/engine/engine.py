@@ -123,17 +123,17 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     verified on the H200 on its own (docs/KERNELS_MHC.md, docs/KERNELS_ROUTER.md), not yet inside the engine."""
     gpu = jax.default_backend() == "gpu"
     site = {"mhc": mhc_backend, "router": router_backend}
-    why = {"mhc": ("needs a CUDA GPU" if not gpu else
-                   f"needs bfloat16 activations (numerics dtype {num.dtype})" if num.jdtype != jnp.bfloat16 else
-                   f"needs dim % 128 == 0 (dim {cfg.dim})" if cfg.dim % 128 else ""),
-           "router": ("needs a CUDA GPU" if not gpu else
-                      f"needs dim % 128 == 0 and n_routed_experts % 64 == 0 ({cfg.dim}, {cfg.n_routed_experts})"
-                      if cfg.dim % 128 or cfg.n_routed_experts % 64 else "")}
+    shapes = {"mhc": f"needs dim % 128 == 0 (dim {cfg.dim})" if cfg.dim % 128 else "",
+              "router": f"needs dim % 128 == 0 and n_routed_experts % 64 == 0 ({cfg.dim}, {cfg.n_routed_experts})"
+              if cfg.dim % 128 or cfg.n_routed_experts % 64 else ""}
+    if num.jdtype != jnp.bfloat16:
+        shapes["mhc"] = shapes["mhc"] or f"needs bfloat16 activations (numerics dtype {num.dtype})"
     for name, be in site.items():
         if be not in ("auto", *model.SITE_BACKENDS):
             raise EngineError(f"{name}_backend must be 'auto' or one of {model.SITE_BACKENDS}, got {be!r}")
-        if be == "pallas" and why[name]:
-            raise EngineError(f"{name}_backend='pallas' {why[name]}; use 'xla'")
+        why = "needs a CUDA GPU" if be == "pallas" and not gpu else shapes[name] if be != "auto" else ""
+        if be != "xla" and why:
+            raise EngineError(f"{name}_backend={be!r} {why}; use 'xla'")
     sites = model.Sites(**{n: "xla" if be == "auto" else be for n, be in site.items()})
     if attention not in ("auto", *programs.ATTENTION_BACKENDS):
         raise EngineError(f"attention_backend must be 'auto' or one of {programs.ATTENTION_BACKENDS}, "
