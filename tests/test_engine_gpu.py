@@ -85,6 +85,27 @@ def test_moe_kernel_matches_xla(bench):
         assert rel < MOE_TOL
 
 
+def test_fused_sites_match_xla_in_a_block(bench):
+    """One block (layer 3, a stand-in attention) with the fused mHC sites and router against the XLA composition,
+    64 and 1 tokens: the stream out and the FFN's pre-mix. The kernels' x may differ from XLA's by an ulp on rare
+    elements, which the MoE then carries through its own rounding."""
+    cfg, params = bench
+    lp = params["layers"][3]
+    attn = lambda x: (x.astype(jnp.float32) * 0.5).astype(x.dtype)  # noqa: E731
+    for t in (64, 1):
+        k = jax.random.split(jax.random.key(t), 2)
+        h = (jax.random.normal(k[0], (1, t, cfg.hc_mult, cfg.dim)) * 2).astype(jnp.bfloat16)
+        pre = jax.nn.softmax(jax.random.normal(k[1], (1, t, cfg.hc_mult)), -1)
+        out = {}
+        for name, sites in (("xla", model.Sites()), ("fused", model.Sites(mhc="pallas", router="pallas"))):
+            out[name] = jax.jit(lambda h, pre, lp, s=sites: model.block(h, pre, lp, 3, cfg, NUM, attn, sites=s))(
+                h, pre, lp)
+        (hx, px), (hk, pk) = ((np.asarray(a, np.float32), np.asarray(b)) for a, b in (out["xla"], out["fused"]))
+        rel = np.abs(hk - hx).max() / np.abs(hx).max()
+        print(f"fused sites, {t} tokens: stream rel. max difference {rel:.3g}, pre-mix {np.abs(pk - px).max():.3g}")
+        assert rel < MOE_TOL and np.abs(pk - px).max() < 1e-4
+
+
 def _run(cfg, params, ids, **kw):
     eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=1, max_model_len=2048,
                  max_num_batched_tokens=2048, enable_prefix_caching=False, numerics=NUM, keep_logits=True,
