@@ -60,6 +60,7 @@ class IndexerConfig:
     index_topk: int = 512
     candidate_block_size: int = 8
     candidate_topk_blocks: int = 2048
+    topk_method: str = "lax"  # 'lax' (lax.top_k) or 'radix' (dsv41.topk, the same set): see topk_entries
 
     @classmethod
     def from_model(cls, cfg) -> IndexerConfig:
@@ -541,14 +542,24 @@ def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos,
     return jnp.where(g >= 0, s, -jnp.inf), g
 
 
-def topk_entries(s: jax.Array, entries: jax.Array, k: int) -> jax.Array:
+def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "lax") -> jax.Array:
     """Scores [B, S, N] over entry ids [B, S, N] or [N] (-1 = none/not visible, ascending where valid)
     -> int32 [B, S, min(k, N)]: chosen entry ids ascending, -1 padded at the end. Ties go to the lower id
-    (lax.top_k keeps the lower position first; positions ascend with ids) - `indexer.select_topk` semantics."""
+    (lax.top_k keeps the lower position first; positions ascend with ids) - `indexer.select_topk` semantics.
+    method 'lax': lax.top_k (a sort); 'radix': `dsv41.topk.top_k_positions`, the same positions by radix
+    select (counting passes, no sort of the N scores; which is faster on the GPU is measured by
+    scripts/bench_indexer.py)."""
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
-    _, pos = lax.top_k(s, k)
+    if method == "lax":
+        _, pos = lax.top_k(s, k)
+    elif method == "radix":
+        from dsv41 import topk
+
+        pos = topk.top_k_positions(s, k)
+    else:
+        raise ValueError(f"unknown top-k method {method!r}: 'lax' or 'radix'")
     ids = jnp.take_along_axis(jnp.broadcast_to(entries, s.shape), pos, axis=-1)
     big = jnp.iinfo(jnp.int32).max
     ids = jnp.sort(jnp.where(ids >= 0, ids, big), axis=-1)
@@ -600,13 +611,13 @@ def index_topk(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, *, can
     if cand_blocks is not None:
         s, g = candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos, ratio,
                                 cfg.candidate_block_size, backend=backend, dtype=dtype, **kwargs)
-        return topk_entries(s, g, cfg.index_topk), None
+        return topk_entries(s, g, cfg.index_topk, cfg.topk_method), None
     s = context_scores(q, w, ik_packed, ik_scale, block_table, q_pos, ratio, num_entries, backend=backend,
                        dtype=dtype, **kwargs)
     g = jnp.arange(num_entries, dtype=jnp.int32)
     g = jnp.where(g[None, None] < visible_count(q_pos, ratio)[..., None], g, -1)
     cand = candidate_blocks(s, q_pos, ratio, cfg) if want_candidates else None
-    return topk_entries(s, g, cfg.index_topk), cand
+    return topk_entries(s, g, cfg.index_topk, cfg.topk_method), cand
 
 
 # ----------------------------------------------------------------------------------------------------------------

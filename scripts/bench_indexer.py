@@ -188,6 +188,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             q, w, pk, sc, bt, q_pos, RATIO, cand_mask=m, cfg=cfg))
         today_args = (q, w, pk, sc, bt, q_pos, cand_mask)
         scores_k = jax.jit(lambda *a: il.candidate_scores(*a, RATIO)[0])
+        scores_g = jax.jit(lambda *a: il.candidate_scores(*a, RATIO))
 
         @jax.jit
         def reference(*a):
@@ -212,6 +213,11 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             q, w, pk, sc, bt, q_pos, RATIO, cfg=cfg))
         today_args = path_args
         scores_k = jax.jit(lambda *a: il.context_scores(*a, RATIO, G))
+
+        @jax.jit
+        def scores_g(*a):
+            g = jnp.arange(G, dtype=jnp.int32)
+            return il.context_scores(*a, RATIO, G), jnp.where(g[None, None] < il.visible_count(a[-1], RATIO)[..., None], g, -1)
 
         @jax.jit
         def reference(*a):
@@ -258,6 +264,22 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             row[f"{name}_error"] = repr(ex)[:1000]
             log(f"{mode} B={B} ctx={ctx}: {name} timing ERROR", repr(ex)[:300])
             traceback.print_exc()
+    # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs radix select (dsv41/topk.py), same ids
+    try:
+        s_t, g_t = scores_g(*sargs)
+        tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in ("lax", "radix")}
+        row["topk_radix_same"] = bool(np.array_equal(np.asarray(tk_fns["lax"](s_t, g_t)),
+                                                     np.asarray(tk_fns["radix"](s_t, g_t))))
+        for m, f in tk_fns.items():
+            row[f"topk_{m}_us"], _, row[f"topk_{m}_nkernels"], _ = time_gpu(f, (s_t, g_t), iters=args.iters,
+                                                                            flush=flush)
+        log(f"{mode} B={B} ctx={ctx}: top-k alone lax {row['topk_lax_us']:.1f} us, radix {row['topk_radix_us']:.1f} "
+            f"us, same ids {row['topk_radix_same']}")
+        del s_t, g_t
+    except Exception as ex:  # noqa: BLE001
+        row["topk_error"] = repr(ex)[:1000]
+        log(f"{mode} B={B} ctx={ctx}: top-k timing ERROR", repr(ex)[:300])
+        traceback.print_exc()
     if args.sweep_splits and len(rows_out) <= 2:
         # The CTA split heuristic (KernelConfig.max_ctas) is untuned: time a few key-split counts.
         n_tiles = -(-n // il.TILE)
@@ -283,7 +305,8 @@ def print_table(rows, bw):
     print(f"HBM read ceiling used for the roofline: {bw:.2f} TB/s (kernel us = the Mosaic kernel alone; "
           "kern+topk = whole index_topk; XLA = today's path; CUPTI GPU time, L2 flushed)")
     hdr = (f"{'mode':<11}{'B':>4}{'ctx':>8}{'check':>7}{'max_rel':>10}{'kernel us':>11}{'kern+topk us':>14}"
-           f"{'XLA us':>10}{'XLA/path':>9}{'bytes':>12}{'roof us':>9}{'% of BW':>9}")
+           f"{'XLA us':>10}{'XLA/path':>9}{'bytes':>12}{'roof us':>9}{'% of BW':>9}{'topk lax':>10}"
+           f"{'radix':>8}{'same':>6}")
     print(hdr)
     print("-" * len(hdr))
 
@@ -295,7 +318,8 @@ def print_table(rows, bw):
         print(f"{r['mode']:<11}{r['B']:>4}{r['ctx'] // 1024:>7}K{r.get('check', '-'):>7}"
               f"{f(r, 'max_rel', '.1e'):>10}{f(r, 'kernel_us', '.1f'):>11}{f(r, 'path_us', '.1f'):>14}"
               f"{f(r, 'xla_us', '.1f'):>10}{ratio:>9}{r.get('bytes', 0):>12,}{f(r, 'roofline_us', '.1f'):>9}"
-              f"{f(r, 'pct_bw', '.0f'):>9}")
+              f"{f(r, 'pct_bw', '.0f'):>9}{f(r, 'topk_lax_us', '.1f'):>10}{f(r, 'topk_radix_us', '.1f'):>8}"
+              f"{str(r.get('topk_radix_same', '-')):>6}")
     print()
 
 

@@ -1,0 +1,54 @@
+"""Radix-select top-k (dsv41/topk.py) against lax.top_k: the same positions, ties to the lower position."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41 import topk
+
+
+def _lax_positions(x, k):
+    return np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1)
+
+
+@pytest.mark.parametrize("shape, k, levels", [
+    ((3, 2, 700), 64, None),  # distinct values
+    ((4, 513), 512, 7),  # heavy ties: 7 distinct values, the threshold value split across positions
+    ((2, 50), 50, 3),  # k = N
+    ((5, 40), 1, 2),
+])
+def test_same_positions_as_lax_top_k(shape, k, levels):
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal(shape).astype(np.float32) * 100
+    if levels:
+        x = np.round(x / 100 * levels / 3)
+    x[..., ::7] = -np.inf  # invisible entries
+    x[..., 3] = -0.0
+    x[..., 4] = 0.0
+    xj = jnp.asarray(x)
+    got = np.asarray(jax.jit(topk.top_k_positions, static_argnums=1)(xj, k))
+    np.testing.assert_array_equal(got, _lax_positions(xj, k))
+
+
+def test_order_keys_preserve_order():
+    v = np.array([-np.inf, -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 2.0, 3e38, np.inf], np.float32)
+    keys = np.asarray(topk.order_keys(jnp.asarray(v))).astype(np.int64)
+    assert np.all(np.diff(keys) >= 0) and keys[4] + 1 == keys[5]  # -0.0 just below +0.0
+
+
+def test_indexer_topk_entries_same_with_either_method():
+    """The indexer's selection (entry ids ascending, -1 padded) through radix select equals lax.top_k's, with
+    invisible entries (-inf, id -1) and rows seeing fewer entries than k."""
+    from pallas_kernels import indexer_logits as il
+
+    rng = np.random.default_rng(0)
+    B, S, N, k = 3, 2, 300, 64
+    s = np.round(rng.standard_normal((B, S, N)) * 4).astype(np.float32)  # many ties
+    visible = np.array([300, 40, 0])[:, None, None]
+    g = np.where(np.arange(N)[None, None] < visible, np.arange(N)[None, None], -1).repeat(S, 1)
+    s = np.where(g >= 0, s, -np.inf)
+    sj, gj = jnp.asarray(s), jnp.asarray(g, jnp.int32)
+    want = il.topk_entries(sj, gj, k, method="lax")
+    np.testing.assert_array_equal(np.asarray(il.topk_entries(sj, gj, k, method="radix")), np.asarray(want))
+    assert (np.asarray(want)[1, :, 40:] == -1).all() and (np.asarray(want)[2] == -1).all()
