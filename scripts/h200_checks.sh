@@ -6,7 +6,7 @@
 #   bash scripts/h200_checks.sh engine-tests  # engine with kernels vs XLA: per layer, MoE, end to end (~8 min)
 #   bash scripts/h200_checks.sh engine        # decode step, XLA vs kernels (+ mHC, router), batch 1/8/64 (~8 min)
 #   bash scripts/h200_checks.sh serve         # dsv41 bench serve, replay on vs off, bench preset (~8 min)
-#   bash scripts/h200_checks.sh kernels       # router and mHC kernel benches (~4 min)
+#   bash scripts/h200_checks.sh kernels       # router, mHC and indexer top-k benches (~8 min)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -46,10 +46,14 @@ case "${1:-}" in
     for f in "$OUT"/serve/*.server.log; do echo "== $f"; tail -n 5 "$f"; done
     ;;
   kernels)
-    timeout 170 $PY scripts/bench_router.py --out "$OUT" > "$OUT/router_log.txt" 2>&1; echo "router rc=$?"
+    timeout 150 $PY scripts/bench_router.py --out "$OUT" > "$OUT/router_log.txt" 2>&1; echo "router rc=$?"
     tail -c 3000 "$OUT/router_log.txt"
-    timeout 170 $PY scripts/bench_mhc.py --out "$OUT" > "$OUT/mhc_log.txt" 2>&1; echo "mhc rc=$?"
+    timeout 150 $PY scripts/bench_mhc.py --out "$OUT" > "$OUT/mhc_log.txt" 2>&1; echo "mhc rc=$?"
     tail -c 3000 "$OUT/mhc_log.txt"
+    # the indexer's top-k: lax.top_k vs radix select on the kernel's scores (and the kernel again)
+    timeout 150 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:64:256,c:8:16,c:1:16 --no-sweep \
+      --no-xla > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
+    tail -c 3000 "$OUT/indexer_log.txt"
     ;;
   *)
     echo "usage: $0 tests|engine|serve|kernels" >&2
