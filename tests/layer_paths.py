@@ -54,7 +54,8 @@ def attention_diffs(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, bac
 
             def attn_fn(x, lp=lp, i=i):
                 nonlocal pool
-                # the kernel path's pool copy is dropped: its writes are checked by what the next step reads
+                # the kernel path's pool is dropped after its attention, which read its own writes of this step
+                # (the decode token's ring row); the XLA path's pool carries the run
                 y_k, _ = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared[backend], freqs[i],
                                                    "full", backend)
                 y, pool = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared["xla"], freqs[i],
