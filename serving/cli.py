@@ -18,22 +18,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    from serving.cli_serve import add_kernel_backend_args
+
     p.add_argument("--no-swa-bounded-replay", action="store_true",
                    help="run all layers on every prompt token (exact) instead of the decoder on the last 128")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
     p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
-    p.add_argument("--attention-backend", choices=["auto", "xla", "pallas"], default="auto",
-                   help="KV path (prefill and decode attention; decode KV writes and indexer top-k): the fused "
-                        "Mosaic GPU kernels or the XLA path (auto: the kernels on a GPU)")
-    p.add_argument("--moe-backend", choices=["auto", "xla", "pallas"], default="auto",
-                   help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
-                        "weights (auto: the kernel on a GPU with FP4 experts)")
-    p.add_argument("--mhc-backend", choices=["auto", "xla", "pallas"], default="auto",
-                   help="mHC sites: one fused Mosaic GPU kernel per site or XLA (auto: XLA for now, opt-in kernel)")
-    p.add_argument("--router-backend", choices=["auto", "xla", "pallas"], default="auto",
-                   help="MoE router: the fused Mosaic GPU kernels or XLA (auto: XLA for now, opt-in kernel)")
+    add_kernel_backend_args(p, default="auto")
 
 
 def build_engine(args: argparse.Namespace):

@@ -29,6 +29,24 @@ def _ensure_logging() -> None:
 # ---- serve ---------------------------------------------------------------------------------------------------
 
 
+def add_kernel_backend_args(g, default: str | None) -> None:
+    """The kernel-backend flags, shared by `dsv41 serve` (default None: the engine's) and `dsv41 generate`."""
+    opts = {"choices": ["auto", "xla", "pallas"], "default": default}
+    g.add_argument("--attention-backend", **opts,
+                   help="KV path (prefill and decode attention; decode KV writes and indexer top-k): the fused "
+                        "Mosaic GPU kernels or the XLA path (auto, the default: the kernels on a GPU)")
+    g.add_argument("--moe-backend", **opts,
+                   help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
+                        "weights (auto, the default: the kernel on a GPU with FP4 experts)")
+    g.add_argument("--mhc-backend", **opts,
+                   help="mHC sites (stream coefficients, collapse, norm, expand): one fused Mosaic GPU kernel per "
+                        "site or XLA (auto, the default: XLA for now; the kernel is opt-in, docs/KERNELS_MHC.md)")
+    g.add_argument("--router-backend", **opts,
+                   help="MoE router (gate GEMM, sqrt-softplus, top-k, renorm, expert permutation): the fused Mosaic "
+                        "GPU kernels or XLA (auto, the default: XLA for now; opt-in, docs/KERNELS_ROUTER.md)")
+
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("model")
     src = g.add_mutually_exclusive_group()
@@ -43,18 +61,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false", default=None,
                    help="exact prefill: run every layer on every prompt token instead of the decoder layers on "
                         "the last 128 (SWA bounded replay); also turns prefix caching off unless enabled")
-    g.add_argument("--attention-backend", choices=["auto", "xla", "pallas"],
-                   help="KV path (prefill and decode attention; decode KV writes and indexer top-k): the fused "
-                        "Mosaic GPU kernels or the XLA path (default auto: the kernels on a GPU)")
-    g.add_argument("--moe-backend", choices=["auto", "xla", "pallas"],
-                   help="routed experts: the grouped FP4 Mosaic GPU kernel or XLA's ragged_dot on dequantized "
-                        "weights (default auto: the kernel on a GPU with FP4 experts)")
-    g.add_argument("--mhc-backend", choices=["auto", "xla", "pallas"],
-                   help="mHC sites (stream coefficients, collapse, norm, expand): one fused Mosaic GPU kernel per "
-                        "site or XLA (default auto: XLA for now; the kernel is opt-in, see docs/KERNELS_MHC.md)")
-    g.add_argument("--router-backend", choices=["auto", "xla", "pallas"],
-                   help="MoE router (gate GEMM, sqrt-softplus, top-k, renorm, expert permutation): the fused Mosaic "
-                        "GPU kernels or XLA (default auto: XLA for now; opt-in, see docs/KERNELS_ROUTER.md)")
+    add_kernel_backend_args(g, default=None)
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
                    help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")
