@@ -217,7 +217,8 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         @jax.jit
         def scores_g(*a):
             g = jnp.arange(G, dtype=jnp.int32)
-            return il.context_scores(*a, RATIO, G), jnp.where(g[None, None] < il.visible_count(a[-1], RATIO)[..., None], g, -1)
+            visible = g[None, None] < il.visible_count(a[-1], RATIO)[..., None]
+            return il.context_scores(*a, RATIO, G), jnp.where(visible, g, -1)
 
         @jax.jit
         def reference(*a):
