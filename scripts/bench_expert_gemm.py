@@ -119,6 +119,8 @@ def time_calls(fn, arg_sets, reps=5):
 
 
 def ceilings(quick: bool):
+    import bench_sparse_attention as bsa
+
     res = {}
     try:
         import torch
@@ -126,29 +128,11 @@ def ceilings(quick: bool):
         assert torch.cuda.is_available()
         n = (1 << 31) // 4
         x = torch.randn(n, device="cuda", dtype=torch.float32)
-        ts = []
-        for i in range(33):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            x.sum()
-            e.record()
-            e.synchronize()
-            if i >= 3:
-                ts.append(s.elapsed_time(e) / 1e3)
-        res["hbm_torch_sum_TBps"] = n * 4 / statistics.median(ts) / 1e12
+        res["hbm_torch_sum_TBps"] = n * 4 / bsa.cuda_event_median_s(x.sum, iters=30) / 1e12
         del x
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        ts = []
-        for i in range(13):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            a @ b
-            e.record()
-            e.synchronize()
-            if i >= 3:
-                ts.append(s.elapsed_time(e) / 1e3)
-        res["mm_torch_TFLOPs"] = 2 * 8192**3 / statistics.median(ts) / 1e12
+        res["mm_torch_TFLOPs"] = 2 * 8192**3 / bsa.cuda_event_median_s(functools.partial(torch.matmul, a, b), iters=10) / 1e12
         del a, b
         torch.cuda.empty_cache()
     except Exception as ex:  # noqa: BLE001

@@ -31,7 +31,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -69,36 +68,21 @@ def time_gpu(f, args, *, iters, flush):
 
 
 def hbm_read_TBps():
+    import bench_sparse_attention as bsa
+
     res = {}
+    n = (1 << 30) // 4
     try:
         import torch
-        n = (1 << 30) // 4
         x = torch.randn(n, device="cuda", dtype=torch.float32)
-        ts = []
-        for i in range(23):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            x.sum()
-            e.record()
-            e.synchronize()
-            if i >= 3:
-                ts.append(s.elapsed_time(e) / 1e3)
-        res["torch_f32_sum_TBps"] = n * 4 / statistics.median(ts) / 1e12
+        res["torch_f32_sum_TBps"] = n * 4 / bsa.cuda_event_median_s(x.sum, iters=20) / 1e12
         del x
         torch.cuda.empty_cache()
     except Exception as ex:  # noqa: BLE001
         log("torch bandwidth failed:", repr(ex)[:200])
     try:
-        n = (1 << 30) // 4
         x = jnp.ones((n,), jnp.float32)
-        f = jax.jit(jnp.sum)
-        jax.block_until_ready(f(x))
-        ts = []
-        for _ in range(10):
-            t = time.perf_counter()
-            jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t)
-        res["xla_f32_sum_TBps"] = n * 4 / statistics.median(ts) / 1e12
+        res["xla_f32_sum_TBps"] = n * 4 / bsa.wall_median_s(jax.jit(jnp.sum), (x,)) / 1e12
         del x
     except Exception as ex:  # noqa: BLE001
         log("xla bandwidth failed:", repr(ex)[:200])

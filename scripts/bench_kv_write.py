@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -50,6 +51,8 @@ def log(*a):
 
 
 def hbm_bandwidth(nbytes: int) -> dict:
+    import bench_sparse_attention as bsa
+
     res = {}
     try:
         import torch
@@ -57,30 +60,14 @@ def hbm_bandwidth(nbytes: int) -> dict:
         x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         x.random_(0, 255)
         y = torch.empty_like(x)
-        ts = []
-        for i in range(13):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            y.copy_(x)
-            e.record()
-            e.synchronize()
-            if i >= 3:
-                ts.append(s.elapsed_time(e) / 1e3)
-        res["torch_copy_TBps"] = 2 * nbytes / statistics.median(ts) / 1e12
+        res["torch_copy_TBps"] = 2 * nbytes / bsa.cuda_event_median_s(functools.partial(y.copy_, x), iters=10) / 1e12
         del x, y
         torch.cuda.empty_cache()
     except Exception as ex:  # noqa: BLE001
         log("torch bandwidth failed:", type(ex).__name__, str(ex)[:200])
     try:
         x = jnp.ones((nbytes // 4,), jnp.float32)
-        f = jax.jit(lambda v: v * 1.0001)
-        jax.block_until_ready(f(x))
-        ts = []
-        for _ in range(10):
-            t = time.perf_counter()
-            jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t)
-        res["xla_f32_scale_TBps"] = 2 * nbytes / statistics.median(ts) / 1e12
+        res["xla_f32_scale_TBps"] = 2 * nbytes / bsa.wall_median_s(jax.jit(lambda v: v * 1.0001), (x,)) / 1e12
         del x
     except Exception as ex:  # noqa: BLE001
         log("xla bandwidth failed:", type(ex).__name__, str(ex)[:200])

@@ -22,6 +22,7 @@ Bytes per sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2).
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -91,6 +92,33 @@ def _cupti_measure(f, args, iters):
   return [list(r) for r in ts]
 
 
+def cuda_event_median_s(op, iters, warmup=3):
+  """Median seconds of one op() between two CUDA events (PyTorch), after `warmup` untimed calls: the ceilings'
+  PyTorch side, shared by the benches."""
+  import torch
+  ts = []
+  for i in range(warmup + iters):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    op()
+    e.record()
+    e.synchronize()
+    if i >= warmup:
+      ts.append(s.elapsed_time(e) / 1e3)
+  return statistics.median(ts)
+
+
+def wall_median_s(f, args, iters=10):
+  """Median wall-clock seconds of one blocking call f(*args), after one warm-up call."""
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t)
+  return statistics.median(ts)
+
+
 def time_gpu(f, args, *, iters=20, cold=False, flush=None):
   """Returns (median total GPU ms per call, median ms of the longest kernel,
   kernel names) measured with CUPTI; falls back to wall clock."""
@@ -131,17 +159,7 @@ def copy_bandwidth():
     x = torch.empty(n, dtype=torch.uint8, device="cuda")
     x.random_(0, 255)
     y = torch.empty_like(x)
-    for _ in range(3):
-      y.copy_(x)
-    ts = []
-    for _ in range(10):
-      s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      s.record()
-      y.copy_(x)
-      e.record()
-      torch.cuda.synchronize()
-      ts.append(s.elapsed_time(e))
-    res["torch_copy_TBps"] = 2 * n / (statistics.median(ts) * 1e-3) / 1e12
+    res["torch_copy_TBps"] = 2 * n / cuda_event_median_s(functools.partial(y.copy_, x), iters=10) / 1e12
     del x, y
     torch.cuda.empty_cache()
   except Exception as e:  # noqa: BLE001
