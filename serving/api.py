@@ -5,8 +5,8 @@ POST /v1/chat/completions (both streaming as SSE `data: {...}` chunks ending in 
 
 Request fields: model, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k (vLLM extension;
 -1 or 0 = off), seed, stop (string or list: generation stops there, the stop text is not returned),
-stop_token_ids and ignore_eos (vLLM extensions), n (1 only), stream, stream_options.include_usage, user (kept as
-the session key; an `X-Session-Id` header wins over it). Chat adds messages, tools, tool_choice (auto/none),
+stop_token_ids and ignore_eos (vLLM extensions), n (1 only), stream, stream_options.include_usage and
+.continuous_usage_stats (vLLM's: every streamed chunk carries the usage so far), user (kept as the session key; an `X-Session-Id` header wins over it). Chat adds messages, tools, tool_choice (auto/none),
 reasoning_effort and chat_template_kwargs ({"thinking": true} or {"enable_thinking": true}): thinking mode
 returns `reasoning_content` apart from `content`; DSML tool calls come back as OpenAI `tool_calls` with
 finish_reason "tool_calls". usage carries prompt_tokens_details.cached_tokens (the prefix-cache hit).
@@ -165,6 +165,7 @@ class GenRequest:
     include_usage: bool
     session: str | None
     chat: bool = False
+    continuous_usage: bool = False
     thinking: bool = False
 
 
@@ -178,7 +179,8 @@ class ServerConfig:
 
 
 def _common(f: _Fields, cfg: ServerConfig, prompt_ids: list[int], *, chat: bool,
-            session_header: str | None) -> tuple[SamplingParams, tuple[str, ...], bool, bool, str | None]:
+            session_header: str | None
+            ) -> tuple[SamplingParams, tuple[str, ...], bool, tuple[bool, bool], str | None]:
     n_prompt = len(prompt_ids)
     prompt_param = "messages" if chat else "prompt"
     if n_prompt == 0:
@@ -236,15 +238,17 @@ def _common(f: _Fields, cfg: ServerConfig, prompt_ids: list[int], *, chat: bool,
     stream = f.bool("stream", False)
     opts = f.obj("stream_options") or {}
     include_usage = opts.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise _bad("stream_options.include_usage must be true or false", "stream_options", "invalid_type")
+    continuous_usage = opts.get("continuous_usage_stats", False)
+    for name, value in (("include_usage", include_usage), ("continuous_usage_stats", continuous_usage)):
+        if not isinstance(value, bool):
+            raise _bad(f"stream_options.{name} must be true or false", "stream_options", "invalid_type")
     if opts and not stream:
         raise _bad("stream_options is only allowed with stream=true", "stream_options")
     user = f.str("user")
     session = session_header or user or None
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
-    return sampling, stop, stream, include_usage, session
+    return sampling, stop, stream, (include_usage, continuous_usage), session
 
 
 def check_model(f: _Fields, cfg: ServerConfig) -> None:
@@ -280,8 +284,9 @@ def parse_completion_request(body: dict[str, Any], cfg: ServerConfig, tokenizer:
     else:
         raise _bad("prompt must be a string, an array of token ids, or an array holding one of those",
                    "prompt", "invalid_type")
-    sampling, stop, stream, include_usage, session = _common(f, cfg, ids, chat=False, session_header=session_header)
-    return GenRequest(ids, sampling, stop, stream, include_usage, session)
+    sampling, stop, stream, (usage, continuous), session = _common(f, cfg, ids, chat=False,
+                                                                   session_header=session_header)
+    return GenRequest(ids, sampling, stop, stream, usage, session, continuous_usage=continuous)
 
 
 def _thinking_options(f: _Fields) -> tuple[bool, int | str | None]:
@@ -368,8 +373,10 @@ def parse_chat_request(body: dict[str, Any], cfg: ServerConfig, tokenizer: Any,
         raise _bad(f"messages or tools could not be encoded ({type(e).__name__}: {e}); check their shape against "
                    "the OpenAI chat format"[:400], "messages") from None
     ids = tokenizer.encode(text)
-    sampling, stop, stream, include_usage, session = _common(f, cfg, ids, chat=True, session_header=session_header)
-    return GenRequest(ids, sampling, stop, stream, include_usage, session, chat=True, thinking=thinking)
+    sampling, stop, stream, (usage, continuous), session = _common(f, cfg, ids, chat=True,
+                                                                   session_header=session_header)
+    return GenRequest(ids, sampling, stop, stream, usage, session, chat=True, thinking=thinking,
+                      continuous_usage=continuous)
 
 
 # ---- output text pipeline -----------------------------------------------------------------------------------
@@ -714,6 +721,9 @@ class OpenAIServer:
                 else:
                     chunks = [text_chunk(text, None)] if text else []
                 if chunks:
+                    if req.continuous_usage:
+                        usage = usage_of(len(req.prompt_ids), stream.num_generated, cached)
+                        chunks = [{**c, "usage": usage} for c in chunks]
                     await resp.write(b"".join(_sse(c) for c in chunks))
                 if pipe.stopped:
                     stream.abort("stop")
@@ -722,8 +732,10 @@ class OpenAIServer:
             tool_calls = chunker is not None and chunker.num_tool_calls > 0
             reason = finish_reason_of(finish, pipe.stopped, tool_calls)
             tail = [chunker.final(reason) if chunker is not None else text_chunk("", reason)]
+            usage = usage_of(len(req.prompt_ids), stream.num_generated, cached)
+            if req.continuous_usage:
+                tail[0]["usage"] = usage
             if req.include_usage:
-                usage = usage_of(len(req.prompt_ids), stream.num_generated, cached)
                 tail.append(chunker.usage(usage) if chunker is not None else
                             {**text_chunk("", None), "choices": [], "usage": usage})
             await resp.write(b"".join(_sse(c) for c in tail) + b"data: [DONE]\n\n")

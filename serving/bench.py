@@ -6,7 +6,9 @@ should hit the prefix cache), short outputs, and a think-time gap between turns 
 semaphore caps the requests in flight. The run is repeated for each `max_concurrency` level; by default a level
 runs as many sessions as its concurrency, so the load grows with it.
 
-Per level it reports TTFT, inter-token latency (gaps between streamed chunks), TPOT ((latency - TTFT) /
+Per level it reports TTFT, inter-token latency (per token: the gap between two streamed chunks shared by the
+tokens generated in it, which each chunk's usage tells under vLLM's `stream_options.continuous_usage_stats`; a
+token that decodes to no text, frequent with random weights, adds to the next chunk), TPOT ((latency - TTFT) /
 (tokens - 1)), end-to-end latency (percentiles of each), total and output tokens/s, per-user tokens/s, and the
 prefix-cache hit rate from `usage.prompt_tokens_details.cached_tokens`. It writes `bench_serve.json` and, when
 matplotlib is importable, `throughput_vs_interactivity.png` and `ttft_vs_load.png` into the result directory.
@@ -114,7 +116,7 @@ class _Client:
         cfg = self.cfg
         body: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_tokens": cfg.output_len, "temperature": cfg.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "user": session_id, "seed": cfg.seed,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "user": session_id, "seed": cfg.seed,
         }
         if cfg.ignore_eos:
             body["ignore_eos"] = True
@@ -123,6 +125,7 @@ class _Client:
         t0 = time.perf_counter()
         result.start = t0
         last = None
+        last_tokens = 0
         parts: list[str] = []
         async with self.http.post(cfg.base_url.rstrip("/") + "/v1/chat/completions", json=body,
                                   headers={"X-Session-Id": session_id}) as resp:
@@ -147,13 +150,17 @@ class _Client:
                     result.cached_tokens = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 for choice in chunk.get("choices") or ():
                     delta = choice.get("delta") or {}
+                    # a server without continuous usage: one token per chunk that carries text
+                    has_text = bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+                    tokens = int((chunk.get("usage") or {}).get("completion_tokens") or last_tokens + has_text)
                     if last is None:
                         result.ttft_s = now - t0
-                    elif delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-                        result.itl_s.append(now - last)
+                    elif tokens > last_tokens:
+                        result.itl_s.extend([(now - last) / (tokens - last_tokens)] * (tokens - last_tokens))
                     if delta.get("content"):
                         parts.append(delta["content"])
-                    last = now
+                    if last is None or tokens > last_tokens:
+                        last, last_tokens = now, tokens
         result.latency_s = time.perf_counter() - t0
         result.answer = "".join(parts)
         result.ok = last is not None

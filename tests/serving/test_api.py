@@ -79,6 +79,18 @@ def test_chat(any_server):
     _usage_ok(chunks[-1].usage, 3)
 
 
+def test_continuous_usage_stats(any_server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, which is how the bench
+    counts the tokens behind a chunk when some decode to no text."""
+    c = client(any_server)
+    chunks = list(c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts[0] == 1 and counts == sorted(counts) and counts[-1] == 4, counts
+    assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
+
+
 def test_chat_thinking_shapes(any_server):
     c = client(any_server)
     msgs = [{"role": "user", "content": "Weather in Paris?"}]

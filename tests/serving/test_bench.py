@@ -26,7 +26,8 @@ def _check(report, tmp_path):
         assert lv["requests_ok"] == 4 and lv["requests_failed"] == 0, lv["errors"]
         assert lv["output_tokens"] == 4 * 3  # ignore_eos: every turn makes output_len tokens
         assert lv["ttft_ms"]["p50"] > 0 and lv["e2e_ms"]["p99"] >= lv["ttft_ms"]["p99"]
-        assert lv["output_tokens_per_s"] > 0 and lv["itl_ms"]["p90"] >= 0
+        # per token (continuous usage): finite even when tokens decode to no text (random weights)
+        assert lv["output_tokens_per_s"] > 0 and lv["itl_ms"]["p50"] > 0
         assert lv["prefix_hit_rate_later_turns"] > 0  # turn 2 extends turn 1's prompt
     saved = json.loads((tmp_path / "bench_serve.json").read_text())
     assert saved["levels"][0]["requests_ok"] == 4
