@@ -13,30 +13,36 @@ from dsv41.nn import linear
 from dsv41.quant import Numerics
 
 
-def gather_rows(table: quant.Fp8Rows, row_ids) -> np.ndarray | jax.Array:
-    """Row ids [...] -> dequantized rows [..., d] in bf16, as the reference rounds them before `wkv`.
+def gather_rows(table: quant.Fp8Rows, row_ids) -> quant.Fp8Rows:
+    """Row ids [...] -> those rows as stored: e4m3 [..., d] and UE8M0 scales uint8 [..., d/32].
 
-    A host table (numpy / memory-mapped) is read on the host so only the needed rows travel to the device.
+    A host table (numpy / memory-mapped) is read on the host and its rows stay FP8: half the bytes of bf16 rows
+    travel to the device, and the dequantization (`dequantize_rows`) runs there, inside the jitted program
+    (on the host it was most of a decode step's host time at batch 64, docs/PERFORMANCE.md).
     """
     if isinstance(table.weight, np.ndarray):
         ids = np.asarray(row_ids)
-        w = np.asarray(table.weight[ids.reshape(-1)]).reshape(*ids.shape, -1)
-        s = np.asarray(table.scale[ids.reshape(-1)]).reshape(*ids.shape, -1)
-        rows = w.astype(np.float32).reshape(*w.shape[:-1], -1, 32)
-        scale = (s.astype(np.uint32) << 23).view(np.float32)[..., None]
-        return (rows * scale).reshape(w.shape).astype(jnp.bfloat16)
+        flat = ids.reshape(-1)
+        return quant.Fp8Rows(np.asarray(table.weight[flat]).reshape(*ids.shape, -1),
+                             np.asarray(table.scale[flat]).reshape(*ids.shape, -1))
     ids = jnp.asarray(row_ids)
-    return quant.fp8_dequantize(table.weight[ids], quant.ue8m0_decode(table.scale[ids])).astype(jnp.bfloat16)
+    return quant.Fp8Rows(table.weight[ids], table.scale[ids])
 
 
-def engram(x: jax.Array, rows: jax.Array, p: dict, cfg: ModelConfig, num: Numerics,
+def dequantize_rows(rows: quant.Fp8Rows) -> jax.Array:
+    """Gathered rows -> bf16 [..., d], as the reference rounds them before `wkv`."""
+    return quant.fp8_dequantize(rows.weight, quant.ue8m0_decode(rows.scale)).astype(jnp.bfloat16)
+
+
+def engram(x: jax.Array, rows: quant.Fp8Rows, p: dict, cfg: ModelConfig, num: Numerics,
            token_mask: jax.Array | None = None) -> jax.Array:
-    """x [B, S, hc, D], rows [B, S, n_cols, d] -> x + gate * value, gate [B, S, hc] per stream.
+    """x [B, S, hc, D], rows [B, S, n_cols, d] (`gather_rows`) -> x + gate * value, gate [B, S, hc] per stream.
 
     token_mask [B, S]: False shuts the gate (image-span tokens).
     """
     hc, D = cfg.hc_mult, cfg.dim
-    kv = linear(rows.reshape(*rows.shape[:-2], -1), p["wkv"], num, fp8_input=True)
+    r = dequantize_rows(rows)
+    kv = linear(r.reshape(*r.shape[:-2], -1), p["wkv"], num, fp8_input=True)
     key = kv[..., : hc * D].astype(jnp.float32).reshape(*kv.shape[:-1], hc, D)
     value = kv[..., hc * D:].astype(jnp.float32)
     weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)

@@ -175,7 +175,7 @@ def strip_tables(params: dict) -> tuple[dict, list]:
 
 
 def engram_rows(tables: list, hash_ids: np.ndarray) -> list:
-    """hash ids [B, S, n_engram_layers, n_cols] -> per Engram layer rows [B, S, n_cols, d] (bf16)."""
+    """hash ids [B, S, n_engram_layers, n_cols] -> per Engram layer rows [B, S, n_cols, d] (FP8, as stored)."""
     return [engram.gather_rows(t, hash_ids[:, :, i]) for i, t in enumerate(tables)]
 
 

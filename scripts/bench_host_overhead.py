@@ -7,6 +7,7 @@ device work: the part of a step that Python adds. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -23,7 +24,9 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--ctx", type=int, default=1000)
     args = ap.parse_args()
-    cfg = preset("tiny")  # host work depends on batch, pages and Engram columns, not on the model's widths
+    # host work depends on batch, pages and the Engram rows (columns x width), not on the model's other widths:
+    # the tiny model with the bench preset's (= Flash's) Engram row width
+    cfg = dataclasses.replace(preset("tiny"), engram_head_dim=preset("bench").engram_head_dim)
     batches = [int(x) for x in args.batches.split(",")]
     eng = Engine(cfg, P.init_params(cfg, 0), T.load_tokenizer(), model.builtin_hasher(cfg),
                  max_num_seqs=max(batches), max_model_len=4096)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-from dsv41 import engram, model
+from dsv41 import engram, model, quant
 from serving.engine import kv_pool, programs
 
 
@@ -25,7 +26,9 @@ def make_batch(tokens, pos0, n_valid, slots, block_table, rows):
 
 def zero_rows(cfg, B, T):
     """Engram rows (the hashed-table lookups) as zeros: the memory adds nothing, the layer still runs."""
-    return [np.zeros((B, T, cfg.engram_n_cols, cfg.engram_head_dim), np.float32) for _ in cfg.engram_layer_ids]
+    shape = (B, T, cfg.engram_n_cols, cfg.engram_head_dim)
+    return [quant.Fp8Rows(np.zeros(shape, ml_dtypes.float8_e4m3fn), np.zeros((*shape[:-1], shape[-1] // 32), np.uint8))
+            for _ in cfg.engram_layer_ids]
 
 
 def fill(core, pool, b, cfg, num):

@@ -28,7 +28,9 @@ def bench():
 
 def _batch(cfg, B, T, ctx_pages):
     i = lambda *s: SD(s, jnp.int32)  # noqa: E731
-    rows = [SD((B, T, cfg.engram_n_cols, cfg.engram_head_dim), jnp.bfloat16) for _ in cfg.engram_layer_ids]
+    shape = (B, T, cfg.engram_n_cols, cfg.engram_head_dim)
+    rows = [quant.Fp8Rows(SD(shape, jnp.float8_e4m3fn), SD((*shape[:-1], shape[-1] // 32), jnp.uint8))
+            for _ in cfg.engram_layer_ids]
     return programs.Batch(i(B, T), i(B), i(B), i(B), i(B, ctx_pages), i(B), rows)
 
 

@@ -41,7 +41,7 @@ class Batch:
     slot: jax.Array  # int32 [B]: sequence slot in the pool
     block_table: jax.Array  # int32 [B, ctx_pages]: the sequence's pages (num_pages where unused)
     write_lo: jax.Array  # int32 [B]: global KV is written only for positions >= write_lo (prefix replay)
-    rows: list  # per Engram layer: bf16 [B, T, n_cols, d]
+    rows: list  # per Engram layer: quant.Fp8Rows [B, T, n_cols, d] (dequantized in the program)
 
 
 @jax.tree_util.register_dataclass
