@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -42,7 +43,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from dsv41 import indexer
+from dsv41 import indexer, topk
 from pallas_kernels import sparse_attention as sa
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class IndexerConfig:
     index_topk: int = 512
     candidate_block_size: int = 8
     candidate_topk_blocks: int = 2048
-    topk_method: str = "lax"  # 'lax' (lax.top_k) or 'radix' (dsv41.topk, the same set): see topk_entries
+    topk_method: str = "auto"  # 'lax' (lax.top_k), 'radix' (dsv41.topk, the same set) or 'auto': topk_entries
 
     @classmethod
     def from_model(cls, cfg) -> IndexerConfig:
@@ -542,24 +543,30 @@ def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos,
     return jnp.where(g >= 0, s, -jnp.inf), g
 
 
-def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "lax") -> jax.Array:
+# 'auto' takes the radix select from this many rows of scores (batch x queries) on: on the H200 (2026-11-30,
+# 16K candidates, k 512) it took 102 us at 64 rows where lax.top_k took 123, but 78 / 65 us at 8 / 1 rows where
+# lax.top_k took 60 / 57 (scripts/bench_indexer.py, docs/KERNELS_INDEXER.md).
+RADIX_MIN_ROWS = 64
+
+
+def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto") -> jax.Array:
     """Scores [B, S, N] over entry ids [B, S, N] or [N] (-1 = none/not visible, ascending where valid)
     -> int32 [B, S, min(k, N)]: chosen entry ids ascending, -1 padded at the end. Ties go to the lower id
     (lax.top_k keeps the lower position first; positions ascend with ids) - `indexer.select_topk` semantics.
     method 'lax': lax.top_k (a sort); 'radix': `dsv41.topk.top_k_positions`, the same positions by radix
-    select (counting passes, no sort of the N scores; which is faster on the GPU is measured by
-    scripts/bench_indexer.py)."""
+    select (counting passes, no sort of the N scores); 'auto': radix from RADIX_MIN_ROWS rows on, as measured
+    by scripts/bench_indexer.py."""
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
+    if method == "auto":
+        method = "radix" if math.prod(s.shape[:-1]) >= RADIX_MIN_ROWS else "lax"
     if method == "lax":
         _, pos = lax.top_k(s, k)
     elif method == "radix":
-        from dsv41 import topk
-
         pos = topk.top_k_positions(s, k)
     else:
-        raise ValueError(f"unknown top-k method {method!r}: 'lax' or 'radix'")
+        raise ValueError(f"unknown top-k method {method!r}: 'lax', 'radix' or 'auto'")
     ids = jnp.take_along_axis(jnp.broadcast_to(entries, s.shape), pos, axis=-1)
     big = jnp.iinfo(jnp.int32).max
     ids = jnp.sort(jnp.where(ids >= 0, ids, big), axis=-1)

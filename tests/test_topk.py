@@ -52,3 +52,16 @@ def test_indexer_topk_entries_same_with_either_method():
     want = il.topk_entries(sj, gj, k, method="lax")
     np.testing.assert_array_equal(np.asarray(il.topk_entries(sj, gj, k, method="radix")), np.asarray(want))
     assert (np.asarray(want)[1, :, 40:] == -1).all() and (np.asarray(want)[2] == -1).all()
+
+
+def test_auto_method_takes_radix_from_64_rows(monkeypatch):
+    from pallas_kernels import indexer_logits as il
+
+    calls = []
+    real = topk.top_k_positions
+    monkeypatch.setattr(il.topk, "top_k_positions", lambda x, k: calls.append(x.shape) or real(x, k))
+    for rows in (il.RADIX_MIN_ROWS - 1, il.RADIX_MIN_ROWS):
+        s = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1, 100)), jnp.float32)
+        got = il.topk_entries(s, jnp.arange(100, dtype=jnp.int32), 10)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(il.topk_entries(s, jnp.arange(100), 10, "lax")))
+    assert calls == [(il.RADIX_MIN_ROWS, 1, 100)]
