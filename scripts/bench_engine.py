@@ -74,17 +74,18 @@ def timed(fn, reps=5):
     return statistics.median(ts)
 
 
-# --backends names -> (attention, routed experts, mHC and router sites)
-KERNELS = {"xla": ("xla", "xla", "xla"), "attn": ("pallas", "xla", "xla"), "pallas": ("pallas", "pallas", "xla"),
-           "all": ("pallas", "pallas", "pallas")}
+# --backends names -> (attention, routed experts, mHC site, router site); 'auto' is what `dsv41 serve` runs
+KERNELS = {"xla": ("xla", "xla", "xla", "xla"), "attn": ("pallas", "xla", "xla", "xla"),
+           "pallas": ("pallas", "pallas", "xla", "xla"), "all": ("pallas", "pallas", "pallas", "pallas"),
+           "auto": ("auto", "auto", "auto", "auto")}
 
 
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
-    attn, moe_be, site_be = KERNELS[backend]
+    attn, moe_be, mhc_be, router_be = KERNELS[backend]
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
-                  max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay, enable_prefix_caching=False,
-                  min_prefill_bucket=2048, min_ctx_pages=max_len // 64, attention_backend=attn, moe_backend=moe_be,
-                  mhc_backend=site_be, router_backend=site_be)
+                  max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
+                  enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
+                  attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be)
 
 
 def with_fp4_experts(params):
@@ -150,7 +151,8 @@ def main():
     ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
     ap.add_argument("--backends", default="xla",
                     help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
-                         "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites)")
+                         "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
+                         "auto (the engine's defaults, as `dsv41 serve` runs)")
     ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -172,7 +174,7 @@ def main():
 
     pre = [] if args.skip_prefill else bench_prefill(cfg, params, lengths, max_len)
     backends = args.backends.split(",")
-    fp4_params = with_fp4_experts(params) if any(KERNELS[be][1] == "pallas" for be in backends) else None
+    fp4_params = with_fp4_experts(params) if any(KERNELS[be][1] != "xla" for be in backends) else None
 
     core, _ = model.strip_tables(params)
     experts_b = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in core["layers"])
@@ -181,7 +183,7 @@ def main():
     fp4_per_expert = 3 * cfg.moe_inter_dim * cfg.dim * (0.5 + 1 / 32)
     dec = []
     for be, B in [(be, B) for be in backends for B in batches]:
-        eng = make_engine(cfg, fp4_params if KERNELS[be][1] == "pallas" else params, True,
+        eng = make_engine(cfg, fp4_params if KERNELS[be][1] != "xla" else params, True,
                           max(max_len, args.decode_ctx + 128), max(batches), be)
         fake_decode_state(eng, B, args.decode_ctx)
         t0 = time.perf_counter()
@@ -201,7 +203,7 @@ def main():
         host_t = timed(lambda: (eng._batch(reqs, [[r.tokens[-1]] for r in reqs],
                                            [len(r.tokens) - 1 for r in reqs], 1, Bp), eng._sampling(reqs, Bp)), reps=10)
         read = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b,
-                            fp4_per_expert if KERNELS[be][1] == "pallas" else per_expert)
+                            fp4_per_expert if KERNELS[be][1] != "xla" else per_expert)
         bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b / 2, fp4_per_expert)
         dec.append((be, B, compile_s, step, dev_t, host_t, read, bytes_fp4))
         log.info("decode %s B=%d step=%.2fms device=%.2fms host=%.2fms", be, B, step * 1e3, dev_t * 1e3, host_t * 1e3)

@@ -157,6 +157,18 @@ def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
         Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
 
 
+def test_auto_backends(tiny, monkeypatch):
+    """'auto' on a GPU: the mHC kernel where its shapes allow (tiny: dim 256, bf16), the router on XLA (its
+    kernels are slower at decode, docs/KERNELS_ROUTER.md); everything on XLA on a CPU."""
+    from serving.engine import engine as E
+    cfg, params = tiny
+    assert E.resolve_backends(cfg, params, "auto", "auto")[2] == model.Sites(mhc="xla", router="xla")
+    monkeypatch.setattr(E.jax, "default_backend", lambda: "gpu")
+    sites = E.resolve_backends(cfg, params, "auto", "auto", num=quant.REFERENCE)[2]
+    assert sites == model.Sites(mhc="pallas", router="xla")
+    assert E.resolve_backends(cfg, params, "auto", "auto", num=quant.EXACT_F32)[2].mhc == "xla"
+
+
 @pytest.mark.parametrize("kw, sampling, msg", [
     (dict(prompt_ids=list(range(3, 600))), SamplingParams(), "max_model_len"),
     (dict(prompt_ids=[]), SamplingParams(), "empty"),
