@@ -4,7 +4,7 @@
 #
 #   bash scripts/h200_checks.sh tests         # every kernel's GPU tests against its reference (~3 min)
 #   bash scripts/h200_checks.sh engine-tests  # engine with kernels vs XLA: per layer, MoE, end to end (~8 min)
-#   bash scripts/h200_checks.sh engine        # decode step, XLA vs kernels (+ mHC, router), batch 1/8/64 (~8 min)
+#   bash scripts/h200_checks.sh engine        # decode step, XLA vs kernels vs the defaults, batch 1/8/64 (~8 min)
 #   bash scripts/h200_checks.sh serve         # dsv41 bench serve, replay on vs off, bench preset (~8 min)
 #   bash scripts/h200_checks.sh kernels       # router, mHC and indexer top-k benches (~8 min)
 set -u
@@ -30,7 +30,7 @@ case "${1:-}" in
     ;;
   engine)
     # decode only (the prefill table, replay on vs off, is in docs/PERFORMANCE.md already): 9 engines to compile
-    timeout 560 $PY scripts/bench_engine.py --backends xla,pallas,all --batches 1,8,64 --skip-prefill \
+    timeout 560 $PY scripts/bench_engine.py --backends xla,pallas,auto --batches 1,8,64 --skip-prefill \
       --decode-ctx 4096 > "$OUT/engine_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "decode |prefill |\| " "$OUT/engine_log.txt" | tail -30
