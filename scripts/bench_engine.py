@@ -191,17 +191,14 @@ def main():
         compile_s = time.perf_counter() - t0
         step = timed(eng.step, reps=10)
         reqs = list(eng.running.values())
-        Bp = 1 << (B - 1).bit_length()
-        b = eng._batch(reqs, [[r.tokens[-1]] for r in reqs], [len(r.tokens) - 1 for r in reqs], 1, Bp)
-        s = eng._sampling(reqs, Bp)
+        b, s = eng.decode_inputs(reqs)
 
         def dev_only():
             eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, s, **eng.static)
             tok.block_until_ready()
 
         dev_t = timed(dev_only, reps=10)
-        host_t = timed(lambda: (eng._batch(reqs, [[r.tokens[-1]] for r in reqs],
-                                           [len(r.tokens) - 1 for r in reqs], 1, Bp), eng._sampling(reqs, Bp)), reps=10)
+        host_t = timed(lambda: eng.decode_inputs(reqs), reps=10)
         read = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b,
                             fp4_per_expert if KERNELS[be][1] != "xla" else per_expert)
         bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b / 2, fp4_per_expert)

@@ -189,3 +189,21 @@ def test_flash_pool_is_890_bytes_per_token():
     assert a.kv_packed[0].shape == (1000, 32, 256) and a.kv_scale[3].shape == (1000, 64, 32)
     assert a.ik_packed[0].shape[-1] + a.ik_scale[0].shape[-1] == 68
     assert a.swa_q[0].shape[-1] + a.swa_s[0].shape[-1] == 528
+
+
+def test_request_views_match_the_whole_sequence():
+    """The per-step views of a request (no O(context) list per step) against `tokens`."""
+    from serving.engine.engine import _Request
+
+    r = _Request("r", list(range(10)), SamplingParams(), None, 0.0)
+    r.output = [100, 101, 102]
+    assert r.num_tokens == len(r.tokens) and r.last_token == r.tokens[-1] == 102
+    for lo, hi in [(0, 13), (0, 10), (3, 7), (8, 12), (10, 13), (11, 12), (0, 0), (12, 20)]:
+        assert r.token_range(lo, hi) == r.tokens[lo:hi], (lo, hi)
+    assert _Request("p", [5], SamplingParams(), None, 0.0).last_token == 5
+    r.pages = [3, 1]
+    np.testing.assert_array_equal(r.page_row(), [3, 1])
+    r.pages.append(7)  # appended in place: the row follows
+    np.testing.assert_array_equal(r.page_row(), [3, 1, 7])
+    r.pages = [9, 9, 9]  # replaced by a list of the same length (a re-admission): the row follows too
+    np.testing.assert_array_equal(r.page_row(), [9, 9, 9])

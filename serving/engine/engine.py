@@ -93,10 +93,35 @@ class _Request:
     steps: int = 0
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
+    # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
+    # decode steps): converting a 100K-token context's page list every step cost more than the device step
+    _page_row: tuple = (None, 0, np.zeros(0, np.int32))
 
     @property
     def tokens(self) -> list[int]:
+        """The whole sequence, a new list: O(context), so not for the per-step paths (num_tokens, last_token,
+        token_range)."""
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def token_range(self, lo: int, hi: int) -> list[int]:
+        """tokens[lo:hi] without building the whole sequence."""
+        n = len(self.prompt)
+        return self.prompt[lo:min(hi, n)] + self.output[max(lo - n, 0):max(hi - n, 0)]
+
+    def page_row(self) -> np.ndarray:
+        src, n, row = self._page_row
+        if src is not self.pages or n != len(self.pages):
+            row = np.asarray(self.pages, np.int32)
+            self._page_row = (self.pages, len(self.pages), row)
+        return row
 
     @property
     def prefilling(self) -> bool:
@@ -360,7 +385,7 @@ class Engine:
     def _free(self, r: _Request, keep: bool) -> None:
         """Releases a request's slot and pages; with `keep`, its full pages enter the prefix cache."""
         if self.prefix and keep:
-            for k, p in zip(self.prefix.keys(r.tokens[: r.computed]), r.pages):
+            for k, p in zip(self.prefix.keys(r.token_range(0, r.computed)), r.pages):
                 self.prefix.insert(k, p)
         for p in r.pages:
             if not (self.prefix and self.prefix.release(p)):
@@ -376,7 +401,7 @@ class Engine:
             W = self.cfg.window_size
             hit: list[int] = []
             if self.prefix:
-                hit = self.prefix.match(r.tokens[: r.prefill_len - 1])
+                hit = self.prefix.match(r.token_range(0, r.prefill_len - 1))
             H = len(hit) * self.layout.page_tokens
             for p in hit:
                 self.prefix.acquire(p)
@@ -396,7 +421,7 @@ class Engine:
                 self.prefix.hit_tokens += H
                 self.prefix.query_tokens += r.prefill_len
             r.slot = self.free_slots.popleft()
-            r.history = self.hasher.history_from_ids(np.asarray([r.tokens[: r.start]], np.int64)) \
+            r.history = self.hasher.history_from_ids(np.asarray([r.token_range(0, r.start)], np.int64)) \
                 if self.hasher is not None else None
             r.tail = None
             lo = jnp.full((self.cfg.n_layers,), r.start, jnp.int32)
@@ -446,12 +471,18 @@ class Engine:
         for i, (r, t, p) in enumerate(zip(reqs, toks, pos0)):
             tokens[i, : len(t)] = t
             n_valid[i] = len(t)
-            bt[i, : len(r.pages)] = r.pages
+            bt[i, : len(r.pages)] = r.page_row()
             slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
         rows = self._rows(reqs, toks, B, T)
         # host arrays: the jitted call moves them with its own (fast) argument transfer
         b = programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rows)
         return b
+
+    def decode_inputs(self, reqs: list[_Request]) -> tuple[programs.Batch, programs.Sampling]:
+        """The host side of a decode step: each row's last token, padded to the batch bucket (benches time it)."""
+        B = _bucket(len(reqs))
+        return (self._batch(reqs, [[r.last_token] for r in reqs], [r.num_tokens - 1 for r in reqs], 1, B),
+                self._sampling(reqs, B))
 
     def _sampling(self, reqs: list[_Request], B: int) -> programs.Sampling:
         t = np.zeros(B, np.float32)
@@ -555,7 +586,7 @@ class Engine:
             if not self._preempt(r):
                 self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
                               f"{end} tokens; raise num_pages or lower max_model_len")
-        chunk = r.tokens[r.computed:end]
+        chunk = r.token_range(r.computed, end)
         T = min(self.chunk, _bucket(len(chunk), self.min_prefill_bucket))
         b = self._batch([r], [chunk], [r.computed], T, 1)
         cfg = self.cfg
@@ -607,26 +638,25 @@ class Engine:
         H, W = r.replay_at, self.cfg.window_size
         r.replay_at = 0
         r.write_lo, r.start, r.computed, r.tail = H, max(0, H - W), max(0, H - W), None
-        r.history = self.hasher.history_from_ids(np.asarray([r.tokens[: r.start]], np.int64)) if self.hasher else None
+        r.history = self.hasher.history_from_ids(np.asarray([r.token_range(0, r.start)], np.int64)) if self.hasher else None
         self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(r.start))
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         for r in list(reqs):
-            while not self._ensure_pages(r, len(r.tokens)):
+            while not self._ensure_pages(r, r.num_tokens):
                 if not self._preempt(r):
                     self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
-                                  f"{len(r.tokens)} tokens; raise num_pages or lower max_model_len")
+                                  f"{r.num_tokens} tokens; raise num_pages or lower max_model_len")
                 reqs = [x for x in reqs if x.id in self.running]
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
             return []
-        B = _bucket(len(reqs))
-        b = self._batch(reqs, [[r.tokens[-1]] for r in reqs], [len(r.tokens) - 1 for r in reqs], 1, B)
-        self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling(reqs, B), **self.static)
+        b, samp = self.decode_inputs(reqs)
+        self.pool, logits, tok = programs.run_full(self.params, self.pool, b, samp, **self.static)
         tok = np.asarray(tok)
         outs = []
         for i, r in enumerate(reqs):
-            r.computed = len(r.tokens)
+            r.computed = r.num_tokens
             if self.keep_logits:
                 r.logits.append(np.asarray(logits[i]))
             outs += self._accept(r, int(tok[i]))
@@ -639,7 +669,7 @@ class Engine:
         reason = None
         if (tok == self.eos and not s.ignore_eos) or tok in s.stop_token_ids:
             reason = "stop"
-        elif len(r.output) >= s.max_tokens or len(r.tokens) >= self.max_model_len:
+        elif len(r.output) >= s.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
             del self.running[r.id]
