@@ -4,7 +4,8 @@ step, compile times. Prints tables (markdown) for docs/PERFORMANCE.md.
 
     PYTHONPATH=. python3 scripts/bench_engine.py [--lengths 1024,4096,16384] [--batches 1,8,64]
 
-Weights are random, dense bf16 (the XLA path; the Pallas kernels have their own benchmarks), made on the device.
+Weights are random, made on the device: dense bf16 for the XLA path, the routed experts in FP4 for the
+configurations that run the grouped FP4 expert GEMM (`--backends`, `--prefill-backends`).
 """
 
 from __future__ import annotations
@@ -98,20 +99,37 @@ def with_fp4_experts(params):
 
 
 
-def bench_prefill(cfg, params, lengths, max_len):
+def linear_flops(cfg, core, n: int, replay: bool) -> float:
+    """FLOPs of the linears a prefill of n tokens runs (2 x weight elements x tokens; the routed experts count
+    the n_activated chosen ones): layers up to the split layer on n tokens, the layers after it on n (exact) or
+    on the last window of tokens (replay), the head on the last token. Attention and indexer scores are left
+    out, so the roofline time it gives is a lower bound (the split layer counts whole for replay too)."""
+    per_layer = []
+    for lp in core["layers"]:
+        rest = {**lp, "ffn": {k: v for k, v in lp["ffn"].items() if k != "experts"}}
+        dense = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(rest) if leaf.ndim >= 2)
+        per_layer.append(dense + cfg.n_activated_experts * 3 * cfg.moe_inter_dim * cfg.dim)
+    tokens = [n if i <= cfg.split_layer or not replay else min(n, cfg.window_size) for i in range(cfg.n_layers)]
+    return 2.0 * (sum(t * w for t, w in zip(tokens, per_layer)) + cfg.vocab_size * cfg.dim)
+
+
+def bench_prefill(cfg, params_of, backends, lengths, max_len):
+    """-> rows (backend, n, replay, first call s, warm s); params_of(backend) gives the weights it reads."""
     rows = []
-    rng = np.random.default_rng(0)
-    for replay in (False, True):
-        eng = make_engine(cfg, params, replay, max_len, 2)
-        for n in lengths:
-            ids = list(rng.integers(3, cfg.vocab_size, n))
-            sp = SamplingParams(max_tokens=1)
-            t0 = time.perf_counter()
-            eng.generate(ids, sp)
-            first = time.perf_counter() - t0
-            warm = timed(lambda: eng.generate(ids, sp), reps=3)
-            rows.append((n, replay, first, warm))
-            log.info("prefill n=%d replay=%s first=%.2fs warm=%.3fs", n, replay, first, warm)
+    for be in backends:
+        rng = np.random.default_rng(0)
+        for replay in (False, True):
+            eng = make_engine(cfg, params_of(be), replay, max_len, 2, be)
+            for n in lengths:
+                ids = list(rng.integers(3, cfg.vocab_size, n))
+                sp = SamplingParams(max_tokens=1)
+                t0 = time.perf_counter()
+                eng.generate(ids, sp)
+                first = time.perf_counter() - t0
+                warm = timed(lambda: eng.generate(ids, sp), reps=3)
+                rows.append((be, n, replay, first, warm))
+                log.info("prefill %s n=%d replay=%s first=%.2fs warm=%.3fs", be, n, replay, first, warm)
+            del eng
     return rows
 
 
@@ -153,6 +171,8 @@ def main():
                     help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
                          "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
                          "auto (the engine's defaults, as `dsv41 serve` runs)")
+    ap.add_argument("--prefill-backends", default="xla",
+                    help="configurations (as --backends) of the prefill table, replay on and off for each")
     ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -172,9 +192,15 @@ def main():
     max_len = max(lengths) + 2048
     max_len = -(-max_len // 64) * 64
 
-    pre = [] if args.skip_prefill else bench_prefill(cfg, params, lengths, max_len)
     backends = args.backends.split(",")
-    fp4_params = with_fp4_experts(params) if any(KERNELS[be][1] != "xla" for be in backends) else None
+    pre_backends = [] if args.skip_prefill else args.prefill_backends.split(",")
+    fp4_params = (with_fp4_experts(params) if any(KERNELS[be][1] != "xla" for be in backends + pre_backends)
+                  else None)
+
+    def params_of(be):
+        return fp4_params if KERNELS[be][1] != "xla" else params
+
+    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len)
 
     core, _ = model.strip_tables(params)
     experts_b = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in core["layers"])
@@ -183,7 +209,7 @@ def main():
     fp4_per_expert = 3 * cfg.moe_inter_dim * cfg.dim * (0.5 + 1 / 32)
     dec = []
     for be, B in [(be, B) for be in backends for B in batches]:
-        eng = make_engine(cfg, fp4_params if KERNELS[be][1] != "xla" else params, True,
+        eng = make_engine(cfg, params_of(be), True,
                           max(max_len, args.decode_ctx + 128), max(batches), be)
         fake_decode_state(eng, B, args.decode_ctx)
         t0 = time.perf_counter()
@@ -208,13 +234,15 @@ def main():
     print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
           f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (f32 scale, read+write), bf16 matmul "
           f"{mxu / 1e12:.0f} TFLOP/s\n")
-    print("| prompt tokens | exact prefill s | replay prefill s | replay saves "
-          "| first call (compile) exact / replay s |")
-    print("|---|---|---|---|---|")
-    by = {(n, r): (f, w) for n, r, f, w in pre}
-    for n in (lengths if pre else []):
-        e, r = by[(n, False)], by[(n, True)]
-        print(f"| {n} | {e[1]:.3f} | {r[1]:.3f} | {100 * (1 - r[1] / e[1]):.0f}% | {e[0]:.1f} / {r[0]:.1f} |")
+    print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs "
+          "/ matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |")
+    print("|---|---|---|---|---|---|---|---|")
+    by = {(be, n, r): (f, w) for be, n, r, f, w in pre}
+    for be, n in [(be, n) for be in pre_backends for n in lengths]:
+        e, r = by[(be, n, False)], by[(be, n, True)]
+        fe, fr = (linear_flops(cfg, core, n, rp) / mxu for rp in (False, True))
+        print(f"| {be} | {n} | {e[1]:.3f} | {r[1]:.3f} | {100 * (1 - r[1] / e[1]):.0f}% | "
+              f"{fe:.3f} ({100 * fe / e[1]:.0f}%) | {fr:.3f} ({100 * fr / r[1]:.0f}%) | {e[0]:.1f} / {r[0]:.1f} |")
     print("\n| kernels | batch | engine step ms | device ms | host prep ms | roofline ms (weights as read) | "
           "of roofline | roofline ms (release FP8/FP4 weights) | first step (compile) s |")
     print("|---|---|---|---|---|---|---|---|---|")
