@@ -6,7 +6,8 @@ POST /v1/chat/completions (both streaming as SSE `data: {...}` chunks ending in 
 Request fields: model, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k (vLLM extension;
 -1 or 0 = off), seed, stop (string or list: generation stops there, the stop text is not returned),
 stop_token_ids and ignore_eos (vLLM extensions), n (1 only), stream, stream_options.include_usage and
-.continuous_usage_stats (vLLM's: every streamed chunk carries the usage so far), user (kept as the session key; an `X-Session-Id` header wins over it). Chat adds messages, tools, tool_choice (auto/none),
+.continuous_usage_stats (vLLM's: every streamed chunk carries the usage so far), user (kept as the session key;
+an `X-Session-Id` header wins over it). Chat adds messages, tools, tool_choice (auto/none),
 reasoning_effort and chat_template_kwargs ({"thinking": true} or {"enable_thinking": true}): thinking mode
 returns `reasoning_content` apart from `content`; DSML tool calls come back as OpenAI `tool_calls` with
 finish_reason "tool_calls". usage carries prompt_tokens_details.cached_tokens (the prefix-cache hit).

@@ -116,7 +116,8 @@ class _Client:
         cfg = self.cfg
         body: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_tokens": cfg.output_len, "temperature": cfg.temperature,
-            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "user": session_id, "seed": cfg.seed,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "user": session_id, "seed": cfg.seed,
         }
         if cfg.ignore_eos:
             body["ignore_eos"] = True

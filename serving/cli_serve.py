@@ -43,7 +43,8 @@ def add_kernel_backend_args(g, default: str | None) -> None:
                         "site or XLA (auto, the default: the kernel on a GPU with bf16 activations)")
     g.add_argument("--router-backend", **opts,
                    help="MoE router (gate GEMM, sqrt-softplus, top-k, renorm, expert permutation): the fused Mosaic "
-                        "GPU kernels or XLA (auto, the default: XLA, faster at decode on the H200; docs/KERNELS_ROUTER.md)")
+                        "GPU kernels or XLA (auto, the default: XLA, faster at decode on the H200; "
+                        "docs/KERNELS_ROUTER.md)")
 
 
 

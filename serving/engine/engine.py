@@ -638,7 +638,8 @@ class Engine:
         H, W = r.replay_at, self.cfg.window_size
         r.replay_at = 0
         r.write_lo, r.start, r.computed, r.tail = H, max(0, H - W), max(0, H - W), None
-        r.history = self.hasher.history_from_ids(np.asarray([r.token_range(0, r.start)], np.int64)) if self.hasher else None
+        r.history = (self.hasher.history_from_ids(np.asarray([r.token_range(0, r.start)], np.int64))
+                     if self.hasher else None)
         self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(r.start))
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
