@@ -148,7 +148,15 @@ def fake_decode_state(eng, B, ctx):
         eng.running[r.id] = r
 
 
-def decode_bytes(cfg, B, ctx, weight_bytes_per_expert, dense_bytes, expert_bytes_per):
+def weight_bytes(cfg, core):
+    """-> (bytes of the weights every decode step reads: all but the routed experts and the embedding, of which
+    a step reads one row a token; bytes of one routed expert), as stored in `core` (arrays or shapes)."""
+    experts = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in core["layers"])
+    dense = P.tree_bytes(core) - experts - P.tree_bytes(core["embed"])
+    return dense, experts / (cfg.n_layers * cfg.n_routed_experts)
+
+
+def decode_bytes(cfg, B, ctx, dense_bytes, expert_bytes_per):
     """Bytes a decode step must touch at least: non-expert weights, the experts the batch selects (expected
     distinct experts of B*k uniform draws), the KV each sequence reads."""
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
@@ -173,6 +181,9 @@ def main():
                          "auto (the engine's defaults, as `dsv41 serve` runs)")
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
+    ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
+                    help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
+                         "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
     ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -186,7 +197,9 @@ def main():
     mxu = measure_mxu(1024 if small else 8192)
     log.info("HBM %.2f TB/s, bf16 matmul %.0f TFLOP/s", hbm / 1e12, mxu / 1e12)
     t = time.perf_counter()
-    params = device_params(cfg)
+    # bf16: dense weights (the routed experts quantized to FP4 for the configurations that run the FP4 GEMM);
+    # release: every weight in the release's stored format (FP8 linears, FP4 experts), as a checkpoint loads
+    params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     jax.block_until_ready(params)
     log.info("params on device in %.1fs", time.perf_counter() - t)
     max_len = max(lengths) + 2048
@@ -194,8 +207,8 @@ def main():
 
     backends = args.backends.split(",")
     pre_backends = [] if args.skip_prefill else args.prefill_backends.split(",")
-    fp4_params = (with_fp4_experts(params) if any(KERNELS[be][1] != "xla" for be in backends + pre_backends)
-                  else None)
+    fp4 = args.weights == "bf16" and any(KERNELS[be][1] != "xla" for be in backends + pre_backends)
+    fp4_params = with_fp4_experts(params) if fp4 else params
 
     def params_of(be):
         return fp4_params if KERNELS[be][1] != "xla" else params
@@ -203,10 +216,8 @@ def main():
     pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len)
 
     core, _ = model.strip_tables(params)
-    experts_b = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in core["layers"])
-    per_expert = experts_b / (cfg.n_layers * cfg.n_routed_experts)
-    dense_b = P.tree_bytes(core) - experts_b - core["embed"].size * 2  # embedding: one row per token
-    fp4_per_expert = 3 * cfg.moe_inter_dim * cfg.dim * (0.5 + 1 / 32)
+    dense_b, per_expert = weight_bytes(cfg, core)  # as these weights are stored
+    rel_dense_b, rel_expert = weight_bytes(cfg, model.strip_tables(P.abstract_params(cfg))[0])  # the release's
     dec = []
     for be, B in [(be, B) for be in backends for B in batches]:
         eng = make_engine(cfg, params_of(be), True,
@@ -225,9 +236,8 @@ def main():
 
         dev_t = timed(dev_only, reps=10)
         host_t = timed(lambda: eng.decode_inputs(reqs), reps=10)
-        read = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b,
-                            fp4_per_expert if KERNELS[be][1] != "xla" else per_expert)
-        bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, per_expert, dense_b / 2, fp4_per_expert)
+        read = decode_bytes(cfg, B, args.decode_ctx, dense_b, rel_expert if KERNELS[be][1] != "xla" else per_expert)
+        bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, rel_dense_b, rel_expert)
         dec.append((be, B, compile_s, step, dev_t, host_t, read, bytes_fp4))
         log.info("decode %s B=%d step=%.2fms device=%.2fms host=%.2fms", be, B, step * 1e3, dev_t * 1e3, host_t * 1e3)
 

@@ -5,6 +5,7 @@
 #   bash scripts/h200_checks.sh tests         # every kernel's GPU tests against its reference (~3 min)
 #   bash scripts/h200_checks.sh engine-tests  # engine with kernels vs XLA: per layer, MoE, end to end (~8 min)
 #   bash scripts/h200_checks.sh engine        # decode step, XLA vs kernels vs the defaults, batch 1/8/64 (~8 min)
+#   bash scripts/h200_checks.sh release       # decode with the release's weight formats (FP8 linears), as served
 #   bash scripts/h200_checks.sh prefill       # prefill with the kernels (auto), replay on/off, vs the matmul rate
 #   bash scripts/h200_checks.sh serve         # dsv41 bench serve, replay on vs off, bench preset (~8 min)
 #   bash scripts/h200_checks.sh kernels       # router, mHC and indexer top-k benches (~8 min)
@@ -36,6 +37,13 @@ case "${1:-}" in
     echo "bench_engine rc=$?"
     grep -E "decode |prefill |\| " "$OUT/engine_log.txt" | tail -30
     ;;
+  release)
+    # what a checkpoint serves: FP8 non-expert linears (dequantized by XLA inside each GEMM's fusion) vs bf16
+    timeout 560 $PY scripts/bench_engine.py --weights release --backends auto --batches 1,8,64 --skip-prefill \
+      --decode-ctx 4096 > "$OUT/release_log.txt" 2>&1
+    echo "bench_engine rc=$?"
+    grep -E "decode |\| " "$OUT/release_log.txt" | tail -20
+    ;;
   prefill)
     # the XLA prefill table is in docs/PERFORMANCE.md (first session); this one runs what `dsv41 serve` runs
     timeout 560 $PY scripts/bench_engine.py --prefill-backends auto,xla --lengths 4096,16384 --backends auto \
@@ -64,7 +72,7 @@ case "${1:-}" in
     tail -c 3000 "$OUT/indexer_log.txt"
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|prefill|serve|kernels" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels" >&2
     exit 2
     ;;
 esac
