@@ -38,7 +38,7 @@ case "${1:-}" in
     grep -E "decode |prefill |\| " "$OUT/engine_log.txt" | tail -30
     ;;
   release)
-    # what a checkpoint serves: FP8 non-expert linears (dequantized by XLA inside each GEMM's fusion) vs bf16
+    # what a checkpoint serves: FP8 non-expert linears, dequantized in the jitted step (the bench default: bf16)
     timeout 560 $PY scripts/bench_engine.py --weights release --backends auto --batches 1,8,64 --skip-prefill \
       --decode-ctx 4096 > "$OUT/release_log.txt" 2>&1
     echo "bench_engine rc=$?"
