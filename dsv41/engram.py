@@ -23,8 +23,9 @@ def gather_rows(table: quant.Fp8Rows, row_ids) -> quant.Fp8Rows:
     if isinstance(table.weight, np.ndarray):
         ids = np.asarray(row_ids)
         flat = ids.reshape(-1)
-        return quant.Fp8Rows(np.asarray(table.weight[flat]).reshape(*ids.shape, -1),
-                             np.asarray(table.scale[flat]).reshape(*ids.shape, -1))
+        # gathered as bytes: numpy copies ml_dtypes' float8 element by element, 3x slower
+        w = np.take(table.weight.view(np.uint8), flat, axis=0).view(table.weight.dtype)
+        return quant.Fp8Rows(w.reshape(*ids.shape, -1), np.take(table.scale, flat, axis=0).reshape(*ids.shape, -1))
     ids = jnp.asarray(row_ids)
     return quant.Fp8Rows(table.weight[ids], table.scale[ids])
 
