@@ -207,3 +207,22 @@ def test_request_views_match_the_whole_sequence():
     np.testing.assert_array_equal(r.page_row(), [3, 1, 7])
     r.pages = [9, 9, 9]  # replaced by a list of the same length (a re-admission): the row follows too
     np.testing.assert_array_equal(r.page_row(), [9, 9, 9])
+
+
+def test_prefix_keys_chain_and_are_hashed_once(tiny, monkeypatch):
+    """Keys continued from a page's key equal the keys hashed in one go; a request hashes each page once
+    (admission, then finish), however long its conversation."""
+    from serving.engine.engine import PrefixCache
+
+    pc = PrefixCache(4)
+    toks = list(range(3, 40))
+    whole = pc.keys(toks)
+    assert len(whole) == 9 and pc.keys(toks[:12]) + pc.keys(toks[12:], pc.keys(toks[:12])[-1]) == whole
+    hashed = []
+    real = PrefixCache.keys
+    monkeypatch.setattr(PrefixCache, "keys", lambda self, t, prev=b"": hashed.append(len(t)) or real(self, t, prev))
+    eng = make(tiny)
+    ids = prompt(150, seed=3)
+    run(eng, ids, SamplingParams(max_tokens=60, ignore_eos=True))  # 209 tokens computed: a third full page
+    # admission: the prompt less its last token; finish: only the tokens after the pages already hashed
+    assert hashed == [149, 209 - 2 * eng.layout.page_tokens], hashed
