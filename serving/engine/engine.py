@@ -388,6 +388,13 @@ class Engine:
             r.pages.append(p)
         return True
 
+    def _history_before(self, r: _Request, pos: int) -> np.ndarray | None:
+        """The Engram hasher's history after r's first `pos` tokens (it reads only the last few)."""
+        if self.hasher is None:
+            return None
+        tail = r.token_range(max(0, pos - self.hasher.history_len), pos)
+        return self.hasher.history_from_ids(np.asarray([tail], np.int64).reshape(1, len(tail)))
+
     def _block_keys(self, r: _Request, upto: int) -> list[bytes]:
         """Prefix-cache keys of the full pages in r's first `upto` tokens. Hashed once per page over the request's
         life (a turn of a 142K-token conversation is 2200 pages: 22 ms of the engine thread to hash again)."""
@@ -436,8 +443,7 @@ class Engine:
                 self.prefix.hit_tokens += H
                 self.prefix.query_tokens += r.prefill_len
             r.slot = self.free_slots.popleft()
-            r.history = self.hasher.history_from_ids(np.asarray([r.token_range(0, r.start)], np.int64)) \
-                if self.hasher is not None else None
+            r.history = self._history_before(r, r.start)
             r.tail = None
             lo = jnp.full((self.cfg.n_layers,), r.start, jnp.int32)
             self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(lo))
@@ -653,8 +659,7 @@ class Engine:
         H, W = r.replay_at, self.cfg.window_size
         r.replay_at = 0
         r.write_lo, r.start, r.computed, r.tail = H, max(0, H - W), max(0, H - W), None
-        r.history = (self.hasher.history_from_ids(np.asarray([r.token_range(0, r.start)], np.int64))
-                     if self.hasher else None)
+        r.history = self._history_before(r, r.start)
         self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(r.start))
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
