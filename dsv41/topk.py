@@ -3,7 +3,8 @@
 `jax.lax.top_k` sorts (on the GPU, k = 512 of 16K scores takes 60-150 us at batch 64, more than the indexer's
 scoring kernel, docs/PERFORMANCE.md). The indexer needs the set of the k best positions, in ascending order, not
 the values sorted. A radix select finds the k-th largest value in a few counting passes over the scores
-(4 bits a pass: 8 passes of 16 counts each), and one cumulative sum places the chosen positions in order.
+(by default 4 bits a pass: 8 passes of 16 counts each; `RADIX_VARIANTS` names wider ones), and one cumulative
+sum places the chosen positions in order.
 
 Same set as lax.top_k, ties included: every position whose value beats the threshold, then the lowest positions
 among those equal to it. Values are compared through an order-preserving map of the float32 bits (-inf < finite
@@ -12,10 +13,17 @@ among those equal to it. Values are compared through an order-preserving map of 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 DIGIT_BITS = 4
+# top_k_entries' radix variants: name -> (bits a pass, how a pass counts). 'compare' counts the keys at or above
+# each candidate prefix (digits x N compares a pass); 'scatter' histograms the digit of the keys that share the
+# prefix (N adds a pass) and sums it from the top. Fewer, wider passes trade work for launches; which wins on the
+# GPU at each batch is measured (scripts/bench_indexer.py), 'radix' is the one measured so far.
+RADIX_VARIANTS = {"radix": (4, "compare"), "radix8": (8, "compare"), "radix8s": (8, "scatter")}
 
 
 def order_keys(x: jax.Array) -> jax.Array:
@@ -25,28 +33,49 @@ def order_keys(x: jax.Array) -> jax.Array:
     return jnp.where(neg, ~u, u | jnp.uint32(0x80000000))
 
 
-def kth_largest_key(keys: jax.Array, k: int) -> jax.Array:
+def _at_or_above(keys: jax.Array, prefix: jax.Array, shift: int, bits: int, histogram: str) -> jax.Array:
+    """keys uint32 [..., N], prefix uint32 [...] (the digits above `shift` chosen, the rest 0) -> int32
+    [..., 2^bits]: for each value d of the next digit, #(keys >= prefix | d << shift)."""
+    digits = jnp.arange(1 << bits, dtype=jnp.uint32)
+    if histogram == "compare":
+        cand = prefix[..., None] | (digits << shift)
+        return jnp.sum(keys[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)
+    top = shift + bits  # bits at and above `top` are the chosen prefix
+    high = keys & jnp.uint32(~((1 << top) - 1) & 0xFFFFFFFF) if top < 32 else jnp.zeros_like(keys)
+    p = prefix[..., None]
+    above = jnp.sum(high > p, axis=-1, dtype=jnp.int32)  # keys past the prefix's whole range
+    digit = ((keys >> shift) & ((1 << bits) - 1)).astype(jnp.int32)
+    lead, n = keys.shape[:-1], keys.shape[-1]
+    rows = jnp.arange(math.prod(lead))[:, None]
+    hist = jnp.zeros((math.prod(lead), 1 << bits), jnp.int32).at[rows, digit.reshape(-1, n)].add(
+        (high == p).reshape(-1, n).astype(jnp.int32))
+    from_top = jnp.cumsum(hist[:, ::-1], axis=-1)[:, ::-1]
+    return from_top.reshape(*lead, 1 << bits) + above[..., None]
+
+
+def kth_largest_key(keys: jax.Array, k: int, bits: int = DIGIT_BITS, histogram: str = "compare") -> jax.Array:
     """uint32 [..., N] -> uint32 [...]: the k-th largest key, the largest t with #(keys >= t) >= k (1 <= k <= N).
-    Most significant digit first: each pass counts, for the 16 values of the next digit, the keys at or above
-    the prefix extended by it, and keeps the largest digit whose count still reaches k."""
-    digits = jnp.arange(1 << DIGIT_BITS, dtype=jnp.uint32)
+    Most significant digit first: each pass counts, for every value of the next `bits`-bit digit, the keys at or
+    above the prefix extended by it, and keeps the largest digit whose count still reaches k."""
+    if 32 % bits or histogram not in ("compare", "scatter"):
+        raise ValueError(f"bits={bits} must divide 32 and histogram={histogram!r} be 'compare' or 'scatter'")
+    digits = jnp.arange(1 << bits, dtype=jnp.uint32)
     prefix = jnp.zeros(keys.shape[:-1], jnp.uint32)
-    for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
-        cand = prefix[..., None] | (digits << shift)  # [..., 16]
-        counts = jnp.sum(keys[..., None, :] >= cand[..., :, None], axis=-1, dtype=jnp.int32)  # [..., 16]
+    for shift in range(32 - bits, -1, -bits):
+        counts = _at_or_above(keys, prefix, shift, bits, histogram)
         best = jnp.max(jnp.where(counts >= k, digits, 0), axis=-1)  # digit 0 always reaches k
         prefix = prefix | (best << shift)
     return prefix
 
 
-def top_k_positions(x: jax.Array, k: int) -> jax.Array:
+def top_k_positions(x: jax.Array, k: int, bits: int = DIGIT_BITS, histogram: str = "compare") -> jax.Array:
     """x float [..., N] -> int32 [..., k]: the positions lax.top_k(x, k) selects (ties to the lower position),
     in ascending order."""
     n = x.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"k={k} must be in [1, {n}]")
     keys = order_keys(x)
-    t = kth_largest_key(keys, k)[..., None]
+    t = kth_largest_key(keys, k, bits, histogram)[..., None]
     above = keys > t
     need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)  # how many of the ties to take
     tie = keys == t

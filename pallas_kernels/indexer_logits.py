@@ -553,9 +553,9 @@ def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto")
     """Scores [B, S, N] over entry ids [B, S, N] or [N] (-1 = none/not visible, ascending where valid)
     -> int32 [B, S, min(k, N)]: chosen entry ids ascending, -1 padded at the end. Ties go to the lower id
     (lax.top_k keeps the lower position first; positions ascend with ids) - `indexer.select_topk` semantics.
-    method 'lax': lax.top_k (a sort); 'radix': `dsv41.topk.top_k_positions`, the same positions by radix
-    select (counting passes, no sort of the N scores); 'auto': radix from RADIX_MIN_ROWS rows on, as measured
-    by scripts/bench_indexer.py."""
+    method 'lax': lax.top_k (a sort); 'radix' (and the other `dsv41.topk.RADIX_VARIANTS`):
+    `dsv41.topk.top_k_positions`, the same positions by radix select (counting passes, no sort of the N
+    scores); 'auto': radix from RADIX_MIN_ROWS rows on, as measured by scripts/bench_indexer.py."""
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
@@ -563,10 +563,10 @@ def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto")
         method = "radix" if math.prod(s.shape[:-1]) >= RADIX_MIN_ROWS else "lax"
     if method == "lax":
         _, pos = lax.top_k(s, k)
-    elif method == "radix":
-        pos = topk.top_k_positions(s, k)
+    elif method in topk.RADIX_VARIANTS:
+        pos = topk.top_k_positions(s, k, *topk.RADIX_VARIANTS[method])
     else:
-        raise ValueError(f"unknown top-k method {method!r}: 'lax', 'radix' or 'auto'")
+        raise ValueError(f"unknown top-k method {method!r}: 'lax', 'auto' or one of {list(topk.RADIX_VARIANTS)}")
     ids = jnp.take_along_axis(jnp.broadcast_to(entries, s.shape), pos, axis=-1)
     big = jnp.iinfo(jnp.int32).max
     ids = jnp.sort(jnp.where(ids >= 0, ids, big), axis=-1)

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41 import topk
 from pallas_kernels import indexer_logits as il
 
 T0 = time.time()
@@ -249,17 +250,18 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             row[f"{name}_error"] = repr(ex)[:1000]
             log(f"{mode} B={B} ctx={ctx}: {name} timing ERROR", repr(ex)[:300])
             traceback.print_exc()
-    # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs radix select (dsv41/topk.py), same ids
+    # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs the radix selects (dsv41/topk.py), same ids
     try:
         s_t, g_t = scores_g(*sargs)
-        tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in ("lax", "radix")}
-        row["topk_radix_same"] = bool(np.array_equal(np.asarray(tk_fns["lax"](s_t, g_t)),
-                                                     np.asarray(tk_fns["radix"](s_t, g_t))))
+        methods = ("lax", *topk.RADIX_VARIANTS)
+        tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in methods}
+        want = np.asarray(tk_fns["lax"](s_t, g_t))
+        row["topk_radix_same"] = all(np.array_equal(np.asarray(tk_fns[m](s_t, g_t)), want) for m in methods[1:])
         for m, f in tk_fns.items():
             row[f"topk_{m}_us"], _, row[f"topk_{m}_nkernels"], _ = time_gpu(f, (s_t, g_t), iters=args.iters,
                                                                             flush=flush)
-        log(f"{mode} B={B} ctx={ctx}: top-k alone lax {row['topk_lax_us']:.1f} us, radix {row['topk_radix_us']:.1f} "
-            f"us, same ids {row['topk_radix_same']}")
+        log(f"{mode} B={B} ctx={ctx}: top-k alone " + ", ".join(f"{m} {row[f'topk_{m}_us']:.1f} us" for m in methods)
+            + f", same ids {row['topk_radix_same']}")
         del s_t, g_t
     except Exception as ex:  # noqa: BLE001
         row["topk_error"] = repr(ex)[:1000]
@@ -291,7 +293,7 @@ def print_table(rows, bw):
           "kern+topk = whole index_topk; XLA = today's path; CUPTI GPU time, L2 flushed)")
     hdr = (f"{'mode':<11}{'B':>4}{'ctx':>8}{'check':>7}{'max_rel':>10}{'kernel us':>11}{'kern+topk us':>14}"
            f"{'XLA us':>10}{'XLA/path':>9}{'bytes':>12}{'roof us':>9}{'% of BW':>9}{'topk lax':>10}"
-           f"{'radix':>8}{'same':>6}")
+           + "".join(f"{m:>9}" for m in topk.RADIX_VARIANTS) + f"{'same':>6}")
     print(hdr)
     print("-" * len(hdr))
 
@@ -303,8 +305,9 @@ def print_table(rows, bw):
         print(f"{r['mode']:<11}{r['B']:>4}{r['ctx'] // 1024:>7}K{r.get('check', '-'):>7}"
               f"{f(r, 'max_rel', '.1e'):>10}{f(r, 'kernel_us', '.1f'):>11}{f(r, 'path_us', '.1f'):>14}"
               f"{f(r, 'xla_us', '.1f'):>10}{ratio:>9}{r.get('bytes', 0):>12,}{f(r, 'roofline_us', '.1f'):>9}"
-              f"{f(r, 'pct_bw', '.0f'):>9}{f(r, 'topk_lax_us', '.1f'):>10}{f(r, 'topk_radix_us', '.1f'):>8}"
-              f"{str(r.get('topk_radix_same', '-')):>6}")
+              f"{f(r, 'pct_bw', '.0f'):>9}{f(r, 'topk_lax_us', '.1f'):>10}"
+              + "".join(f"{f(r, f'topk_{m}_us', '.1f'):>9}" for m in topk.RADIX_VARIANTS)
+              + f"{str(r.get('topk_radix_same', '-')):>6}")
     print()
 
 

@@ -18,7 +18,8 @@ def _lax_positions(x, k):
     ((2, 50), 50, 3),  # k = N
     ((5, 40), 1, 2),
 ])
-def test_same_positions_as_lax_top_k(shape, k, levels):
+@pytest.mark.parametrize("variant", list(topk.RADIX_VARIANTS))
+def test_same_positions_as_lax_top_k(shape, k, levels, variant):
     rng = np.random.default_rng(k)
     x = rng.standard_normal(shape).astype(np.float32) * 100
     if levels:
@@ -27,7 +28,7 @@ def test_same_positions_as_lax_top_k(shape, k, levels):
     x[..., 3] = -0.0
     x[..., 4] = 0.0
     xj = jnp.asarray(x)
-    got = np.asarray(jax.jit(topk.top_k_positions, static_argnums=1)(xj, k))
+    got = np.asarray(jax.jit(topk.top_k_positions, static_argnums=(1, 2, 3))(xj, k, *topk.RADIX_VARIANTS[variant]))
     np.testing.assert_array_equal(got, _lax_positions(xj, k))
 
 
@@ -50,7 +51,8 @@ def test_indexer_topk_entries_same_with_either_method():
     s = np.where(g >= 0, s, -np.inf)
     sj, gj = jnp.asarray(s), jnp.asarray(g, jnp.int32)
     want = il.topk_entries(sj, gj, k, method="lax")
-    np.testing.assert_array_equal(np.asarray(il.topk_entries(sj, gj, k, method="radix")), np.asarray(want))
+    for variant in topk.RADIX_VARIANTS:
+        np.testing.assert_array_equal(np.asarray(il.topk_entries(sj, gj, k, method=variant)), np.asarray(want))
     assert (np.asarray(want)[1, :, 40:] == -1).all() and (np.asarray(want)[2] == -1).all()
 
 
@@ -59,7 +61,7 @@ def test_auto_method_takes_radix_from_64_rows(monkeypatch):
 
     calls = []
     real = topk.top_k_positions
-    monkeypatch.setattr(il.topk, "top_k_positions", lambda x, k: calls.append(x.shape) or real(x, k))
+    monkeypatch.setattr(il.topk, "top_k_positions", lambda x, k, *a: calls.append(x.shape) or real(x, k, *a))
     for rows in (il.RADIX_MIN_ROWS - 1, il.RADIX_MIN_ROWS):
         s = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1, 100)), jnp.float32)
         got = il.topk_entries(s, jnp.arange(100, dtype=jnp.int32), 10)
