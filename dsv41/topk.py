@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 DIGIT_BITS = 4
-# top_k_entries' radix variants: name -> (bits a pass, how a pass counts). 'compare' counts the keys at or above
+# radix variants (names for indexer_logits.topk_entries' method): name -> (bits a pass, how a pass counts). 'compare' counts the keys at or above
 # each candidate prefix (digits x N compares a pass); 'scatter' histograms the digit of the keys that share the
 # prefix (N adds a pass) and sums it from the top. Fewer, wider passes trade work for launches; which wins on the
 # GPU at each batch is measured (scripts/bench_indexer.py), 'radix' is the one measured so far.
