@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 
 DIGIT_BITS = 4
-# radix variants (names for indexer_logits.topk_entries' method): name -> (bits a pass, how a pass counts). 'compare' counts the keys at or above
-# each candidate prefix (digits x N compares a pass); 'scatter' histograms the digit of the keys that share the
-# prefix (N adds a pass) and sums it from the top. Fewer, wider passes trade work for launches; which wins on the
-# GPU at each batch is measured (scripts/bench_indexer.py), 'radix' is the one measured so far.
+# Radix variants, by the name `indexer_logits.topk_entries` takes: name -> (bits a pass, how a pass counts).
+# 'compare' counts the keys at or above each candidate prefix (digits x N compares a pass); 'scatter'
+# histograms the digit of the keys that share the prefix (N adds a pass) and sums it from the top. Fewer, wider
+# passes trade work for launches; which wins on the GPU at each batch is measured (scripts/bench_indexer.py),
+# 'radix' is the one measured so far.
 RADIX_VARIANTS = {"radix": (4, "compare"), "radix8": (8, "compare"), "radix8s": (8, "scatter")}
 
 
