@@ -222,7 +222,7 @@ def test_prefix_keys_chain_and_are_hashed_once(tiny, monkeypatch):
     real = PrefixCache.keys
     monkeypatch.setattr(PrefixCache, "keys", lambda self, t, prev=b"": hashed.append(len(t)) or real(self, t, prev))
     eng = make(tiny)
-    ids = prompt(150, seed=3)
-    run(eng, ids, SamplingParams(max_tokens=60, ignore_eos=True))  # 209 tokens computed: a third full page
+    ids = prompt(190, seed=3)
+    run(eng, ids, SamplingParams(max_tokens=20, ignore_eos=True))  # 209 tokens computed: a third full page
     # admission: the prompt less its last token; finish: only the tokens after the pages already hashed
-    assert hashed == [149, 209 - 2 * eng.layout.page_tokens], hashed
+    assert hashed == [189, 209 - 2 * eng.layout.page_tokens], hashed
