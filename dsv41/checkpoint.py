@@ -820,6 +820,40 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
 
 load_any = load_checkpoint
 
+ENGRAM_TABLE_MODES = ("ram", "mmap")
+
+
+def resident_tables(params: Params, progress: bool = True, chunk_bytes: int = 1 << 28) -> Params:
+    """The tree with every host Engram table read into host memory from its file mapping.
+
+    A loaded table is a memory map: serving gathers a few thousand random rows a step, and each row of a page
+    not yet in the page cache is a disk read (a cold 2048-token prefill chunk gathers ~50K rows per Engram
+    layer). Reading the tables once, sequentially at the disk's rate, makes every later gather a memory copy.
+    Tables already in memory (presets, device arrays) pass through."""
+    def mapped(a) -> bool:
+        return isinstance(a, np.ndarray) and not a.flags.owndata and not a.flags.writeable
+
+    leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_weight_leaf)
+    todo = [i for i, x in enumerate(leaves)
+            if isinstance(x, quant.Fp8Rows) and (mapped(x.weight) or mapped(x.scale))]
+    total = sum(leaves[i].weight.nbytes + leaves[i].scale.nbytes for i in todo)
+    if not todo:
+        return params
+    t0 = time.perf_counter()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Engram tables to RAM", disable=not progress) as bar:
+        for i in todo:
+            arrays = []
+            for a in (leaves[i].weight, leaves[i].scale):
+                out = np.empty(a.shape, a.dtype)
+                rows = max(1, chunk_bytes // max(1, a[:1].nbytes))
+                for r in range(0, a.shape[0], rows):  # in chunks: a progress bar, and no second full copy
+                    out[r:r + rows] = a[r:r + rows]
+                    bar.update(out[r:r + rows].nbytes)
+                arrays.append(out)
+            leaves[i] = quant.Fp8Rows(*arrays)
+    log.info("Engram tables in host memory: %.2f GB in %.1f s", total / 1e9, time.perf_counter() - t0)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
 
 # ---- orbax ---------------------------------------------------------------------------------------------------
 

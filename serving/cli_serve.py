@@ -29,6 +29,14 @@ def _ensure_logging() -> None:
 # ---- serve ---------------------------------------------------------------------------------------------------
 
 
+def add_engram_tables_arg(g) -> None:
+    """--engram-tables, shared by `dsv41 serve` and `dsv41 generate`."""
+    g.add_argument("--engram-tables", choices=["ram", "mmap"], default="ram",
+                   help="with --checkpoint: read the Engram tables into host memory at load (ram, the default: "
+                        "no request waits on the disk for its rows) or leave them memory-mapped (mmap: less host "
+                        "memory; a row's first gather reads its page from disk)")
+
+
 def add_kernel_backend_args(g, default: str | None) -> None:
     """The kernel-backend flags, shared by `dsv41 serve` (default None: the engine's) and `dsv41 generate`."""
     opts = {"choices": ["auto", "xla", "pallas"], "default": default}
@@ -55,6 +63,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     src.add_argument("--preset", help="built-in config with random weights: tiny (default), bench, flash")
     g.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint directory's "
                                                "name or the preset name)")
+    add_engram_tables_arg(g)
     g = parser.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the engine's)")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one running batch")
@@ -123,7 +132,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         if not os.path.isdir(args.checkpoint):
             raise SystemExit(f"--checkpoint {args.checkpoint}: not a directory; give the checkpoint's folder")
         log.info("loading checkpoint %s (%s)", args.checkpoint, kw)
-        return Engine.from_checkpoint(args.checkpoint, **kw)
+        return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, **kw)
     if args.seed is not None:
         kw["seed"] = args.seed
     log.info("building preset %r with random weights (%s)", args.preset or DEFAULT_PRESET, kw)

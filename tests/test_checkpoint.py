@@ -81,6 +81,19 @@ def test_round_trip_is_bit_exact(cfg, params, ckpt_dir, stored):
     assert isinstance(stored["layers"][0]["ffn"]["experts"]["w1"], quant.Fp4Weight)
 
 
+def test_resident_tables_are_in_memory_and_equal(cfg, stored, tmp_path):
+    """`--engram-tables ram`: the mapped tables (release files, and orbax's .npy maps) become host arrays of
+    their own with the same bytes, read in chunks; everything else is the same objects."""
+    for tree in (stored, ckpt.load_orbax(ckpt.save_orbax(stored, cfg, tmp_path / "orbax"))[1]):
+        ram = ckpt.resident_tables(tree, progress=False, chunk_bytes=1000)  # several chunks per table
+        assert_trees_bit_equal(tree, ram)
+        for i in cfg.engram_layer_ids:
+            for a in (ram["layers"][i]["engram"]["embed"].weight, ram["layers"][i]["engram"]["embed"].scale):
+                assert a.flags.owndata and isinstance(a, np.ndarray) and not isinstance(a, np.memmap)
+        assert ram["layers"][0]["ffn"]["experts"]["w1"] is tree["layers"][0]["ffn"]["experts"]["w1"]
+        assert ckpt.resident_tables(ram, progress=False) is ram  # nothing left to read
+
+
 def test_pread_read_mode_is_bit_exact(ckpt_dir, stored):
     assert_trees_bit_equal(stored, ckpt.load_checkpoint(ckpt_dir, read_mode="pread", workers=3)[1])
 

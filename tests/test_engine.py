@@ -157,6 +157,11 @@ def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
         Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
 
 
+def test_engram_tables_mode_is_checked_before_loading():
+    with pytest.raises(EngineError, match="engram_tables='disk'"):
+        Engine.from_checkpoint("/nonexistent", engram_tables="disk")
+
+
 def test_auto_backends(tiny, monkeypatch):
     """'auto' on a GPU: the mHC kernel where its shapes allow (tiny: dim 256, bf16), the router on XLA (its
     kernels are slower at decode, docs/KERNELS_ROUTER.md); everything on XLA on a CPU."""

@@ -311,11 +311,18 @@ class Engine:
         return cls(cfg, P.init_params(cfg, seed), T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
 
     @classmethod
-    def from_checkpoint(cls, path: str, **kw) -> "Engine":
+    def from_checkpoint(cls, path: str, engram_tables: str = "ram", **kw) -> "Engine":
+        """engram_tables: 'ram' reads the Engram tables into host memory at load (one sequential pass), so
+        that no request's row gather waits on the disk; 'mmap' leaves them memory-mapped (less host memory,
+        the first gathers of each page fault)."""
         from dsv41 import checkpoint, ngram_hash
         from dsv41 import tokenizer as T
 
+        if engram_tables not in checkpoint.ENGRAM_TABLE_MODES:
+            raise EngineError(f"engram_tables={engram_tables!r}: choose one of {list(checkpoint.ENGRAM_TABLE_MODES)}")
         cfg, params = checkpoint.load_checkpoint(path)
+        if engram_tables == "ram":
+            params = checkpoint.resident_tables(params)
         tok = T.load_tokenizer(path)
         hasher = ngram_hash.NgramHasher(cfg, T.build_compressed_token_map(tok)[0]) if cfg.engram_layer_ids else None
         return cls(cfg, params, tok, hasher, **kw)

@@ -20,6 +20,7 @@ def test_serve_flags_map_to_engine_kwargs():
     assert engine_kwargs(_serve([])) == {}
     assert served_model_name(args) == "tiny"
     assert served_model_name(_serve(["--checkpoint", "/ckpt/flash/"])) == "flash"
+    assert (_serve([]).engram_tables, _serve(["--engram-tables", "mmap"]).engram_tables) == ("ram", "mmap")
 
 
 def test_serve_flag_errors_name_the_flag():
