@@ -713,8 +713,10 @@ class OpenAIServer:
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
 
         try:
+            delivered = 0  # tokens in the chunks so far (the engine may be ahead: num_generated)
             async for out in stream:
                 cached = out.num_cached_tokens
+                delivered += len(out.new_token_ids)
                 text = pipe.feed(out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason)
                 finish = out.finish_reason
                 if chunker is not None:
@@ -723,7 +725,7 @@ class OpenAIServer:
                     chunks = [text_chunk(text, None)] if text else []
                 if chunks:
                     if req.continuous_usage:
-                        usage = usage_of(len(req.prompt_ids), stream.num_generated, cached)
+                        usage = usage_of(len(req.prompt_ids), delivered, cached)
                         chunks = [{**c, "usage": usage} for c in chunks]
                     await resp.write(b"".join(_sse(c) for c in chunks))
                 if pipe.stopped:

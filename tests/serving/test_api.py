@@ -86,8 +86,8 @@ def test_continuous_usage_stats(any_server):
     chunks = list(c.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
-    counts = [ch.usage.completion_tokens for ch in chunks]
-    assert counts[0] == 1 and counts == sorted(counts) and counts[-1] == 4, counts
+    counts = [ch.usage.completion_tokens for ch in chunks]  # a chunk may carry several tokens
+    assert counts[0] >= 1 and counts == sorted(counts) and counts[-1] == 4, counts
     assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
 
 
