@@ -61,7 +61,7 @@ class IndexerConfig:
     index_topk: int = 512
     candidate_block_size: int = 8
     candidate_topk_blocks: int = 2048
-    topk_method: str = "auto"  # 'lax' (lax.top_k), 'radix' (dsv41.topk, the same set) or 'auto': topk_entries
+    topk_method: str = "auto"  # 'auto', 'lax' (lax.top_k) or a dsv41.topk.RADIX_VARIANTS name: topk_entries
 
     @classmethod
     def from_model(cls, cfg) -> IndexerConfig:

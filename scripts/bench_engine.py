@@ -197,8 +197,6 @@ def main():
     mxu = measure_mxu(1024 if small else 8192)
     log.info("HBM %.2f TB/s, bf16 matmul %.0f TFLOP/s", hbm / 1e12, mxu / 1e12)
     t = time.perf_counter()
-    # bf16: dense weights (the routed experts quantized to FP4 for the configurations that run the FP4 GEMM);
-    # release: every weight in the release's stored format (FP8 linears, FP4 experts), as a checkpoint loads
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     jax.block_until_ready(params)
     log.info("params on device in %.1fs", time.perf_counter() - t)

@@ -55,7 +55,6 @@ def add_kernel_backend_args(g, default: str | None) -> None:
                         "docs/KERNELS_ROUTER.md)")
 
 
-
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("model")
     src = g.add_mutually_exclusive_group()

@@ -91,8 +91,6 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
     The kernels against those references: tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
     from layer_paths import attention_diffs, fill, make_batch, zero_rows
 
-    from dsv41 import model
-
     cfg, params = tiny
     core, _ = model.strip_tables(params)
     pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2))
@@ -197,14 +195,15 @@ def test_flash_pool_is_890_bytes_per_token():
 
 
 def test_request_views_match_the_whole_sequence():
-    """The per-step views of a request (no O(context) list per step) against `tokens`."""
+    """The per-step views of a request (no O(context) list per step) against the whole sequence."""
     from serving.engine.engine import _Request
 
     r = _Request("r", list(range(10)), SamplingParams(), None, 0.0)
     r.output = [100, 101, 102]
-    assert r.num_tokens == len(r.tokens) and r.last_token == r.tokens[-1] == 102
+    seq = r.prompt + r.output
+    assert r.num_tokens == len(seq) and r.last_token == seq[-1] == 102
     for lo, hi in [(0, 13), (0, 10), (3, 7), (8, 12), (10, 13), (11, 12), (0, 0), (12, 20)]:
-        assert r.token_range(lo, hi) == r.tokens[lo:hi], (lo, hi)
+        assert r.token_range(lo, hi) == seq[lo:hi], (lo, hi)
     assert _Request("p", [5], SamplingParams(), None, 0.0).last_token == 5
     r.pages = [3, 1]
     np.testing.assert_array_equal(r.page_row(), [3, 1])

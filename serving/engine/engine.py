@@ -98,12 +98,7 @@ class _Request:
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
     _page_row: tuple = (None, 0, np.zeros(0, np.int32))
 
-    @property
-    def tokens(self) -> list[int]:
-        """The whole sequence, a new list: O(context), so not for the per-step paths (num_tokens, last_token,
-        token_range)."""
-        return self.prompt + self.output
-
+    # views of the sequence prompt + output that build no O(context) list (they run every step)
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -113,7 +108,7 @@ class _Request:
         return self.output[-1] if self.output else self.prompt[-1]
 
     def token_range(self, lo: int, hi: int) -> list[int]:
-        """tokens[lo:hi] without building the whole sequence."""
+        """(prompt + output)[lo:hi] without building the whole sequence."""
         n = len(self.prompt)
         return self.prompt[lo:min(hi, n)] + self.output[max(lo - n, 0):max(hi - n, 0)]
 
@@ -400,7 +395,7 @@ class Engine:
         if self.hasher is None:
             return None
         tail = r.token_range(max(0, pos - self.hasher.history_len), pos)
-        return self.hasher.history_from_ids(np.asarray([tail], np.int64).reshape(1, len(tail)))
+        return self.hasher.history_from_ids(np.asarray([tail], np.int64))
 
     def _block_keys(self, r: _Request, upto: int) -> list[bytes]:
         """Prefix-cache keys of the full pages in r's first `upto` tokens. Hashed once per page over the request's
@@ -464,7 +459,7 @@ class Engine:
         v = max(victims, key=lambda r: r.arrival)
         del self.running[v.id]
         self._free(v, keep=False)
-        v.prefill_len, v.computed = len(v.tokens), 0  # recompute everything, then go on decoding
+        v.prefill_len, v.computed = v.num_tokens, 0  # recompute everything, then go on decoding
         self.waiting.appendleft(v)
         self.counters["preemptions"] += 1
         return True
