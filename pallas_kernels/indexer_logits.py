@@ -387,6 +387,7 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
         grid_names=("split", "batch"),
         num_threads=2,
         thread_name="wg",
+        kernel_name="indexer_logits",
         scratch_types=scratch,
         **kwargs,
     )

@@ -227,6 +227,7 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
         out_type=out_type,
         grid=(n_chunks, n_tblocks),
         grid_names=("c", "t"),
+        kernel_name="mhc_site",
         # Lane semantics: layouts are fixed by the ops (the warpgroup semantics' layout inference search did not
         # finish in 5 minutes on this kernel). No auto barriers: every smem hazard is covered by the explicit
         # commit_smem() calls (about 30 stores per token would otherwise each get a warpgroup barrier).

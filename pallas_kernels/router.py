@@ -243,6 +243,7 @@ def _gate_kernel(t_pad: int, d: int, e: int, cfg: KernelConfig, interpret: bool)
         out_type=jax.ShapeDtypeStruct((s_n, e, t_pad), jnp.float32),
         grid=(num_sms,),
         grid_names=("sm",),
+        kernel_name="router_scores",
         num_threads=nwg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(),
@@ -354,6 +355,7 @@ def _epilogue_kernel(t_pad: int, e: int, cfg: KernelConfig, rc: RouteConfig, int
                   jax.ShapeDtypeStruct((n_tiles, k, 64), jnp.int32)),
         grid=(n_tiles,),
         grid_names=("tile",),
+        kernel_name="router_topk",
         compiler_params=plgpu.CompilerParams(),
         scratch_types=[
             plgpu.SMEM((n_ch, 64, ch), jnp.float32),  # scores

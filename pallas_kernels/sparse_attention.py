@@ -800,6 +800,7 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
       grid_names=("split", "batch"),
       num_threads=3,
       thread_name="wg",
+      kernel_name="sparse_attention",
       scratch_types=scratch,
       **kwargs,
   )

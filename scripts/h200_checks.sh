@@ -9,6 +9,10 @@
 #   bash scripts/h200_checks.sh prefill       # prefill with the kernels (auto), replay on/off, vs the matmul rate
 #   bash scripts/h200_checks.sh serve         # dsv41 bench serve, replay on vs off, bench preset (~8 min)
 #   bash scripts/h200_checks.sh kernels       # router, mHC and indexer top-k benches (~8 min)
+#   bash scripts/h200_checks.sh profile       # every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
+#   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
+#
+# Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -18,41 +22,41 @@ PY=${PYTHON:-python3}
 case "${1:-}" in
   tests)
     # every kernel against its reference on the device (tests/serving needs the openai client, absent there)
-    timeout 560 $PY -m pytest -q -s -rA --tb=line -m gpu -p no:cacheprovider tests/pallas_kernels \
+    timeout -k 10 560 $PY -m pytest -q -s -rA --tb=line -m gpu -p no:cacheprovider tests/pallas_kernels \
       > "$OUT/gpu_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
     ;;
   engine-tests)
     # the engine with the kernels against the XLA path: per layer, MoE, end to end (replay on: auto, + mHC)
-    timeout 560 $PY -m pytest -q -s -rA --tb=line -p no:cacheprovider tests/test_engine_gpu.py \
+    timeout -k 10 560 $PY -m pytest -q -s -rA --tb=line -p no:cacheprovider tests/test_engine_gpu.py \
       -k "not False-auto" > "$OUT/engine_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "rel\. max|per-layer|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests.txt" | tail -40
     ;;
   engine)
     # decode only (the prefill table, replay on vs off, is in docs/PERFORMANCE.md already): 9 engines to compile
-    timeout 560 $PY scripts/bench_engine.py --backends xla,pallas,auto --batches 1,8,64 --skip-prefill \
+    timeout -k 10 560 $PY scripts/bench_engine.py --backends xla,pallas,auto --batches 1,8,64 --skip-prefill \
       --decode-ctx 4096 > "$OUT/engine_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "decode |prefill |\| " "$OUT/engine_log.txt" | tail -30
     ;;
   release)
     # what a checkpoint serves: FP8 non-expert linears, dequantized in the jitted step (the bench default: bf16)
-    timeout 560 $PY scripts/bench_engine.py --weights release --backends auto --batches 1,8,64 --skip-prefill \
+    timeout -k 10 560 $PY scripts/bench_engine.py --weights release --backends auto --batches 1,8,64 --skip-prefill \
       --decode-ctx 4096 > "$OUT/release_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "decode |\| " "$OUT/release_log.txt" | tail -20
     ;;
   prefill)
     # the XLA prefill table is in docs/PERFORMANCE.md (first session); this one runs what `dsv41 serve` runs
-    timeout 560 $PY scripts/bench_engine.py --prefill-backends auto,xla --lengths 4096,16384 --backends auto \
+    timeout -k 10 560 $PY scripts/bench_engine.py --prefill-backends auto,xla --lengths 4096,16384 --backends auto \
       --batches 1 --decode-ctx 4096 > "$OUT/prefill_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "prefill |\| " "$OUT/prefill_log.txt" | tail -20
     ;;
   serve)
-    timeout 560 $PY scripts/bench_serve_compare.py --out "$OUT/serve" --preset bench \
+    timeout -k 10 560 $PY scripts/bench_serve_compare.py --out "$OUT/serve" --preset bench \
       --variant replay= --variant exact=--no-swa-bounded-replay \
       --server-args "--max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048 --min-block-table-pages 128" \
       --bench-args "--max-concurrency 1,4,8 --num-turns 3 --think-time 0.3 --shared-prefix-len 1500 --input-len 300 --turn-input-len 100 --output-len 32 --num-warmups 1" \
@@ -62,17 +66,30 @@ case "${1:-}" in
     for f in "$OUT"/serve/*.server.log; do echo "== $f"; tail -n 5 "$f"; done
     ;;
   kernels)
-    timeout 150 $PY scripts/bench_router.py --out "$OUT" > "$OUT/router_log.txt" 2>&1; echo "router rc=$?"
+    timeout -k 10 150 $PY scripts/bench_router.py --out "$OUT" > "$OUT/router_log.txt" 2>&1; echo "router rc=$?"
     tail -c 3000 "$OUT/router_log.txt"
-    timeout 150 $PY scripts/bench_mhc.py --out "$OUT" > "$OUT/mhc_log.txt" 2>&1; echo "mhc rc=$?"
+    timeout -k 10 150 $PY scripts/bench_mhc.py --out "$OUT" > "$OUT/mhc_log.txt" 2>&1; echo "mhc rc=$?"
     tail -c 3000 "$OUT/mhc_log.txt"
     # the indexer's top-k: lax.top_k vs radix select on the kernel's scores (and the kernel again)
-    timeout 150 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:64:256,c:8:16,c:1:16 --no-sweep \
+    timeout -k 10 150 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:64:256,c:8:16,c:1:16 --no-sweep \
       --no-xla > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
     tail -c 3000 "$OUT/indexer_log.txt"
     ;;
+  profile)
+    timeout -k 10 330 $PY scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 --out "$OUT" \
+      > "$OUT/profile_log.txt" 2>&1
+    echo "profile_step rc=$?"
+    grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/profile_log.txt" | head -120
+    ;;
+  expert-gemm)
+    # (a config with 4 compute warpgroups hung on the device: see docs/KERNELS_EXPERT_GEMM.md)
+    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 10 -s INT 240 $PY scripts/bench_expert_gemm.py --out "$OUT" \
+      --budget-s 200 --rot 4 --decode-tokens 1,64 --variants --skip-baselines > "$OUT/eg_log.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"
+    sed -n '/ceilings measured/,$p' "$OUT/eg_log.txt"
+    ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm" >&2
     exit 2
     ;;
 esac

@@ -142,6 +142,42 @@ def test_sampling_is_seeded(tiny):
     assert run(eng, ids, SamplingParams(max_tokens=4, temperature=5.0, top_k=1, ignore_eos=True))[0] == run(eng, ids)[0]
 
 
+def _sampling(temps, top_p, top_k, seed=0):
+    import jax.numpy as jnp
+
+    from serving.engine.programs import Sampling
+    B = len(temps)
+    keys = np.stack([np.array([seed, i], np.uint32) for i in range(B)])
+    return Sampling(jnp.asarray(temps, jnp.float32), jnp.asarray(top_p, jnp.float32),
+                    jnp.asarray(top_k, jnp.int32), jnp.asarray(keys))
+
+
+def test_sample_branches():
+    """Greedy rows, plain draws and top-k / top-p filtered draws, alone and mixed in one batch (the filters and
+    the draw are skipped when no row needs them: the result may not depend on which rows share the batch)."""
+    import jax
+
+    from serving.engine.programs import sample
+    rng = np.random.default_rng(0)
+    logits = jax.numpy.asarray(rng.standard_normal((4, 300)) * 3, jax.numpy.float32)
+    greedy = np.asarray(logits).argmax(-1)
+    f = jax.jit(sample)
+    assert (np.asarray(f(logits, _sampling([0, 0, 0, 0], [1] * 4, [0] * 4))) == greedy).all()
+    # top_k=1 and a tiny top_p leave only the argmax, at any temperature
+    out = np.asarray(f(logits, _sampling([0, 5.0, 5.0, 0], [1, 1, 1e-6, 1], [0, 1, 0, 0])))
+    assert (out == greedy).all()
+    # a plain draw at a high temperature differs from the argmax somewhere; it is the same draw whether or not
+    # another row of the batch is filtered, and top_k=3 keeps a row's draws inside its 3 largest logits
+    plain = np.asarray(f(logits, _sampling([50.0] * 4, [1] * 4, [0] * 4)))
+    assert (plain != greedy).any()
+    mixed = np.asarray(f(logits, _sampling([50.0, 50.0, 50.0, 50.0], [1, 1, 1, 1], [0, 3, 0, 0])))
+    assert mixed[0] == plain[0] and mixed[2] == plain[2]
+    top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+    for seed in range(8):
+        out = np.asarray(f(logits, _sampling([50.0] * 4, [1] * 4, [3] * 4, seed)))
+        assert all(out[i] in top3[i] for i in range(4))
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(mhc_backend="pallas"), "needs a CUDA GPU"),  # this CPU
     (dict(router_backend="interpret"), "n_routed_experts % 64"),  # tiny: 8 experts

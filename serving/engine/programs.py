@@ -366,24 +366,36 @@ def _last_rows(x, n_valid, n: int):
 
 
 def sample(logits: jax.Array, s: Sampling) -> jax.Array:
-    """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p filtered sampling."""
+    """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p filtered sampling.
+
+    The filters sort every row over the vocabulary (0.9 ms at batch 64 on the H200); a batch in which no
+    sampled row asks for top-k or top-p (the OpenAI defaults) skips them, and an all-greedy batch skips the
+    draw as well."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, -1)
     t = jnp.maximum(s.temperature, 1e-5)[:, None]
-    z = logits / t
-    srt = jnp.sort(z, -1)[:, ::-1]
-    V = z.shape[-1]
-    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
-    kth = jnp.take_along_axis(srt, (k - 1)[:, None], -1)
-    z = jnp.where(z < kth, -jnp.inf, z)
-    probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), -1)
-    cum = jnp.cumsum(probs, -1) - probs  # mass strictly above each sorted entry
-    keep_sorted = (cum < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
-    cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), -1, keepdims=True)
-    z = jnp.where(z < cutoff, -jnp.inf, z)
-    keys = jax.vmap(jax.random.wrap_key_data)(s.key)
-    drawn = jax.vmap(jax.random.categorical)(keys, z)
-    return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+    sampled = s.temperature > 0
+    filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
+
+    def filter_top_k_top_p(z):
+        srt = jnp.sort(z, -1)[:, ::-1]
+        V = z.shape[-1]
+        k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
+        kth = jnp.take_along_axis(srt, (k - 1)[:, None], -1)
+        z = jnp.where(z < kth, -jnp.inf, z)
+        probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), -1)
+        cum = jnp.cumsum(probs, -1) - probs  # mass strictly above each sorted entry
+        keep_sorted = (cum < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
+        cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), -1, keepdims=True)
+        return jnp.where(z < cutoff, -jnp.inf, z)
+
+    def draw(z):
+        z = jax.lax.cond(jnp.any(filtered), filter_top_k_top_p, lambda v: v, z)
+        keys = jax.vmap(jax.random.wrap_key_data)(s.key)
+        return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda z: jnp.zeros(z.shape[:1], jnp.int32), logits / t)
+    return jnp.where(sampled, drawn, greedy).astype(jnp.int32)
 
 
 def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):

@@ -119,6 +119,10 @@ INTERP_CASES = [
     (20, 128, 128, [7, 0, 11], C(tm=8, tk=64, num_wgs=2, stages=2)),  # 2 rows past the groups
     (24, 192, 128, [0, 9, 0, 15, 0], C(tm=8, tk=64, num_wgs=1, stages=3)),  # 3 k-steps, 2 n-blocks
     (16, 64, 64, [0, 16, 0, 0], C(tm=16, tk=64, num_wgs=1, stages=2)),  # one expert, one full tile
+    # chained items (2 SMs in the interpreter): 2 k-steps per item, 4-6 items per SM, one SM with a lone item
+    (40, 128, 128, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, chain=True)),
+    (20, 128, 128, [7, 0, 11], C(tm=8, tk=64, num_wgs=2, stages=2, chain=True)),
+    (8, 128, 64, [8], C(tm=8, tk=64, num_wgs=1, stages=2, chain=True)),  # one item: the plain pipeline
 ]
 
 
@@ -162,7 +166,9 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
 @gpu
 @pytest.mark.parametrize("m,cfg", [(48, C(tm=8, tk=256, num_wgs=2, stages=4)),
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4)),
-                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True))])
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True)),
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True)),
+                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True))])
 def test_kernel_gpu(m, cfg):
     rng = np.random.default_rng(7)
     e, n, k = 16, 256, 512

@@ -1,0 +1,141 @@
+"""Where an engine step's device time goes: every kernel a decode step (or a prefill) launches, timed by CUPTI,
+summed by kind (our Mosaic GPU kernels by name, XLA's GEMMs, XLA's other fusions), against the step's wall
+time. Bench preset (Flash widths, 8 layers), GPU only.
+
+    PYTHONPATH=. python3 scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 [--out DIR]
+
+"gap" = wall time - the sum of kernel times: launch latency, host work and idle between kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_engine import (
+    KERNELS,
+    device_params,
+    fake_decode_state,
+    make_engine,
+    timed,
+    with_fp4_experts,
+)
+
+from dsv41 import params as P
+from dsv41.config import preset
+from serving.engine.engine import SamplingParams
+
+log = logging.getLogger("profile_step")
+
+OUR_KERNELS = ("expert_gemm_fp4", "sparse_attention", "indexer_logits", "kv_write_decode", "mhc_site",
+               "router_scores", "router_topk")
+GEMM_MARKS = ("gemm", "xmma", "nvjet", "cutlass", "matmul", "cublas")
+
+
+def kind_of(name: str) -> str:
+    for k in OUR_KERNELS:
+        if k in name:
+            return f"pallas {k}"
+    low = name.lower()
+    if any(m in low for m in GEMM_MARKS):
+        return "XLA GEMM (cuBLAS / Triton)"
+    if "topk" in low or "sort" in low:
+        return "XLA top-k / sort"
+    return "XLA other (fusions, copies, scatters)"
+
+
+def cupti_kernels(fn) -> list[tuple[str, float]]:
+    """[(kernel name, ms)] of every kernel fn launches (fn must block until its results are ready)."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        fn()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return list(timings or [])
+
+
+def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top: int) -> dict:
+    by_kind, by_name = collections.defaultdict(float), collections.defaultdict(lambda: [0.0, 0])
+    for name, ms in kernels:
+        by_kind[kind_of(name)] += ms
+        by_name[name][0] += ms
+        by_name[name][1] += 1
+    total = sum(by_kind.values())
+    print(f"\n### {label}: wall {wall_ms:.2f} ms, {len(kernels)} kernels, kernel time {total:.2f} ms, "
+          f"gap {wall_ms - total:.2f} ms\n")
+    print("| kind | ms | of kernel time | of wall |")
+    print("|---|---:|---:|---:|")
+    for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {ms:.3f} | {100 * ms / total:.0f}% | {100 * ms / wall_ms:.0f}% |")
+    print(f"| gap (launches, host, idle) | {wall_ms - total:.3f} | | {100 * (wall_ms - total) / wall_ms:.0f}% |")
+    print("\n| top kernels by time | calls | ms | us / call |\n|---|---:|---:|---:|")
+    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| `{name[:90]}` | {n} | {ms:.3f} | {1e3 * ms / n:.1f} |")
+    return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind),
+            "kernels": kernels}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
+    ap.add_argument("--weights", choices=["bf16", "release"], default="bf16")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--decode-ctx", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
+    ap.add_argument("--no-replay", action="store_true", help="prefill on the exact path")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if jax.devices()[0].platform != "gpu":
+        sys.exit("profile_step.py needs a GPU (CUPTI)")
+    cfg = preset("bench")
+    params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
+    if args.weights == "bf16" and KERNELS[args.backend][1] != "xla":
+        params = with_fp4_experts(params)
+    jax.block_until_ready(params)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bench preset ({cfg.n_layers} layers, "
+          f"{cfg.n_routed_experts} experts), kernels={args.backend}, weights={args.weights}, "
+          f"{time.strftime('%Y-%m-%d')}")
+    results = []
+    if batches:
+        max_len = -(-(args.decode_ctx + 256) // 64) * 64
+        eng = make_engine(cfg, params, True, max_len, max(batches), args.backend)
+        for B in batches:
+            fake_decode_state(eng, B, args.decode_ctx)
+            eng.step()  # compile
+            wall = timed(eng.step, reps=10) * 1e3
+            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall,
+                                     cupti_kernels(eng.step), args.top))
+        del eng
+    if args.prefill:
+        n = args.prefill
+        eng = make_engine(cfg, params, not args.no_replay, -(-(n + 2048) // 64) * 64, 2, args.backend)
+        ids = list(range(3, 3 + n))
+        sp = SamplingParams(max_tokens=1)
+        run = lambda: eng.generate(ids, sp)
+        run()  # compile
+        wall = timed(run, reps=3) * 1e3
+        mode = "exact" if args.no_replay else "replay"
+        results.append(summarize(f"prefill of {n} tokens ({mode}, chunks of 2048)", wall, cupti_kernels(run),
+                                 args.top))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "profile_step.json"), "w") as fh:
+            json.dump({"args": vars(args), "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
