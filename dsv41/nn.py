@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from dsv41 import quant
 from dsv41.quant import Numerics
+from pallas_kernels import fp8_linear
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
@@ -29,6 +32,10 @@ def linear(x: jax.Array, w, num: Numerics, *, fp8_input: bool) -> jax.Array:
     x = x.astype(dt)
     if fp8_input and num.act_quant:
         x = quant.fp8_qdq(x)
+    rows = math.prod(x.shape[:-1])
+    if isinstance(w, fp8_linear.PreparedFp8) and rows <= fp8_linear.MAX_ROWS and dt == jnp.bfloat16:
+        # decode-sized batches: the FP8 weight is read once, decoded in the kernel (prepare_linears)
+        return fp8_linear.fp8_linear(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
     wd = quant.dense(w, dt)
     return jnp.einsum("...i,oi->...o", x, wd, preferred_element_type=jnp.float32).astype(dt)
 
@@ -37,3 +44,31 @@ def linear_f32(x: jax.Array, w) -> jax.Array:
     """A float32 GEMM on float32 inputs (router, compressor pooling, head)."""
     return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), quant.dense(w, jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
+
+
+# The FP8 linears that run through `linear` (wo_a is grouped and keeps its own einsum), by path in a layer.
+FP8_LINEARS = (("attn", "wq_a"), ("attn", "wq_b"), ("attn", "wkv"), ("attn", "wo_b"), ("attn", "indexer", "wq_b"),
+               ("ffn", "shared_experts", "w1"), ("ffn", "shared_experts", "w2"), ("ffn", "shared_experts", "w3"),
+               ("engram", "wkv"))
+
+
+def prepare_linears(params: dict, interpret: bool = False) -> dict:
+    """The FP8 linears (`FP8_LINEARS`) in the FP8 linear kernel's layout (once, at load): `linear` then reads
+    each weight byte once at decode instead of XLA writing a bf16 copy first. Weights the kernel cannot take
+    (not FP8, or dims not multiples of 128) stay as they are. Returns a new tree; the old weights are dropped
+    layer by layer."""
+    def convert(tree: dict, path: tuple[str, ...]) -> dict:
+        head, *rest = path
+        if head not in tree:
+            return tree
+        if rest:
+            return {**tree, head: convert(tree[head], tuple(rest))}
+        w = tree[head]
+        return {**tree, head: fp8_linear.prepare_fp8_linear(w, interpret=interpret)} if fp8_linear.supported(w) else tree
+
+    layers = []
+    for lp in params["layers"]:
+        for path in FP8_LINEARS:
+            lp = convert(lp, path)
+        layers.append(lp)
+    return {**params, "layers": layers}

@@ -223,9 +223,60 @@ def _dequant_tile_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
     return v.reshape(v.shape[0], -1).astype(jnp.bfloat16)
 
 
-def _dequant_tile_mgpu(tk: int, w_transforms):
-    """inline_mgpu: kernel-layout bytes (smem, [64, tk/2], tiled+swizzled) and scale bytes (smem [tk/32, 64])
-    -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand."""
+def _perm8_from_kernel(b: jax.Array) -> jax.Array:
+    """FP8 kernel byte order -> natural order, per 16 inputs (see `fp8_linear.prepare_fp8_linear`)."""
+    *lead, k = b.shape
+    c = b.reshape(*lead, k // 16, 4, 2, 2)  # (word c, unit u, v): natural 8u + 2c + v
+    return jnp.moveaxis(c, -3, -2).reshape(*lead, k)  # (u, c, v)
+
+
+def _dequant_tile8_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
+    """Model of the FP8 register decode for interpret mode: kernel-layout e4m3 bytes [64, tk] and UE8M0 bytes
+    [tk/32, 64] -> bf16 [64, tk] in natural input order."""
+    import ml_dtypes
+
+    q = jax.lax.bitcast_convert_type(_perm8_from_kernel(wb.astype(jnp.uint8)),
+                                     jnp.dtype(ml_dtypes.float8_e4m3fn)).astype(jnp.float32)
+    sc = ue8m0_decode(sb.astype(jnp.uint8)).T  # [64, tk/32]
+    v = q.reshape(q.shape[0], -1, 32) * sc[:, :, None]
+    return v.reshape(q.shape[0], -1).astype(jnp.bfloat16)
+
+
+_FP4_PTX = """{
+        .reg .b32 a<4>, b<4>;
+        shl.b32 a0, $4, 12;  shl.b32 b0, $4, 6;
+        shl.b32 a1, $4, 8;   shl.b32 b1, $4, 2;
+        shl.b32 a2, $4, 4;   shr.b32 b2, $4, 2;
+        mov.b32 a3, $4;      shr.b32 b3, $4, 6;
+        and.b32 a0, a0, 0x80008000;  and.b32 b0, b0, 0x01C001C0;  or.b32 a0, a0, b0;
+        and.b32 a1, a1, 0x80008000;  and.b32 b1, b1, 0x01C001C0;  or.b32 a1, a1, b1;
+        and.b32 a2, a2, 0x80008000;  and.b32 b2, b2, 0x01C001C0;  or.b32 a2, a2, b2;
+        and.b32 a3, a3, 0x80008000;  and.b32 b3, b3, 0x01C001C0;  or.b32 a3, a3, b3;
+        mul.rn.bf16x2 $0, a0, $5;
+        mul.rn.bf16x2 $1, a1, $5;
+        mul.rn.bf16x2 $2, a2, $5;
+        mul.rn.bf16x2 $3, a3, $5;
+        }"""
+
+# FP8: word c holds inputs (2c, 2c+1, 8+2c, 9+2c) of its 16; prmt moves bytes 0,1 (then 2,3) to the high
+# byte of each bf16 half; sign stays at bit 15 and exponent|mantissa shift down 4 to bits 4..10:
+# bf16 bits = e4m3 * 2^-120 (subnormals too), then * 2^(s-7) (mul.rn.bf16x2, exact).
+_FP8_PTX = """{
+        .reg .b32 z, p0, p1, t0, t1;
+        mov.b32 z, 0;
+        prmt.b32 p0, $2, z, 0x1404;  prmt.b32 p1, $2, z, 0x3424;
+        shr.b32 t0, p0, 4;           shr.b32 t1, p1, 4;
+        and.b32 p0, p0, 0x80008000;  and.b32 p1, p1, 0x80008000;
+        and.b32 t0, t0, 0x07F007F0;  and.b32 t1, t1, 0x07F007F0;
+        or.b32 p0, p0, t0;           or.b32 p1, p1, t1;
+        mul.rn.bf16x2 $0, p0, $3;
+        mul.rn.bf16x2 $1, p1, $3;
+        }"""
+
+
+def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
+    """inline_mgpu: kernel-layout bytes (smem, [64, tk/2] FP4 or [64, tk] FP8, tiled+swizzled) and scale bytes
+    (smem [tk/32, 64]) -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -233,7 +284,8 @@ def _dequant_tile_mgpu(tk: int, w_transforms):
     from jax.experimental.mosaic.gpu import utils as mu
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tkp = tk // 2
+    fp8 = fmt == "fp8"
+    tkp = tk if fp8 else tk // 2
     swizzle = w_transforms[1].swizzle
 
     @plgpu.inline_mgpu(
@@ -256,48 +308,41 @@ def _dequant_tile_mgpu(tk: int, w_transforms):
         row0 = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
         out_shape = fa.WGMMA_LAYOUT.registers_shape((64, tk))
         regs = np.empty(out_shape, dtype=object)
-        struct_ty = llvm.StructType.get_literal([i32] * 4)
-        ptx = """{
-        .reg .b32 a<4>, b<4>;
-        shl.b32 a0, $4, 12;  shl.b32 b0, $4, 6;
-        shl.b32 a1, $4, 8;   shl.b32 b1, $4, 2;
-        shl.b32 a2, $4, 4;   shr.b32 b2, $4, 2;
-        mov.b32 a3, $4;      shr.b32 b3, $4, 6;
-        and.b32 a0, a0, 0x80008000;  and.b32 b0, b0, 0x01C001C0;  or.b32 a0, a0, b0;
-        and.b32 a1, a1, 0x80008000;  and.b32 b1, b1, 0x01C001C0;  or.b32 a1, a1, b1;
-        and.b32 a2, a2, 0x80008000;  and.b32 b2, b2, 0x01C001C0;  or.b32 a2, a2, b2;
-        and.b32 a3, a3, 0x80008000;  and.b32 b3, b3, 0x01C001C0;  or.b32 a3, a3, b3;
-        mul.rn.bf16x2 $0, a0, $5;
-        mul.rn.bf16x2 $1, a1, $5;
-        mul.rn.bf16x2 $2, a2, $5;
-        mul.rn.bf16x2 $3, a3, $5;
-        }"""
+        n_out = 2 if fp8 else 4  # A-fragment registers one 32-bit word of weights makes
+        struct_ty = llvm.StructType.get_literal([i32] * n_out)
+        ptx, constraints = (_FP8_PTX, "=r,=r,r,r") if fp8 else (_FP4_PTX, "=r,=r,=r,=r,r,r")
+        # e4m3 * 2^-120 times 2^(s-7) (FP8), e2m1 * 2^-126 times 2^(s-1) (FP4): the bf16 exponent field
+        bias = 120 if fp8 else 126
         for idx, reg in np.ndenumerate(words.registers):
             g, rh = idx[1], idx[4]
             assert idx[0] == 0 and all(v == 0 for i, v in enumerate(idx) if i not in (1, 4))
             row = arith.index_cast(index, arith.addi(row0, c32(8 * rh)))
-            s = arith.extui(i32, memref.load(s_ref, [ci(g), row]))
-            bits = arith.shli(arith.addi(s, c32(126)), c32(7))
+            # FP4: one 16-byte group is 32 inputs; FP8: 16, so two groups share a scale
+            s = arith.extui(i32, memref.load(s_ref, [ci(g // 2 if fp8 else g), row]))
+            bits = arith.shli(arith.addi(s, c32(bias)), c32(7))
             bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s, c32(0)), c32(0), bits)
             s2 = arith.ori(bits, arith.shli(bits, c32(16)))
             q = mu.bitcast(reg, i32)
-            res = llvm.inline_asm(struct_ty, [q, s2], ptx, "=r,=r,=r,=r,r,r")
-            for j in range(4):
+            res = llvm.inline_asm(struct_ty, [q, s2], ptx, constraints)
+            for j in range(n_out):
                 o = llvm.extractvalue(i32, res, [j])
                 ridx = list(idx)
-                ridx[1] = 4 * g + j
+                ridx[1] = n_out * g + j
                 regs[tuple(ridx)] = mu.bitcast(o, bf16x2)
         return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return dequant
 
 
-def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig, interpret: bool):
+def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig, interpret: bool,
+                  fmt: str = "fp4"):
+    """fmt 'fp4': packed e2m1 [E, N, K/2] + UE8M0 per 32 inputs (`PreparedFp4`); 'fp8': e4m3 [E, N, K] +
+    UE8M0 per 32 inputs, row-expanded (`fp8_linear.PreparedFp8`). Scales transposed [E, K/32, N] either way."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tm, tk, nwg, tn = cfg.tm, cfg.tk, cfg.num_wgs, cfg.tn
-    tkp, gs = tk // 2, tk // 32
+    tkp, gs = (tk if fmt == "fp8" else tk // 2), tk // 32
     if tm % 8 or tm > 256:
         raise ValueError(f"tm={tm} must be a multiple of 8 and <= 256")
     if tk % 64:
@@ -311,7 +356,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     w_swz = min(128, tkp)
     w_transforms = (plgpu.TilingTransform((8, w_swz)), plgpu.SwizzleTransform(w_swz))
     o_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    dequant = None if interpret else _dequant_tile_mgpu(tk, w_transforms)
+    dequant = None if interpret else _dequant_tile_mgpu(tk, w_transforms, fmt)
+    dequant_model = _dequant_tile8_jnp if fmt == "fp8" else _dequant_tile_jnp
     # The interpreter's wgmma takes A only from shared memory.
     a_smem_mode = cfg.a_smem or interpret
     scratch = {"o_smem": plgpu.SMEM((nwg, tm, 64), jnp.bfloat16, transforms=o_transforms)}
@@ -374,7 +420,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                     w_wg = w_smem.at[pl.ds(wg * 64, 64)]
                     s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
                     if interpret:
-                        a = _dequant_tile_jnp(w_wg[...], s_wg[...])
+                        a = dequant_model(w_wg[...], s_wg[...])
                     else:
                         a = dequant(w_wg, s_wg)
                     if a_smem_mode:

@@ -75,18 +75,20 @@ def timed(fn, reps=5):
     return statistics.median(ts)
 
 
-# --backends names -> (attention, routed experts, mHC site, router site); 'auto' is what `dsv41 serve` runs
-KERNELS = {"xla": ("xla", "xla", "xla", "xla"), "attn": ("pallas", "xla", "xla", "xla"),
-           "pallas": ("pallas", "pallas", "xla", "xla"), "all": ("pallas", "pallas", "pallas", "pallas"),
-           "auto": ("auto", "auto", "auto", "auto")}
+# --backends names -> (attention, routed experts, mHC site, router site, FP8 linears); 'auto' is what
+# `dsv41 serve` runs; 'fp8' = auto + the FP8 linear kernel (needs --weights release)
+KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla", "xla", "xla", "xla"),
+           "pallas": ("pallas", "pallas", "xla", "xla", "xla"), "all": ("pallas", "pallas", "pallas", "pallas", "xla"),
+           "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas")}
 
 
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
-    attn, moe_be, mhc_be, router_be = KERNELS[backend]
+    attn, moe_be, mhc_be, router_be, linear_be = KERNELS[backend]
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
-                  attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be)
+                  attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
+                  linear_backend=linear_be)
 
 
 def with_fp4_experts(params):
@@ -178,7 +180,8 @@ def main():
     ap.add_argument("--backends", default="xla",
                     help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
                          "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
-                         "auto (the engine's defaults, as `dsv41 serve` runs)")
+                         "auto (the engine's defaults, as `dsv41 serve` runs), fp8 (auto + the FP8 linear kernel; "
+                         "needs --weights release)")
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
     ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",

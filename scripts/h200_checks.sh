@@ -11,6 +11,8 @@
 #   bash scripts/h200_checks.sh kernels       # router, mHC and indexer top-k benches (~8 min)
 #   bash scripts/h200_checks.sh profile       # every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
+#   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
+#   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
 #
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
@@ -88,8 +90,27 @@ case "${1:-}" in
     echo "bench_expert_gemm rc=$?"
     sed -n '/ceilings measured/,$p' "$OUT/eg_log.txt"
     ;;
+  fp8)
+    timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu tests/pallas_kernels/test_fp8_linear.py \
+      > "$OUT/fp8_tests.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/fp8_tests.txt" | tail -10
+    timeout -k 10 240 $PY scripts/bench_fp8_linear.py --out "$OUT" > "$OUT/fp8_log.txt" 2>&1
+    echo "bench_fp8_linear rc=$?"
+    grep -E "^\||HBM" "$OUT/fp8_log.txt" | tail -30
+    ;;
+  fp8-engine)
+    timeout -k 10 330 $PY scripts/bench_engine.py --weights release --backends fp8,auto --batches 1,64 --skip-prefill \
+      --decode-ctx 4096 > "$OUT/fp8_engine_log.txt" 2>&1
+    echo "bench_engine rc=$?"
+    grep -E "decode |\| " "$OUT/fp8_engine_log.txt" | tail -8
+    timeout -k 10 220 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k fp8 \
+      > "$OUT/fp8_engine_tests.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "fp8 linear|engine, FP8|PASSED|FAILED|passed|failed" "$OUT/fp8_engine_tests.txt" | tail -24
+    ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine" >&2
     exit 2
     ;;
 esac

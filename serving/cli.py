@@ -37,7 +37,7 @@ def build_engine(args: argparse.Namespace):
               max_num_batched_tokens=args.max_num_batched_tokens,
               swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend,
               moe_backend=args.moe_backend, mhc_backend=args.mhc_backend,
-              router_backend=args.router_backend)
+              router_backend=args.router_backend, linear_backend=args.linear_backend)
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, **kw)
     return Engine.from_preset(args.preset or "tiny", seed=args.seed, **kw)

@@ -53,6 +53,10 @@ def add_kernel_backend_args(g, default: str | None) -> None:
                    help="MoE router (gate GEMM, sqrt-softplus, top-k, renorm, expert permutation): the fused Mosaic "
                         "GPU kernels or XLA (auto, the default: XLA, faster at decode on the H200; "
                         "docs/KERNELS_ROUTER.md)")
+    g.add_argument("--linear-backend", **opts,
+                   help="FP8 linears (attention projections, shared expert, Engram) at decode: the FP8 Mosaic GPU "
+                        "kernel, which reads each weight byte once, or XLA's dequantize + GEMM (auto, the default: "
+                        "XLA until the kernel is timed on the device; docs/KERNELS_EXPERT_GEMM.md)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -100,7 +104,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "max_num_batched_tokens": "--max-num-batched-tokens",
                  "swa_bounded_replay": "--no-swa-bounded-replay", "attention_backend": "--attention-backend",
                  "moe_backend": "--moe-backend", "mhc_backend": "--mhc-backend",
-                 "router_backend": "--router-backend",
+                 "router_backend": "--router-backend", "linear_backend": "--linear-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages"}

@@ -184,6 +184,9 @@ def test_sample_branches():
     (dict(mhc_backend="interpret", numerics=quant.EXACT_F32), "bfloat16"),
     (dict(mhc_backend="fast"), "one of"),
     (dict(attention_backend="pallas"), "needs a CUDA GPU"),
+    (dict(linear_backend="pallas"), "needs a CUDA GPU"),
+    (dict(linear_backend="interpret"), "needs FP8 linear weights"),  # tiny here: dequantized to float32
+    (dict(linear_backend="fp8"), "one of"),
 ])
 def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
     cfg, params = tiny

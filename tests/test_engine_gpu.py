@@ -85,6 +85,37 @@ def test_moe_kernel_matches_xla(bench):
         assert rel < MOE_TOL
 
 
+def test_fp8_linear_kernel_matches_xla(bench):
+    """Every FP8 linear of a layer (the release's e4m3 + UE8M0 32x32) through the FP8 linear kernel against the
+    XLA path (dequantize + dot) at decode sizes, and the engine's decode step with the kernel."""
+    from dsv41 import nn
+    from pallas_kernels import fp8_linear
+
+    cfg, params = bench
+    lp = params["layers"][2]
+    prepared = nn.prepare_linears({"layers": [lp]})["layers"][0]
+    run = jax.jit(lambda x, w: nn.linear(x, w, NUM, fp8_input=True))
+    for path in nn.FP8_LINEARS:
+        w, pw = lp, prepared
+        for key in path:
+            w, pw = (w or {}).get(key), (pw or {}).get(key)
+        if not isinstance(pw, fp8_linear.PreparedFp8):
+            continue
+        for n in (1, 64):
+            x = jax.random.normal(jax.random.key(n), (n, w.shape[1])).astype(jnp.bfloat16)
+            y, yk = (np.asarray(run(x, v).astype(jnp.float32)) for v in (w, pw))
+            rel = np.abs(y - yk).max() / np.abs(y).max()
+            print(f"fp8 linear {'.'.join(path)} {w.shape} {n} rows: rel. max difference {rel:.3g}")
+            assert rel < 2e-2
+    ids = list(np.random.default_rng(4).integers(3, cfg.vocab_size, 300))
+    tx, lx = _run(cfg, params, ids, linear_backend="xla")
+    tp, lq = _run(cfg, params, ids, linear_backend="pallas")
+    rel = [float(np.abs(lx[i] - lq[i]).max() / np.abs(lx[i]).max()) for i in range(len(lx))]
+    print(f"engine, FP8 linear kernel vs XLA: rel. max logit difference per step {np.round(rel, 4).tolist()}; "
+          f"tokens {tx} vs {tp}")
+    assert np.all(np.isfinite(lq)) and max(rel[:2]) < E2E_TOL  # the prefill and the first decode step
+
+
 def test_fused_sites_match_xla_in_a_block(bench):
     """One block (layer 3, a stand-in attention) with the fused mHC sites and router against the XLA composition,
     64 and 1 tokens: the stream out and the FFN's pre-mix. The kernels' x may differ from XLA's by an ulp on rare

@@ -1,4 +1,4 @@
-"""The engine's programs with the Mosaic GPU kernels (KV path, expert GEMM, mHC and router sites), lowered for CUDA on the CPU at the bench preset's shapes
+"""The engine's programs with the Mosaic GPU kernels (KV path, expert GEMM, FP8 linears, mHC and router sites), lowered for CUDA on the CPU at the bench preset's shapes
 (Flash's per-layer widths). Lowering runs every kernel's Pallas -> Mosaic GPU pass (layouts, TMA boxes, shared
 memory, wgmma shapes) at the shapes the engine really passes, which the kernels' own tests at their own shapes
 can miss: two decode rows give the expert GEMM 12 token rows, which once failed on the H200 ("dimension 0 must
@@ -51,3 +51,15 @@ def test_prefill_chunk_lowers_for_cuda(bench):
     cfg, core, pool = bench
     programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
                                backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
+
+
+def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
+    """`--linear-backend pallas`: the FP8 linears (attention projections, shared expert, Engram) through the FP8
+    linear kernel, each with its own K split, at 64 decode rows."""
+    from dsv41 import nn
+
+    cfg, core, pool = bench
+    B = 64
+    core = jax.eval_shape(nn.prepare_linears, core)
+    programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
+                            backend="pallas", sites=model.Sites(mhc="pallas")).lower(lowering_platforms=("cuda",))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import model, moe, quant
+from dsv41 import model, moe, nn, quant
 from dsv41.config import ModelConfig
 from dsv41.quant import Numerics
 from pallas_kernels import expert_gemm
@@ -134,6 +134,25 @@ def _bucket(n: int, lo: int = 1) -> int:
 # 'xla': routed experts dequantized for lax.ragged_dot. 'pallas': the grouped FP4 Mosaic GPU kernel on the
 # experts in its layout (converted once here). 'interpret': that kernel in the interpreter (CPU tests).
 MOE_BACKENDS = ("xla", "pallas", "interpret")
+# 'xla': FP8 linears dequantized inside the step. 'pallas': decode batches through the FP8 linear kernel
+# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'xla' until the kernel
+# has been timed on the device (docs/KERNELS_EXPERT_GEMM.md, "FP8 linears").
+LINEAR_BACKENDS = ("xla", "pallas", "interpret")
+
+
+def resolve_linear_backend(params: dict, backend: str, num: Numerics) -> str:
+    if backend not in ("auto", *LINEAR_BACKENDS):
+        raise EngineError(f"linear_backend must be 'auto' or one of {LINEAR_BACKENDS}, got {backend!r}")
+    if backend in ("auto", "xla"):
+        return "xla"
+    is_fp8 = lambda w: isinstance(w, quant.Fp8Weight)
+    fp8 = any(is_fp8(w) for w in jax.tree_util.tree_leaves(params["layers"], is_leaf=is_fp8))
+    why = ("needs a CUDA GPU" if backend == "pallas" and jax.default_backend() != "gpu" else
+           "needs FP8 linear weights (a release checkpoint, or init_params without dtype)" if not fp8 else
+           f"needs bfloat16 activations (numerics dtype {num.dtype})" if num.jdtype != jnp.bfloat16 else "")
+    if why:
+        raise EngineError(f"linear_backend={backend!r} {why}; use 'xla'")
+    return backend
 
 
 def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend: str, mhc_backend: str = "auto",
@@ -255,7 +274,7 @@ class Engine:
                  enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
                  min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
-                 mhc_backend: str = "auto", router_backend: str = "auto"):
+                 mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto"):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         self.attention_backend, self.moe_backend, self.sites = resolve_backends(
             cfg, params, attention_backend, moe_backend, mhc_backend, router_backend, numerics)
@@ -264,6 +283,9 @@ class Engine:
         self.params, tables = model.strip_tables(params)
         if self.moe_backend != "xla":
             self.params = moe.prepare_experts(self.params, interpret=self.moe_backend == "interpret")
+        self.linear_backend = resolve_linear_backend(self.params, linear_backend, numerics)
+        if self.linear_backend != "xla":
+            self.params = nn.prepare_linears(self.params, interpret=self.linear_backend == "interpret")
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]

@@ -1,0 +1,147 @@
+"""FP8 linear (release e4m3 + UE8M0 per 32x32 weights): kernel layout, K split, and the Mosaic GPU kernel in the
+interpreter (CPU) against a float64 reference; GPU tests (marked `gpu`) run the compiled kernel."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv41.quant import Fp8Weight
+from pallas_kernels import expert_gemm as eg
+from pallas_kernels import fp8_linear as f8
+
+
+def _random_fp8(rng, n, k, lo=112, hi=130):
+    """Every e4m3 byte but NaN (0x7F / 0xFF), incl. -0 and subnormals, and a spread of scale bytes."""
+    raw = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x3C
+    scale = rng.integers(lo, hi, (n // 32, k // 32), dtype=np.uint8)
+    return Fp8Weight(jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale))
+
+
+def _ref64(x, w):
+    return np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
+
+
+def _rel(a, b):
+    a = np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_prepare_roundtrip_and_decode_model(num_splits):
+    rng = np.random.default_rng(num_splits)
+    w = _random_fp8(rng, 128, 512)
+    p = f8.prepare_fp8_linear(w, num_splits=num_splits)
+    assert p.weight.shape == (num_splits, 128, 512 // num_splits) and p.shape == (128, 512)
+    back = f8.unprepare_fp8_linear(p)
+    assert (np.asarray(back.weight).view(np.uint8) == np.asarray(w.weight).view(np.uint8)).all()
+    assert (np.asarray(back.scale) == np.asarray(w.scale)).all()
+    # the interpreter's model of the register decoder, tile by tile, equals dequantize in bf16
+    dense = np.asarray(w.dequantize(jnp.float32))
+    ks = 512 // num_splits
+    for s in range(num_splits):
+        for r0 in (0, 64):
+            for k0 in range(0, ks, 128):
+                tile = eg._dequant_tile8_jnp(p.weight[s, r0:r0 + 64, k0:k0 + 128],
+                                             p.scale_t[s, k0 // 32:k0 // 32 + 4, r0:r0 + 64])
+                want = dense[r0:r0 + 64, s * ks + k0:s * ks + k0 + 128]
+                np.testing.assert_array_equal(np.asarray(tile.astype(jnp.float32)),
+                                              want.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert np.asarray(p.dequantize(jnp.float32)).tobytes() == dense.tobytes()
+
+
+def test_splits_give_every_sm_work():
+    assert f8.splits(32768, 1280) == 1  # wq_b: 256 items already
+    assert f8.splits(1280, 5120) == 10  # wq_a: 10 items -> 100 (4 steps of 128 each)
+    assert f8.splits(5120, 8192) == 4  # wo_b: 40 -> 160
+    assert f8.splits(2304, 5120) == 8  # shared expert w1/w3: 18 -> 144
+    for n, k in [(1280, 5120), (512, 5120), (5120, 2304), (256, 256)]:
+        s = f8.splits(n, k)
+        assert (k // 128) % s == 0 and (s == 1 or k // 128 // s >= f8.MIN_STEPS)
+
+
+def test_prepare_rejects():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        f8.prepare_fp8_linear(_random_fp8(rng, 96, 128))
+    with pytest.raises(ValueError, match="scale byte"):
+        f8.prepare_fp8_linear(_random_fp8(rng, 128, 128, lo=135, hi=136))
+    with pytest.raises(ValueError, match="divide"):
+        f8.prepare_fp8_linear(_random_fp8(rng, 128, 384), num_splits=2)
+    p = f8.prepare_fp8_linear(_random_fp8(rng, 128, 128), interpret=True)
+    with pytest.raises(ValueError, match="MAX_ROWS"):
+        f8.fp8_linear(jnp.zeros((f8.MAX_ROWS + 1, 128), jnp.bfloat16), p)
+
+
+# the interpreter simulates 2 SMs; the chained pipeline and the K split both run here
+INTERP_CASES = [(1, 256, 256, 1), (5, 128, 512, 2), (16, 256, 512, 4), (24, 128, 384, 3)]
+
+
+@pytest.mark.parametrize("m,n,k,num_splits", INTERP_CASES)
+def test_kernel_interpret(m, n, k, num_splits):
+    rng = np.random.default_rng(m + n + k)
+    w = _random_fp8(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    p = f8.prepare_fp8_linear(w, interpret=True, num_splits=num_splits)
+    y = f8.fp8_linear(x, p)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    ref = _ref64(x, w)
+    assert np.isfinite(np.asarray(y.astype(jnp.float32))).all()
+    assert _rel(y, ref) < 5e-3
+    for r in range(m):  # row by row: a misplaced row fails even if the norm passes
+        assert np.abs(np.asarray(y[r].astype(jnp.float32)) - ref[r]).max() <= 2e-2 * np.abs(ref[r]).max() + 1e-6
+
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1280, 5120), (8, 5120, 2304), (64, 2304, 5120), (128, 32768, 1280)])
+def test_kernel_gpu(m, n, k):
+    rng = np.random.default_rng(m)
+    w = _random_fp8(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = jax.jit(f8.fp8_linear)(x, f8.prepare_fp8_linear(w))
+    ref = np.asarray(f8.fp8_linear_reference(x, w), np.float64)
+    assert np.isfinite(np.asarray(y.astype(jnp.float32))).all()
+    assert _rel(y, ref) < 5e-3
+
+
+def test_prepare_linears_and_linear_dispatch():
+    """nn.prepare_linears converts the FP8 linears the kernel takes and nothing else; nn.linear runs them through
+    the kernel at decode sizes (here in the interpreter) and through XLA above MAX_ROWS, both matching the
+    Fp8Weight they came from."""
+    from dsv41 import nn, quant
+    from dsv41 import params as P
+    from dsv41.config import preset
+
+    cfg = preset("tiny")
+    params = P.init_params(cfg, seed=0)
+    prepared = nn.prepare_linears(params, interpret=True)
+    is_p = lambda w: isinstance(w, f8.PreparedFp8)
+    lp0, pp0 = params["layers"][0], prepared["layers"][0]
+    converted = {jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(pp0, is_leaf=is_p) if is_p(v)}
+
+    def get(tree, path):
+        for key in path:
+            tree = tree.get(key) if isinstance(tree, dict) else None
+        return tree
+
+    want = {"".join(f"['{key}']" for key in path) for path in nn.FP8_LINEARS if f8.supported(get(lp0, path))}
+    assert converted == want and "['attn']['wq_a']" in converted
+    assert not is_p(pp0["attn"]["wo_a"])  # grouped: keeps its own einsum
+    num = quant.Numerics(act_quant=False)
+    rng = np.random.default_rng(3)
+    for name in ("wq_a", "wo_b"):
+        w, pw = lp0["attn"][name], pp0["attn"][name]
+        assert np.asarray(quant.dense(pw)).tobytes() == np.asarray(quant.dense(w)).tobytes()
+        for rows in (3, f8.MAX_ROWS + 5):
+            x = jnp.asarray(rng.standard_normal((rows, w.shape[1])), jnp.bfloat16)
+            y, ref = nn.linear(x, pw, num, fp8_input=True), nn.linear(x, w, num, fp8_input=True)
+            assert y.shape == ref.shape and y.dtype == ref.dtype
+            assert _rel(y, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
