@@ -64,7 +64,9 @@ def prepare_linears(params: dict, interpret: bool = False) -> dict:
         if rest:
             return {**tree, head: convert(tree[head], tuple(rest))}
         w = tree[head]
-        return {**tree, head: fp8_linear.prepare_fp8_linear(w, interpret=interpret)} if fp8_linear.supported(w) else tree
+        if not fp8_linear.supported(w):
+            return tree
+        return {**tree, head: fp8_linear.prepare_fp8_linear(w, interpret=interpret)}
 
     layers = []
     for lp in params["layers"]:
