@@ -16,7 +16,7 @@ import numpy as np
 from dsv41 import attention as attn_lib
 from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope
 from dsv41.config import AttnRole, ModelConfig
-from dsv41.nn import rms_norm
+from dsv41.nn import linear_f32, rms_norm
 from dsv41.quant import Numerics
 
 
@@ -155,21 +155,10 @@ def embed(params: dict, ids: jax.Array, cfg: ModelConfig, num: Numerics) -> tupl
 
 
 def head(params: dict, h: jax.Array, pre_mix: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final collapse through the last FFN's pre-mix, norm, float32 head -> logits [..., vocab].
-
-    The release stores the head in bf16, so the float32 product is taken as two bf16 products with float32
-    accumulation, x = hi + lo (hi = bf16(x), lo = bf16(x - hi)): the weight is exact in bf16 and x keeps 16
-    of its 24 mantissa bits (relative error <= 2^-16), on tensor cores, reading the weight once. A float32
-    product made XLA write a float32 copy of the whole head every decode step and run a non-tensor-core GEMM
-    (2.7 ms of a 15.8 ms batch-64 step on the H200, scripts/profile_step.py)."""
-    x = rms_norm(mhc.collapse(h, pre_mix), params["norm"], cfg.norm_eps).astype(jnp.float32)
-    w = params["head"]
-    if quant.is_quantized(w) or w.dtype != jnp.bfloat16:
-        return jnp.einsum("...d,vd->...v", x, quant.dense(w, jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    hi = x.astype(jnp.bfloat16)
-    lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    y = jnp.einsum("s...d,vd->s...v", jnp.stack([hi, lo]), w, preferred_element_type=jnp.float32)
-    return y[0] + y[1]
+    """Final collapse through the last FFN's pre-mix, norm, float32 head -> logits [..., vocab]
+    (`nn.linear_f32`: exact bf16 terms on tensor cores, the head read once)."""
+    x = rms_norm(mhc.collapse(h, pre_mix), params["norm"], cfg.norm_eps)
+    return linear_f32(x, params["head"])
 
 
 def strip_tables(params: dict) -> tuple[dict, list]:

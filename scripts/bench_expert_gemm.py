@@ -388,7 +388,7 @@ def _cases(args, ceil):
         pw = eg.prepare_fp4_experts(w)
         # [E, N, K], a few experts at a time (dequantize goes through float32)
         wbf16 = jnp.concatenate([jax.jit(lambda q, sc: Fp4Weight(q, sc).dequantize(jnp.bfloat16))(
-            w.weight[i:i + 32], w.scale[i:i + 32]) for i in range(0, e, 32)])
+            w.weight[j:j + 32], w.scale[j:j + 32]) for j in range(0, e, 32)])
         jax.block_until_ready((pw, wbf16))
         weights[mat] = (n, k, w, pw, wbf16)
     log("weights ready")

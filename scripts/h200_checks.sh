@@ -13,6 +13,7 @@
 #   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
+#   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
 #
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
@@ -109,8 +110,18 @@ case "${1:-}" in
     echo "pytest rc=$?"
     grep -E "fp8 linear|engine, FP8|PASSED|FAILED|passed|failed" "$OUT/fp8_engine_tests.txt" | tail -24
     ;;
+  graphs)
+    # a batch-1 step launches ~600 kernels, most under 5 us (docs/PERFORMANCE.md): how much do CUDA graphs recover?
+    XLA_FLAGS=--help $PY -c "import jax; jax.numpy.zeros(1).block_until_ready()" 2>&1 \
+      | grep -iE "command_buffer|graph_min|graph_level" | head -12
+    for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_graph_min_graph_size=1"; do
+      echo "== XLA_FLAGS='$flags'"
+      XLA_FLAGS="$flags" timeout -k 10 170 $PY scripts/bench_engine.py --backends auto --batches 1 --skip-prefill \
+        --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
+    done
+    ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|graphs" >&2
     exit 2
     ;;
 esac

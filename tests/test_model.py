@@ -64,3 +64,23 @@ def test_abstract_shapes_match_release():
     assert e["w1"].weight.shape == (384, 2304, 2560) and e["w1"].scale.shape == (384, 2304, 160)
     assert e["w2"].weight.shape == (384, 5120, 1152) and e["w2"].scale.shape == (384, 5120, 72)
     assert ab["layers"][1]["engram"]["embed"].weight.shape == (384006168, 256)
+
+
+@pytest.mark.parametrize("wfmt", ["bf16", "fp8", "f32"])
+def test_linear_f32_is_a_float32_product(wfmt):
+    """nn.linear_f32 (router, compressor pooling, head): three exact bf16 terms of x against a bf16-exact
+    weight must be as close to the float64 product as a float32 GEMM is; a float32 weight takes the float32
+    GEMM."""
+    import jax
+
+    from dsv41 import nn
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((7, 512)) * 5, jnp.float32)
+    w32 = jnp.asarray(rng.standard_normal((96, 512)) * 0.05, jnp.float32)
+    w = {"bf16": w32.astype(jnp.bfloat16), "fp8": quant.quantize_fp8_weight(w32), "f32": w32}[wfmt]
+    wd = np.asarray(quant.dense(w, jnp.float32), np.float64)
+    want = np.asarray(x, np.float64) @ wd.T
+    y = np.asarray(jax.jit(nn.linear_f32)(x, w))
+    f32 = np.asarray(jnp.einsum("ti,oi->to", x, jnp.asarray(wd, jnp.float32), precision=jax.lax.Precision.HIGHEST))
+    bound = max(4 * np.abs(f32 - want).max(), 1e-6 * np.abs(want).max())
+    assert y.dtype == np.float32 and np.abs(y - want).max() <= bound
