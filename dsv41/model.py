@@ -113,13 +113,17 @@ def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfi
           trace: dict | None = None, image_mask=None, sites: Sites = Sites()):
     """One mHC block with the delayed pre-mix: attention reads the copies through `pre_mix` (from the previous
     block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre)."""
+    # named scopes label the compiled program's ops by model part (scripts/profile_step.py sums kernels by them)
     if sites.mhc == "xla":
-        a_pre, a_post, a_comb = mhc.coefficients(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg)
-        x = rms_norm(mhc.collapse(h, pre_mix), p["attn_norm"], cfg.norm_eps)
-        y = attn_fn(x)
-        h1 = mhc.expand(y, h, a_post, a_comb)
-        f_pre, f_post, f_comb = mhc.coefficients(h1, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg)
-        x = rms_norm(mhc.collapse(h1, a_pre), p["ffn_norm"], cfg.norm_eps)
+        with jax.named_scope("mhc"):
+            a_pre, a_post, a_comb = mhc.coefficients(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg)
+            x = rms_norm(mhc.collapse(h, pre_mix), p["attn_norm"], cfg.norm_eps)
+        with jax.named_scope("attention"):
+            y = attn_fn(x)
+        with jax.named_scope("mhc"):
+            h1 = mhc.expand(y, h, a_post, a_comb)
+            f_pre, f_post, f_comb = mhc.coefficients(h1, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg)
+            x = rms_norm(mhc.collapse(h1, a_pre), p["ffn_norm"], cfg.norm_eps)
     else:
         from pallas_kernels.mhc import mhc_fused
 
@@ -127,12 +131,17 @@ def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfi
             return mhc_fused(y, h, post, comb, pre, p[f"hc_{name}_fn"], p[f"hc_{name}_scale"], p[f"hc_{name}_base"],
                              p[norm], cfg, backend=sites.mhc)
 
-        _, x, a_pre, a_post, a_comb = site(None, h, None, None, pre_mix, "attn", "attn_norm")
-        y = attn_fn(x.astype(num.jdtype))
-        h1, x, f_pre, f_post, f_comb = site(y, h, a_post, a_comb, a_pre, "ffn", "ffn_norm")
-        x = x.astype(num.jdtype)
-    z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True, router_backend=sites.router)
-    h2 = mhc.expand(z, h1, f_post, f_comb)
+        with jax.named_scope("mhc"):
+            _, x, a_pre, a_post, a_comb = site(None, h, None, None, pre_mix, "attn", "attn_norm")
+        with jax.named_scope("attention"):
+            y = attn_fn(x.astype(num.jdtype))
+        with jax.named_scope("mhc"):
+            h1, x, f_pre, f_post, f_comb = site(y, h, a_post, a_comb, a_pre, "ffn", "ffn_norm")
+            x = x.astype(num.jdtype)
+    with jax.named_scope("moe"):
+        z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True, router_backend=sites.router)
+    with jax.named_scope("mhc"):
+        h2 = mhc.expand(z, h1, f_post, f_comb)
     if trace is not None:
         trace.update({
             f"layer{layer}.block_in": h, f"layer{layer}.pre_mix_in": pre_mix, f"layer{layer}.attn_out": y,

@@ -106,17 +106,20 @@ def moe(x: jax.Array, p: dict, cfg: ModelConfig, num: Numerics, image_mask: jax.
     the experts' permutation; with an image mask the route stays here (the kernel has no bias_vl)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    if router_backend == "xla" or image_mask is not None:
-        w, idx = route(xt, p["gate"], cfg, None if image_mask is None else image_mask.reshape(-1))
-        perm = None
-    else:
-        from pallas_kernels import router
+    with jax.named_scope("router"):
+        if router_backend == "xla" or image_mask is not None:
+            w, idx = route(xt, p["gate"], cfg, None if image_mask is None else image_mask.reshape(-1))
+            perm = None
+        else:
+            from pallas_kernels import router
 
-        gate = {**p["gate"], "weight": quant.dense(p["gate"]["weight"], jnp.bfloat16)}
-        w, idx, order, sizes = router.route_fused(xt.astype(jnp.bfloat16), gate, cfg, backend=router_backend)
-        perm = (order, sizes)
-    y = routed_experts(xt, w, idx, p["experts"], cfg, num, perm)
-    y = (y + shared_expert(xt, p["shared_experts"], cfg, num).astype(jnp.float32)).astype(x.dtype)
+            gate = {**p["gate"], "weight": quant.dense(p["gate"]["weight"], jnp.bfloat16)}
+            w, idx, order, sizes = router.route_fused(xt.astype(jnp.bfloat16), gate, cfg, backend=router_backend)
+            perm = (order, sizes)
+    with jax.named_scope("routed_experts"):
+        y = routed_experts(xt, w, idx, p["experts"], cfg, num, perm)
+    with jax.named_scope("shared_expert"):
+        y = (y + shared_expert(xt, p["shared_experts"], cfg, num).astype(jnp.float32)).astype(x.dtype)
     y = y.reshape(shape)
     if return_routing:
         return y, (w.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], -1))

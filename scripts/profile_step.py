@@ -5,6 +5,12 @@ time. Bench preset (Flash widths, 8 layers), GPU only.
     PYTHONPATH=. python3 scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 [--out DIR]
 
 "gap" = wall time - the sum of kernel times: launch latency, host work and idle between kernels.
+
+For the first decode batch, kernels are also summed by model part: the model's named scopes (`embed`,
+`engram`, `mhc`, `attention`, `moe/router`, `moe/routed_experts`, `moe/shared_expert`, `head_sample`) read from
+the compiled program's HLO, matched to CUPTI's kernel names (XLA names a fusion's kernel after it; cuBLAS
+kernels carry cuBLAS names and count as "unmatched"). The program is compiled a second time for its HLO text
+(a persistent compilation cache under the temp dir usually makes that a cache hit).
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import collections
 import json
 import logging
 import os
+import re
 import sys
+import tempfile
 import time
 
 import jax
@@ -31,6 +39,7 @@ from bench_engine import (
 
 from dsv41 import params as P
 from dsv41.config import preset
+from serving.engine import programs
 from serving.engine.engine import SamplingParams
 
 log = logging.getLogger("profile_step")
@@ -65,6 +74,37 @@ def cupti_kernels(fn) -> list[tuple[str, float]]:
     return list(timings or [])
 
 
+_HLO_OP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', re.MULTILINE)
+_LAYER = re.compile(r"layer\d+")
+
+
+def hlo_parts(hlo_text: str) -> dict[str, str]:
+    """Compiled HLO text -> {kernel name: model part}: an instruction's name with '.' and '-' as '_' (how XLA
+    names the kernel of a fusion) and the named scopes of its op_name, jit(...) levels dropped."""
+    out = {}
+    for name, op in _HLO_OP.findall(hlo_text):
+        scopes = [p for p in op.split("/")[:-1] if not p.startswith("jit(") and not _LAYER.fullmatch(p)]
+        out[re.sub(r"[.\-]", "_", name)] = "/".join(scopes) or "(top level)"
+    return out
+
+
+def by_part(kernels: list[tuple[str, float]], parts: dict[str, str]) -> dict[str, tuple[int, float]]:
+    """{part: (kernels, ms)}; our Mosaic kernels count under their own names, the rest by `hlo_parts`."""
+    out = collections.defaultdict(lambda: [0, 0.0])
+    for name, ms in kernels:
+        part = next((f"pallas {k}" for k in OUR_KERNELS if k in name), None) or parts.get(name, "unmatched")
+        out[part][0] += 1
+        out[part][1] += ms
+    return {k: (n, ms) for k, (n, ms) in out.items()}
+
+
+def print_parts(parts: dict[str, tuple[int, float]]) -> None:
+    total = sum(ms for _, ms in parts.values())
+    print("\n| model part | kernels | ms | of kernel time |\n|---|---:|---:|---:|")
+    for k, (n, ms) in sorted(parts.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {k} | {n} | {ms:.3f} | {100 * ms / total:.0f}% |")
+
+
 def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top: int) -> dict:
     by_kind, by_name = collections.defaultdict(float), collections.defaultdict(lambda: [0.0, 0])
     for name, ms in kernels:
@@ -95,11 +135,14 @@ def main():
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
     ap.add_argument("--no-replay", action="store_true", help="prefill on the exact path")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--no-parts", action="store_true", help="skip the by-model-part table (a second compile)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if jax.devices()[0].platform != "gpu":
         sys.exit("profile_step.py needs a GPU (CUPTI)")
+    jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dsv41_profile_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     cfg = preset("bench")
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     if args.weights == "bf16" and KERNELS[args.backend][1] != "xla":
@@ -113,12 +156,18 @@ def main():
     if batches:
         max_len = -(-(args.decode_ctx + 256) // 64) * 64
         eng = make_engine(cfg, params, True, max_len, max(batches), args.backend)
-        for B in batches:
+        for j, B in enumerate(batches):
             fake_decode_state(eng, B, args.decode_ctx)
             eng.step()  # compile
             wall = timed(eng.step, reps=10) * 1e3
-            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall,
-                                     cupti_kernels(eng.step), args.top))
+            kernels = cupti_kernels(eng.step)
+            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall, kernels, args.top))
+            if j == 0 and not args.no_parts:
+                b, s = eng.decode_inputs(list(eng.running.values()))
+                text = programs.run_full.lower(eng.params, eng.pool, b, s, **eng.static).compile().as_text()
+                parts = by_part(kernels, hlo_parts(text))
+                print_parts(parts)
+                results[-1]["by_part"] = parts
         del eng
     if args.prefill:
         n = args.prefill

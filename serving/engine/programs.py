@@ -342,10 +342,12 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         lp = params["layers"][i]
         phase = phases.get(i, "full")
         if i in cfg.engram_layer_ids and phase != "attn_only":
-            h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
+            with jax.named_scope("engram"):
+                h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
         if phase == "kv_only":
-            x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
-            _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend)
+            with jax.named_scope("attention"):
+                x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
+                _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend)
             break
 
         def attn_fn(x, lp=lp, i=i, phase=phase):
@@ -413,9 +415,11 @@ def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig
     backend other than 'xla' (see ATTENTION_BACKENDS): the fused kernels (decode: KV writes, indexer, attention;
     longer chunks: attention, one kernel row per query token). sites: which per-layer sites (mHC, router) run
     fused (`model.Sites`)."""
-    h, pre = model.embed(params, b.tokens, cfg, num)
+    with jax.named_scope("embed"):
+        h, pre = model.embed(params, b.tokens, cfg, num)
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend, sites)
-    logits, tok = _head_sample(params, h, pre, b, cfg, samp)
+    with jax.named_scope("head_sample"):
+        logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
 
 
