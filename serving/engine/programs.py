@@ -161,15 +161,16 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     ratio = r if role is AttnRole.FULL else 0  # other layers only write their ring
     si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
 
-    kv = A.window_kv(x, p, pos, freqs, cfg, num)
-    lkv = kvw.LayerKV.of_pool(pool, layer, si, ratio)
-    extra = {}
-    if ratio:
-        ck, cs = compressor.project(x, p["compressor"], ratio, num)
-        extra = dict(comp_kv=ck[:, 0], comp_score=None if cs is None else cs[:, 0], p_comp=p["compressor"],
-                     p_idx=p["indexer"], freqs=freqs)
-    new = kvw.kv_write_decode(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
-                              kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb, **extra)
+    with jax.named_scope("kv_write"):  # (sub-scopes of "attention" for scripts/profile_step.py)
+        kv = A.window_kv(x, p, pos, freqs, cfg, num)
+        lkv = kvw.LayerKV.of_pool(pool, layer, si, ratio)
+        extra = {}
+        if ratio:
+            ck, cs = compressor.project(x, p["compressor"], ratio, num)
+            extra = dict(comp_kv=ck[:, 0], comp_score=None if cs is None else cs[:, 0], p_comp=p["compressor"],
+                         p_idx=p["indexer"], freqs=freqs)
+        new = kvw.kv_write_decode(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
+                                  kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb, **extra)
     lists = {k: list(getattr(pool, k)) for k in ("swa_q", "swa_s", "kv_packed", "kv_scale", "ik_packed", "ik_scale",
                                                  "comp_state")}
     lists["swa_q"][layer], lists["swa_s"][layer] = new.swa_q, new.swa_s
@@ -178,22 +179,22 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
             lists[k][si] = getattr(new, k)
     pool = dataclasses.replace(pool, **lists)
 
-    if role in (AttnRole.FULL, AttnRole.REINDEX):
+    with jax.named_scope("q_proj"):
         q, qr = A.project_q(x, p, pos, freqs, cfg, num)
-        qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
-        ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
-        kw = dict(cfg=il.IndexerConfig.from_model(cfg), backend=kb, dtype=num.jdtype)
-        if cfg.uses_candidates(layer):
-            shared["topk"], _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=shared["cand"],
-                                              **kw)
-        else:
-            shared["topk"], cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
-                                                 num_entries=b.block_table.shape[1] * ikp.shape[1],
-                                                 want_candidates=layer == cfg.candidate_source_layer, **kw)
-            if layer == cfg.candidate_source_layer:
-                shared["cand"] = cand  # block ids here, where the XLA path keeps an entry mask
-    else:
-        q, _ = A.project_q(x, p, pos, freqs, cfg, num)
+    if role in (AttnRole.FULL, AttnRole.REINDEX):
+        with jax.named_scope("indexer"):
+            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
+            ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
+            kw = dict(cfg=il.IndexerConfig.from_model(cfg), backend=kb, dtype=num.jdtype)
+            if cfg.uses_candidates(layer):
+                shared["topk"], _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
+                                                  cand_blocks=shared["cand"], **kw)
+            else:
+                shared["topk"], cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
+                                                     num_entries=b.block_table.shape[1] * ikp.shape[1],
+                                                     want_candidates=layer == cfg.candidate_source_layer, **kw)
+                if layer == cfg.candidate_source_layer:
+                    shared["cand"] = cand  # block ids here, where the XLA path keeps an entry mask
 
     R = ring_size(cfg, layer)
     lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
@@ -205,10 +206,12 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if si is None else shared["topk"][:, 0]
     src = 0 if si is None else si  # SWA-only layers select no entry; any source's pages do
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
-    o = sa.sparse_attention(q[:, 0], pool.swa_q[layer].reshape(-1, cfg.head_dim),
-                            pool.swa_s[layer].reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
-                            pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw)
-    return A.output(o[:, None], pos, p, freqs, cfg, num), pool
+    with jax.named_scope("attend"):
+        o = sa.sparse_attention(q[:, 0], pool.swa_q[layer].reshape(-1, cfg.head_dim),
+                                pool.swa_s[layer].reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
+                                pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw)
+    with jax.named_scope("output"):
+        return A.output(o[:, None], pos, p, freqs, cfg, num), pool
 
 
 def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
