@@ -272,6 +272,6 @@ def is_quantized(w) -> bool:
 
 def dense(w, dtype=jnp.float32) -> jax.Array:
     """Any weight representation (incl. a kernel layout with `dequantize`) -> a dense array."""
-    if is_quantized(w) or hasattr(w, "dequantize"):
+    if hasattr(w, "dequantize"):
         return w.dequantize(dtype)
     return jnp.asarray(w).astype(dtype)

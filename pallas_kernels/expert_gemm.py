@@ -233,10 +233,7 @@ def _perm8_from_kernel(b: jax.Array) -> jax.Array:
 def _dequant_tile8_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
     """Model of the FP8 register decode for interpret mode: kernel-layout e4m3 bytes [64, tk] and UE8M0 bytes
     [tk/32, 64] -> bf16 [64, tk] in natural input order."""
-    import ml_dtypes
-
-    q = jax.lax.bitcast_convert_type(_perm8_from_kernel(wb.astype(jnp.uint8)),
-                                     jnp.dtype(ml_dtypes.float8_e4m3fn)).astype(jnp.float32)
+    q = jax.lax.bitcast_convert_type(_perm8_from_kernel(wb.astype(jnp.uint8)), jnp.float8_e4m3fn).astype(jnp.float32)
     sc = ue8m0_decode(sb.astype(jnp.uint8)).T  # [64, tk/32]
     v = q.reshape(q.shape[0], -1, 32) * sc[:, :, None]
     return v.reshape(q.shape[0], -1).astype(jnp.bfloat16)
@@ -460,7 +457,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         grid_names=("sm",),
         num_threads=nwg + 1,
         thread_name="wg",
-        kernel_name="expert_gemm_fp4",
+        kernel_name="fp8_linear" if fmt == "fp8" else "expert_gemm_fp4",
         compiler_params=plgpu.CompilerParams(),
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,

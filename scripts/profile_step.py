@@ -44,7 +44,7 @@ from serving.engine.engine import SamplingParams
 
 log = logging.getLogger("profile_step")
 
-OUR_KERNELS = ("expert_gemm_fp4", "sparse_attention", "indexer_logits", "kv_write_decode", "mhc_site",
+OUR_KERNELS = ("expert_gemm_fp4", "fp8_linear", "sparse_attention", "indexer_logits", "kv_write_decode", "mhc_site",
                "router_scores", "router_topk")
 GEMM_MARKS = ("gemm", "xmma", "nvjet", "cutlass", "matmul", "cublas")
 
