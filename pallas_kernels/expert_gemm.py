@@ -331,6 +331,7 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
     return dequant
 
 
+@functools.lru_cache(maxsize=None)
 def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig, interpret: bool,
                   fmt: str = "fp4"):
     """fmt 'fp4': packed e2m1 [E, N, K/2] + UE8M0 per 32 inputs (`PreparedFp4`); 'fp8': e4m3 [E, N, K] +
@@ -450,7 +451,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
-    return plgpu.kernel(
+    return jax.jit(plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((t_max * tm, n), jnp.bfloat16),
         grid=(num_sms,),
@@ -461,7 +462,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         compiler_params=plgpu.CompilerParams(),
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
+    ))
 
 
 def _num_sms() -> int:

@@ -380,7 +380,7 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
         plgpu.Barrier(num_arrivals=1, num_barriers=ns),
     ]
     kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-    return plgpu.kernel(
+    return jax.jit(plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((b, s, n_tiles * t), jnp.float32),
         grid=(num_splits, b),
@@ -390,7 +390,7 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
         kernel_name="indexer_logits",
         scratch_types=scratch,
         **kwargs,
-    )
+    ))
 
 
 @functools.cache
@@ -416,14 +416,14 @@ def _build_dequant_probe(d: int, interpret: bool):
         plgpu.wait_smem_to_gmem(0)
 
     kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-    return plgpu.kernel(
+    return jax.jit(plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((TILE, d), jnp.bfloat16), jax.ShapeDtypeStruct((TILE,), jnp.float32)),
         scratch_types=[plgpu.SMEM((TILE, d), jnp.bfloat16, transforms=tile_transforms),
                        plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.int32),
                        plgpu.Barrier(num_arrivals=1)],
         **kwargs,
-    )
+    ))
 
 
 def dequant_probe(ik_packed, ik_scale, rows, *, interpret=False):

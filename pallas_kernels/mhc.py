@@ -35,6 +35,7 @@ of tiny kernels on GPU), x = bf16(w * xc * rsqrt(mean xc^2 + eps)).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -102,6 +103,7 @@ def _token_block(t: int, cap: int) -> int:
     return max(b for b in range(1, min(t, cap) + 1) if t % b == 0)
 
 
+@functools.lru_cache(maxsize=None)
 def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -222,7 +224,7 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
         jax.ShapeDtypeStruct((t, d), bf16),
         jax.ShapeDtypeStruct((n_chunks, n_tblocks, pairs, ROWS), f32),
     )
-    return plgpu.kernel(
+    return jax.jit(plgpu.kernel(
         kernel,
         out_type=out_type,
         grid=(n_chunks, n_tblocks),
@@ -235,7 +237,7 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
                                              unsafe_no_auto_barriers=True),
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
+    ))
 
 
 def mhc_fused_pallas(y, h, post, comb, pre_delayed, fn, scale, base, norm_w, cfg: ModelConfig,

@@ -161,6 +161,7 @@ def route_reference(x: jax.Array, gate: dict, rc: RouteConfig):
 # kernel 1: split-K gate GEMM -> float32 partial logits [S, E, Tp]
 
 
+@functools.lru_cache(maxsize=None)
 def _gate_kernel(t_pad: int, d: int, e: int, cfg: KernelConfig, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -238,7 +239,7 @@ def _gate_kernel(t_pad: int, d: int, e: int, cfg: KernelConfig, interpret: bool)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = 2 if interpret else min(_num_sms(), n_items)
-    return plgpu.kernel(
+    return jax.jit(plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((s_n, e, t_pad), jnp.float32),
         grid=(num_sms,),
@@ -249,7 +250,7 @@ def _gate_kernel(t_pad: int, d: int, e: int, cfg: KernelConfig, interpret: bool)
         compiler_params=plgpu.CompilerParams(),
         scratch_types={"o_smem": plgpu.SMEM((nwg, 64, tm), jnp.float32)},
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
+    ))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,6 +270,7 @@ def _sqrt_softplus(z: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.maximum(z, 0.0) + _log1p(jnp.exp(-jnp.abs(z))))
 
 
+@functools.lru_cache(maxsize=None)
 def _epilogue_kernel(t_pad: int, e: int, cfg: KernelConfig, rc: RouteConfig, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -349,7 +351,7 @@ def _epilogue_kernel(t_pad: int, e: int, cfg: KernelConfig, rc: RouteConfig, int
         plgpu.copy_smem_to_gmem(i_smem, i_gmem.at[tile])
         plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(
+    return jax.jit(plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((n_tiles, k, 64), jnp.float32),
                   jax.ShapeDtypeStruct((n_tiles, k, 64), jnp.int32)),
@@ -366,7 +368,7 @@ def _epilogue_kernel(t_pad: int, e: int, cfg: KernelConfig, rc: RouteConfig, int
             plgpu.Barrier(num_arrivals=1, num_barriers=2 * n_ch),
         ],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
+    ))
 
 
 def _num_sms() -> int:

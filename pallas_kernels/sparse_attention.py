@@ -793,7 +793,7 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
     kwargs["interpret"] = plgpu.InterpretGPUParams()
   else:
     kwargs["compiler_params"] = plgpu.CompilerParams(approx_math=True)
-  return plgpu.kernel(
+  return jax.jit(plgpu.kernel(
       body,
       out_type=out_type,
       grid=(num_splits, b),
@@ -803,7 +803,7 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
       kernel_name="sparse_attention",
       scratch_types=scratch,
       **kwargs,
-  )
+  ))
 
 
 @functools.lru_cache(maxsize=None)
@@ -832,7 +832,7 @@ def _build_dequant_probe(fmt, d, interpret, rows_per_batch=4):
     plgpu.wait_smem_to_gmem(0)
 
   kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-  return plgpu.kernel(
+  return jax.jit(plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
                 jax.ShapeDtypeStruct((t,), jnp.float32)),
@@ -843,7 +843,7 @@ def _build_dequant_probe(fmt, d, interpret, rows_per_batch=4):
           plgpu.Barrier(num_arrivals=1),
       ],
       **kwargs,
-  )
+  ))
 
 
 def dequant_probe(fmt, src, scale, rows, *, interpret=False):

@@ -99,13 +99,14 @@ case "${1:-}" in
     timeout -k 10 240 $PY scripts/bench_fp8_linear.py --out "$OUT" > "$OUT/fp8_log.txt" 2>&1
     echo "bench_fp8_linear rc=$?"
     grep -E "^\||HBM" "$OUT/fp8_log.txt" | tail -30
+    timeout -k 10 100 $PY scripts/check_fp8_linear_repeat.py --reps 100 --rows 1,64 2>&1 | grep "^|"
     ;;
   fp8-engine)
-    timeout -k 10 330 $PY scripts/bench_engine.py --weights release --backends fp8,auto --batches 1,64 --skip-prefill \
-      --decode-ctx 4096 > "$OUT/fp8_engine_log.txt" 2>&1
+    timeout -k 10 330 $PY scripts/bench_engine.py --weights release --backends auto,fp8 --batches 1,64 \
+      --skip-prefill --decode-ctx 4096 > "$OUT/fp8_engine_log.txt" 2>&1
     echo "bench_engine rc=$?"
-    grep -E "decode |\| " "$OUT/fp8_engine_log.txt" | tail -8
-    timeout -k 10 220 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k fp8 \
+    grep -E "decode |\| " "$OUT/fp8_engine_log.txt" | tail -10
+    timeout -k 10 200 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k fp8 \
       > "$OUT/fp8_engine_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "fp8 linear|engine, FP8|PASSED|FAILED|passed|failed" "$OUT/fp8_engine_tests.txt" | tail -24

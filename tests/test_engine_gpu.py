@@ -87,7 +87,7 @@ def test_moe_kernel_matches_xla(bench):
 
 def test_fp8_linear_kernel_matches_xla(bench):
     """Every FP8 linear of a layer (the release's e4m3 + UE8M0 32x32) through the FP8 linear kernel against the
-    XLA path (dequantize + dot) at decode sizes, and the engine's decode step with the kernel."""
+    XLA path (dequantize + dot) at decode sizes."""
     from dsv41 import nn
     from pallas_kernels import fp8_linear
 
@@ -107,6 +107,12 @@ def test_fp8_linear_kernel_matches_xla(bench):
             rel = np.abs(y - yk).max() / np.abs(y).max()
             print(f"fp8 linear {'.'.join(path)} {w.shape} {n} rows: rel. max difference {rel:.3g}")
             assert rel < 2e-2
+
+
+def test_engine_with_fp8_linear_kernel_end_to_end(bench):
+    """The engine with every FP8 linear on the kernel against XLA's dequantize + dot (the other kernels as `auto`
+    picks them on both sides)."""
+    cfg, params = bench
     ids = list(np.random.default_rng(4).integers(3, cfg.vocab_size, 300))
     tx, lx = _run(cfg, params, ids, linear_backend="xla")
     tp, lq = _run(cfg, params, ids, linear_backend="pallas")

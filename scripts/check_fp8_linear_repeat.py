@@ -1,0 +1,47 @@
+"""Calls the FP8 linear kernel many times on the same inputs and counts calls whose result is not bit-identical
+to the first (a race in the chained pipeline would show as rare differing calls), at Flash's linear shapes.
+
+    PYTHONPATH=. python3 scripts/check_fp8_linear_repeat.py --reps 200
+"""
+
+import argparse
+import logging
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import nn, quant
+from pallas_kernels import fp8_linear as f8
+from bench_fp8_linear import SHAPES, random_fp8  # scripts/, on the path when run as a script
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--rows", default="1,8,64,128")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if jax.default_backend() != "gpu":
+        sys.exit("check_fp8_linear_repeat.py runs the compiled kernel: it needs a CUDA GPU")
+    num = quant.Numerics(act_quant=False, dtype="bfloat16")
+    run = jax.jit(lambda x, w: nn.linear(x, w, num, fp8_input=True))
+    print("| linear | rows | calls | calls differing from the first | max rel. difference vs XLA |")
+    print("|---|---|---|---|---|")
+    for i, (name, (n, k)) in enumerate(SHAPES.items()):
+        w = random_fp8(jax.random.key(i), n, k)
+        pw = f8.prepare_fp8_linear(w)
+        for rows in map(int, args.rows.split(",")):
+            x = jax.random.normal(jax.random.key(100 + rows), (rows, k)).astype(jnp.bfloat16)
+            ref = np.asarray(run(x, w).astype(jnp.float32))
+            outs = [run(x, pw) for _ in range(args.reps)]
+            first = np.asarray(outs[0].astype(jnp.float32))
+            differ = sum(not np.array_equal(np.asarray(o.astype(jnp.float32)), first) for o in outs[1:])
+            rel = max(float(np.abs(np.asarray(o.astype(jnp.float32)) - ref).max() / np.abs(ref).max())
+                      for o in outs[:: max(1, args.reps // 20)])
+            print(f"| {name} | {rows} | {args.reps} | {differ} | {rel:.3g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
