@@ -115,6 +115,19 @@ def fp8_linear_reference(x: jax.Array, w: Fp8Weight) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def fp8_linear_rounding_model(x: jax.Array, w: PreparedFp8) -> jax.Array:
+    """The kernel's rounding points in plain jnp: each K slice's product accumulated in float32 and rounded to
+    bf16 (the kernel's output tile), the slices summed in float32, rounded to bf16. Against XLA's dequantize + dot
+    (one float32 sum, one rounding) this is the kernel's only numerical difference; the engine can run it in
+    place of the kernel (`fp8_linear` under a patch) to tell the kernel's rounding from a kernel fault."""
+    m, k = x.shape
+    s_, n, ks = w.weight.shape
+    wd = w.dequantize(jnp.bfloat16).reshape(n, s_, ks)
+    part = jnp.einsum("msk,nsk->smn", x.astype(jnp.bfloat16).reshape(m, s_, ks), wd,
+                      preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return part.astype(jnp.float32).sum(0).astype(jnp.bfloat16)
+
+
 def _config(tm: int, k_iters: int) -> eg.KernelConfig:
     """Pipeline depth that fits shared memory (x tile, weight tile, scales a stage; the output tiles once),
     preferring one that divides the steps so an SM's items chain."""
