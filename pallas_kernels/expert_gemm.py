@@ -333,9 +333,12 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
 
 @functools.lru_cache(maxsize=None)
 def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig, interpret: bool,
-                  fmt: str = "fp4"):
+                  fmt: str = "fp4", out_dtype=jnp.bfloat16):
     """fmt 'fp4': packed e2m1 [E, N, K/2] + UE8M0 per 32 inputs (`PreparedFp4`); 'fp8': e4m3 [E, N, K] +
-    UE8M0 per 32 inputs, row-expanded (`fp8_linear.PreparedFp8`). Scales transposed [E, K/32, N] either way."""
+    UE8M0 per 32 inputs, row-expanded (`fp8_linear.PreparedFp8`). Scales transposed [E, K/32, N] either way.
+    out_dtype: bf16 -> y [t_max * tm, N]; float32 (the FP8 linear's K-slice partials, summed outside) -> y^T
+    [N, t_max * tm], the accumulator's own orientation (its transposed store into a swizzled float32 tile does
+    not lower: "Failed to infer a possible set of layouts")."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -353,12 +356,18 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     w_swz = min(128, tkp)
     w_transforms = (plgpu.TilingTransform((8, w_swz)), plgpu.SwizzleTransform(w_swz))
-    o_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    out_dtype = jnp.dtype(out_dtype)
+    out_t = out_dtype == jnp.float32
+    if out_t:  # [64 weight rows, tm tokens] tiles; the swizzle spans one row of tm float32
+        o_swz = next(b for b in (128, 64, 32) if tm * 4 % b == 0)
+        o_shape, o_transforms = (nwg, 64, tm), (plgpu.TilingTransform((8, o_swz // 4)), plgpu.SwizzleTransform(o_swz))
+    else:
+        o_shape, o_transforms = (nwg, tm, 64), (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     dequant = None if interpret else _dequant_tile_mgpu(tk, w_transforms, fmt)
     dequant_model = _dequant_tile8_jnp if fmt == "fp8" else _dequant_tile_jnp
     # The interpreter's wgmma takes A only from shared memory.
     a_smem_mode = cfg.a_smem or interpret
-    scratch = {"o_smem": plgpu.SMEM((nwg, tm, 64), jnp.bfloat16, transforms=o_transforms)}
+    scratch = {"o_smem": plgpu.SMEM(o_shape, out_dtype, transforms=o_transforms)}
     if a_smem_mode:
         scratch["a_smem"] = plgpu.SMEM((nwg, 64, tk), jnp.bfloat16, transforms=x_transforms)
 
@@ -406,13 +415,16 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, tm), jnp.float32))
                     def _acc(acc_ref):
                         eval_pipeline(acc_ref)
-                        y = acc_ref[...].astype(jnp.bfloat16)  # [64 weight rows, tm tokens] = y^T
+                        y = acc_ref[...].astype(out_dtype)  # [64 weight rows, tm tokens] = y^T
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        o_smem.at[wg].transpose((1, 0))[...] = y
+                        if out_t:
+                            o_smem.at[wg][...] = y
+                            dst = o_gmem.at[pl.ds(nb * tn + wg * 64, 64), pl.ds(t * tm, tm)]
+                        else:
+                            o_smem.at[wg].transpose((1, 0))[...] = y
+                            dst = o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)]
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[wg],
-                            o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)])
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
                 def mma_body(_, x_smem, w_smem, s_smem, acc_ref):
                     w_wg = w_smem.at[pl.ds(wg * 64, 64)]
@@ -453,7 +465,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
     return jax.jit(plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((t_max * tm, n), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct((n, t_max * tm) if out_t else (t_max * tm, n), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=nwg + 1,

@@ -18,7 +18,10 @@ the weight bytes). Limits: N % 128 == 0, K % 128 == 0, scale bytes <= MAX_SCALE_
 Split K: a kernel work item is 128 output rows over all of K, so a linear with few rows (wq_a: N=1280, 10
 items) would leave most of the 132 SMs idle. `prepare_fp8_linear` cuts K into S slices stored as S groups
 [S, N, K/S] (S chosen from the shape, see `splits`); the kernel runs them as S groups of the same token tile
-and the S partial results (bf16) are summed in float32.
+and the S partial results are written in float32 (as y^T [N, S * tm], the accumulator's orientation) and
+summed outside, so the result is rounded to bf16 once, as XLA's dot rounds it. (The first version wrote bf16
+partials: 0.3-0.6% of the largest output from XLA on the H200, and an engine check that failed at one decode
+step; docs/KERNELS_EXPERT_GEMM.md, "FP8 linears".)
 """
 
 from __future__ import annotations
@@ -115,24 +118,11 @@ def fp8_linear_reference(x: jax.Array, w: Fp8Weight) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def fp8_linear_rounding_model(x: jax.Array, w: PreparedFp8) -> jax.Array:
-    """The kernel's rounding points in plain jnp: each K slice's product accumulated in float32 and rounded to
-    bf16 (the kernel's output tile), the slices summed in float32, rounded to bf16. Against XLA's dequantize + dot
-    (one float32 sum, one rounding) this is the kernel's only numerical difference; the engine can run it in
-    place of the kernel (`fp8_linear` under a patch) to tell the kernel's rounding from a kernel fault."""
-    m, k = x.shape
-    s_, n, ks = w.weight.shape
-    wd = w.dequantize(jnp.bfloat16).reshape(n, s_, ks)
-    part = jnp.einsum("msk,nsk->smn", x.astype(jnp.bfloat16).reshape(m, s_, ks), wd,
-                      preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    return part.astype(jnp.float32).sum(0).astype(jnp.bfloat16)
-
-
-def _config(tm: int, k_iters: int) -> eg.KernelConfig:
+def _config(tm: int, k_iters: int, out_bytes: int = 2) -> eg.KernelConfig:
     """Pipeline depth that fits shared memory (x tile, weight tile, scales a stage; the output tiles once),
     preferring one that divides the steps so an SM's items chain."""
     stage = tm * TK * 2 + TN * TK + TK // 32 * TN
-    fits = [st for st in (4, 5, 3, 2) if st * stage + 2 * tm * 64 * 2 <= 200 * 1024]
+    fits = [st for st in (4, 5, 3, 2) if st * stage + 2 * tm * 64 * out_bytes <= 200 * 1024]
     stages = next((st for st in fits if k_iters % st == 0), fits[0])
     return eg.KernelConfig(tm=tm, tk=TK, num_wgs=2, stages=stages, chain=True)
 
@@ -149,8 +139,12 @@ def fp8_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | None = No
     # token tile t = (slice t's inputs of every row): group t, row block t
     xs = jnp.pad(x.astype(jnp.bfloat16), ((0, tm - m), (0, 0))).reshape(tm, s_, ks)
     xs = jnp.swapaxes(xs, 0, 1).reshape(s_ * tm, ks)
-    cfg = config or _config(tm, ks // TK)
+    # K slices write float32 partials, so the result is rounded once, as XLA's dot rounds it
+    out_dtype = jnp.float32 if s_ > 1 else jnp.bfloat16
+    cfg = config or _config(tm, ks // TK, jnp.dtype(out_dtype).itemsize)
     tiles = jnp.arange(s_, dtype=jnp.int32)
-    call = eg._build_kernel(s_ * tm, ks, n, s_, s_, cfg, w.interpret, fmt="fp8")
-    y = call(jnp.full((1,), s_, jnp.int32), tiles, tiles, xs, w.weight, w.scale_t)  # [S * tm, N]
-    return y.reshape(s_, tm, n).astype(jnp.float32).sum(0)[:m].astype(jnp.bfloat16)
+    call = eg._build_kernel(s_ * tm, ks, n, s_, s_, cfg, w.interpret, fmt="fp8", out_dtype=out_dtype)
+    y = call(jnp.full((1,), s_, jnp.int32), tiles, tiles, xs, w.weight, w.scale_t)
+    if s_ == 1:
+        return y[:m]  # [tm, N] bf16
+    return y.reshape(n, s_, tm).sum(1).T[:m].astype(jnp.bfloat16)  # y^T [N, S * tm] float32

@@ -109,32 +109,18 @@ def test_fp8_linear_kernel_matches_xla(bench):
             assert rel < 2e-2
 
 
-def test_engine_with_fp8_linear_kernel_end_to_end(bench, monkeypatch):
+def test_engine_with_fp8_linear_kernel_end_to_end(bench):
     """The engine with every FP8 linear on the kernel against XLA's dequantize + dot (the other kernels as `auto`
-    picks them on both sides), and against the kernel's rounding model (`fp8_linear_rounding_model`, plain XLA,
-    patched in for the kernel): kernel vs model isolates a kernel fault, model vs XLA is what the kernel's bf16
-    rounding of its K-slice partials does to the logits. A first run failed at one decode step against XLA
-    (0.38, docs/KERNELS_EXPERT_GEMM.md "FP8 linears"); this tells the two causes apart."""
-    from pallas_kernels import fp8_linear
-
+    picks them on both sides). With bf16 K-slice partials this failed on the H200 at the first decode step
+    (0.38; docs/KERNELS_EXPERT_GEMM.md, "FP8 linears"); the partials are float32 since."""
     cfg, params = bench
     ids = list(np.random.default_rng(4).integers(3, cfg.vocab_size, 300))
     tx, lx = _run(cfg, params, ids, linear_backend="xla")
     tp, lq = _run(cfg, params, ids, linear_backend="pallas")
-    jax.clear_caches()  # the patched run must trace again (same params structure, same jit cache keys)
-    with monkeypatch.context() as mp:
-        mp.setattr(fp8_linear, "fp8_linear", lambda x, w, config=None: fp8_linear.fp8_linear_rounding_model(x, w))
-        tm, lm = _run(cfg, params, ids, linear_backend="pallas")
-    jax.clear_caches()
-
-    def rel(a, b):
-        return [round(float(np.abs(a[i] - b[i]).max() / np.abs(b[i]).max()), 4) for i in range(len(b))]
-
-    print(f"engine, FP8 linear kernel vs XLA: rel. max logit difference per step {rel(lq, lx)}; tokens {tx} vs {tp}")
-    print(f"engine, FP8 linear kernel vs its rounding model: {rel(lq, lm)}; rounding model vs XLA: {rel(lm, lx)}; "
-          f"model tokens {tm}")
-    assert np.all(np.isfinite(lq)) and rel(lq, lx)[0] < E2E_TOL  # the prefill, as the other end-to-end checks
-    assert max(rel(lq, lm)) < E2E_TOL  # every step: the kernel computes what its rounding model computes
+    rel = [float(np.abs(lx[i] - lq[i]).max() / np.abs(lx[i]).max()) for i in range(len(lx))]
+    print(f"engine, FP8 linear kernel vs XLA: rel. max logit difference per step {np.round(rel, 4).tolist()}; "
+          f"tokens {tx} vs {tp}")
+    assert np.all(np.isfinite(lq)) and max(rel[:2]) < E2E_TOL  # the prefill and the first decode step
 
 
 def test_fused_sites_match_xla_in_a_block(bench):

@@ -94,8 +94,15 @@ def test_kernel_interpret(m, n, k, num_splits):
     assert _rel(y, ref) < 5e-3
     for r in range(m):  # row by row: a misplaced row fails even if the norm passes
         assert np.abs(np.asarray(y[r].astype(jnp.float32)) - ref[r]).max() <= 2e-2 * np.abs(ref[r]).max() + 1e-6
-    # the rounding model (bf16 per K slice, float32 sum) is the interpreter's result bit for bit
-    assert np.asarray(f8.fp8_linear_rounding_model(x, p)).tobytes() == np.asarray(y).tobytes()
+    _assert_matches_xla(x, w, y)
+
+
+def _assert_matches_xla(x, w, y):
+    """y equals XLA's dequantize + dot up to the order of the float32 sums: one bf16 step where that order
+    crosses a rounding boundary (K-slice partials in bf16, the first version, were 0.3-0.6% of the max off)."""
+    xla = jnp.einsum("mk,nk->mn", x, w.dequantize(jnp.bfloat16), preferred_element_type=jnp.float32)
+    xla = np.asarray(xla.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), xla, rtol=2.0**-7, atol=1e-4 * np.abs(xla).max())
 
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -112,6 +119,7 @@ def test_kernel_gpu(m, n, k):
     ref = np.asarray(f8.fp8_linear_reference(x, w), np.float64)
     assert np.isfinite(np.asarray(y.astype(jnp.float32))).all()
     assert _rel(y, ref) < 5e-3
+    _assert_matches_xla(x, w, y)
 
 
 def test_prepare_linears_and_linear_dispatch():
