@@ -105,6 +105,19 @@ def _assert_matches_xla(x, w, y):
     np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), xla, rtol=2.0**-7, atol=1e-4 * np.abs(xla).max())
 
 
+@pytest.mark.parametrize("n,k", [(1280, 5120), (32768, 1280)])
+def test_kernel_lowers_for_cuda(n, k):
+    """The compiled kernel's Mosaic GPU pass (layouts, TMA boxes, swizzles, shared memory) at Flash's shapes, on
+    the CPU: K split (float32 y^T partials) and not (bf16), at the row counts whose tiles differ (8, 24, 128).
+    The interpreter accepts layouts the GPU lowering rejects (a transposed float32 store did not lower)."""
+    sd = jax.ShapeDtypeStruct
+    w = Fp8Weight(sd((n, k), jnp.float8_e4m3fn), sd((n // 32, k // 32), jnp.uint8))
+    pw = jax.eval_shape(lambda w: f8.prepare_fp8_linear(w, check=False, num_splits=f8.splits(n, k)), w)
+    assert (pw.weight.shape[0] > 1) == (n == 1280)
+    for m in (1, 24, 128):
+        jax.jit(f8.fp8_linear).trace(sd((m, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
+
+
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 
 
