@@ -84,3 +84,24 @@ def test_linear_f32_is_a_float32_product(wfmt):
     f32 = np.asarray(jnp.einsum("ti,oi->to", x, jnp.asarray(wd, jnp.float32), precision=jax.lax.Precision.HIGHEST))
     bound = max(4 * np.abs(f32 - want).max(), 1e-6 * np.abs(want).max())
     assert y.dtype == np.float32 and np.abs(y - want).max() <= bound
+
+
+def test_mhc_coefficients_of_a_bf16_stream_are_float32_dots(monkeypatch):
+    """A bf16 stream's 24 mix dots run as three exact bf16 terms of fn (nn.linear_f32 with the roles swapped):
+    the mix values must be as close to float64 as the float32 HIGHEST einsum of the float32 path."""
+    from dsv41 import mhc
+    cfg = preset("tiny")
+    hc, d = cfg.hc_mult, 384
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 3, hc, d)) * 3, jnp.bfloat16)
+    fn = jnp.asarray(rng.standard_normal(((2 + hc) * hc, hc * d)) * 0.02, jnp.float32)
+    scale, base = jnp.ones(3, jnp.float32), jnp.zeros(((2 + hc) * hc,), jnp.float32)
+    mixes = []  # the mix values each path hands to the coefficient formulas
+    monkeypatch.setattr(mhc, "coefficients_from_mix", lambda m, *a: mixes.append(np.asarray(m, np.float64)))
+    mhc.coefficients(x, fn, scale, base, cfg)
+    mhc.coefficients(x.astype(jnp.float32), fn, scale, base, cfg)
+    m_bf16, m_f32 = mixes
+    xf = np.asarray(x.astype(jnp.float32), np.float64).reshape(2, 3, -1)
+    want = (xf @ np.asarray(fn, np.float64).T) / np.sqrt((xf * xf).mean(-1, keepdims=True) + cfg.norm_eps)
+    bound = max(4 * np.abs(m_f32 - want).max(), 1e-6 * np.abs(want).max())
+    assert m_bf16.shape == want.shape and np.abs(m_bf16 - want).max() <= bound
