@@ -195,8 +195,12 @@ class KernelConfig:
     a_smem: bool = False  # write the decoded tile to shared memory and feed wgmma from there (else registers)
     # Chain the work items of an SM into one TMA stream (the pipeline's START / STEADY / STOP states): the next
     # item's loads start while this one computes, instead of refilling the pipeline for each item. Needs
-    # (K / tk) % stages == 0; otherwise every item runs its own pipeline.
+    # (K / tk / ksplit) % stages == 0; otherwise every item runs its own pipeline.
     chain: bool = False
+    # K cut into this many slices, each its own work item writing a float32 partial result (summed outside, one
+    # bf16 rounding): at decode a few experts x N blocks are 1-2 uneven waves over the SMs; slices make more,
+    # smaller items. Needs (K / tk) % ksplit == 0.
+    ksplit: int = 1
 
     @property
     def tn(self) -> int:
@@ -336,9 +340,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                   fmt: str = "fp4", out_dtype=jnp.bfloat16):
     """fmt 'fp4': packed e2m1 [E, N, K/2] + UE8M0 per 32 inputs (`PreparedFp4`); 'fp8': e4m3 [E, N, K] +
     UE8M0 per 32 inputs, row-expanded (`fp8_linear.PreparedFp8`). Scales transposed [E, K/32, N] either way.
-    out_dtype: bf16 -> y [t_max * tm, N]; float32 (the FP8 linear's K-slice partials, summed outside) -> y^T
-    [N, t_max * tm], the accumulator's own orientation (its transposed store into a swizzled float32 tile does
-    not lower: "Failed to infer a possible set of layouts")."""
+    out_dtype: bf16 -> y [t_max * tm, N]; float32 (K-slice partials, summed outside) -> y^T
+    [cfg.ksplit * N, t_max * tm] (slice-major), the accumulator's own orientation (its transposed store into a
+    swizzled float32 tile does not lower: "Failed to infer a possible set of layouts")."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -350,13 +354,19 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         raise ValueError(f"tk={tk} must be a multiple of 64")
     if k % tk or n % tn:
         raise ValueError(f"K={k} must be a multiple of tk={tk} and N={n} of tn={tn}")
-    k_iters = k // tk
+    ks = cfg.ksplit
+    if (k // tk) % ks:
+        raise ValueError(f"ksplit={ks} must divide K/tk={k // tk}")
+    out_dtype = jnp.dtype(out_dtype)
+    if ks > 1 and out_dtype != jnp.float32:
+        raise ValueError("ksplit > 1 writes float32 partial results: out_dtype must be float32")
+    k_iters = k // tk // ks  # pipeline steps of one work item
+    kp = k // ks  # inputs of one K slice
     n_blocks = n // tn
     chain = cfg.chain and k_iters % cfg.stages == 0
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     w_swz = min(128, tkp)
     w_transforms = (plgpu.TilingTransform((8, w_swz)), plgpu.SwizzleTransform(w_swz))
-    out_dtype = jnp.dtype(out_dtype)
     out_t = out_dtype == jnp.float32
     if out_t:  # [64 weight rows, tm tokens] tiles; the swizzle spans one row of tm float32
         o_swz = next(b for b in (128, 64, 32) if tm * 4 % b == 0)
@@ -396,18 +406,20 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         @functools.partial(
             pl.run_scoped,
             allocs=get_pipeline(ignore, ignore).get_allocations(
-                x_gmem.at[pl.ds(0, tm), :], w_gmem.at[0, pl.ds(0, tn), :], s_gmem.at[0, :, pl.ds(0, tn)]),
+                x_gmem.at[pl.ds(0, tm), pl.ds(0, kp)], w_gmem.at[0, pl.ds(0, tn), pl.ds(0, kp * tkp // tk)],
+                s_gmem.at[0, pl.ds(0, kp // 32), pl.ds(0, tn)]),
             collective_axes="wg",
         )
         def _scope(allocs):
             wg = jax.lax.axis_index("wg")
 
-            # Live tiles come first in the schedule: loop over exactly the live (tile, N-block) items.
-            @plgpu.nd_loop((nl_gmem[0] * n_blocks,), collective_axes="sm")
+            # Live tiles come first in the schedule: loop over exactly the live (tile, N-block, K-slice) items.
+            @plgpu.nd_loop((nl_gmem[0] * n_blocks * ks,), collective_axes="sm")
             def _loop(info):
                 (lin,) = info.index
-                t = lin // n_blocks
-                nb = lin % n_blocks
+                t = lin // (n_blocks * ks)
+                nb = lin % (n_blocks * ks) // ks
+                sp = lin % ks
                 ex = te_gmem[t]
                 blk = tb_gmem[t]
 
@@ -419,7 +431,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         if out_t:
                             o_smem.at[wg][...] = y
-                            dst = o_gmem.at[pl.ds(nb * tn + wg * 64, 64), pl.ds(t * tm, tm)]
+                            dst = o_gmem.at[pl.ds(sp * n + nb * tn + wg * 64, 64), pl.ds(t * tm, tm)]
                         else:
                             o_smem.at[wg].transpose((1, 0))[...] = y
                             dst = o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)]
@@ -441,8 +453,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
-                refs = (x_gmem.at[pl.ds(blk * tm, tm), :], w_gmem.at[ex, pl.ds(nb * tn, tn), :],
-                        s_gmem.at[ex, :, pl.ds(nb * tn, tn)])
+                refs = (x_gmem.at[pl.ds(blk * tm, tm), pl.ds(sp * kp, kp)],
+                        w_gmem.at[ex, pl.ds(nb * tn, tn), pl.ds(sp * (kp * tkp // tk), kp * tkp // tk)],
+                        s_gmem.at[ex, pl.ds(sp * (kp // 32), kp // 32), pl.ds(nb * tn, tn)])
                 if not chain:
                     get_pipeline(mma_body, compute_context)(*refs, allocations=allocs)
                     return
@@ -465,7 +478,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
     return jax.jit(plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((n, t_max * tm) if out_t else (t_max * tm, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((ks * n, t_max * tm) if out_t else (t_max * tm, n), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=nwg + 1,
@@ -495,8 +508,13 @@ def grouped_fp4_matmul_pallas(x: jax.Array, w: Fp4Weight | PreparedFp4, group_si
     cfg = config or default_config(m, n, k)
     t_max = max_tiles(m, e, cfg.tm)
     te, tb, pos, valid = tile_schedule(group_sizes, m, cfg.tm, t_max)
-    call = _build_kernel(m, k, n, e, t_max, cfg, interpret)
-    y_pad = call(live_tile_count(te), te, tb, x.astype(jnp.bfloat16), pw.weight, pw.scale_t)
+    if cfg.ksplit == 1:
+        call = _build_kernel(m, k, n, e, t_max, cfg, interpret)
+        y_pad = call(live_tile_count(te), te, tb, x.astype(jnp.bfloat16), pw.weight, pw.scale_t)
+    else:  # float32 partials y^T [ksplit * N, t_max * tm], summed here (fuses into the gather)
+        call = _build_kernel(m, k, n, e, t_max, cfg, interpret, out_dtype=jnp.float32)
+        part = call(live_tile_count(te), te, tb, x.astype(jnp.bfloat16), pw.weight, pw.scale_t)
+        y_pad = part.reshape(cfg.ksplit, n, t_max * cfg.tm).sum(0).T.astype(jnp.bfloat16)
     return jnp.where(valid[:, None], y_pad[pos], jnp.zeros((), jnp.bfloat16))
 
 

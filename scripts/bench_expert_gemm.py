@@ -60,7 +60,8 @@ def log(*a):
 def label(cfg):
     if cfg is None or isinstance(cfg, str):
         return cfg or ""
-    return f"tm{cfg.tm} tk{cfg.tk} wg{cfg.num_wgs} st{cfg.stages}" + (" A-in-smem" if cfg.a_smem else "")
+    return (f"tm{cfg.tm} tk{cfg.tk} wg{cfg.num_wgs} st{cfg.stages}" + (" chain" if cfg.chain else "")
+            + (f" ks{cfg.ksplit}" if cfg.ksplit > 1 else "") + (" A-in-smem" if cfg.a_smem else ""))
 
 
 def elapsed():
@@ -200,7 +201,8 @@ def kernel_only(x, pw, gs, cfg):
     e = pw.weight.shape[0]
     t_max = eg.max_tiles(m, e, cfg.tm)
     te, tb, _, _ = eg.tile_schedule(gs, m, cfg.tm, t_max)
-    call = eg._build_kernel(m, x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET)
+    call = eg._build_kernel(m, x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET,
+                            out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
     return jax.jit(call), (eg.live_tile_count(te), te, tb)
 
 
@@ -401,11 +403,20 @@ def _cases(args, ceil):
     dec_var = [C(tm=8, tk=256, num_wgs=2, stages=4), C(tm=8, tk=256, num_wgs=2, stages=3, chain=True),
                C(tm=8, tk=256, num_wgs=2, stages=8), C(tm=8, tk=128, num_wgs=2, stages=6, chain=True),
                C(tm=8, tk=256, num_wgs=1, stages=6)]
+    # K slices at decode (more, smaller items than 1-2 uneven waves of experts x N blocks): per weight, as the
+    # slices must divide its K steps (w13: 40 of 128, w2: 18 of 128)
+    dec_split = {"w13": [C(tm=8, tk=128, num_wgs=2, stages=4, chain=True, ksplit=5),
+                         C(tm=8, tk=128, num_wgs=2, stages=4, chain=True, ksplit=2),
+                         C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, ksplit=2)],
+                 "w2": [C(tm=8, tk=128, num_wgs=2, stages=3, chain=True, ksplit=2),
+                        C(tm=8, tk=128, num_wgs=2, stages=3, chain=True, ksplit=3),
+                        C(tm=8, tk=128, num_wgs=2, stages=3, chain=True, ksplit=6)]}
     pre_var = [C(tm=128, tk=128, num_wgs=2, stages=4, chain=True), C(tm=128, tk=64, num_wgs=2, stages=5, chain=True),
                C(tm=192, tk=64, num_wgs=2, stages=5, chain=True), C(tm=64, tk=128, num_wgs=2, stages=5)]
     if args.tiny:
         dec_cfgs, pre_cfgs = [C(tm=8, tk=64, num_wgs=1, stages=2)], [C(tm=16, tk=64, num_wgs=2, stages=2)]
         dec_var, pre_var = [C(tm=8, tk=64, num_wgs=2, stages=2)], [C(tm=8, tk=64, num_wgs=1, stages=2)]
+        dec_split = {mat: [C(tm=8, tk=64, num_wgs=1, stages=1, ksplit=2)] for mat in shapes}
     dec = [int(t) for t in args.decode_tokens.split(",") if t]
     # priority order (the budget cuts the tail): largest decode, prefill, the other decodes, then variants
     cases = [("decode", max(dec))] + ([] if args.skip_prefill else [("prefill", args.prefill_tokens)])
@@ -418,7 +429,8 @@ def _cases(args, ceil):
             run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, dec_cfgs if kind == "decode" else pre_cfgs,
                      ceil, args, do_mgpu=(kind == "prefill" and mat == "w13"))
     if args.variants:
-        vcases = [("decode", max(dec), "w13"), ("decode", min(dec), "w13"), ("decode", max(dec), "w2")]
+        vcases = [("decode", min(dec), "w13"), ("decode", min(dec), "w2"), ("decode", max(dec), "w13"),
+                  ("decode", max(dec), "w2")]
         if not args.skip_prefill:
             vcases.insert(1, ("prefill", args.prefill_tokens, "w13"))
         for kind, tokens, mat in vcases:
@@ -426,7 +438,7 @@ def _cases(args, ceil):
             if elapsed() > args.budget_s:
                 log("budget reached, skipping variants", kind, tokens, mat)
                 continue
-            run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, dec_var if kind == "decode" else pre_var,
+            run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, dec_split[mat] + dec_var if kind == "decode" else pre_var,
                      ceil, argparse.Namespace(**{**vars(args), "skip_baselines": True}), do_mgpu=False)
 
 

@@ -123,6 +123,9 @@ INTERP_CASES = [
     (40, 128, 128, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, chain=True)),
     (20, 128, 128, [7, 0, 11], C(tm=8, tk=64, num_wgs=2, stages=2, chain=True)),
     (8, 128, 64, [8], C(tm=8, tk=64, num_wgs=1, stages=2, chain=True)),  # one item: the plain pipeline
+    # K slices (float32 partials summed outside): 2 and 3 slices, chained and not, an empty group between
+    (20, 256, 128, [7, 0, 11], C(tm=8, tk=64, num_wgs=2, stages=2, chain=True, ksplit=2)),
+    (24, 192, 128, [0, 9, 0, 15, 0], C(tm=8, tk=64, num_wgs=1, stages=1, ksplit=3)),
 ]
 
 
@@ -157,6 +160,10 @@ def test_config_validation():
     with pytest.raises(ValueError):
         eg.grouped_fp4_matmul(x, w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=64, num_wgs=1))  # K=96 is not a multiple of tk
+    w = _random_weights_bytes(np.random.default_rng(6), 1, 64, 192)
+    with pytest.raises(ValueError, match="ksplit"):
+        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
+                              config=C(tm=8, tk=64, num_wgs=1, ksplit=2))  # 3 k-steps in 2 slices
 
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -168,7 +175,8 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4)),
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True)),
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True)),
-                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True))])
+                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True)),
+                                   (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2))])
 def test_kernel_gpu(m, cfg):
     rng = np.random.default_rng(7)
     e, n, k = 16, 256, 512
