@@ -166,6 +166,18 @@ def test_config_validation():
                               config=C(tm=8, tk=64, num_wgs=1, ksplit=2))  # 3 k-steps in 2 slices
 
 
+@pytest.mark.parametrize("n,k,cfg", [(4608, 5120, C(tm=8, tk=128, num_wgs=2, stages=4, chain=True, ksplit=5)),
+                                     (5120, 2304, C(tm=8, tk=128, num_wgs=2, stages=3, chain=True, ksplit=3))])
+def test_ksplit_lowers_for_cuda(n, k, cfg):
+    """K slices at Flash's expert shapes (fused w1/w3, w2), one decode token's 6 rows, through the Mosaic GPU
+    lowering for sm_90a: the float32 y^T partial tiles and the sliced TMA sources (the interpreter accepts
+    layouts the GPU rejects)."""
+    sd, e = jax.ShapeDtypeStruct, 16
+    w = eg.PreparedFp4(sd((e, n, k // 2), jnp.uint8), sd((e, k // 32, n), jnp.uint8))
+    jax.jit(lambda x, w, g: eg.grouped_fp4_matmul_pallas(x, w, g, cfg)).trace(
+        sd((6, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
+
+
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 
 
