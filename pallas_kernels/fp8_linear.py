@@ -16,12 +16,12 @@ exact). Scales: the block's UE8M0 byte for every row, transposed to [K/32, N] (a
 the weight bytes). Limits: N % 128 == 0, K % 128 == 0, scale bytes <= MAX_SCALE_BYTE.
 
 Split K: a kernel work item is 128 output rows over all of K, so a linear with few rows (wq_a: N=1280, 10
-items) would leave most of the 132 SMs idle. `prepare_fp8_linear` cuts K into S slices stored as S groups
-[S, N, K/S] (S chosen from the shape, see `splits`); the kernel runs them as S groups of the same token tile
-and the S partial results are written in float32 (as y^T [N, S * tm], the accumulator's orientation) and
-summed outside, so the result is rounded to bf16 once, as XLA's dot rounds it. (The first version wrote bf16
-partials: 0.3-0.6% of the largest output from XLA on the H200, and an engine check that failed at one decode
-step; docs/KERNELS_EXPERT_GEMM.md, "FP8 linears".)
+items) would leave most of the 132 SMs idle. The kernel cuts K into S slices, each a work item of its own
+(`KernelConfig.ksplit`, S chosen from the shape at load, see `splits`), which write float32 partial results
+(y^T [S * N, tm], the accumulator's orientation) summed here, so the result is rounded to bf16 once, as XLA's
+dot rounds it. (The first version stored the slices as S weight groups and wrote bf16 partials: 0.3-0.6% of
+the largest output from XLA on the H200, and an engine check that failed at one decode step;
+docs/KERNELS_EXPERT_GEMM.md, "FP8 linears".)
 """
 
 from __future__ import annotations
@@ -56,19 +56,19 @@ def splits(n: int, k: int, num_sms: int = 132) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PreparedFp8:
-    """An FP8 linear weight [N, K] in the kernel layout, K cut into S slices: `weight` uint8 [S, N, K/S] (e4m3
-    bytes, reordered per 16 inputs), `scale_t` uint8 [S, K/S/32, N] (UE8M0 per row and 32 inputs). `interpret`
-    (static): run the kernel in the Mosaic GPU interpreter (CPU tests). `dequantize` gives the dense weight, so a
-    path without the kernel still works."""
+    """An FP8 linear weight [N, K] in the kernel layout: `weight` uint8 [1, N, K] (e4m3 bytes, reordered per 16
+    inputs; one expert group), `scale_t` uint8 [1, K/32, N] (UE8M0 per row and 32 inputs). Static: `splits`,
+    the K slices the kernel runs as separate work items; `interpret`, run the kernel in the Mosaic GPU
+    interpreter (CPU tests). `dequantize` gives the dense weight, so a path without the kernel still works."""
 
     weight: jax.Array
     scale_t: jax.Array
+    splits: int = dataclasses.field(default=1, metadata={"static": True})
     interpret: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
-        s_, n, ks = self.weight.shape
-        return (n, s_ * ks)
+        return self.weight.shape[1:]
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return unprepare_fp8_linear(self).dequantize(dtype)
@@ -100,15 +100,14 @@ def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True
     s_ = num_splits or splits(n, k, eg._num_sms())
     if (k // TK) % s_:
         raise ValueError(f"num_splits={s_} must divide K/{TK}={k // TK}")
-    raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8).reshape(n, s_, k // s_)
-    rows = jnp.repeat(w.scale, 32, axis=0)[:n, : k // 32].reshape(n, s_, k // 32 // s_)  # the block's byte per row
-    return PreparedFp8(_perm_to_kernel(jnp.swapaxes(raw, 0, 1)), jnp.transpose(rows, (1, 2, 0)), interpret)
+    raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8)
+    rows = jnp.repeat(w.scale, 32, axis=0)[:n, : k // 32]  # the block's byte for every row
+    return PreparedFp8(_perm_to_kernel(raw)[None], rows.T[None], s_, interpret)
 
 
 def unprepare_fp8_linear(p: PreparedFp8) -> Fp8Weight:
-    n, k = p.shape
-    raw = jnp.swapaxes(eg._perm8_from_kernel(p.weight), 0, 1).reshape(n, k)
-    rows = jnp.transpose(p.scale_t, (2, 0, 1)).reshape(n, k // 32)
+    raw = eg._perm8_from_kernel(p.weight[0])
+    rows = p.scale_t[0].T  # [N, K/32]
     return Fp8Weight(jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn), rows[::32])  # a block's rows share it
 
 
@@ -118,33 +117,32 @@ def fp8_linear_reference(x: jax.Array, w: Fp8Weight) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _config(tm: int, k_iters: int, out_bytes: int = 2) -> eg.KernelConfig:
-    """Pipeline depth that fits shared memory (x tile, weight tile, scales a stage; the output tiles once),
-    preferring one that divides the steps so an SM's items chain."""
+def _config(tm: int, k_iters: int, ksplit: int) -> eg.KernelConfig:
+    """Pipeline depth that fits shared memory (x tile, weight tile, scales a stage; the output tiles once: bf16
+    [tm, 64], or float32 [64, tm] partials when K is split), preferring one that divides an item's steps so an
+    SM's items chain."""
     stage = tm * TK * 2 + TN * TK + TK // 32 * TN
-    fits = [st for st in (4, 5, 3, 2) if st * stage + 2 * tm * 64 * out_bytes <= 200 * 1024]
+    out = 2 * tm * 64 * (4 if ksplit > 1 else 2)
+    fits = [st for st in (4, 5, 3, 2) if st * stage + out <= 200 * 1024]
     stages = next((st for st in fits if k_iters % st == 0), fits[0])
-    return eg.KernelConfig(tm=tm, tk=TK, num_wgs=2, stages=stages, chain=True)
+    return eg.KernelConfig(tm=tm, tk=TK, num_wgs=2, stages=stages, chain=True, ksplit=ksplit)
 
 
 def fp8_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | None = None) -> jax.Array:
     """x bf16 [M, K] (M <= MAX_ROWS) -> bf16 [M, N] through the kernel (w.interpret: the interpreter)."""
     m, k = x.shape
-    s_, n, ks = w.weight.shape
+    n, kw = w.shape
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows > MAX_ROWS={MAX_ROWS}: use the XLA path (dequantize + dot) for prefill")
-    if s_ * ks != k:
-        raise ValueError(f"x has K={k}, weight has K={s_ * ks}")
+    if kw != k:
+        raise ValueError(f"x has K={k}, weight has K={kw}")
     tm = max(8, -(-m // 8) * 8)
-    # token tile t = (slice t's inputs of every row): group t, row block t
-    xs = jnp.pad(x.astype(jnp.bfloat16), ((0, tm - m), (0, 0))).reshape(tm, s_, ks)
-    xs = jnp.swapaxes(xs, 0, 1).reshape(s_ * tm, ks)
-    # K slices write float32 partials, so the result is rounded once, as XLA's dot rounds it
-    out_dtype = jnp.float32 if s_ > 1 else jnp.bfloat16
-    cfg = config or _config(tm, ks // TK, jnp.dtype(out_dtype).itemsize)
-    tiles = jnp.arange(s_, dtype=jnp.int32)
-    call = eg._build_kernel(s_ * tm, ks, n, s_, s_, cfg, w.interpret, fmt="fp8", out_dtype=out_dtype)
-    y = call(jnp.full((1,), s_, jnp.int32), tiles, tiles, xs, w.weight, w.scale_t)
-    if s_ == 1:
-        return y[:m]  # [tm, N] bf16
-    return y.reshape(n, s_, tm).sum(1).T[:m].astype(jnp.bfloat16)  # y^T [N, S * tm] float32
+    xs = jnp.pad(x.astype(jnp.bfloat16), ((0, tm - m), (0, 0)))
+    cfg = config or _config(tm, k // TK // w.splits, w.splits)
+    one = jnp.zeros((1,), jnp.int32)  # one tile: expert 0, row block 0
+    if cfg.ksplit == 1:
+        call = eg._build_kernel(tm, k, n, 1, 1, cfg, w.interpret, fmt="fp8")
+        return call(one + 1, one, one, xs, w.weight, w.scale_t)[:m]
+    call = eg._build_kernel(tm, k, n, 1, 1, cfg, w.interpret, fmt="fp8", out_dtype=jnp.float32)
+    part = call(one + 1, one, one, xs, w.weight, w.scale_t)  # y^T partials [S * N, tm]
+    return part.reshape(cfg.ksplit, n, tm).sum(0).T[:m].astype(jnp.bfloat16)
