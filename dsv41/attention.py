@@ -13,7 +13,7 @@ import numpy as np
 
 from dsv41 import quant
 from dsv41.config import ModelConfig
-from dsv41.nn import linear, rms_norm
+from dsv41.nn import grouped_linear, linear, rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import apply_rope
 
@@ -92,11 +92,8 @@ def output(o: jax.Array, pos: jax.Array, p: dict, freqs: np.ndarray, cfg: ModelC
     """o [B, S, H, Dh] -> [B, S, D]: inverse RoPE at the query position, then wo_a per group of heads
     (block-diagonal, bf16) and wo_b."""
     o = apply_rope(o, pos[..., None], freqs, inverse=True)
-    G, R = cfg.o_groups, cfg.o_lora_rank
-    og = o.reshape(*o.shape[:-2], G, -1)
-    wo_a = quant.dense(p["wo_a"], num.jdtype).reshape(G, R, -1)
-    u = jnp.einsum("bsgd,grd->bsgr", og, wo_a, preferred_element_type=jnp.float32).astype(num.jdtype)
-    return linear(u.reshape(*u.shape[:-2], G * R), p["wo_b"], num, fp8_input=True)
+    u = grouped_linear(o.reshape(*o.shape[:-2], cfg.o_groups, -1), p["wo_a"], num)  # [B, S, G, R]
+    return linear(u.reshape(*u.shape[:-2], -1), p["wo_b"], num, fp8_input=True)
 
 
 def gather_entries(kv: jax.Array, idx: jax.Array):

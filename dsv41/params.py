@@ -37,7 +37,7 @@ class Spec:
 
     shape: tuple[int, ...]
     fmt: str
-    init: str = "normal"  # normal (1/sqrt(fan_in)), ones, zeros, small, table
+    init: str = "normal"  # normal (1/sqrt(fan_in)), ones, zeros, small, table, fp8_grid (normal, FP8 values)
     axes: tuple[str | None, ...] = ()  # logical axes for sharding, one per dim
 
     def fan_in(self) -> int:
@@ -56,7 +56,9 @@ def layer_specs(cfg: ModelConfig, layer: int) -> Params:
         "wq_b": Spec((H * Dh, Q), "fp8", axes=("heads", None)),
         "wkv": Spec((Dh, D), "fp8", axes=(None, "embed")),
         "kv_norm": Spec((Dh,), "bf16", "ones"),
-        "wo_a": Spec((cfg.o_groups * cfg.o_lora_rank, H * Dh // cfg.o_groups), "bf16", axes=("heads", None)),
+        # bf16 as convert.py leaves it, holding the release's FP8 values (nn.prepare_linears takes them back to FP8)
+        "wo_a": Spec((cfg.o_groups * cfg.o_lora_rank, H * Dh // cfg.o_groups), "bf16", "fp8_grid",
+                     axes=("heads", None)),
         "wo_b": Spec((D, cfg.o_groups * cfg.o_lora_rank), "fp8", axes=("embed", "heads")),
         "attn_sink": Spec((H,), "f32", "small", axes=("heads",)),
     }
@@ -159,9 +161,13 @@ def _dense_init(spec: Spec, key: jax.Array) -> np.ndarray | jax.Array:
     else:
         std = 1 / math.sqrt(spec.fan_in())
     if math.prod(shape) >= _DEVICE_RNG_MIN:
-        return _normal(key, shape, std)
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32))
-    return (rng.standard_normal(shape) * std).astype(np.float32)
+        w = _normal(key, shape, std)
+    else:
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32))
+        w = (rng.standard_normal(shape) * std).astype(np.float32)
+    if spec.init == "fp8_grid":  # values an FP8 weight with 32x32 block scales holds (what the release ships)
+        return quant.quantize_fp8_weight(w).dequantize(jnp.float32)
+    return w
 
 
 @functools.partial(jax.jit, static_argnames=("shape",))

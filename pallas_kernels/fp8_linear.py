@@ -40,7 +40,7 @@ TN, TK = 128, 128
 MIN_STEPS = 4  # k-steps a split keeps at least (each work item runs a pipeline of K/S/TK steps)
 
 
-def splits(n: int, k: int, num_sms: int = 132) -> int:
+def splits(n: int, k: int, num_sms: int = 132, groups: int = 1) -> int:
     """K slices S: the fewest (a divisor of K/128 leaving >= MIN_STEPS steps each) giving every SM an item."""
     steps = k // TK
     best = 1
@@ -48,7 +48,7 @@ def splits(n: int, k: int, num_sms: int = 132) -> int:
         if steps % s_ or steps // s_ < MIN_STEPS:
             continue
         best = s_
-        if s_ * (n // TN) >= num_sms:
+        if s_ * groups * (n // TN) >= num_sms:
             break
     return best
 
@@ -56,10 +56,11 @@ def splits(n: int, k: int, num_sms: int = 132) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PreparedFp8:
-    """An FP8 linear weight [N, K] in the kernel layout: `weight` uint8 [1, N, K] (e4m3 bytes, reordered per 16
-    inputs; one expert group), `scale_t` uint8 [1, K/32, N] (UE8M0 per row and 32 inputs). Static: `splits`,
-    the K slices the kernel runs as separate work items; `interpret`, run the kernel in the Mosaic GPU
-    interpreter (CPU tests). `dequantize` gives the dense weight, so a path without the kernel still works."""
+    """An FP8 linear weight [N, K] (or G grouped ones [G, N, K], each group with its own input rows, as wo_a) in
+    the kernel layout: `weight` uint8 [G, N, K] (e4m3 bytes, reordered per 16 inputs; G = 1 for a plain
+    linear), `scale_t` uint8 [G, K/32, N] (UE8M0 per row and 32 inputs). Static: `splits`, the K slices the
+    kernel runs as separate work items; `interpret`, run the kernel in the Mosaic GPU interpreter (CPU tests).
+    `dequantize` gives the dense weight ([N, K] or [G, N, K]), so a path without the kernel still works."""
 
     weight: jax.Array
     scale_t: jax.Array
@@ -67,17 +68,22 @@ class PreparedFp8:
     interpret: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
+    def groups(self) -> int:
+        return self.weight.shape[0]
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return self.weight.shape[1:]
+        return self.weight.shape[1:] if self.groups == 1 else self.weight.shape
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return unprepare_fp8_linear(self).dequantize(dtype)
 
 
 def supported(w) -> bool:
-    """Whether `prepare_fp8_linear` takes this weight (a 2-D Fp8Weight with N and K multiples of 128)."""
-    return (isinstance(w, Fp8Weight) and w.weight.ndim == 2 and w.weight.shape[0] % TN == 0
-            and w.weight.shape[1] % TK == 0)
+    """Whether `prepare_fp8_linear` takes this weight (an Fp8Weight [N, K] or [G, N, K], N and K multiples of
+    128)."""
+    return (isinstance(w, Fp8Weight) and w.weight.ndim in (2, 3) and w.weight.shape[-2] % TN == 0
+            and w.weight.shape[-1] % TK == 0)
 
 
 def _perm_to_kernel(b: jax.Array) -> jax.Array:
@@ -88,27 +94,29 @@ def _perm_to_kernel(b: jax.Array) -> jax.Array:
 
 def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True,
                        num_splits: int | None = None) -> PreparedFp8:
-    """Fp8Weight [N, K] -> PreparedFp8 (once, at load). num_splits: K slices (default `splits(N, K)`)."""
+    """Fp8Weight [N, K] or [G, N, K] -> PreparedFp8 (once, at load). num_splits: K slices (default `splits`)."""
     if not supported(w):
-        raise ValueError(f"the FP8 linear kernel needs a 2-D Fp8Weight with N, K multiples of 128, got "
-                         f"{type(w).__name__} {getattr(w, 'shape', None)}")
-    n, k = w.weight.shape
+        raise ValueError(f"the FP8 linear kernel needs an Fp8Weight [N, K] or [G, N, K] with N, K multiples of "
+                         f"128, got {type(w).__name__} {getattr(w, 'shape', None)}")
+    n, k = w.weight.shape[-2:]
+    g = w.weight.shape[0] if w.weight.ndim == 3 else 1
     if check and not isinstance(w.scale, jax.core.Tracer):
         smax = int(jnp.max(w.scale))
         if smax > MAX_SCALE_BYTE:
             raise ValueError(f"UE8M0 scale byte {smax} > {MAX_SCALE_BYTE} is outside the FP8 kernel's range")
-    s_ = num_splits or splits(n, k, eg._num_sms())
+    s_ = num_splits or splits(n, k, eg._num_sms(), g)
     if (k // TK) % s_:
         raise ValueError(f"num_splits={s_} must divide K/{TK}={k // TK}")
-    raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8)
-    rows = jnp.repeat(w.scale, 32, axis=0)[:n, : k // 32]  # the block's byte for every row
-    return PreparedFp8(_perm_to_kernel(raw)[None], rows.T[None], s_, interpret)
+    raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8).reshape(g, n, k)
+    rows = jnp.repeat(w.scale.reshape(g, -1, k // 32), 32, axis=1)[:, :n]  # the block's byte for every row
+    return PreparedFp8(_perm_to_kernel(raw), jnp.swapaxes(rows, 1, 2), s_, interpret)
 
 
 def unprepare_fp8_linear(p: PreparedFp8) -> Fp8Weight:
-    raw = eg._perm8_from_kernel(p.weight[0])
-    rows = p.scale_t[0].T  # [N, K/32]
-    return Fp8Weight(jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn), rows[::32])  # a block's rows share it
+    raw = eg._perm8_from_kernel(p.weight)
+    rows = jnp.swapaxes(p.scale_t, 1, 2)[:, ::32]  # [G, N/32, K/32]: a block's rows share its byte
+    w = Fp8Weight(jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn), rows)
+    return Fp8Weight(w.weight[0], w.scale[0]) if p.groups == 1 else w
 
 
 def fp8_linear_reference(x: jax.Array, w: Fp8Weight) -> jax.Array:
@@ -128,21 +136,33 @@ def _config(tm: int, k_iters: int, ksplit: int) -> eg.KernelConfig:
     return eg.KernelConfig(tm=tm, tk=TK, num_wgs=2, stages=stages, chain=True, ksplit=ksplit)
 
 
-def fp8_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | None = None) -> jax.Array:
-    """x bf16 [M, K] (M <= MAX_ROWS) -> bf16 [M, N] through the kernel (w.interpret: the interpreter)."""
-    m, k = x.shape
-    n, kw = w.shape
+def fp8_grouped_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | None = None) -> jax.Array:
+    """x bf16 [G, M, K] (M <= MAX_ROWS), w [G, N, K] -> bf16 [G, M, N]: group g's rows times group g's weight,
+    through the kernel (w.interpret: the interpreter). Each group is one tile of the grouped GEMM."""
+    g, m, k = x.shape
+    n, kw = w.weight.shape[1:]
+    if g != w.groups:
+        raise ValueError(f"x has {g} groups, weight has {w.groups}")
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows > MAX_ROWS={MAX_ROWS}: use the XLA path (dequantize + dot) for prefill")
     if kw != k:
         raise ValueError(f"x has K={k}, weight has K={kw}")
     tm = max(8, -(-m // 8) * 8)
-    xs = jnp.pad(x.astype(jnp.bfloat16), ((0, tm - m), (0, 0)))
+    xs = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, tm - m), (0, 0))).reshape(g * tm, k)
     cfg = config or _config(tm, k // TK // w.splits, w.splits)
-    one = jnp.zeros((1,), jnp.int32)  # one tile: expert 0, row block 0
+    tiles = jnp.arange(g, dtype=jnp.int32)  # tile t: group t's row block t
+    live = jnp.full((1,), g, jnp.int32)
     if cfg.ksplit == 1:
-        call = eg._build_kernel(tm, k, n, 1, 1, cfg, w.interpret, fmt="fp8")
-        return call(one + 1, one, one, xs, w.weight, w.scale_t)[:m]
-    call = eg._build_kernel(tm, k, n, 1, 1, cfg, w.interpret, fmt="fp8", out_dtype=jnp.float32)
-    part = call(one + 1, one, one, xs, w.weight, w.scale_t)  # y^T partials [S * N, tm]
-    return part.reshape(cfg.ksplit, n, tm).sum(0).T[:m].astype(jnp.bfloat16)
+        call = eg._build_kernel(g * tm, k, n, g, g, cfg, w.interpret, fmt="fp8")
+        return call(live, tiles, tiles, xs, w.weight, w.scale_t).reshape(g, tm, n)[:, :m]
+    call = eg._build_kernel(g * tm, k, n, g, g, cfg, w.interpret, fmt="fp8", out_dtype=jnp.float32)
+    part = call(live, tiles, tiles, xs, w.weight, w.scale_t)  # y^T partials [S * N, G * tm]
+    y = part.reshape(cfg.ksplit, n, g, tm).sum(0)
+    return jnp.transpose(y, (1, 2, 0))[:, :m].astype(jnp.bfloat16)
+
+
+def fp8_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | None = None) -> jax.Array:
+    """x bf16 [M, K] (M <= MAX_ROWS) -> bf16 [M, N] through the kernel (w.interpret: the interpreter)."""
+    if w.groups != 1:
+        raise ValueError(f"a grouped weight ({w.groups} groups) takes fp8_grouped_linear")
+    return fp8_grouped_linear(x[None], w, config)[0]

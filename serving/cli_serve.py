@@ -54,10 +54,10 @@ def add_kernel_backend_args(g, default: str | None) -> None:
                         "GPU kernels or XLA (auto, the default: XLA, faster at decode on the H200; "
                         "docs/KERNELS_ROUTER.md)")
     g.add_argument("--linear-backend", **opts,
-                   help="FP8 linears (attention projections, shared expert, Engram) at decode: the FP8 Mosaic GPU "
-                        "kernel, which reads each weight byte once, or XLA's dequantize + GEMM (auto, the default: XLA; pallas is "
-                        "20-25%% faster per decode step on the H200, opt-in until its end-to-end check passes; "
-                        "docs/KERNELS_EXPERT_GEMM.md)")
+                   help="FP8 linears (attention projections with the grouped wo_a, shared expert, Engram) at "
+                        "decode: the FP8 Mosaic GPU kernel, which reads each weight byte once, or XLA's dequantize + "
+                        "GEMM (auto, the default: XLA; pallas took 12-28%% off the decode step on the H200, opt-in "
+                        "until its end-to-end check passes; docs/KERNELS_EXPERT_GEMM.md)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

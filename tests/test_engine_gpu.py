@@ -93,7 +93,7 @@ def test_fp8_linear_kernel_matches_xla(bench):
 
     cfg, params = bench
     lp = params["layers"][2]
-    prepared = nn.prepare_linears({"layers": [lp]})["layers"][0]
+    prepared = nn.prepare_linears({"layers": [lp]}, cfg)["layers"][0]
     run = jax.jit(lambda x, w: nn.linear(x, w, NUM, fp8_input=True))
     for path in nn.FP8_LINEARS:
         w, pw = lp, prepared

@@ -60,6 +60,6 @@ def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
 
     cfg, core, pool = bench
     B = 64
-    core = jax.eval_shape(nn.prepare_linears, core)
+    core = jax.eval_shape(lambda c: nn.prepare_linears(c, cfg), core)
     programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
                             backend="pallas", sites=model.Sites(mhc="pallas")).lower(lowering_platforms=("cuda",))

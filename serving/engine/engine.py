@@ -135,9 +135,9 @@ def _bucket(n: int, lo: int = 1) -> int:
 # experts in its layout (converted once here). 'interpret': that kernel in the interpreter (CPU tests).
 MOE_BACKENDS = ("xla", "pallas", "interpret")
 # 'xla': FP8 linears dequantized inside the step. 'pallas': decode batches through the FP8 linear kernel
-# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'xla': the kernel is
-# 20-25% faster per decode step on the H200, but the engine's end-to-end check against XLA failed once on the
-# device (docs/KERNELS_EXPERT_GEMM.md, "FP8 linears"); it becomes the default once that is explained.
+# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'xla': the kernel took
+# 12-28% off the decode step on the H200, but the engine's end-to-end check against XLA failed at one decode step
+# with its first (bf16-partial) form (docs/KERNELS_EXPERT_GEMM.md, "FP8 linears"); the default once it passes.
 LINEAR_BACKENDS = ("xla", "pallas", "interpret")
 
 
@@ -286,7 +286,7 @@ class Engine:
             self.params = moe.prepare_experts(self.params, interpret=self.moe_backend == "interpret")
         self.linear_backend = resolve_linear_backend(self.params, linear_backend, numerics)
         if self.linear_backend != "xla":
-            self.params = nn.prepare_linears(self.params, interpret=self.linear_backend == "interpret")
+            self.params = nn.prepare_linears(self.params, cfg, interpret=self.linear_backend == "interpret")
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]

@@ -102,17 +102,19 @@ def _assert_matches_xla(x, w, y):
     np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), xla, rtol=2.0**-7, atol=1e-4 * np.abs(xla).max())
 
 
-@pytest.mark.parametrize("n,k", [(1280, 5120), (32768, 1280)])
-def test_kernel_lowers_for_cuda(n, k):
+@pytest.mark.parametrize("g,n,k", [(1, 1280, 5120), (1, 32768, 1280), (8, 1024, 4096)])
+def test_kernel_lowers_for_cuda(g, n, k):
     """The compiled kernel's Mosaic GPU pass (layouts, TMA boxes, swizzles, shared memory) at Flash's shapes, on
-    the CPU: K split (float32 y^T partials) and not (bf16), at the row counts whose tiles differ (8, 24, 128).
-    The interpreter accepts layouts the GPU lowering rejects (a transposed float32 store did not lower)."""
+    the CPU: K split (float32 y^T partials) and not (bf16), grouped (wo_a, 8 groups), at the row counts whose
+    tiles differ (8, 24, 128). The interpreter accepts layouts the GPU lowering rejects (a transposed float32
+    store did not lower)."""
     sd = jax.ShapeDtypeStruct
-    w = Fp8Weight(sd((n, k), jnp.float8_e4m3fn), sd((n // 32, k // 32), jnp.uint8))
-    pw = jax.eval_shape(lambda w: f8.prepare_fp8_linear(w, check=False, num_splits=f8.splits(n, k)), w)
-    assert (pw.splits > 1) == (n == 1280)
+    lead = (g,) if g > 1 else ()
+    w = Fp8Weight(sd((*lead, n, k), jnp.float8_e4m3fn), sd((*lead, n // 32, k // 32), jnp.uint8))
+    pw = jax.eval_shape(lambda w: f8.prepare_fp8_linear(w, check=False), w)
+    assert (pw.splits > 1) == (n != 32768) and pw.groups == g
     for m in (1, 24, 128):
-        jax.jit(f8.fp8_linear).trace(sd((m, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
+        jax.jit(f8.fp8_grouped_linear).trace(sd((g, m, k), jnp.bfloat16), pw).lower(lowering_platforms=("cuda",))
 
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -132,6 +134,21 @@ def test_kernel_gpu(m, n, k):
     _assert_matches_xla(x, w, y)
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_grouped_kernel_gpu(m):
+    """wo_a's shape: 8 groups of [1024, 4096], each group its own rows."""
+    rng = np.random.default_rng(m)
+    ws = [_random_fp8(rng, 1024, 4096) for _ in range(8)]
+    w = Fp8Weight(jnp.stack([v.weight for v in ws]), jnp.stack([v.scale for v in ws]))
+    x = jnp.asarray(rng.standard_normal((8, m, 4096)), jnp.bfloat16)
+    y = jax.jit(f8.fp8_grouped_linear)(x, f8.prepare_fp8_linear(w))
+    assert y.shape == (8, m, 1024) and np.isfinite(np.asarray(y.astype(jnp.float32))).all()
+    for gi in range(8):
+        _assert_matches_xla(x[gi], ws[gi], y[gi])
+
+
 def test_prepare_linears_and_linear_dispatch():
     """nn.prepare_linears converts the FP8 linears the kernel takes and nothing else; nn.linear runs them through
     the kernel at decode sizes (here in the interpreter) and through XLA above MAX_ROWS, both matching the
@@ -142,7 +159,7 @@ def test_prepare_linears_and_linear_dispatch():
 
     cfg = preset("tiny")
     params = P.init_params(cfg, seed=0)
-    prepared = nn.prepare_linears(params, interpret=True)
+    prepared = nn.prepare_linears(params, cfg, interpret=True)
     is_p = lambda w: isinstance(w, f8.PreparedFp8)
     lp0, pp0 = params["layers"][0], prepared["layers"][0]
     converted = {jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(pp0, is_leaf=is_p) if is_p(v)}
@@ -154,7 +171,7 @@ def test_prepare_linears_and_linear_dispatch():
 
     want = {"".join(f"['{key}']" for key in path) for path in nn.FP8_LINEARS if f8.supported(get(lp0, path))}
     assert converted == want and "['attn']['wq_a']" in converted
-    assert not is_p(pp0["attn"]["wo_a"])  # grouped: keeps its own einsum
+    assert not is_p(pp0["attn"]["wo_a"])  # grouped, 64 rows a group here: below the kernel's 128
     num = quant.Numerics(act_quant=False)
     rng = np.random.default_rng(3)
     for name in ("wq_a", "wo_b"):
@@ -165,3 +182,30 @@ def test_prepare_linears_and_linear_dispatch():
             y, ref = nn.linear(x, pw, num, fp8_input=True), nn.linear(x, w, num, fp8_input=True)
             assert y.shape == ref.shape and y.dtype == ref.dtype
             assert _rel(y, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
+
+
+def test_grouped_wo_a_through_the_kernel():
+    """wo_a: dense in our tree (as convert.py leaves it) but holding FP8 values; prepare_linears takes it back to
+    FP8 exactly as G groups, and grouped_linear runs decode-sized inputs through the kernel (interpreter) as one
+    grouped GEMM, matching the dense einsum; a weight whose values are not FP8 stays dense."""
+    from dsv41 import nn, quant
+
+    g, r, kg = 2, 128, 256
+    rng = np.random.default_rng(4)
+    dense = quant.quantize_fp8_weight(jnp.asarray(rng.standard_normal((g * r, kg)) * 0.05, jnp.float32))
+    w = dense.dequantize(jnp.bfloat16)  # FP8 values, 32x32 blocks over the whole [G * R, K] matrix
+    pw = nn._grouped_fp8(w, g, interpret=True)
+    assert isinstance(pw, f8.PreparedFp8) and pw.groups == g and pw.shape == (g, r, kg)
+    assert np.asarray(quant.dense(pw, jnp.bfloat16)).reshape(g * r, kg).tobytes() == np.asarray(w).tobytes()
+    assert nn._grouped_fp8(w + jnp.asarray(1e-3, jnp.bfloat16), g, interpret=True) is None  # not FP8 values
+    num = quant.Numerics(act_quant=False)
+    for rows in (3, f8.MAX_ROWS + 5):
+        x = jnp.asarray(rng.standard_normal((rows, g, kg)), jnp.bfloat16)
+        y, ref = nn.grouped_linear(x, pw, num), nn.grouped_linear(x, w, num)
+        assert y.shape == ref.shape == (rows, g, r) and y.dtype == ref.dtype
+        _assert_matches_xla_rows(y, ref)
+
+
+def _assert_matches_xla_rows(y, ref):
+    ref = np.asarray(ref.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=2.0**-7, atol=1e-4 * np.abs(ref).max())
