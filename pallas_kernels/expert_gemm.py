@@ -476,6 +476,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
+    # jit-wrapped and cached: the model is unrolled over its layers, and a program lowers a jitted kernel once
+    # however many layers call it (the bench decode step lowered in 8 s instead of 39 s on the CPU)
     return jax.jit(plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((ks * n, t_max * tm) if out_t else (t_max * tm, n), out_dtype),

@@ -380,6 +380,7 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
         plgpu.Barrier(num_arrivals=1, num_barriers=ns),
     ]
     kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
     return jax.jit(plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((b, s, n_tiles * t), jnp.float32),
@@ -416,6 +417,7 @@ def _build_dequant_probe(d: int, interpret: bool):
         plgpu.wait_smem_to_gmem(0)
 
     kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
     return jax.jit(plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((TILE, d), jnp.bfloat16), jax.ShapeDtypeStruct((TILE,), jnp.float32)),

@@ -224,6 +224,7 @@ def _build_kernel(t: int, hc: int, d: int, first: bool, cfg: KernelConfig, inter
         jax.ShapeDtypeStruct((t, d), bf16),
         jax.ShapeDtypeStruct((n_chunks, n_tblocks, pairs, ROWS), f32),
     )
+    # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
     return jax.jit(plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -239,6 +239,7 @@ def _gate_kernel(t_pad: int, d: int, e: int, cfg: KernelConfig, interpret: bool)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = 2 if interpret else min(_num_sms(), n_items)
+    # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
     return jax.jit(plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((s_n, e, t_pad), jnp.float32),
@@ -351,6 +352,7 @@ def _epilogue_kernel(t_pad: int, e: int, cfg: KernelConfig, rc: RouteConfig, int
         plgpu.copy_smem_to_gmem(i_smem, i_gmem.at[tile])
         plgpu.wait_smem_to_gmem(0)
 
+    # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
     return jax.jit(plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((n_tiles, k, 64), jnp.float32),

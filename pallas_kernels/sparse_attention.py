@@ -793,6 +793,7 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
     kwargs["interpret"] = plgpu.InterpretGPUParams()
   else:
     kwargs["compiler_params"] = plgpu.CompilerParams(approx_math=True)
+  # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
   return jax.jit(plgpu.kernel(
       body,
       out_type=out_type,
@@ -832,6 +833,7 @@ def _build_dequant_probe(fmt, d, interpret, rows_per_batch=4):
     plgpu.wait_smem_to_gmem(0)
 
   kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+  # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
   return jax.jit(plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
