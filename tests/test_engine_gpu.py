@@ -86,8 +86,8 @@ def test_moe_kernel_matches_xla(bench):
 
 
 def test_fp8_linear_kernel_matches_xla(bench):
-    """Every FP8 linear of a layer (the release's e4m3 + UE8M0 32x32) through the FP8 linear kernel against the
-    XLA path (dequantize + dot) at decode sizes."""
+    """Every FP8 linear of a layer (the release's e4m3 + UE8M0 32x32), the grouped wo_a too, through the FP8
+    linear kernel against the XLA path (dequantize + dot) at decode sizes."""
     from dsv41 import nn
     from pallas_kernels import fp8_linear
 
@@ -107,6 +107,16 @@ def test_fp8_linear_kernel_matches_xla(bench):
             rel = np.abs(y - yk).max() / np.abs(y).max()
             print(f"fp8 linear {'.'.join(path)} {w.shape} {n} rows: rel. max difference {rel:.3g}")
             assert rel < 2e-2
+    # wo_a: the bf16 tree's FP8 values back in FP8, 8 groups through the same kernel
+    w, pw = lp["attn"]["wo_a"], prepared["attn"]["wo_a"]
+    assert isinstance(pw, fp8_linear.PreparedFp8) and pw.groups == cfg.o_groups
+    grouped = jax.jit(lambda x, w: nn.grouped_linear(x, w, NUM))
+    for n in (1, 64):
+        x = jax.random.normal(jax.random.key(n), (n, cfg.o_groups, w.shape[1])).astype(jnp.bfloat16)
+        y, yk = (np.asarray(grouped(x, v).astype(jnp.float32)) for v in (w, pw))
+        rel = np.abs(y - yk).max() / np.abs(y).max()
+        print(f"fp8 linear attn.wo_a (grouped) {n} rows: rel. max difference {rel:.3g}")
+        assert rel < 2e-2
 
 
 def test_engine_with_fp8_linear_kernel_end_to_end(bench):
