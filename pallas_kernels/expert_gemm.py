@@ -510,14 +510,23 @@ def grouped_fp4_matmul_pallas(x: jax.Array, w: Fp4Weight | PreparedFp4, group_si
     cfg = config or default_config(m, n, k)
     t_max = max_tiles(m, e, cfg.tm)
     te, tb, pos, valid = tile_schedule(group_sizes, m, cfg.tm, t_max)
-    if cfg.ksplit == 1:
-        call = _build_kernel(m, k, n, e, t_max, cfg, interpret)
-        y_pad = call(live_tile_count(te), te, tb, x.astype(jnp.bfloat16), pw.weight, pw.scale_t)
-    else:  # float32 partials y^T [ksplit * N, t_max * tm], summed here (fuses into the gather)
-        call = _build_kernel(m, k, n, e, t_max, cfg, interpret, out_dtype=jnp.float32)
-        part = call(live_tile_count(te), te, tb, x.astype(jnp.bfloat16), pw.weight, pw.scale_t)
-        y_pad = part.reshape(cfg.ksplit, n, t_max * cfg.tm).sum(0).T.astype(jnp.bfloat16)
+    y_pad = run_kernel(live_tile_count(te), te, tb, x, pw.weight, pw.scale_t, e=e, t_max=t_max, cfg=cfg,
+                       interpret=interpret)
     return jnp.where(valid[:, None], y_pad[pos], jnp.zeros((), jnp.bfloat16))
+
+
+def run_kernel(live, tile_expert, tile_block, x, weight, scale_t, *, e: int, t_max: int, cfg: KernelConfig,
+               interpret: bool, fmt: str = "fp4") -> jax.Array:
+    """The kernel over a tile schedule -> bf16 [t_max * tm, N] (rows of dead tiles unwritten). With K slices
+    (cfg.ksplit > 1) the kernel writes float32 partials y^T [ksplit * N, t_max * tm], summed here and rounded
+    once (the sum fuses into the caller's gather)."""
+    m, k = x.shape
+    n = weight.shape[1]
+    args = (live, tile_expert, tile_block, x.astype(jnp.bfloat16), weight, scale_t)
+    if cfg.ksplit == 1:
+        return _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(*args)
+    part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt, out_dtype=jnp.float32)(*args)
+    return part.reshape(cfg.ksplit, n, t_max * cfg.tm).sum(0).T.astype(jnp.bfloat16)
 
 
 def grouped_fp4_matmul(x: jax.Array, w: Fp4Weight | PreparedFp4, group_sizes: jax.Array,

@@ -151,14 +151,9 @@ def fp8_grouped_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | N
     xs = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, tm - m), (0, 0))).reshape(g * tm, k)
     cfg = config or _config(tm, k // TK // w.splits, w.splits)
     tiles = jnp.arange(g, dtype=jnp.int32)  # tile t: group t's row block t
-    live = jnp.full((1,), g, jnp.int32)
-    if cfg.ksplit == 1:
-        call = eg._build_kernel(g * tm, k, n, g, g, cfg, w.interpret, fmt="fp8")
-        return call(live, tiles, tiles, xs, w.weight, w.scale_t).reshape(g, tm, n)[:, :m]
-    call = eg._build_kernel(g * tm, k, n, g, g, cfg, w.interpret, fmt="fp8", out_dtype=jnp.float32)
-    part = call(live, tiles, tiles, xs, w.weight, w.scale_t)  # y^T partials [S * N, G * tm]
-    y = part.reshape(cfg.ksplit, n, g, tm).sum(0)
-    return jnp.transpose(y, (1, 2, 0))[:, :m].astype(jnp.bfloat16)
+    y = eg.run_kernel(jnp.full((1,), g, jnp.int32), tiles, tiles, xs, w.weight, w.scale_t, e=g, t_max=g, cfg=cfg,
+                      interpret=w.interpret, fmt="fp8")
+    return y.reshape(g, tm, n)[:, :m]
 
 
 def fp8_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | None = None) -> jax.Array:
