@@ -477,7 +477,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
     num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
     # jit-wrapped and cached: the model is unrolled over its layers, and a program lowers a jitted kernel once
-    # however many layers call it (the bench decode step lowered in 8 s instead of 39 s on the CPU)
+    # however many layers call it (scripts/time_lowering.py: 8.8 s instead of 38.6 s)
     return jax.jit(plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((ks * n, t_max * tm) if out_t else (t_max * tm, n), out_dtype),
