@@ -13,6 +13,7 @@
 #   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
+#   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
 #
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
@@ -100,7 +101,7 @@ case "${1:-}" in
     timeout -k 10 240 $PY scripts/bench_fp8_linear.py --out "$OUT" > "$OUT/fp8_log.txt" 2>&1
     echo "bench_fp8_linear rc=$?"
     grep -E "^\||HBM" "$OUT/fp8_log.txt" | tail -30
-    timeout -k 10 100 $PY scripts/check_fp8_linear_repeat.py --reps 100 --rows 1,64 2>&1 | grep "^|"
+    timeout -k 10 100 $PY scripts/check_fp8_linear_repeat.py --reps 100 --rows 1,64,128 2>&1 | grep "^|"
     ;;
   fp8-engine)
     timeout -k 10 330 $PY scripts/bench_engine.py --weights release --backends auto,fp8 --batches 1,64 \
@@ -111,6 +112,13 @@ case "${1:-}" in
       > "$OUT/fp8_engine_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "fp8 linear|engine, FP8|PASSED|FAILED|passed|failed" "$OUT/fp8_engine_tests.txt" | tail -24
+    ;;
+  engine-runs)
+    # XLA linears twice, the FP8 linear kernel twice, one prompt: reproducibility and the kernel's effect per step
+    timeout -k 10 300 $PY scripts/compare_engine_runs.py --runs xla,xla,pallas,pallas --steps 5 \
+      > "$OUT/engine_runs.txt" 2>&1
+    echo "compare_engine_runs rc=$?"
+    grep -E "^\||gap" "$OUT/engine_runs.txt"
     ;;
   graphs)
     # a batch-1 step launches ~600 kernels, most under 5 us (docs/PERFORMANCE.md): how much do CUDA graphs recover?
@@ -123,7 +131,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|graphs" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|graphs" >&2
     exit 2
     ;;
 esac

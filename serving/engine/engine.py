@@ -135,9 +135,10 @@ def _bucket(n: int, lo: int = 1) -> int:
 # experts in its layout (converted once here). 'interpret': that kernel in the interpreter (CPU tests).
 MOE_BACKENDS = ("xla", "pallas", "interpret")
 # 'xla': FP8 linears dequantized inside the step. 'pallas': decode batches through the FP8 linear kernel
-# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'xla': the kernel took
-# 12-28% off the decode step on the H200, but the engine's end-to-end check against XLA failed at one decode step
-# with its first (bf16-partial) form (docs/KERNELS_EXPERT_GEMM.md, "FP8 linears"); the default once it passes.
+# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'xla': on the H200 the
+# kernel took 9-12% off the batch-64 decode step and nothing measurable at batch 1 (launch-bound), and two engine
+# runs with it differed slightly where XLA's path is bit-reproducible (docs/KERNELS_EXPERT_GEMM.md, "On the H200
+# again"); the default once that is explained.
 LINEAR_BACKENDS = ("xla", "pallas", "interpret")
 
 

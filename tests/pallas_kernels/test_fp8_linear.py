@@ -122,7 +122,8 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m,n,k", [(1, 1280, 5120), (8, 5120, 2304), (64, 2304, 5120), (128, 32768, 1280)])
+@pytest.mark.parametrize("m,n,k", [(1, 1280, 5120), (8, 5120, 2304), (64, 2304, 5120), (128, 32768, 1280),
+                                   (128, 1280, 5120)])
 def test_kernel_gpu(m, n, k):
     rng = np.random.default_rng(m)
     w = _random_fp8(rng, n, k)
@@ -136,7 +137,7 @@ def test_kernel_gpu(m, n, k):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("m", [1, 64, 128])
 def test_grouped_kernel_gpu(m):
     """wo_a's shape: 8 groups of [1024, 4096], each group its own rows."""
     rng = np.random.default_rng(m)
