@@ -20,11 +20,13 @@ from dsv41.rope import apply_rope
 NO_POS = -(1 << 30)  # position of an empty window slot: never inside any query's window
 
 
-def project_q(x: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig, num: Numerics):
-    """x [B, S, D] -> q [B, S, H, Dh] (RoPE'd at pos [B, S]) and the low-rank qr [B, S, q_lora] the indexer reads."""
+def project_q(x: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig, num: Numerics,
+              rope: bool = True):
+    """x [B, S, D] -> q [B, S, H, Dh] (RoPE'd at pos [B, S]; rope=False: not, for a kernel that rotates it) and
+    the low-rank qr [B, S, q_lora] the indexer reads."""
     qr = rms_norm(linear(x, p["wq_a"], num, fp8_input=True), p["q_norm"], cfg.norm_eps)
     q = linear(qr, p["wq_b"], num, fp8_input=True).reshape(*x.shape[:-1], cfg.n_heads, cfg.head_dim)
-    return apply_rope(q, pos[..., None], freqs), qr
+    return (apply_rope(q, pos[..., None], freqs) if rope else q), qr
 
 
 def window_kv(x: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig, num: Numerics):
@@ -88,10 +90,12 @@ def attend(q: jax.Array, q_pos: jax.Array, win_k: jax.Array, win_pos: jax.Array,
     return (o / denom[..., None]).astype(dt)
 
 
-def output(o: jax.Array, pos: jax.Array, p: dict, freqs: np.ndarray, cfg: ModelConfig, num: Numerics) -> jax.Array:
-    """o [B, S, H, Dh] -> [B, S, D]: inverse RoPE at the query position, then wo_a per group of heads
-    (block-diagonal, bf16) and wo_b."""
-    o = apply_rope(o, pos[..., None], freqs, inverse=True)
+def output(o: jax.Array, pos: jax.Array, p: dict, freqs: np.ndarray, cfg: ModelConfig, num: Numerics,
+           rope: bool = True) -> jax.Array:
+    """o [B, S, H, Dh] -> [B, S, D]: inverse RoPE at the query position (rope=False: o comes rotated back
+    already), then wo_a per group of heads (block-diagonal, bf16) and wo_b."""
+    if rope:
+        o = apply_rope(o, pos[..., None], freqs, inverse=True)
     u = grouped_linear(o.reshape(*o.shape[:-2], cfg.o_groups, -1), p["wo_a"], num)  # [B, S, G, R]
     return linear(u.reshape(*u.shape[:-2], -1), p["wo_b"], num, fp8_input=True)
 

@@ -482,12 +482,18 @@ class KernelConfig:
     maxima and P halves through shared memory (2 syncs per tile).
   prefetch: L2-prefetch the next tile's rows before waiting for a free stage.
   rows_per_batch: rows whose 16-byte loads a producer thread has in flight.
+  fuse_rope: with rope_query / rope_output, rotate the query's RoPE dims in
+    shared memory and the output's (one key split: the kernel's epilogue;
+    more: the XLA combine) inside the kernel instead of two XLA passes over
+    q and o.  Off by default until it has run on the device (interpreter and
+    sm_90a lowering only so far).
   """
   qk_mode: str = "redundant"
   prefetch: bool = True
   rows_per_batch: int = 4
   consumer_regs: int = 216
   producer_regs: int = 72
+  fuse_rope: bool = False
 
   def __post_init__(self):
     # 384 threads -> ptxas gives 168 regs/thread; setmaxnreg only moves
@@ -556,9 +562,53 @@ def _mgpu_prefetch_fn(fmt: str, tile: int, d: int):
 # The kernel
 # ----------------------------------------------------------------------------
 
+ROPE_W = 64  # columns of the RoPE chunk the kernel rotates (the last ones; wgmma tile width)
+
+
+def rope_tables(cos, sin, rope_w=ROPE_W):
+  """cos/sin [B, R/2] -> float32 [B, 2, rope_w] for the kernel's last rope_w
+  columns: row 0 C, row 1 S, so that the rotated column j is
+  x_j * C_j + x_(j^1) * S_j (the inverse: minus).  Columns before the RoPE
+  dims get C = 1, S = 0."""
+  r = 2 * cos.shape[-1]
+  if r > rope_w:
+    raise NotImplementedError(f"RoPE dims {r} > {rope_w}")
+  c = jnp.repeat(cos.astype(jnp.float32), 2, axis=-1)
+  sn = sin.astype(jnp.float32)
+  sg = jnp.stack([-sn, sn], axis=-1).reshape(sn.shape[0], r)   # pair (a, b): a*c - b*s, b*c + a*s
+  pad = rope_w - r
+  c = jnp.pad(c, ((0, 0), (pad, 0)), constant_values=1.0)
+  sg = jnp.pad(sg, ((0, 0), (pad, 0)))
+  return jnp.stack([c, sg], axis=1)
+
+
+def _swap_pairs_mgpu(shape):
+  """x [rows, cols] float32 in the WGMMA layout -> x with columns 2i and
+  2i+1 exchanged.  A register of that layout holds two adjacent columns of
+  one row, so this is a lane-local shuffle."""
+  import jax.experimental.mosaic.gpu as mgpu
+  from jax._src.lib.mlir.dialects import vector
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=plgpu.Layout.WGMMA),
+  )
+  def swap(ctx, x):
+    del ctx
+    regs = np.empty(x.registers.shape, dtype=object)
+    for idx, r in np.ndenumerate(x.registers):
+      regs[idx] = vector.shuffle(r, r, [1, 0])
+    return mgpu.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=None)
+
+  return swap
+
+
 @functools.lru_cache(maxsize=None)
-def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
-  """cfg: KernelConfig (hashable)."""
+def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope_q=False, rope_o=False):
+  """cfg: KernelConfig (hashable).  rope_q / rope_o: rotate the query's last
+  ROPE_W columns in shared memory before the first tile / the output's in
+  the epilogue (one key split only), from a [B, 2, ROPE_W] `rope_tables`
+  input after the sink."""
   t = TILE
   hq = HEADS_PER_CTA
   n_tiles = n_tiles_swa + n_tiles_c
@@ -576,6 +626,23 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
 
   tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   p_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+  rope = rope_q or rope_o
+  rw = ROPE_W
+  if rope_o and split_out:
+    raise ValueError("the output RoPE runs in the kernel only with one key split")
+  if rope and rw > dh:
+    raise NotImplementedError(f"D={d}: the RoPE chunk ({rw}) must fit one consumer's half")
+  if interpret:
+    swap_pairs = lambda x: x.reshape(x.shape[0], -1, 2)[..., ::-1].reshape(x.shape)
+  else:
+    swap_pairs = _swap_pairs_mgpu((hq, rw))
+
+  def rotate(x, cs_smem, inverse):
+    """x float32 [hq, rw] (WGMMA layout) -> its RoPE rotation (rope_tables)."""
+    c = lax.broadcast_in_dim(plgpu.load(cs_smem.at[0], layout=col_layout), (hq, rw), [1])
+    sg = lax.broadcast_in_dim(plgpu.load(cs_smem.at[1], layout=col_layout), (hq, rw), [1])
+    xs = swap_pairs(x)
+    return x * c - xs * sg if inverse else x * c + xs * sg
 
   fns = {}
   if not interpret:
@@ -602,10 +669,16 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
     )(fns["pf_" + fmt])(src_ref, scale_ref, rows_ref)
 
   def body(q_ref, swa_ref, swas_ref, kv_ref, kvs_ref, rows_ref, sink_ref, *refs):
+    cs_ref = None
+    if rope:
+      cs_ref, *refs = refs
     if split_out:
       opart_ref, ml_ref, *scratch = refs
     else:
       o_ref, *scratch = refs
+    cs_smem = rope_bar = None
+    if rope:
+      *scratch, cs_smem, rope_bar = scratch
     (q_smem, k_smem, bias_smem, rows_smem, sink_smem, p_stage, p_x, x_smem,
      q_bar, rows_bar, ready, consumed, xbar, pbar) = scratch
     bi = lax.axis_index("batch")
@@ -618,6 +691,8 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
       if not interpret:
         plgpu.set_max_registers(cfg.producer_regs, action="decrease")
       plgpu.copy_gmem_to_smem(q_ref.at[bi], q_smem, q_bar)
+      if rope:
+        plgpu.copy_gmem_to_smem(cs_ref.at[bi], cs_smem, q_bar)
       plgpu.copy_gmem_to_smem(
           rows_ref.at[bi, pl.ds(si * tps, tps)], rows_smem, rows_bar)
       plgpu.copy_gmem_to_smem(sink_ref, sink_smem, rows_bar)
@@ -688,6 +763,16 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
       if not interpret:
         plgpu.set_max_registers(cfg.consumer_regs, action="increase")
       plgpu.barrier_wait(q_bar)
+      if rope_q:
+        # the last consumer rotates the query's RoPE chunk in place; both
+        # read all of q_smem as wgmma's A operand after the barrier
+        @pl.when(wg == 1)
+        def _():
+          q_tail = q_smem.at[:, pl.ds(d - rw, rw)]
+          x = plgpu.load(q_tail, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+          q_tail[...] = rotate(x, cs_smem, inverse=False).astype(jnp.bfloat16)
+          plgpu.commit_smem()
+        sync(rope_bar)
       m_i = plgpu.layout_cast(jnp.full((hq,), NEG_INIT, jnp.float32), row_layout)
       l_i = plgpu.layout_cast(jnp.zeros((hq,), jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.zeros((hq, dh), jnp.float32), plgpu.Layout.WGMMA)
@@ -760,7 +845,22 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
         den = l_i * alpha + jnp.exp2(sink2 - m_f)
         fac = alpha / den
         out = acc * lax.broadcast_in_dim(fac, (hq, dh), [0])
-        o_ref[bi, :, pl.ds(wg * dh, dh)] = out.astype(jnp.bfloat16)
+        out = out.astype(jnp.bfloat16)
+        if not rope_o:
+          o_ref[bi, :, pl.ds(wg * dh, dh)] = out
+        else:
+          @pl.when(wg == 0)
+          def _():
+            o_ref[bi, :, pl.ds(0, dh)] = out
+
+          @pl.when(wg == 1)
+          def _():
+            # the output rounds to bf16 before its inverse rotation, as the
+            # unfused path (kernel output, then XLA) rounds it
+            if dh > rw:
+              o_ref[bi, :, pl.ds(dh, dh - rw)] = out[:, : dh - rw]
+            tail = out[:, dh - rw:].astype(jnp.float32)
+            o_ref[bi, :, pl.ds(d - rw, rw)] = rotate(tail, cs_smem, inverse=True).astype(jnp.bfloat16)
 
   if split_out:
     out_type = (jax.ShapeDtypeStruct((b, num_splits, hq, d), jnp.float32),
@@ -788,6 +888,9 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg):
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=2),
   ]
+  if rope:
+    scratch[8] = plgpu.Barrier(num_arrivals=2)     # q_bar: q and the RoPE tables
+    scratch += [plgpu.SMEM((2, rw), jnp.float32), plgpu.Barrier(num_arrivals=2)]
   kwargs = {}
   if interpret:
     kwargs["interpret"] = plgpu.InterpretGPUParams()
@@ -897,8 +1000,10 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
     raise NotImplementedError(f"D={d} must be a multiple of 128")
   p = kv_packed.shape[1]
   t = TILE
+  cfg = config or KernelConfig()
+  fuse = cfg.fuse_rope and (rope_query or rope_output)
   qb = q
-  if rope_query:
+  if rope_query and not fuse:
     qb = apply_rope_tail(q, rope_cos, rope_sin)
   qb = qb.astype(jnp.bfloat16)
   if h < HEADS_PER_CTA:
@@ -937,16 +1042,17 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
     gc = jnp.maximum(c_rows, 0)
     swa_flat, swas_flat = swa_flat[gs], swas_flat[gs]
     kv_flat, kvs_flat = kv_flat[gc], kvs_flat[gc]
-  kern = _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, bool(interpret),
-                       config or KernelConfig())
-  res = kern(qb, swa_flat, swas_flat, kv_flat, kvs_flat, all_rows, sinkf)
+  rope_q, rope_o = fuse and rope_query, fuse and rope_output and num_splits == 1
+  kern = _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, bool(interpret), cfg, rope_q, rope_o)
+  extra = (rope_tables(rope_cos, rope_sin),) if rope_q or rope_o else ()
+  res = kern(qb, swa_flat, swas_flat, kv_flat, kvs_flat, all_rows, sinkf, *extra)
   if num_splits > 1:
     opart, ml = res
     o = combine_splits(opart, ml, sinkf)
   else:
     o = res.astype(jnp.float32)
   o = o[:, :h]
-  if rope_output:
+  if rope_output and not rope_o:
     o = apply_rope_tail(o, rope_cos, rope_sin, inverse=True)
   return o.astype(out_dtype)
 

@@ -13,6 +13,7 @@
 #   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
+#   bash scripts/h200_checks.sh fused-rope    # attention kernel with the RoPE inside: GPU tests, engine per layer
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
 #
@@ -113,6 +114,18 @@ case "${1:-}" in
     echo "pytest rc=$?"
     grep -E "fp8 linear|engine, FP8|PASSED|FAILED|passed|failed" "$OUT/fp8_engine_tests.txt" | tail -24
     ;;
+  fused-rope)
+    # the attention kernel's in-kernel query / output RoPE (KernelConfig.fuse_rope), then in the engine layer by
+    # layer; if both pass, programs.FUSE_ROPE can be turned on
+    timeout -k 10 200 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu tests/pallas_kernels/test_sparse_attention.py \
+      -k fused_rope > "$OUT/rope_tests.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/rope_tests.txt" | tail -6
+    timeout -k 10 330 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k layer_by_layer \
+      > "$OUT/rope_engine.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/rope_engine.txt" | tail -8
+    ;;
   engine-runs)
     # XLA linears twice, the FP8 linear kernel twice, one prompt: reproducibility and the kernel's effect per step
     timeout -k 10 300 $PY scripts/compare_engine_runs.py --runs xla,xla,pallas,pallas --steps 5 \
@@ -131,7 +144,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|graphs" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs" >&2
     exit 2
     ;;
 esac

@@ -9,7 +9,7 @@ from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
-from serving.engine import kv_pool
+from serving.engine import kv_pool, programs
 from serving.engine.engine import Engine, EngineError, SamplingParams
 
 NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
@@ -84,13 +84,16 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
-def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
+@pytest.mark.parametrize("fuse_rope", [False, True])
+def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, fuse_rope, monkeypatch):
     """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
-    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer.
+    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; also with
+    the query / output RoPE handed to the attention kernel (`programs.FUSE_ROPE`) instead of applied around it.
     The kernels against those references: tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
     from layer_paths import attention_diffs, fill, make_batch, zero_rows
 
+    monkeypatch.setattr(programs, "FUSE_ROPE", fuse_rope)
     cfg, params = tiny
     core, _ = model.strip_tables(params)
     pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2))

@@ -63,3 +63,19 @@ def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
     core = jax.eval_shape(lambda c: nn.prepare_linears(c, cfg), core)
     programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
                             backend="pallas", sites=model.Sites(mhc="pallas")).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("program", ["decode", "prefill"])
+def test_fused_rope_lowers_for_cuda(bench, program, monkeypatch):
+    """`programs.FUSE_ROPE`: the attention kernel rotates the query (decode: several key splits, the output's
+    rotation in the XLA combine) and the output in its epilogue (a prefill chunk: one split)."""
+    cfg, core, pool = bench
+    monkeypatch.setattr(programs, "FUSE_ROPE", True)
+    jax.clear_caches()  # the programs' traces do not key on the module flag
+    if program == "decode":
+        programs.run_full.trace(core, pool, _batch(cfg, 2, 1, 8), _sampling(2), cfg=cfg, num=quant.REFERENCE,
+                                backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
+    else:
+        programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
+                                   backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
+    jax.clear_caches()

@@ -179,8 +179,9 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
             lists[k][si] = getattr(new, k)
     pool = dataclasses.replace(pool, **lists)
 
+    fuse = FUSE_ROPE
     with jax.named_scope("q_proj"):
-        q, qr = A.project_q(x, p, pos, freqs, cfg, num)
+        q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
     if role in (AttnRole.FULL, AttnRole.REINDEX):
         with jax.named_scope("indexer"):
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
@@ -209,9 +210,10 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     with jax.named_scope("attend"):
         o = sa.sparse_attention(q[:, 0], pool.swa_q[layer].reshape(-1, cfg.head_dim),
                                 pool.swa_s[layer].reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
-                                pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw)
+                                pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw,
+                                **_rope_kw(b.pos0, freqs, fuse))
     with jax.named_scope("output"):
-        return A.output(o[:, None], pos, p, freqs, cfg, num), pool
+        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse), pool
 
 
 def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
@@ -231,10 +233,30 @@ def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
     return rows.astype(jnp.int32)
 
 
-def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink, backend: str):
+# The query RoPE and the output's inverse RoPE inside the attention kernel (`KernelConfig.fuse_rope`) instead of
+# two XLA passes over q and o (at a 2048-token prefill chunk 128 MB each way, per layer). Off until the fused form
+# has run on the device (`bash scripts/h200_checks.sh fused-rope`). On the CPU the fused kernel equals the unfused
+# one bit for bit in the interpreter (tests/pallas_kernels/test_sparse_attention.py), and this wiring equals the XLA
+# path layer by layer through the kernels' references (tests/test_engine.py).
+FUSE_ROPE = False
+
+
+def _rope_kw(pos, freqs, fuse: bool) -> dict:
+    """The attention kernel's arguments that rotate q and its output at positions pos [N] (fuse), else none."""
+    if not fuse:
+        return {}
+    from pallas_kernels import sparse_attention as sa
+
+    ang = pos.astype(jnp.float32)[:, None] * jnp.asarray(freqs)  # as dsv41.rope.apply_rope
+    return dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True,
+                config=sa.KernelConfig(fuse_rope=True))
+
+
+def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink, backend: str,
+                              rope: dict):
     """Many queries a row through the fused sparse-attention kernel, one kernel row per query token: its window
     rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries.
-    q [B, T, H, Dh] -> [B, T, H, Dh]."""
+    q [B, T, H, Dh] -> [B, T, H, Dh]. rope: `_rope_kw` of the B * T query positions."""
     from pallas_kernels import sparse_attention as sa
 
     B, T, H, Dh = q.shape
@@ -245,7 +267,7 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batc
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     o = sa.sparse_attention(q.reshape(B * T, H, Dh), keys_q, keys_s, None, topk,
                             jnp.repeat(b.block_table, T, axis=0), pool.kv_packed[src], pool.kv_scale[src], sink,
-                            swa_rows=rows.reshape(B * T, -1), **kw)
+                            swa_rows=rows.reshape(B * T, -1), **kw, **rope)
     return o.reshape(B, T, H, Dh)
 
 
@@ -258,6 +280,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     B, T, _ = x.shape
     if backend != "xla" and T == 1 and phase == "full":
         return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend)
+    fuse = FUSE_ROPE and backend != "xla"
     role, r = cfg.role(layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
@@ -312,7 +335,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if phase == "kv_only":
             return None, pool
         if role in (AttnRole.FULL, AttnRole.REINDEX):
-            q, qr = A.project_q(x, p, pos, freqs, cfg, num)
+            q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
             keys = _context_index_keys(pool, si, b.block_table, cfg)
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
             s = indexer.scores(qi, wi, keys, pos, r, num)
@@ -322,19 +345,20 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
                 s = jnp.where(shared["cand"], s, -jnp.inf)
             shared["topk"] = indexer.select_topk(s, pos, r, cfg)
         else:
-            q, _ = A.project_q(x, p, pos, freqs, cfg, num)
+            q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
         comp_k, comp_valid = _gather_kv(pool, si, b.block_table, shared["topk"], cfg)
     else:
         if phase == "kv_only":
             return None, pool
-        q, _ = A.project_q(x, p, pos, freqs, cfg, num)
+        q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
     if backend != "xla":
         rows = _window_rows(pos, ring_pos, R, chunk_start, T, cfg.window_size)
         si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
-        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pool, si, b, shared, p["attn_sink"], backend)
+        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pool, si, b, shared, p["attn_sink"], backend,
+                                      _rope_kw(pos.reshape(-1), freqs, fuse))
     else:
         o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
-    return A.output(o, pos, p, freqs, cfg, num), pool
+    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse), pool
 
 
 def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict, backend: str = "xla",

@@ -183,6 +183,42 @@ def test_kernel_interpret_rope_precomputed_rows_three_splits():
   np.testing.assert_array_equal(r2, sa.sparse_attention(*a2, backend="xla"))
 
 
+@pytest.mark.parametrize("d,splits,mode", [(128, 1, "redundant"), (256, 1, "split"), (128, 3, "split")])
+def test_kernel_interpret_fused_rope_equals_xla_rope(d, splits, mode):
+  """RoPE inside the kernel (query chunk rotated in shared memory; the output's in the epilogue with one key
+  split, in the XLA combine with more) gives the same bits as rotating q and o in XLA around the kernel."""
+  b, h, w, k = 2, 16, 24, 70
+  args = make_inputs(30 + d + splits, b, h, d, w, k, ragged=False)
+  ang = jax.random.uniform(jax.random.key(d + splits), (b, 32)) * 6
+  kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True)
+  ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
+  outs = [np.asarray(sa.sparse_attention(*args, backend="interpret", num_splits=splits, **kw,
+                                         config=sa.KernelConfig(qk_mode=mode, fuse_rope=fuse)), np.float32)
+          for fuse in (False, True)]
+  assert rel_l2(outs[1], ref) < 1e-2
+  np.testing.assert_array_equal(outs[1], outs[0])
+  # only the query rotated (the output left as it is), and a wrong rotation is caught
+  q_only = dict(kw, rope_output=False)
+  ref_q = sa.sparse_attention_reference(*args, **q_only, out_dtype=jnp.float32)
+  got = sa.sparse_attention(*args, backend="interpret", num_splits=splits, **q_only,
+                            config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
+  assert rel_l2(got, ref_q) < 1e-2
+  bad = sa.sparse_attention(*args, backend="interpret", num_splits=splits, **dict(q_only, rope_sin=-kw["rope_sin"]),
+                            config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
+  assert rel_l2(bad, ref_q) > 0.1
+
+
+def test_rope_tables():
+  cos, sin = jnp.array([[0.5, -0.25]]), jnp.array([[0.75, 0.125]])
+  t = np.asarray(sa.rope_tables(cos, sin, rope_w=8))
+  np.testing.assert_array_equal(t[0, 0], [1, 1, 1, 1, 0.5, 0.5, -0.25, -0.25])
+  np.testing.assert_array_equal(t[0, 1], [0, 0, 0, 0, -0.75, 0.75, -0.125, 0.125])
+  x = jax.random.normal(jax.random.key(0), (1, 3, 8))
+  swapped = x.reshape(1, 3, 4, 2)[..., ::-1].reshape(x.shape)
+  np.testing.assert_allclose(x * t[:, None, 0] + swapped * t[:, None, 1], sa.apply_rope_tail(x, cos, sin),
+                             rtol=1e-6, atol=1e-6)
+
+
 def test_kernel_interpret_flat_window_rows():
   """Prefill form: every query row names its own window rows in one flat FP8 key buffer (shared, overlapping,
   -1 holes, a query with no window key), equal to the reference and to the per-row-copy decode form."""
@@ -230,6 +266,13 @@ def test_kernel_lowers_for_cuda_at_flash_shapes():
     f = jax.jit(lambda *a, s=splits, m=mode: sa.sparse_attention_decode(
         *a, num_splits=s, config=sa.KernelConfig(qk_mode=m)))
     f.trace(*shapes).lower(lowering_platforms=("cuda",))
+  # RoPE fused: the query's chunk rotated in shared memory (both splits), the output's in the epilogue (one)
+  cs = (sds((b, 32), jnp.float32),) * 2
+  for splits, mode in ((1, "redundant"), (1, "split"), (5, "split")):
+    f = jax.jit(lambda *a, s=splits, m=mode: sa.sparse_attention_decode(
+        *a[:-2], rope_cos=a[-2], rope_sin=a[-1], rope_query=True, rope_output=True, num_splits=s,
+        config=sa.KernelConfig(qk_mode=m, fuse_rope=True)))
+    f.trace(*shapes, *cs).lower(lowering_platforms=("cuda",))
 
 
 # ----------------------------------------------------------------- GPU
@@ -246,6 +289,24 @@ def test_kernel_gpu_flash_shapes(b, splits, mode):
   assert np.all(np.isfinite(out))
   assert rel_l2(out, ref) < 1e-2
   np.testing.assert_array_equal(out[0], 0.0)
+
+
+@gpu
+@skip_no_gpu
+@pytest.mark.parametrize("splits,mode", [(1, "redundant"), (1, "split"), (2, "split")])
+def test_kernel_gpu_fused_rope(splits, mode):
+  """The in-kernel RoPE (register pair swap, shared-memory rewrite of the query chunk) against XLA's."""
+  b = 3
+  args = make_inputs(40 + splits, b, 64, 512, 128, 512, p=64, pages_per_seq=16)
+  ang = jax.random.uniform(jax.random.key(splits), (b, 32)) * 6
+  kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True)
+  ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
+  outs = [np.asarray(sa.sparse_attention(*args, backend="pallas", num_splits=splits, **kw,
+                                         config=sa.KernelConfig(qk_mode=mode, fuse_rope=fuse)), np.float32)
+          for fuse in (False, True)]
+  assert rel_l2(outs[1], ref) < 1e-2
+  # one bf16 step at most: the GPU may contract x*c + x'*s into an FMA on one side and not the other
+  np.testing.assert_allclose(outs[1], outs[0], rtol=2.0**-7, atol=1e-3 * np.abs(outs[0]).max())
 
 
 @gpu
