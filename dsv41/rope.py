@@ -31,13 +31,19 @@ def inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
     return freqs
 
 
+def cos_sin(pos: jax.Array, freqs: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """Integer positions [...] -> float32 cos, sin [..., len(freqs)] of the rotation angles (what `apply_rope`
+    rotates by, and what a kernel that rotates in place is handed)."""
+    angle = pos.astype(jnp.float32)[..., None] * jnp.asarray(freqs)
+    return jnp.cos(angle), jnp.sin(angle)
+
+
 def apply_rope(x: jax.Array, pos: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
     """Rotate the last 2*len(freqs) dims of x [..., d] at integer positions `pos` (broadcast against x's
     leading dims: [B, S] for x [B, S, d] or [B, S, H, d] -- pass pos[..., None] for the head axis).
     Float32 math, result in x's dtype."""
     rd = 2 * freqs.shape[0]
-    angle = pos.astype(jnp.float32)[..., None] * jnp.asarray(freqs)  # [..., rd/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    cos, sin = cos_sin(pos, freqs)  # [..., rd/2]
     if inverse:
         sin = -sin
     head = x[..., :-rd]

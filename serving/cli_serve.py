@@ -56,8 +56,9 @@ def add_kernel_backend_args(g, default: str | None) -> None:
     g.add_argument("--linear-backend", **opts,
                    help="FP8 linears (attention projections with the grouped wo_a, shared expert, Engram) at "
                         "decode: the FP8 Mosaic GPU kernel, which reads each weight byte once, or XLA's dequantize + "
-                        "GEMM (auto, the default: XLA; pallas took 12-28%% off the decode step on the H200, opt-in "
-                        "until its end-to-end check passes; docs/KERNELS_EXPERT_GEMM.md)")
+                        "GEMM (auto, the default: XLA; pallas took 9-12%% off the batch-64 decode step on the H200, "
+                        "nothing measurable at batch 1, and is opt-in until a run-to-run difference with it is "
+                        "explained; docs/KERNELS_EXPERT_GEMM.md)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from dsv41 import attention as A
 from dsv41 import compressor, engram, indexer, mhc, model, quant
 from dsv41.config import AttnRole, ModelConfig
 from dsv41.nn import rms_norm
+from dsv41.rope import cos_sin
 from dsv41.quant import Numerics
 from serving.engine.kv_pool import KVPool, ring_size
 
@@ -247,8 +248,8 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
         return {}
     from pallas_kernels import sparse_attention as sa
 
-    ang = pos.astype(jnp.float32)[:, None] * jnp.asarray(freqs)  # as dsv41.rope.apply_rope
-    return dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True,
+    cos, sin = cos_sin(pos, freqs)  # the angles A.project_q / A.output rotate by
+    return dict(rope_cos=cos, rope_sin=sin, rope_query=True, rope_output=True,
                 config=sa.KernelConfig(fuse_rope=True))
 
 

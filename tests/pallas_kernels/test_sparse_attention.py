@@ -183,6 +183,13 @@ def test_kernel_interpret_rope_precomputed_rows_three_splits():
   np.testing.assert_array_equal(r2, sa.sparse_attention(*a2, backend="xla"))
 
 
+def unfused_and_fused_rope(args, kw, backend, splits, mode):
+  """The kernel's outputs (float32) with q / o rotated around it in XLA, then inside it (fuse_rope)."""
+  return [np.asarray(sa.sparse_attention(*args, backend=backend, num_splits=splits, **kw,
+                                         config=sa.KernelConfig(qk_mode=mode, fuse_rope=fuse)), np.float32)
+          for fuse in (False, True)]
+
+
 @pytest.mark.parametrize("d,splits,mode", [(128, 1, "redundant"), (256, 1, "split"), (128, 3, "split")])
 def test_kernel_interpret_fused_rope_equals_xla_rope(d, splits, mode):
   """RoPE inside the kernel (query chunk rotated in shared memory; the output's in the epilogue with one key
@@ -192,9 +199,7 @@ def test_kernel_interpret_fused_rope_equals_xla_rope(d, splits, mode):
   ang = jax.random.uniform(jax.random.key(d + splits), (b, 32)) * 6
   kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True)
   ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
-  outs = [np.asarray(sa.sparse_attention(*args, backend="interpret", num_splits=splits, **kw,
-                                         config=sa.KernelConfig(qk_mode=mode, fuse_rope=fuse)), np.float32)
-          for fuse in (False, True)]
+  outs = unfused_and_fused_rope(args, kw, "interpret", splits, mode)
   assert rel_l2(outs[1], ref) < 1e-2
   np.testing.assert_array_equal(outs[1], outs[0])
   # only the query rotated (the output left as it is), and a wrong rotation is caught
@@ -301,9 +306,7 @@ def test_kernel_gpu_fused_rope(splits, mode):
   ang = jax.random.uniform(jax.random.key(splits), (b, 32)) * 6
   kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True)
   ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
-  outs = [np.asarray(sa.sparse_attention(*args, backend="pallas", num_splits=splits, **kw,
-                                         config=sa.KernelConfig(qk_mode=mode, fuse_rope=fuse)), np.float32)
-          for fuse in (False, True)]
+  outs = unfused_and_fused_rope(args, kw, "pallas", splits, mode)
   assert rel_l2(outs[1], ref) < 1e-2
   # one bf16 step at most: the GPU may contract x*c + x'*s into an FMA on one side and not the other
   np.testing.assert_allclose(outs[1], outs[0], rtol=2.0**-7, atol=1e-3 * np.abs(outs[0]).max())
