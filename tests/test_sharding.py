@@ -1,7 +1,12 @@
 """The model under a device mesh: experts split over an 'expert' axis (expert parallelism), heads / expert width
 / vocabulary over a 'tensor' axis (tensor parallelism), as `checkpoint.sharding_for` places them on load. XLA
-partitions the program (GSPMD) and inserts the collectives; the result must equal the single-device one.
-Runs on the 8 virtual CPU devices of tests/conftest.py."""
+partitions the program (GSPMD) and inserts the collectives; the result must equal the single-device one up to
+float32 summation order. Runs on the 8 virtual CPU devices of tests/conftest.py.
+
+Summation order can still flip a top-k choice where two scores tie to a few ulps (seen: indexer scores 0.25186828
+vs 0.2518683 at the boundary, on one machine and XLA optimisation level, not another). So the selections are
+compared first: where they first differ in a row, the flip must be such a tie, and that row's logits are compared
+up to that position; everything else must match to float32 noise."""
 
 import jax
 import numpy as np
@@ -11,6 +16,38 @@ from dsv41 import checkpoint, model, quant
 from dsv41.config import preset
 from dsv41.params import init_params
 from dsv41.tokenizer import BUILTIN_DIR
+
+SELECTIONS = ("topk", "candidates", "moe.experts")
+
+
+def _first_flips(one: dict, sharded: dict, n_layers: int, shape: tuple[int, int]) -> np.ndarray:
+    """Per batch row, the first position where a layer's selection differs between the two traces (S where none).
+    Fails unless the first flip of a row is an indexer top-k choice between scores that tie (the only flip whose
+    scores the trace holds; others have not been seen)."""
+    B, S = shape
+    first = np.full(B, S)
+    for i in range(n_layers):
+        for name in SELECTIONS:
+            key = f"layer{i}.{name}"
+            if key not in one:
+                continue
+            a, b = np.asarray(one[key]), np.asarray(sharded[key])
+            diff = (a != b).reshape(B, S, -1).any(-1)
+            for row in range(B):
+                hits = np.flatnonzero(diff[row, :first[row]])
+                if not hits.size:
+                    continue
+                p = hits[0]
+                assert name == "topk", f"{key} differs at row {row}, position {p}: not a top-k tie"
+                s = np.asarray(one[f"layer{i}.index_scores"])[row, p]
+                swapped = np.setxor1d(a[row, p], b[row, p])
+                swapped = swapped[swapped >= 0]
+                spread = np.ptp(s[swapped])
+                assert spread <= 1e-5 * np.abs(s[swapped]).max(), (
+                    f"{key} at row {row}, position {p} chose {a[row, p]} vs {b[row, p]}; the swapped entries' "
+                    f"scores {s[swapped]} are not a tie")
+                first[row] = p
+    return first
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
@@ -26,7 +63,11 @@ def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
     assert w1.sharding.spec[0] == "expert" and len(w1.addressable_shards) == 8
     assert w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 4
     ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 150)).astype(np.int32)
-    ref = np.asarray(model.forward(one, cfg, ids, quant.EXACT_F32))
-    got = model.forward(sharded, cfg, ids, quant.EXACT_F32)
+    ref, ref_trace = model.forward_with_trace(one, cfg, ids, quant.EXACT_F32)
+    got, got_trace = model.forward_with_trace(sharded, cfg, ids, quant.EXACT_F32)
     assert len(got.sharding.device_set) == 8
-    np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=1e-4)
+    first = _first_flips(ref_trace, got_trace, cfg.n_layers, ids.shape)
+    assert first.sum() >= 0.8 * ids.size, f"selections flip early (first flips per row: {first})"
+    ref, got = np.asarray(ref), np.asarray(got)
+    for row, stop in enumerate(first):
+        np.testing.assert_allclose(got[row, :stop], ref[row, :stop], rtol=0, atol=1e-4, err_msg=f"row {row}")
