@@ -82,13 +82,20 @@ KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla",
            "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas")}
 
 
+def kernels_of(config: str) -> tuple[str, ...]:
+    """A configuration name -> its kernel backends (KERNELS); a "+overlap" suffix (auto+overlap) also stages the
+    Engram rows in pinned host memory for the program to copy (Engine(engram_transfer="overlap"))."""
+    return KERNELS[config.partition("+")[0]]
+
+
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
-    attn, moe_be, mhc_be, router_be, linear_be = KERNELS[backend]
+    attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
+    transfer = "overlap" if backend.endswith("+overlap") else "argument"
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-                  linear_backend=linear_be)
+                  linear_backend=linear_be, engram_transfer=transfer)
 
 
 def with_fp4_experts(params):
@@ -181,7 +188,8 @@ def main():
                     help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
                          "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
                          "auto (the engine's defaults, as `dsv41 serve` runs), fp8 (auto + the FP8 linear kernel; "
-                         "needs --weights release)")
+                         "needs --weights release); a +overlap suffix (auto+overlap) also has the program copy "
+                         "the Engram rows from pinned host memory while the layers before the Engram layer run")
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
     ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
@@ -208,11 +216,11 @@ def main():
 
     backends = args.backends.split(",")
     pre_backends = [] if args.skip_prefill else args.prefill_backends.split(",")
-    fp4 = args.weights == "bf16" and any(KERNELS[be][1] != "xla" for be in backends + pre_backends)
+    fp4 = args.weights == "bf16" and any(kernels_of(be)[1] != "xla" for be in backends + pre_backends)
     fp4_params = with_fp4_experts(params) if fp4 else params
 
     def params_of(be):
-        return fp4_params if KERNELS[be][1] != "xla" else params
+        return fp4_params if kernels_of(be)[1] != "xla" else params
 
     pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len)
 
@@ -251,6 +259,7 @@ def main():
     print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs "
           "/ matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |")
     print("|---|---|---|---|---|---|---|---|")
+    core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
     by = {(be, n, r): (f, w) for be, n, r, f, w in pre}
     for be, n in [(be, n) for be in pre_backends for n in lengths]:
         e, r = by[(be, n, False)], by[(be, n, True)]

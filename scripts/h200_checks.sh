@@ -16,6 +16,8 @@
 #   bash scripts/h200_checks.sh fused-rope    # attention kernel with the RoPE inside: GPU tests, engine per layer
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
+#   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
+#   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
@@ -143,8 +145,23 @@ case "${1:-}" in
         --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
     done
     ;;
+  engram|engram-prefill)
+    # Engine(engram_transfer="overlap") vs the default (engram: decode at batch 1 / 64; engram-prefill: a
+    # 4096-token prompt, two 2048-token chunks of ~13 MB of rows each). The bench preset's only Engram layer is
+    # layer 1, so the copy can hide only behind the embedding and layer 0 (Flash's layer 14 has 13 layers before
+    # it): a lower bound of what Flash gains.
+    if [ "$1" = engram ]; then
+      a=(--skip-prefill --batches 1,64)
+    else
+      a=(--prefill-backends auto,auto+overlap --lengths 4096 --batches 1)
+    fi
+    timeout -k 10 560 $PY scripts/bench_engine.py --backends auto,auto+overlap "${a[@]}" --decode-ctx 4096 \
+      > "$OUT/$1_log.txt" 2>&1
+    echo "bench_engine rc=$?"
+    grep -E "\| " "$OUT/$1_log.txt" | tail -12
+    ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

@@ -190,11 +190,25 @@ def test_sample_branches():
     (dict(linear_backend="pallas"), "needs a CUDA GPU"),
     (dict(linear_backend="interpret"), "needs FP8 linear weights"),  # tiny here: dequantized to float32
     (dict(linear_backend="fp8"), "one of"),
+    (dict(engram_transfer="early"), "engram_transfer='early'"),
 ])
 def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
     cfg, params = tiny
     with pytest.raises(EngineError, match=msg):
         Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
+
+
+def test_engram_rows_staged_in_pinned_host_memory_give_the_same_tokens(tiny):
+    """engram_transfer='overlap': the rows go to the program in pinned host memory and are copied inside it
+    (an asynchronous copy on a GPU); the arithmetic is the same, so the logits are identical."""
+    ids = prompt(150, seed=5)  # two prefill chunks and decode steps: both programs read staged rows
+    t_arg, l_arg = run(make(tiny, swa_bounded_replay=False), ids)
+    eng = make(tiny, swa_bounded_replay=False, engram_transfer="overlap")
+    rows = eng._rows([], [], 1, 1)
+    assert {a.sharding.memory_kind for r in rows for a in (r.weight, r.scale)} == {"pinned_host"}
+    t_ovl, l_ovl = run(eng, ids)
+    assert t_arg == t_ovl
+    np.testing.assert_array_equal(l_arg, l_ovl)
 
 
 def test_engram_tables_mode_is_checked_before_loading():

@@ -26,10 +26,11 @@ def bench():
     return cfg, core, pool
 
 
-def _batch(cfg, B, T, ctx_pages):
+def _batch(cfg, B, T, ctx_pages, rows_sharding=None):
     i = lambda *s: SD(s, jnp.int32)  # noqa: E731
     shape = (B, T, cfg.engram_n_cols, cfg.engram_head_dim)
-    rows = [quant.Fp8Rows(SD(shape, jnp.float8_e4m3fn), SD((*shape[:-1], shape[-1] // 32), jnp.uint8))
+    rows = [quant.Fp8Rows(SD(shape, jnp.float8_e4m3fn, sharding=rows_sharding),
+                          SD((*shape[:-1], shape[-1] // 32), jnp.uint8, sharding=rows_sharding))
             for _ in cfg.engram_layer_ids]
     return programs.Batch(i(B, T), i(B), i(B), i(B), i(B, ctx_pages), i(B), rows)
 
@@ -79,3 +80,19 @@ def test_fused_rope_lowers_for_cuda(bench, program, monkeypatch):
         programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
                                    backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
     jax.clear_caches()
+
+
+def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
+    """Engine(engram_transfer="overlap"): the rows are pinned-host arguments and the program moves them to the
+    device itself (annotate_device_placement, which XLA's host-offload passes turn into an asynchronous
+    copy-start at the program's start and a copy-done before the Engram layer), one per row array."""
+    cfg, core, pool = bench
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    hlo = programs.run_full.trace(core, pool, _batch(cfg, 4, 1, 8, pinned), _sampling(4), cfg=cfg,
+                                  num=quant.REFERENCE).lower(lowering_platforms=("cuda",)).as_text()
+    n_arrays = 2 * len(cfg.engram_layer_ids)
+    assert hlo.count('mhlo.memory_kind = "pinned_host"') == n_arrays
+    assert hlo.count("annotate_device_placement") == n_arrays
+    on_device = programs.run_full.trace(core, pool, _batch(cfg, 4, 1, 8), _sampling(4), cfg=cfg,
+                                        num=quant.REFERENCE).lower(lowering_platforms=("cuda",)).as_text()
+    assert "annotate_device_placement" not in on_device  # rows already on the device: no copy

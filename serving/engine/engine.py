@@ -206,6 +206,26 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     return attention, moe_backend, sites
 
 
+ENGRAM_TRANSFERS = ("argument", "overlap")
+
+
+def _engram_rows_home(engram_transfer: str) -> jax.sharding.Sharding | None:
+    """Where a step's gathered Engram rows go before the jitted call. 'argument': nowhere (None): they are host
+    arrays that the call copies to the GPU with its other arguments, before the program starts. 'overlap':
+    pinned host memory; the program copies them itself (`programs._layers`), asynchronously, so the transfer
+    runs beside the layers before each Engram layer (Flash: layers 1 and 14) instead of ahead of layer 0."""
+    if engram_transfer not in ENGRAM_TRANSFERS:
+        raise EngineError(f"engram_transfer={engram_transfer!r}: choose one of {list(ENGRAM_TRANSFERS)}")
+    if engram_transfer == "argument":
+        return None
+    dev = jax.devices()[0]
+    kinds = {m.kind for m in dev.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise EngineError(f"engram_transfer='overlap' stages rows in pinned host memory, which {dev.platform} "
+                          f"device {dev} does not offer (it has {sorted(kinds)}); use 'argument'")
+    return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+
+
 class PrefixCache:
     """Full pages of global KV keyed by a chained hash of their tokens; reference counted, LRU-evicted."""
 
@@ -276,7 +296,8 @@ class Engine:
                  enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
                  min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
-                 mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto"):
+                 mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
+                 engram_transfer: str = "argument"):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         self.attention_backend, self.moe_backend, self.sites = resolve_backends(
             cfg, params, attention_backend, moe_backend, mhc_backend, router_backend, numerics)
@@ -291,6 +312,7 @@ class Engine:
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
+        self.engram_transfer, self._rows_home = engram_transfer, _engram_rows_home(engram_transfer)
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         self.replay = swa_bounded_replay and cfg.split_layer >= 0
         if max_num_batched_tokens < cfg.window_size:
@@ -504,7 +526,8 @@ class Engine:
         else:
             for i, (r, t) in enumerate(zip(reqs, toks)):
                 rid[i, : len(t)], r.history = self.hasher.hash_step(np.asarray([t], np.int64), r.history)
-        return model.engram_rows(self.tables, rid)
+        rows = model.engram_rows(self.tables, rid)
+        return rows if self._rows_home is None else jax.device_put(rows, self._rows_home)
 
     def _batch(self, reqs: list[_Request], toks: list[list[int]], pos0: list[int], T: int, B: int) -> tuple:
         ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in reqs), self.min_ctx_pages))
@@ -521,7 +544,8 @@ class Engine:
             bt[i, : len(r.pages)] = r.page_row()
             slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
         rows = self._rows(reqs, toks, B, T)
-        # host arrays: the jitted call moves them with its own (fast) argument transfer
+        # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too,
+        # unless they are staged in pinned host memory for the program to copy: engram_transfer="overlap")
         b = programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rows)
         return b
 

@@ -371,7 +371,11 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         phase = phases.get(i, "full")
         if i in cfg.engram_layer_ids and phase != "attn_only":
             with jax.named_scope("engram"):
-                h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
+                # Rows staged in pinned host memory (Engine(engram_transfer="overlap")) are copied to the GPU
+                # here: XLA makes it an asynchronous copy that starts with the program and is waited for only
+                # at this layer. Rows already on the device pass through unchanged.
+                rows = jax.device_put(b.rows[cfg.engram_layer_ids.index(i)], jax.memory.Space.Device)
+                h = engram.engram(h, rows, lp["engram"], cfg, num)
         if phase == "kv_only":
             with jax.named_scope("attention"):
                 x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
