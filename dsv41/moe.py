@@ -12,17 +12,24 @@ from dsv41.quant import Fp4Weight, Numerics
 from pallas_kernels import expert_gemm
 
 
-def route(x: jax.Array, gate: dict, cfg: ModelConfig, image_mask: jax.Array | None = None):
-    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int32).
-
-    The bias (bias_vl inside image spans) picks the experts but does not weigh them; ties go to the lower id.
-    """
+def router_scores(x: jax.Array, gate: dict, cfg: ModelConfig, image_mask: jax.Array | None = None):
+    """x [T, D] -> (scores, scores + bias) float32 [T, E]: the experts' weights and what picks them (bias_vl
+    inside image spans)."""
     scores = linear_f32(x, gate["weight"]) / cfg.gate_temp
     scores = jnp.sqrt(jax.nn.softplus(scores))
     bias = gate["bias"].astype(jnp.float32)
     if image_mask is not None:
         bias = jnp.where(image_mask[:, None], gate["bias_vl"].astype(jnp.float32), bias)
-    _, idx = jax.lax.top_k(scores + bias, cfg.n_activated_experts)
+    return scores, scores + bias
+
+
+def route(x: jax.Array, gate: dict, cfg: ModelConfig, image_mask: jax.Array | None = None):
+    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int32).
+
+    The bias (bias_vl inside image spans) picks the experts but does not weigh them; ties go to the lower id.
+    """
+    scores, biased = router_scores(x, gate, cfg, image_mask)
+    _, idx = jax.lax.top_k(biased, cfg.n_activated_experts)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob and cfg.n_activated_experts > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)  # 1e-20, not norm_eps: as trained

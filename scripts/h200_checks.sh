@@ -16,6 +16,7 @@
 #   bash scripts/h200_checks.sh fused-rope    # attention kernel with the RoPE inside: GPU tests, engine per layer
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
+#   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
@@ -145,6 +146,14 @@ case "${1:-}" in
         --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
     done
     ;;
+  flips)
+    # which selection (indexer top-k, candidates, experts) first differs between runs with and without the FP8
+    # linear kernel, and between two kernel runs: a tie, a quantization bin upstream, or a kernel fault
+    timeout -k 10 560 $PY scripts/trace_flips.py --runs xla,xla,pallas,pallas --tokens 128,300 \
+      > "$OUT/flips.txt" 2>&1
+    echo "trace_flips rc=$?"
+    grep -E "^\|" "$OUT/flips.txt"
+    ;;
   engram|engram-prefill)
     # Engine(engram_transfer="overlap") vs the default (engram: decode at batch 1 / 64; engram-prefill: a
     # 4096-token prompt, two 2048-token chunks of ~13 MB of rows each). The bench preset's only Engram layer is
@@ -161,7 +170,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|flips|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

@@ -12,42 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from dsv41 import checkpoint, model, quant
+from dsv41 import checkpoint, model, quant, trace_diff
 from dsv41.config import preset
 from dsv41.params import init_params
 from dsv41.tokenizer import BUILTIN_DIR
-
-SELECTIONS = ("topk", "candidates", "moe.experts")
-
-
-def _first_flips(one: dict, sharded: dict, n_layers: int, shape: tuple[int, int]) -> np.ndarray:
-    """Per batch row, the first position where a layer's selection differs between the two traces (S where none).
-    Fails unless the first flip of a row is an indexer top-k choice between scores that tie (the only flip whose
-    scores the trace holds; others have not been seen)."""
-    B, S = shape
-    first = np.full(B, S)
-    for i in range(n_layers):
-        for name in SELECTIONS:
-            key = f"layer{i}.{name}"
-            if key not in one:
-                continue
-            a, b = np.asarray(one[key]), np.asarray(sharded[key])
-            diff = (a != b).reshape(B, S, -1).any(-1)
-            for row in range(B):
-                hits = np.flatnonzero(diff[row, :first[row]])
-                if not hits.size:
-                    continue
-                p = hits[0]
-                assert name == "topk", f"{key} differs at row {row}, position {p}: not a top-k tie"
-                s = np.asarray(one[f"layer{i}.index_scores"])[row, p]
-                swapped = np.setxor1d(a[row, p], b[row, p])
-                swapped = swapped[swapped >= 0]
-                spread = np.ptp(s[swapped])
-                assert spread <= 1e-5 * np.abs(s[swapped]).max(), (
-                    f"{key} at row {row}, position {p} chose {a[row, p]} vs {b[row, p]}; the swapped entries' "
-                    f"scores {s[swapped]} are not a tie")
-                first[row] = p
-    return first
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
@@ -66,8 +34,11 @@ def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
     ref, ref_trace = model.forward_with_trace(one, cfg, ids, quant.EXACT_F32)
     got, got_trace = model.forward_with_trace(sharded, cfg, ids, quant.EXACT_F32)
     assert len(got.sharding.device_set) == 8
-    first = _first_flips(ref_trace, got_trace, cfg.n_layers, ids.shape)
-    assert first.sum() >= 0.8 * ids.size, f"selections flip early (first flips per row: {first})"
+    flips = trace_diff.first_flips(ref_trace, got_trace, cfg.n_layers)
+    for f in flips.values():
+        assert f.name == "topk" and f.spread <= 1e-5, f"not a top-k tie: {f}"
+    first = trace_diff.compared_prefix(flips, *ids.shape)
+    assert first.sum() >= 0.8 * ids.size, f"selections flip early: {flips}"
     ref, got = np.asarray(ref), np.asarray(got)
     for row, stop in enumerate(first):
         np.testing.assert_allclose(got[row, :stop], ref[row, :stop], rtol=0, atol=1e-4, err_msg=f"row {row}")
