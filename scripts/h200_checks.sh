@@ -140,7 +140,11 @@ case "${1:-}" in
     # a batch-1 step launches ~600 kernels, most under 5 us (docs/PERFORMANCE.md): how much do CUDA graphs recover?
     XLA_FLAGS=--help $PY -c "import jax; jax.numpy.zeros(1).block_until_ready()" 2>&1 \
       | grep -iE "command_buffer|graph_min|graph_level" | head -12
-    for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_graph_min_graph_size=1"; do
+    # Mosaic GPU's custom call is command-buffer compatible (jaxlib/mosaic/gpu/custom_call.cc registers its
+    # execute handler with kCmdBufferCompatible), so the kernels can sit inside the graphs; the step's lax.cond
+    # (sampling) needs CONDITIONAL, which the default list may lack
+    all="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+    for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1"; do
       echo "== XLA_FLAGS='$flags'"
       XLA_FLAGS="$flags" timeout -k 10 170 $PY scripts/bench_engine.py --backends auto --batches 1 --skip-prefill \
         --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
