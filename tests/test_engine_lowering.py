@@ -84,8 +84,8 @@ def test_fused_rope_lowers_for_cuda(bench, program, monkeypatch):
 
 def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
     """Engine(engram_transfer="overlap"): the rows are pinned-host arguments and the program moves them to the
-    device itself (annotate_device_placement, which XLA's host-offload passes turn into an asynchronous
-    copy-start at the program's start and a copy-done before the Engram layer), one per row array."""
+    device itself (annotate_device_placement, which XLA's host-offload passes turn into an asynchronous copy:
+    copy-start, copy-done before the Engram layer), one per row array."""
     cfg, core, pool = bench
     pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     hlo = programs.run_full.trace(core, pool, _batch(cfg, 4, 1, 8, pinned), _sampling(4), cfg=cfg,

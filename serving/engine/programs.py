@@ -372,8 +372,9 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         if i in cfg.engram_layer_ids and phase != "attn_only":
             with jax.named_scope("engram"):
                 # Rows staged in pinned host memory (Engine(engram_transfer="overlap")) are copied to the GPU
-                # here: XLA makes it an asynchronous copy that starts with the program and is waited for only
-                # at this layer. Rows already on the device pass through unchanged.
+                # here; XLA's host-offload passes make that an asynchronous copy its scheduler may start ahead
+                # of the layers before this one (whether it does on the H200: `h200_checks.sh engram`). Rows
+                # already on the device pass through unchanged.
                 rows = jax.device_put(b.rows[cfg.engram_layer_ids.index(i)], jax.memory.Space.Device)
                 h = engram.engram(h, rows, lp["engram"], cfg, num)
         if phase == "kv_only":
