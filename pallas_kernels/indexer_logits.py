@@ -298,6 +298,15 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
     tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     dequant_fn = None if interpret else _mgpu_dequant_fn(d)
     prefetch_fn = None if (interpret or not prefetch or tps < 2) else _mgpu_prefetch_fn(d)
+    if interpret:
+        # The interpreter runs the body as XLA ops, and XLA drops a bare astype(bf16).astype(f32) pair (excess
+        # precision): the sums of unrounded terms then differ from the GPU's by a bf16 step (seen from 64 query
+        # columns on). reduce_precision is kept, and rounds as the GPU's conversion does.
+        def to_bf16(v):
+            return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
+    else:
+        def to_bf16(v):
+            return v.astype(jnp.bfloat16).astype(jnp.float32)
 
     def body(q_ref, w_ref, src_ref, scale_ref, rows_ref, out_ref,
              q_smem, w_smem, k_smem, bias_smem, rows_smem, q_bar, w_bar, rows_bar, ready, consumed):
@@ -359,12 +368,12 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
                 bias = plgpu.load(bias_smem.at[slot], layout=row_layout)
                 plgpu.barrier_arrive(consumed.at[slot])                     # K tile no longer needed
                 # bf16(q.k) -> relu; the bf16 x bf16 product is exact in f32, so one rounding gives bf16(x*w).
-                x = jnp.maximum(acc.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+                x = jnp.maximum(to_bf16(acc), 0.0)
                 gt = si * tps + ti
                 for qi in range(s):
                     wv = plgpu.load(w_smem.at[qi], layout=col_layout)
-                    y = (x * lax.broadcast_in_dim(wv, (t, nq), [1])).astype(jnp.bfloat16).astype(jnp.float32)
-                    sc = y.sum(axis=1).astype(jnp.bfloat16).astype(jnp.float32) + bias
+                    y = to_bf16(x * lax.broadcast_in_dim(wv, (t, nq), [1]))
+                    sc = to_bf16(y.sum(axis=1)) + bias
                     out_ref[bi, qi, pl.ds(gt * t, t)] = sc
 
     scratch = [
@@ -476,7 +485,8 @@ def entry_scores_kernel(q, w, ik_packed, ik_scale, rows, *, interpret=False, num
               n_tiles // num_splits)
     qb = q.astype(jnp.bfloat16).reshape(B, nq, ID)
     # Head weights zeroed outside query s's heads: the head sum of query s is one masked row reduction.
-    wb = w.astype(jnp.bfloat16).astype(jnp.float32).reshape(B, 1, nq)
+    # bf16-rounded weights: reduce_precision, which XLA keeps (it may drop an astype pair under jit)
+    wb = lax.reduce_precision(w.astype(jnp.float32), exponent_bits=8, mantissa_bits=7).reshape(B, 1, nq)
     sel = jnp.arange(nq)[None, :] // IH == jnp.arange(S)[:, None]
     wm = jnp.where(sel[None], wb, 0.0)
     P, E, half = ik_packed.shape
@@ -509,15 +519,42 @@ def context_scores(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, nu
                    backend="pallas", dtype=jnp.bfloat16, **kwargs):
     """Scores over entries 0..G-1 (G = num_entries, static) -> f32 [B, S, G]; -inf where not visible
     (same as `indexer.scores` on `_context_index_keys`; a visible entry on a page < 0 or out of range is -inf
-    here, 0-key score there)."""
-    B = q.shape[0]
+    here, 0-key score there).
+
+    Any number of queries S: the kernel takes `query_group(IH)` queries a row (their heads are the wgmma N,
+    <= 256), so a prefill chunk's S queries become ceil(S / group) kernel rows of the same entries, each reading
+    them once (from L2 after the first). The XLA path's [B, S, IH, G] float32 products are never formed."""
+    B, S, IH = q.shape[:3]
     P, E, _ = ik_packed.shape
     nvis = visible_count(q_pos, ratio)                                    # [B, S]
-    g = jnp.broadcast_to(jnp.arange(num_entries, dtype=jnp.int32)[None], (B, num_entries))
+    group = query_group(IH)
+    if backend != "xla" and S > group:
+        pad = -S % group
+        qg = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(-1, group, *q.shape[2:])
+        wg = jnp.pad(w, ((0, 0), (0, pad), (0, 0))).reshape(-1, group, IH)
+        n = (S + pad) // group
+        last = jnp.pad(nvis, ((0, 0), (0, pad)), mode="edge").reshape(B * n, group)
+        s = _context_entry_scores(qg, wg, ik_packed, ik_scale, jnp.repeat(jnp.asarray(block_table), n, axis=0),
+                                  last, num_entries, backend, dtype, **kwargs)
+        s = s.reshape(B, S + pad, num_entries)[:, :S]
+    else:
+        s = _context_entry_scores(q, w, ik_packed, ik_scale, block_table, nvis, num_entries, backend, dtype,
+                                  **kwargs)
+    return jnp.where(jnp.arange(num_entries)[None, None] < nvis[..., None], s, -jnp.inf)
+
+
+def query_group(index_heads: int) -> int:
+    """Queries one kernel row scores together: their heads are the wgmma's N (<= 256)."""
+    return max(1, 256 // index_heads)
+
+
+def _context_entry_scores(q, w, ik_packed, ik_scale, block_table, nvis, num_entries: int, backend, dtype, **kwargs):
+    """Scores of entries 0..G-1 for kernel rows [B', S'] of queries; entries no query of a row sees are skipped."""
+    P, E, _ = ik_packed.shape
+    g = jnp.broadcast_to(jnp.arange(num_entries, dtype=jnp.int32)[None], (q.shape[0], num_entries))
     g = jnp.where(g < jnp.max(nvis, axis=1, keepdims=True), g, -1)        # rows no query of b can see: skip
     rows = pool_rows(g, block_table, E, P)
-    s = entry_scores(q, w, ik_packed, ik_scale, rows, backend=backend, dtype=dtype, **kwargs)
-    return jnp.where(jnp.arange(num_entries)[None, None] < nvis[..., None], s, -jnp.inf)
+    return entry_scores(q, w, ik_packed, ik_scale, rows, backend=backend, dtype=dtype, **kwargs)
 
 
 def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos, ratio: int, block_size: int = 8,

@@ -196,7 +196,11 @@ def main():
                     help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
                          "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--prefill-indexer-kernel", action="store_true",
+                    help="prefill chunks' indexers through the scoring kernel (programs.PREFILL_INDEXER_KERNEL; "
+                         "kernel configurations only)")
     args = ap.parse_args()
+    programs.PREFILL_INDEXER_KERNEL = args.prefill_indexer_kernel  # before any program is traced
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]

@@ -16,6 +16,7 @@
 #   bash scripts/h200_checks.sh fused-rope    # attention kernel with the RoPE inside: GPU tests, engine per layer
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
+#   bash scripts/h200_checks.sh prefill-indexer  # prefill indexers through the scoring kernel: tests, then timed
 #   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
@@ -124,7 +125,7 @@ case "${1:-}" in
       -k fused_rope > "$OUT/rope_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/rope_tests.txt" | tail -6
-    timeout -k 10 330 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k layer_by_layer \
+    timeout -k 10 330 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k "layer_by_layer and not False-True" \
       > "$OUT/rope_engine.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/rope_engine.txt" | tail -8
@@ -150,6 +151,22 @@ case "${1:-}" in
         --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
     done
     ;;
+  prefill-indexer)
+    # programs.PREFILL_INDEXER_KERNEL: the kernel at a 2048-query chunk, the engine layer by layer with it, then
+    # the prefill table with it (the `prefill` group gives the same table without it; run both in one session)
+    timeout -k 10 200 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_indexer_logits.py -k context_flash > "$OUT/pi_tests.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pi_tests.txt" | tail -5
+    timeout -k 10 200 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+      -k "layer_by_layer and False-True" > "$OUT/pi_engine.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/pi_engine.txt" | tail -4
+    timeout -k 10 300 $PY scripts/bench_engine.py --prefill-backends auto --lengths 4096,16384 --backends auto \
+      --batches 1 --decode-ctx 4096 --prefill-indexer-kernel > "$OUT/pi_log.txt" 2>&1
+    echo "bench_engine rc=$?"
+    grep -E "\| " "$OUT/pi_log.txt" | tail -8
+    ;;
   flips)
     # which selection (indexer top-k, candidates, experts) first differs between runs with and without the FP8
     # linear kernel, and between two kernel runs: a tie, a quantization bin upstream, or a kernel fault
@@ -174,7 +191,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|flips|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|prefill-indexer|flips|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

@@ -84,16 +84,19 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
-@pytest.mark.parametrize("fuse_rope", [False, True])
-def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, fuse_rope, monkeypatch):
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opt_in, monkeypatch):
     """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
-    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; also with
-    the query / output RoPE handed to the attention kernel (`programs.FUSE_ROPE`) instead of applied around it.
-    The kernels against those references: tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
+    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; also
+    (opt_in) with the paths not yet on by default: the query / output RoPE handed to the attention kernel
+    (`programs.FUSE_ROPE`) and the prefill chunk's indexer through the scoring kernel
+    (`programs.PREFILL_INDEXER_KERNEL`). The kernels against those references: tests/pallas_kernels; the
+    compiled kernels: tests/test_engine_gpu.py."""
     from layer_paths import attention_diffs, fill, make_batch, zero_rows
 
-    monkeypatch.setattr(programs, "FUSE_ROPE", fuse_rope)
+    monkeypatch.setattr(programs, "FUSE_ROPE", opt_in)
+    monkeypatch.setattr(programs, "PREFILL_INDEXER_KERNEL", opt_in)
     cfg, params = tiny
     core, _ = model.strip_tables(params)
     pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2))

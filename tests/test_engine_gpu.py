@@ -49,14 +49,16 @@ def bench():
     return cfg, P.init_params(cfg, seed=0)
 
 
-@pytest.mark.parametrize("fuse_rope", [False, True])
-def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, monkeypatch):
+@pytest.mark.parametrize("fuse_rope, prefill_indexer", [(False, False), (True, False), (False, True)])
+def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer, monkeypatch):
     """Two rows whose pools hold 1536 tokens (ratio-2 layers: 768 entries, so the top-512 selection is real),
     then a prefill chunk (one ragged row) whose windows reach into the rings, and a decode step; also with the
-    query / output RoPE inside the attention kernel (`programs.FUSE_ROPE`)."""
+    query / output RoPE inside the attention kernel (`programs.FUSE_ROPE`), and with the chunk's indexers
+    through the scoring kernel (`programs.PREFILL_INDEXER_KERNEL`)."""
     from serving.engine import programs
 
     monkeypatch.setattr(programs, "FUSE_ROPE", fuse_rope)
+    monkeypatch.setattr(programs, "PREFILL_INDEXER_KERNEL", prefill_indexer)
     cfg, params = bench
     core, _ = model.strip_tables(params)
     B, T0, ctx = 2, 1536, 32
@@ -73,7 +75,8 @@ def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, monkeypatch)
                                   cfg, NUM, "pallas"),
     }
     for k, d in diffs.items():
-        print(f"{k} (fused RoPE {fuse_rope}): per-layer rel. max difference {np.array2string(d, precision=4)}")
+        print(f"{k} (fused RoPE {fuse_rope}, prefill indexer kernel {prefill_indexer}): per-layer rel. max "
+              f"difference {np.array2string(d, precision=4)}")
     assert all(np.all(np.isfinite(d)) and d.max() < LAYER_TOL[k] for k, d in diffs.items()), diffs
 
 

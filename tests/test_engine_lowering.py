@@ -96,3 +96,14 @@ def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
     on_device = programs.run_full.trace(core, pool, _batch(cfg, 4, 1, 8), _sampling(4), cfg=cfg,
                                         num=quant.REFERENCE).lower(lowering_platforms=("cuda",)).as_text()
     assert "annotate_device_placement" not in on_device  # rows already on the device: no copy
+
+
+def test_prefill_indexer_kernel_lowers_for_cuda(bench, monkeypatch):
+    """`programs.PREFILL_INDEXER_KERNEL`: a 2048-token chunk's indexers through the scoring kernel, its queries
+    in groups of 8 (8 x 32 heads: the wgmma N of 256), 256 kernel rows over the context."""
+    cfg, core, pool = bench
+    monkeypatch.setattr(programs, "PREFILL_INDEXER_KERNEL", True)
+    jax.clear_caches()  # the programs' traces do not key on the module flag
+    programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
+                               backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
+    jax.clear_caches()

@@ -242,6 +242,14 @@ def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
 FUSE_ROPE = False
 
 
+# A prefill chunk's indexer through the scoring kernel (`_prefill_index_topk`) instead of XLA's einsum, whose
+# [B, T, heads, G] float32 products grow with the context (4.3 GB per layer for a 2048-token chunk at 16K, 34 GB
+# at 128K). Off until it has run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run
+# there at decode and at 4 queries a row, not yet at a chunk's 8-query groups. On the CPU this wiring equals the
+# XLA path layer by layer through the kernel's reference (tests/test_engine.py).
+PREFILL_INDEXER_KERNEL = False
+
+
 def _rope_kw(pos, freqs, fuse: bool) -> dict:
     """The attention kernel's arguments that rotate q and its output at positions pos [N] (fuse), else none."""
     if not fuse:
@@ -251,6 +259,29 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
     cos, sin = cos_sin(pos, freqs)  # the angles A.project_q / A.output rotate by
     return dict(rope_cos=cos, rope_sin=sin, rope_query=True, rope_output=True,
                 config=sa.KernelConfig(fuse_rope=True))
+
+
+def _prefill_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, layer: int, shared: dict, cfg,
+                        num: Numerics, backend: str):
+    """A prefill chunk's indexer through the scoring kernel, straight from the MXFP4 pool: the encoder indexers
+    and the candidate source layer score every visible entry (queries in groups that share one pass over the
+    entries), the layers after it only their candidates. The XLA path instead forms [B, T, heads, G] float32
+    products (4.3 GB for a 2048-token chunk at a 16K context). qi [B, T, IH, ID], wi [B, T, IH], pos [B, T]
+    -> top-k entry ids int32 [B, T, k]; shared["cand"] holds candidate block ids (the XLA path: a mask)."""
+    from pallas_kernels import indexer_logits as il
+
+    ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
+    kw = dict(cfg=il.IndexerConfig.from_model(cfg), backend="xla" if backend == "reference" else backend,
+              dtype=num.jdtype)
+    if cfg.uses_candidates(layer):
+        topk, _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=shared["cand"], **kw)
+        return topk
+    want = layer == cfg.candidate_source_layer
+    topk, cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
+                               num_entries=b.block_table.shape[1] * ikp.shape[1], want_candidates=want, **kw)
+    if want:
+        shared["cand"] = cand
+    return topk
 
 
 def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink, backend: str,
@@ -337,14 +368,17 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
             return None, pool
         if role in (AttnRole.FULL, AttnRole.REINDEX):
             q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
-            keys = _context_index_keys(pool, si, b.block_table, cfg)
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
-            s = indexer.scores(qi, wi, keys, pos, r, num)
-            if layer == cfg.candidate_source_layer:
-                shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
-            elif cfg.uses_candidates(layer):
-                s = jnp.where(shared["cand"], s, -jnp.inf)
-            shared["topk"] = indexer.select_topk(s, pos, r, cfg)
+            if backend != "xla" and PREFILL_INDEXER_KERNEL:
+                shared["topk"] = _prefill_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend)
+            else:
+                keys = _context_index_keys(pool, si, b.block_table, cfg)
+                s = indexer.scores(qi, wi, keys, pos, r, num)
+                if layer == cfg.candidate_source_layer:
+                    shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
+                elif cfg.uses_candidates(layer):
+                    s = jnp.where(shared["cand"], s, -jnp.inf)
+                shared["topk"] = indexer.select_topk(s, pos, r, cfg)
         else:
             q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
         comp_k, comp_valid = _gather_kv(pool, si, b.block_table, shared["topk"], cfg)

@@ -131,6 +131,22 @@ def test_context_topk_and_candidates_match_today():
     assert (np.asarray(topk_c[..., k:]) == -1).all()
 
 
+def test_context_scores_of_a_prefill_chunk_in_query_groups():
+    """A prefill chunk's S queries over the context (`context_scores`, S > the queries one kernel row takes):
+    groups of query_group(IH) queries, the last one padded, each group a kernel row that skips the entries none of
+    its queries sees. Interpreted kernel == the reference on the whole chunk, bit for bit (exact data)."""
+    B, S, IH, ID, E, ratio = 2, 37, 64, 64, 16, 1
+    assert il.query_group(IH) == 4  # 10 kernel rows a sequence, the last with one real query
+    q, w, pk, sc, bt = make_pool(13, B, S, IH, ID, E=E, pages_per_row=4)
+    G = bt.shape[1] * E
+    q_pos = jnp.asarray([np.arange(S) + 20, np.arange(S)], jnp.int32)  # a chunk after 20 tokens; one from 0
+    out = jit(il.context_scores, ratio=ratio, num_entries=G, backend="interpret")(q, w, pk, sc, bt, q_pos)
+    ref = jit(il.context_scores, ratio=ratio, num_entries=G, backend="xla")(q, w, pk, sc, bt, q_pos)
+    assert out.shape == (B, S, G)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert np.isfinite(np.asarray(out)[1, 0]).sum() == 1 and np.isfinite(np.asarray(out)[0, -1]).sum() == S + 20
+
+
 def test_candidates_small_s_and_ties():
     """S=2 candidates [B, S, NB] (one kernel row per query), all-equal scores (ties -> lower ids), -1 blocks,
     partially visible last block. The wrapper logic is backend-independent: the reference backend keeps CI fast
@@ -223,13 +239,14 @@ def test_gpu_candidates_flash(B, ctx):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,S,ctx", [(2, 1, 16384), (2, 4, 4096)])
+@pytest.mark.parametrize("B,S,ctx", [(2, 1, 16384), (2, 4, 4096), (1, 2048, 16384)])
 def test_gpu_context_flash(B, S, ctx):
     cfg = il.IndexerConfig()
     E, ratio = 64, 2
     G = ctx // ratio
     q, w, pk, sc, bt = make_pool(S, B, S, E=E, pages_per_row=G // E, exact=False)
-    q_pos = ctx - 1 - jnp.arange(S, dtype=jnp.int32)[::-1][None] * 37 - jnp.arange(B, dtype=jnp.int32)[:, None] * 999
+    gap = 37 if S <= 8 else 1  # a prefill chunk (S = 2048): consecutive positions at the context's end
+    q_pos = ctx - 1 - jnp.arange(S, dtype=jnp.int32)[::-1][None] * gap - jnp.arange(B, dtype=jnp.int32)[:, None] * 999
     s = jit(il.context_scores, ratio=ratio, num_entries=G)(q, w, pk, sc, bt, q_pos)
     s_ref = jit(il.context_scores, ratio=ratio, num_entries=G, backend="xla")(q, w, pk, sc, bt, q_pos)
     assert_scores_close(s, s_ref)
