@@ -35,9 +35,28 @@ def index_queries(x: jax.Array, qr: jax.Array, p: dict, pos: jax.Array, freqs: n
     return q, w
 
 
+# The [B, S, heads, G] float32 products before the head sum are the largest intermediate of a long prefill on the
+# XLA path (2048 queries x 16K entries x 32 heads: 4.3 GB; 34 GB at 128K). Past this size the entries go in
+# blocks, one after another; each score is the same arithmetic as in one pass (its head sum is its own), up to
+# the float32 summation order XLA picks for the dot at each shape.
+MAX_PRODUCT_BYTES = 1 << 30
+
+
 def raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype) -> jax.Array:
     """score(i, g) = sum_h w_h relu(q_h . k_g), each step rounded to `dtype` as the reference does (bf16 scores
     make exact ties common). q [B, S, IH, ID], w [B, S, IH], k [B, G, ID] -> float32 [B, S, G]."""
+    B, S, IH, ID = q.shape
+    G = k.shape[1]
+    blk = max(128, MAX_PRODUCT_BYTES // (4 * B * S * IH) // 128 * 128)
+    if blk >= G:
+        return _raw_scores(q, w, k, dtype)
+    n = -(-G // blk)
+    kb = jnp.pad(k, ((0, 0), (0, n * blk - G), (0, 0))).reshape(B, n, blk, ID).swapaxes(0, 1)
+    s = jax.lax.map(lambda kk: _raw_scores(q, w, kk, dtype), kb)  # [n, B, S, blk]
+    return jnp.moveaxis(s, 0, 2).reshape(B, S, n * blk)[..., :G]
+
+
+def _raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype) -> jax.Array:
     s = quant.round_to(jnp.einsum("bshd,btd->bsht", q.astype(dtype), k.astype(dtype),
                                   preferred_element_type=jnp.float32), dtype)
     # a dtype x dtype product is exact in float32: one rounding after it is the dtype multiply

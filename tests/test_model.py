@@ -105,3 +105,29 @@ def test_mhc_coefficients_of_a_bf16_stream_are_float32_dots(monkeypatch):
     want = (xf @ np.asarray(fn, np.float64).T) / np.sqrt((xf * xf).mean(-1, keepdims=True) + cfg.norm_eps)
     bound = max(4 * np.abs(m_f32 - want).max(), 1e-6 * np.abs(want).max())
     assert m_bf16.shape == want.shape and np.abs(m_bf16 - want).max() <= bound
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_index_scores_in_entry_blocks_equal_one_pass(dtype, monkeypatch):
+    """Past `indexer.MAX_PRODUCT_BYTES` of [B, S, heads, G] products the entries are scored in blocks (a long
+    prefill on the XLA path); every score is the one a single pass gives, the ragged last block too: bit for bit
+    in bf16 (each step rounded), to float32 summation order in float32 (XLA blocks the dot per shape)."""
+    import jax
+
+    from dsv41 import indexer
+
+    rng = np.random.default_rng(0)
+    B, S, IH, ID, G = 2, 5, 4, 32, 300
+    q = jnp.asarray(rng.standard_normal((B, S, IH, ID)), dtype)
+    w = jnp.asarray(rng.standard_normal((B, S, IH)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, G, ID)), dtype)
+    one = jax.jit(indexer.raw_scores, static_argnums=3)(q, w, k, dtype)
+    monkeypatch.setattr(indexer, "MAX_PRODUCT_BYTES", 4 * B * S * IH * 128)  # blocks of 128: 3, the last ragged
+    jax.clear_caches()  # traces do not key on the module constant
+    blocked = jax.jit(indexer.raw_scores, static_argnums=3)(q, w, k, dtype)
+    jax.clear_caches()
+    assert blocked.shape == (B, S, G)
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(np.asarray(blocked), np.asarray(one))
+    else:
+        np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=0, atol=1e-5 * np.abs(one).max())
