@@ -243,8 +243,8 @@ FUSE_ROPE = False
 
 
 # A prefill chunk's indexer through the scoring kernel (`_prefill_index_topk`) instead of XLA's einsum, whose
-# [B, T, heads, G] float32 products grow with the context (4.3 GB written and read per layer for a 2048-token
-# chunk at 16K; `indexer.raw_scores` forms them 1 GiB at a time). Off until it has run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run
+# [B, T, heads, G] float32 products grow with the context (4.3 GB per layer for a 2048-token chunk at 16K if
+# written out; `indexer.raw_scores` forms them 1 GiB at a time). Off until it has run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run
 # there at decode and at 4 queries a row, not yet at a chunk's 8-query groups. On the CPU this wiring equals the
 # XLA path layer by layer through the kernel's reference (tests/test_engine.py).
 PREFILL_INDEXER_KERNEL = False
@@ -265,8 +265,8 @@ def _prefill_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, la
                         num: Numerics, backend: str):
     """A prefill chunk's indexer through the scoring kernel, straight from the MXFP4 pool: the encoder indexers
     and the candidate source layer score every visible entry (queries in groups that share one pass over the
-    entries), the layers after it only their candidates (the XLA path writes and reads [B, T, heads, G] float32
-    products: 4.3 GB for a 2048-token chunk at a 16K context). qi [B, T, IH, ID], wi [B, T, IH], pos [B, T]
+    entries), the layers after it only their candidates (the XLA path's einsum gives [B, T, heads, G] float32
+    products: 4.3 GB for a 2048-token chunk at a 16K context if written out). qi [B, T, IH, ID], wi [B, T, IH], pos [B, T]
     -> top-k entry ids int32 [B, T, k]; shared["cand"] holds candidate block ids (the XLA path: a mask)."""
     from pallas_kernels import indexer_logits as il
 
