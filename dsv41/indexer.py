@@ -36,10 +36,10 @@ def index_queries(x: jax.Array, qr: jax.Array, p: dict, pos: jax.Array, freqs: n
 
 
 # The [B, S, heads, G] float32 products before the head sum grow with the context at a long prefill (2048 queries
-# x 16K entries x 32 heads: 4.3 GB if written out; 34 GB at 128K). Past this size the entries go in
-# blocks, one after another; each score is the same arithmetic as in one pass (its head sum is its own), up to
-# the float32 summation order XLA picks for the dot at each shape.
-MAX_PRODUCT_BYTES = 1 << 30
+# x 16K entries x 32 heads: 4 GiB if written out; 32 GiB at 128K). Past 4 GiB (beyond 16K entries at such a
+# chunk: nothing measured so far changes) the entries go in blocks, one after another; each score is the same
+# arithmetic as in one pass (its head sum is its own), up to the float32 summation order XLA picks for the dot.
+MAX_PRODUCT_BYTES = 4 << 30
 
 
 def raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype) -> jax.Array:

@@ -244,7 +244,7 @@ FUSE_ROPE = False
 
 # A prefill chunk's indexer through the scoring kernel (`_prefill_index_topk`) instead of XLA's einsum, whose
 # [B, T, heads, G] float32 products grow with the context (4.3 GB per layer for a 2048-token chunk at 16K if
-# written out; `indexer.raw_scores` forms them 1 GiB at a time). Off until it has run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run
+# written out; `indexer.raw_scores` forms them 4 GiB at a time beyond that). Off until it has run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run
 # there at decode and at 4 queries a row, not yet at a chunk's 8-query groups. On the CPU this wiring equals the
 # XLA path layer by layer through the kernel's reference (tests/test_engine.py).
 PREFILL_INDEXER_KERNEL = False
