@@ -218,7 +218,7 @@ def main():
     max_len = max(lengths) + 2048
     max_len = -(-max_len // 64) * 64
 
-    backends = args.backends.split(",")
+    backends = [be for be in args.backends.split(",") if be]  # --backends "": the prefill table only
     pre_backends = [] if args.skip_prefill else args.prefill_backends.split(",")
     fp4 = args.weights == "bf16" and any(kernels_of(be)[1] != "xla" for be in backends + pre_backends)
     fp4_params = with_fp4_experts(params) if fp4 else params

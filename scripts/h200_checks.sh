@@ -153,17 +153,17 @@ case "${1:-}" in
     ;;
   prefill-indexer)
     # programs.PREFILL_INDEXER_KERNEL: the kernel at a 2048-query chunk, the engine layer by layer with it, then
-    # the prefill table with it (the `prefill` group gives the same table without it; run both in one session)
-    timeout -k 10 200 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+    # the 16K prefill row with it (the `prefill` group gives the same row without it; run both in one session)
+    timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
       tests/pallas_kernels/test_indexer_logits.py -k context_flash > "$OUT/pi_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pi_tests.txt" | tail -5
-    timeout -k 10 200 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+    timeout -k 10 170 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
       -k "layer_by_layer and False-True" > "$OUT/pi_engine.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/pi_engine.txt" | tail -4
-    timeout -k 10 300 $PY scripts/bench_engine.py --prefill-backends auto --lengths 4096,16384 --backends auto \
-      --batches 1 --decode-ctx 4096 --prefill-indexer-kernel > "$OUT/pi_log.txt" 2>&1
+    timeout -k 10 260 $PY scripts/bench_engine.py --prefill-backends auto --lengths 16384 --backends "" \
+      --prefill-indexer-kernel > "$OUT/pi_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "\| " "$OUT/pi_log.txt" | tail -8
     ;;

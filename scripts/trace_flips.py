@@ -104,10 +104,10 @@ def main():
             if 0 in flips:
                 f = flips[0]
                 where, kept = f"{f.layer}, {f.name}, {f.pos}", f"{f.a_only.tolist()} / {f.b_only.tolist()}"
-                ids_ = np.concatenate([f.a_only, f.b_only])
+                swapped = np.concatenate([f.a_only, f.b_only])
                 # a tie: equal scores in run 0; scores that moved a lot between runs: a quantization bin
                 # (FP8 / MXFP4 keys, bf16 scores) flipped upstream
-                sa, sb = (_fmt(fn(f.layer, f.name, 0, f.pos), ids_) for fn in
+                sa, sb = (_fmt(fn(f.layer, f.name, 0, f.pos), swapped) for fn in
                           (scores_of(ref, params, cfg), scores_of(tr, params, cfg)))
             print(f"| {n} | {i} {be} | {where} | {kept} | {sa} | {sb} | {blocks:.2e} | {logits:.2e} |")
 
