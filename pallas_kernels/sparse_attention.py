@@ -881,7 +881,7 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
       p_stage,
       p_x,
       plgpu.SMEM((2, hq), jnp.float32),
-      plgpu.Barrier(num_arrivals=1),
+      plgpu.Barrier(num_arrivals=2 if rope else 1),   # q_bar: q (and the RoPE tables)
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=1, num_barriers=ns),
       plgpu.Barrier(num_arrivals=2, num_barriers=ns),
@@ -889,7 +889,6 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
       plgpu.Barrier(num_arrivals=2),
   ]
   if rope:
-    scratch[8] = plgpu.Barrier(num_arrivals=2)     # q_bar: q and the RoPE tables
     scratch += [plgpu.SMEM((2, rw), jnp.float32), plgpu.Barrier(num_arrivals=2)]
   kwargs = {}
   if interpret:

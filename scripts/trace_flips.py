@@ -20,14 +20,12 @@ import logging
 import jax
 import numpy as np
 
+from compare_engine_runs import NUM  # the same numerics as the engine comparison
 from dsv41 import model, moe, nn, trace_diff
 from dsv41 import params as P
-from dsv41 import quant
 from dsv41.config import preset
 
 log = logging.getLogger("trace_flips")
-
-NUM = quant.Numerics(act_quant=False, bf16_probs=True, dtype="bfloat16")  # as compare_engine_runs.py
 KEEP = ("topk", "candidates", "moe.experts", "index_scores", "ffn_in", "block_out")
 
 

@@ -312,7 +312,7 @@ class Engine:
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
-        self.engram_transfer, self._rows_home = engram_transfer, _engram_rows_home(engram_transfer)
+        self._rows_home = _engram_rows_home(engram_transfer)
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         self.replay = swa_bounded_replay and cfg.split_layer >= 0
         if max_num_batched_tokens < cfg.window_size:

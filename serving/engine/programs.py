@@ -20,8 +20,8 @@ from dsv41 import attention as A
 from dsv41 import compressor, engram, indexer, mhc, model, quant
 from dsv41.config import AttnRole, ModelConfig
 from dsv41.nn import rms_norm
-from dsv41.rope import cos_sin
 from dsv41.quant import Numerics
+from dsv41.rope import cos_sin
 from serving.engine.kv_pool import KVPool, ring_size
 
 
@@ -152,7 +152,6 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     attention over the FP8 ring and the selected FP4 entries. -> (output [B, 1, D], pool).
     backend: 'pallas' (Mosaic GPU), 'interpret' (the kernels in the interpreter) or 'reference' (their jnp
     references on the kernels' inputs: checks this wiring, not the kernels)."""
-    from pallas_kernels import indexer_logits as il
     from pallas_kernels import kv_write as kvw
     from pallas_kernels import sparse_attention as sa
 
@@ -186,17 +185,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     if role in (AttnRole.FULL, AttnRole.REINDEX):
         with jax.named_scope("indexer"):
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
-            ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
-            kw = dict(cfg=il.IndexerConfig.from_model(cfg), backend=kb, dtype=num.jdtype)
-            if cfg.uses_candidates(layer):
-                shared["topk"], _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
-                                                  cand_blocks=shared["cand"], **kw)
-            else:
-                shared["topk"], cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
-                                                     num_entries=b.block_table.shape[1] * ikp.shape[1],
-                                                     want_candidates=layer == cfg.candidate_source_layer, **kw)
-                if layer == cfg.candidate_source_layer:
-                    shared["cand"] = cand  # block ids here, where the XLA path keeps an entry mask
+            shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend)
 
     R = ring_size(cfg, layer)
     lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
@@ -242,11 +231,12 @@ def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
 FUSE_ROPE = False
 
 
-# A prefill chunk's indexer through the scoring kernel (`_prefill_index_topk`) instead of XLA's einsum, whose
-# [B, T, heads, G] float32 products grow with the context (4.3 GB per layer for a 2048-token chunk at 16K if
-# written out; `indexer.raw_scores` forms them 4 GiB at a time beyond that). Off until it has run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run
-# there at decode and at 4 queries a row, not yet at a chunk's 8-query groups. On the CPU this wiring equals the
-# XLA path layer by layer through the kernel's reference (tests/test_engine.py).
+# A prefill chunk's indexer through the scoring kernel (`_kernel_index_topk`, as decode runs it) instead of
+# XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (4.3 GB per layer for a 2048-token
+# chunk at 16K if written out; `indexer.raw_scores` forms them 4 GiB at a time beyond that). Off until it has
+# run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run there at decode and at 4
+# queries a row, not yet at a chunk's 8-query groups. On the CPU this wiring equals the XLA path layer by layer
+# through the kernel's reference (tests/test_engine.py).
 PREFILL_INDEXER_KERNEL = False
 
 
@@ -261,13 +251,13 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
                 config=sa.KernelConfig(fuse_rope=True))
 
 
-def _prefill_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, layer: int, shared: dict, cfg,
-                        num: Numerics, backend: str):
-    """A prefill chunk's indexer through the scoring kernel, straight from the MXFP4 pool: the encoder indexers
-    and the candidate source layer score every visible entry (queries in groups that share one pass over the
-    entries), the layers after it only their candidates (the XLA path's einsum gives [B, T, heads, G] float32
-    products: 4.3 GB for a 2048-token chunk at a 16K context if written out). qi [B, T, IH, ID], wi [B, T, IH], pos [B, T]
-    -> top-k entry ids int32 [B, T, k]; shared["cand"] holds candidate block ids (the XLA path: a mask)."""
+def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, layer: int, shared: dict, cfg,
+                       num: Numerics, backend: str):
+    """One indexer layer through the scoring kernel, straight from the MXFP4 pool (decode, and prefill chunks
+    with PREFILL_INDEXER_KERNEL): the encoder indexers and the candidate source layer score every visible entry
+    (a chunk's queries in groups that share one pass over the entries), the layers after it only their
+    candidates. qi [B, T, IH, ID], wi [B, T, IH], pos [B, T] -> top-k entry ids int32 [B, T, k];
+    shared["cand"] holds candidate block ids (the XLA path: an entry mask)."""
     from pallas_kernels import indexer_logits as il
 
     ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
@@ -370,7 +360,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
             q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
             if backend != "xla" and PREFILL_INDEXER_KERNEL:
-                shared["topk"] = _prefill_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend)
+                shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend)
             else:
                 keys = _context_index_keys(pool, si, b.block_table, cfg)
                 s = indexer.scores(qi, wi, keys, pos, r, num)
