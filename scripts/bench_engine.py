@@ -122,12 +122,12 @@ def linear_flops(cfg, core, n: int, replay: bool) -> float:
     return 2.0 * (sum(t * w for t, w in zip(tokens, per_layer)) + cfg.vocab_size * cfg.dim)
 
 
-def bench_prefill(cfg, params_of, backends, lengths, max_len):
+def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(False, True)):
     """-> rows (backend, n, replay, first call s, warm s); params_of(backend) gives the weights it reads."""
     rows = []
     for be in backends:
         rng = np.random.default_rng(0)
-        for replay in (False, True):
+        for replay in replays:
             eng = make_engine(cfg, params_of(be), replay, max_len, 2, be)
             for n in lengths:
                 ids = list(rng.integers(3, cfg.vocab_size, n))
@@ -199,8 +199,16 @@ def main():
     ap.add_argument("--prefill-indexer-kernel", action="store_true",
                     help="prefill chunks' indexers through the scoring kernel (programs.PREFILL_INDEXER_KERNEL; "
                          "kernel configurations only)")
+    ap.add_argument("--fuse-rope", action="store_true",
+                    help="query / output RoPE inside the attention kernel (programs.FUSE_ROPE; kernel "
+                         "configurations only)")
+    ap.add_argument("--replay", choices=["both", "on", "off"], default="both",
+                    help="prefill table: SWA bounded replay on and off (both), or one of them")
     args = ap.parse_args()
-    programs.PREFILL_INDEXER_KERNEL = args.prefill_indexer_kernel  # before any program is traced
+    # module switches read when a program is traced: one setting per process
+    programs.PREFILL_INDEXER_KERNEL = args.prefill_indexer_kernel
+    programs.FUSE_ROPE = args.fuse_rope
+    log.info("PREFILL_INDEXER_KERNEL=%s FUSE_ROPE=%s", programs.PREFILL_INDEXER_KERNEL, programs.FUSE_ROPE)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -226,7 +234,8 @@ def main():
     def params_of(be):
         return fp4_params if kernels_of(be)[1] != "xla" else params
 
-    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len)
+    replays = {"both": (False, True), "on": (True,), "off": (False,)}[args.replay]
+    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len, replays)
 
     # the release's formats: wo_a ships as FP8 (convert.py, and our tree, keep it bf16)
     rel = model.strip_tables(P.abstract_params(cfg))[0]
@@ -259,14 +268,16 @@ def main():
 
     print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
           f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (f32 scale, read+write), bf16 matmul "
-          f"{mxu / 1e12:.0f} TFLOP/s\n")
+          f"{mxu / 1e12:.0f} TFLOP/s; FUSE_ROPE={programs.FUSE_ROPE}, PREFILL_INDEXER_KERNEL="
+          f"{programs.PREFILL_INDEXER_KERNEL}\n")
     print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs "
           "/ matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |")
     print("|---|---|---|---|---|---|---|---|")
     core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
     by = {(be, n, r): (f, w) for be, n, r, f, w in pre}
+    nan = (math.nan, math.nan)  # a replay setting not run (--replay on|off)
     for be, n in [(be, n) for be in pre_backends for n in lengths]:
-        e, r = by[(be, n, False)], by[(be, n, True)]
+        e, r = by.get((be, n, False), nan), by.get((be, n, True), nan)
         fe, fr = (linear_flops(cfg, core, n, rp) / mxu for rp in (False, True))
         print(f"| {be} | {n} | {e[1]:.3f} | {r[1]:.3f} | {100 * (1 - r[1] / e[1]):.0f}% | "
               f"{fe:.3f} ({100 * fe / e[1]:.0f}%) | {fr:.3f} ({100 * fr / r[1]:.0f}%) | {e[0]:.1f} / {r[0]:.1f} |")

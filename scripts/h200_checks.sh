@@ -18,6 +18,8 @@
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
 #   bash scripts/h200_checks.sh prefill-indexer  # prefill indexers through the scoring kernel: tests, then timed
 #   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
+#   bash scripts/h200_checks.sh kv-flags      # fused-rope + prefill-indexer checks in one call (kernels, engine)
+#   bash scripts/h200_checks.sh kv-flags-time # decode with/without FUSE_ROPE, 16K prefill with/without the kernel
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
@@ -139,15 +141,13 @@ case "${1:-}" in
     ;;
   graphs)
     # a batch-1 step launches ~600 kernels, most under 5 us (docs/PERFORMANCE.md): how much do CUDA graphs recover?
-    XLA_FLAGS=--help $PY -c "import jax; jax.numpy.zeros(1).block_until_ready()" 2>&1 \
-      | grep -iE "command_buffer|graph_min|graph_level" | head -12
     # Mosaic GPU's custom call is command-buffer compatible (jaxlib/mosaic/gpu/custom_call.cc registers its
     # execute handler with kCmdBufferCompatible), so the kernels can sit inside the graphs; the step's lax.cond
     # (sampling) needs CONDITIONAL, which the default list may lack
     all="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
-    for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1"; do
+    for flags in "" "--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1"; do
       echo "== XLA_FLAGS='$flags'"
-      XLA_FLAGS="$flags" timeout -k 10 170 $PY scripts/bench_engine.py --backends auto --batches 1 --skip-prefill \
+      XLA_FLAGS="$flags" timeout -k 10 140 $PY scripts/bench_engine.py --backends auto --batches 1 --skip-prefill \
         --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
     done
     ;;
@@ -175,6 +175,33 @@ case "${1:-}" in
     echo "trace_flips rc=$?"
     grep -E "^\|" "$OUT/flips.txt"
     ;;
+  kv-flags)
+    # programs.FUSE_ROPE and programs.PREFILL_INDEXER_KERNEL: their kernels' GPU tests, then the engine layer by
+    # layer with each (the checks of the fused-rope and prefill-indexer groups, without their timing)
+    timeout -k 10 200 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_sparse_attention.py tests/pallas_kernels/test_indexer_logits.py \
+      -k "fused_rope or context_flash" > "$OUT/flag_tests.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/flag_tests.txt" | tail -12
+    timeout -k 10 340 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+      -k "layer_by_layer and True" > "$OUT/flag_engine.txt" 2>&1
+    echo "pytest rc=$?"
+    grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/flag_engine.txt" | tail -10
+    ;;
+  kv-flags-time)
+    # one process per setting (the switches are read when a program is traced)
+    # (a decode row compiles in ~90 s on the device: batch 64 only, batch 1 was run before)
+    for f in "" --fuse-rope; do
+      timeout -k 10 140 $PY scripts/bench_engine.py --backends auto --batches 64 --skip-prefill --decode-ctx 4096 \
+        $f > "$OUT/dec$f.txt" 2>&1
+      echo "bench_engine decode $f rc=$?"; grep -E "^\| auto" "$OUT/dec$f.txt"
+    done
+    for f in "" --prefill-indexer-kernel; do
+      timeout -k 10 140 $PY scripts/bench_engine.py --prefill-backends auto --lengths 16384 --replay on \
+        --backends "" $f > "$OUT/pre$f.txt" 2>&1
+      echo "bench_engine prefill $f rc=$?"; grep -E "^\| auto" "$OUT/pre$f.txt"
+    done
+    ;;
   engram|engram-prefill)
     # Engine(engram_transfer="overlap") vs the default (engram: decode at batch 1 / 64; engram-prefill: a
     # 4096-token prompt, two 2048-token chunks of ~13 MB of rows each). The bench preset's only Engram layer is
@@ -191,7 +218,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|prefill-indexer|flips|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|prefill-indexer|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

@@ -224,19 +224,20 @@ def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
 
 
 # The query RoPE and the output's inverse RoPE inside the attention kernel (`KernelConfig.fuse_rope`) instead of
-# two XLA passes over q and o (at a 2048-token prefill chunk 128 MB each way, per layer). Off until the fused form
-# has run on the device (`bash scripts/h200_checks.sh fused-rope`). On the CPU the fused kernel equals the unfused
-# one bit for bit in the interpreter (tests/pallas_kernels/test_sparse_attention.py), and this wiring equals the XLA
-# path layer by layer through the kernels' references (tests/test_engine.py).
-FUSE_ROPE = False
+# two XLA passes over q and o (at a 2048-token prefill chunk 128 MB each way, per layer). On the H200 (2026-12-01,
+# docs/PERFORMANCE.md "Fused RoPE and the prefill indexer kernel"): the kernel's GPU tests and the engine layer by
+# layer pass; the batch-64 decode step 9.20 -> 8.98 ms of device time, batch 1 unchanged (4.77 ms). In the
+# interpreter the fused kernel equals the unfused one bit for bit (tests/pallas_kernels/test_sparse_attention.py).
+FUSE_ROPE = True
 
 
 # A prefill chunk's indexer through the scoring kernel (`_kernel_index_topk`, as decode runs it) instead of
-# XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (4.3 GB per layer for a 2048-token
-# chunk at 16K if written out; `indexer.raw_scores` forms them 4 GiB at a time beyond that). Off until it has
-# run on the device (`bash scripts/h200_checks.sh prefill-indexer`): the kernel has run there at decode and at 4
-# queries a row, not yet at a chunk's 8-query groups. On the CPU this wiring equals the XLA path layer by layer
-# through the kernel's reference (tests/test_engine.py).
+# XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (`indexer.raw_scores` forms them
+# 4 GiB at a time beyond 16K entries). Off: on the H200 (2026-12-01, docs/PERFORMANCE.md "Fused RoPE and the
+# prefill indexer kernel") it passes its GPU tests and the engine layer by layer, but a 16K prefill takes the same
+# time (0.254 vs 0.255 s) and a 64K prefill is 32% slower (1.842 vs 1.391 s). The kernel, written for decode,
+# gathers and dequantizes every key once per 8 queries (256 times for a 2048-token chunk) and runs a wgmma with
+# N = 256; XLA dequantizes the keys once and runs one large matmul.
 PREFILL_INDEXER_KERNEL = False
 
 
