@@ -82,20 +82,34 @@ KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla",
            "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas")}
 
 
+# configuration suffixes (auto+overlap+unfused-rope): what each changes from the engine's defaults
+SUFFIXES = {"overlap": "the program copies the Engram rows from pinned host memory (engram_transfer='overlap')",
+            "unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
+            "indexer-kernel": "prefill chunks' indexers through the scoring kernel "
+                              "(KernelOptions(prefill_indexer_kernel=True))"}
+
+
 def kernels_of(config: str) -> tuple[str, ...]:
-    """A configuration name -> its kernel backends (KERNELS); a "+overlap" suffix (auto+overlap) also stages the
-    Engram rows in pinned host memory for the program to copy (Engine(engram_transfer="overlap"))."""
-    return KERNELS[config.partition("+")[0]]
+    """A configuration name -> its kernel backends (KERNELS); suffixes after '+' (SUFFIXES) change one option."""
+    name, *suffixes = config.split("+")
+    unknown = [s for s in suffixes if s not in SUFFIXES]
+    if name not in KERNELS or unknown:
+        raise SystemExit(f"configuration {config!r}: choose one of {sorted(KERNELS)}, optionally with "
+                         f"+{' +'.join(SUFFIXES)}")
+    return KERNELS[name]
 
 
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
-    transfer = "overlap" if backend.endswith("+overlap") else "argument"
+    suffixes = backend.split("+")[1:]
+    opts = programs.KernelOptions(fuse_rope="unfused-rope" not in suffixes,
+                                  prefill_indexer_kernel="indexer-kernel" in suffixes)
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-                  linear_backend=linear_be, engram_transfer=transfer)
+                  linear_backend=linear_be, engram_transfer="overlap" if "overlap" in suffixes else "argument",
+                  kernel_options=opts)
 
 
 def with_fp4_experts(params):
@@ -188,27 +202,21 @@ def main():
                     help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
                          "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
                          "auto (the engine's defaults, as `dsv41 serve` runs), fp8 (auto + the FP8 linear kernel; "
-                         "needs --weights release); a +overlap suffix (auto+overlap) also has the program copy "
-                         "the Engram rows from pinned host memory while the layers before the Engram layer run")
+                         "needs --weights release); suffixes change one option each: "
+                         + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
     ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
                     help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
                          "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
     ap.add_argument("--skip-prefill", action="store_true")
-    ap.add_argument("--prefill-indexer-kernel", action="store_true",
-                    help="prefill chunks' indexers through the scoring kernel (programs.PREFILL_INDEXER_KERNEL; "
-                         "kernel configurations only)")
-    ap.add_argument("--fuse-rope", action="store_true",
-                    help="query / output RoPE inside the attention kernel (programs.FUSE_ROPE; kernel "
-                         "configurations only)")
     ap.add_argument("--replay", choices=["both", "on", "off"], default="both",
                     help="prefill table: SWA bounded replay on and off (both), or one of them")
     args = ap.parse_args()
-    # module switches read when a program is traced: one setting per process
-    programs.PREFILL_INDEXER_KERNEL = args.prefill_indexer_kernel
-    programs.FUSE_ROPE = args.fuse_rope
-    log.info("PREFILL_INDEXER_KERNEL=%s FUSE_ROPE=%s", programs.PREFILL_INDEXER_KERNEL, programs.FUSE_ROPE)
+    backends = [be for be in args.backends.split(",") if be]  # --backends "": the prefill table only
+    pre_backends = [] if args.skip_prefill else args.prefill_backends.split(",")
+    for be in backends + pre_backends:
+        kernels_of(be)  # a bad name fails here, before minutes of set-up
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -226,8 +234,6 @@ def main():
     max_len = max(lengths) + 2048
     max_len = -(-max_len // 64) * 64
 
-    backends = [be for be in args.backends.split(",") if be]  # --backends "": the prefill table only
-    pre_backends = [] if args.skip_prefill else args.prefill_backends.split(",")
     fp4 = args.weights == "bf16" and any(kernels_of(be)[1] != "xla" for be in backends + pre_backends)
     fp4_params = with_fp4_experts(params) if fp4 else params
 
@@ -268,8 +274,7 @@ def main():
 
     print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
           f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (f32 scale, read+write), bf16 matmul "
-          f"{mxu / 1e12:.0f} TFLOP/s; FUSE_ROPE={programs.FUSE_ROPE}, PREFILL_INDEXER_KERNEL="
-          f"{programs.PREFILL_INDEXER_KERNEL}\n")
+          f"{mxu / 1e12:.0f} TFLOP/s\n")
     print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs "
           "/ matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |")
     print("|---|---|---|---|---|---|---|---|")

@@ -13,13 +13,11 @@
 #   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
-#   bash scripts/h200_checks.sh fused-rope    # attention kernel with the RoPE inside: GPU tests, engine per layer
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
-#   bash scripts/h200_checks.sh prefill-indexer  # prefill indexers through the scoring kernel: tests, then timed
 #   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
-#   bash scripts/h200_checks.sh kv-flags      # fused-rope + prefill-indexer checks in one call (kernels, engine)
-#   bash scripts/h200_checks.sh kv-flags-time # decode with/without FUSE_ROPE, 16K prefill with/without the kernel
+#   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
+#   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
@@ -120,18 +118,6 @@ case "${1:-}" in
     echo "pytest rc=$?"
     grep -E "fp8 linear|engine, FP8|PASSED|FAILED|passed|failed" "$OUT/fp8_engine_tests.txt" | tail -24
     ;;
-  fused-rope)
-    # the attention kernel's in-kernel query / output RoPE (KernelConfig.fuse_rope), then in the engine layer by
-    # layer; if both pass, programs.FUSE_ROPE can be turned on
-    timeout -k 10 200 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu tests/pallas_kernels/test_sparse_attention.py \
-      -k fused_rope > "$OUT/rope_tests.txt" 2>&1
-    echo "pytest rc=$?"
-    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/rope_tests.txt" | tail -6
-    timeout -k 10 330 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k "layer_by_layer and not False-True" \
-      > "$OUT/rope_engine.txt" 2>&1
-    echo "pytest rc=$?"
-    grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/rope_engine.txt" | tail -8
-    ;;
   engine-runs)
     # XLA linears twice, the FP8 linear kernel twice, one prompt: reproducibility and the kernel's effect per step
     timeout -k 10 300 $PY scripts/compare_engine_runs.py --runs xla,xla,pallas,pallas --steps 5 \
@@ -151,22 +137,6 @@ case "${1:-}" in
         --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
     done
     ;;
-  prefill-indexer)
-    # programs.PREFILL_INDEXER_KERNEL: the kernel at a 2048-query chunk, the engine layer by layer with it, then
-    # the 16K prefill row with it (the `prefill` group gives the same row without it; run both in one session)
-    timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
-      tests/pallas_kernels/test_indexer_logits.py -k context_flash > "$OUT/pi_tests.txt" 2>&1
-    echo "pytest rc=$?"
-    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pi_tests.txt" | tail -5
-    timeout -k 10 170 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
-      -k "layer_by_layer and False-True" > "$OUT/pi_engine.txt" 2>&1
-    echo "pytest rc=$?"
-    grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/pi_engine.txt" | tail -4
-    timeout -k 10 260 $PY scripts/bench_engine.py --prefill-backends auto --lengths 16384 --backends "" \
-      --prefill-indexer-kernel > "$OUT/pi_log.txt" 2>&1
-    echo "bench_engine rc=$?"
-    grep -E "\| " "$OUT/pi_log.txt" | tail -8
-    ;;
   flips)
     # which selection (indexer top-k, candidates, experts) first differs between runs with and without the FP8
     # linear kernel, and between two kernel runs: a tie, a quantization bin upstream, or a kernel fault
@@ -176,8 +146,8 @@ case "${1:-}" in
     grep -E "^\|" "$OUT/flips.txt"
     ;;
   kv-flags)
-    # programs.FUSE_ROPE and programs.PREFILL_INDEXER_KERNEL: their kernels' GPU tests, then the engine layer by
-    # layer with each (the checks of the fused-rope and prefill-indexer groups, without their timing)
+    # programs.KernelOptions (fuse_rope, prefill_indexer_kernel): their kernels' GPU tests, then the engine layer
+    # by layer with each
     timeout -k 10 200 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
       tests/pallas_kernels/test_sparse_attention.py tests/pallas_kernels/test_indexer_logits.py \
       -k "fused_rope or context_flash" > "$OUT/flag_tests.txt" 2>&1
@@ -189,18 +159,15 @@ case "${1:-}" in
     grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/flag_engine.txt" | tail -10
     ;;
   kv-flags-time)
-    # one process per setting (the switches are read when a program is traced)
-    # (a decode row compiles in ~90 s on the device: batch 64 only, batch 1 was run before)
-    for f in "" --fuse-rope; do
-      timeout -k 10 140 $PY scripts/bench_engine.py --backends auto --batches 64 --skip-prefill --decode-ctx 4096 \
-        $f > "$OUT/dec$f.txt" 2>&1
-      echo "bench_engine decode $f rc=$?"; grep -E "^\| auto" "$OUT/dec$f.txt"
-    done
-    for f in "" --prefill-indexer-kernel; do
-      timeout -k 10 140 $PY scripts/bench_engine.py --prefill-backends auto --lengths 16384 --replay on \
-        --backends "" $f > "$OUT/pre$f.txt" 2>&1
-      echo "bench_engine prefill $f rc=$?"; grep -E "^\| auto" "$OUT/pre$f.txt"
-    done
+    # programs.KernelOptions: decode with the RoPE in the attention kernel (default) and in XLA, batch 64; a 16K
+    # prefill with the chunk's indexers in XLA (default) and through the scoring kernel (a decode row compiles in
+    # ~90 s on the device; batch 1 and 64K were run in the ninth session, docs/PERFORMANCE.md)
+    timeout -k 10 300 $PY scripts/bench_engine.py --backends auto,auto+unfused-rope --batches 64 --skip-prefill \
+      --decode-ctx 4096 > "$OUT/kv_dec.txt" 2>&1
+    echo "bench_engine decode rc=$?"; grep -E "^\| auto" "$OUT/kv_dec.txt"
+    timeout -k 10 250 $PY scripts/bench_engine.py --prefill-backends auto,auto+indexer-kernel --lengths 16384 \
+      --replay on --backends "" > "$OUT/kv_pre.txt" 2>&1
+    echo "bench_engine prefill rc=$?"; grep -E "^\| auto" "$OUT/kv_pre.txt"
     ;;
   engram|engram-prefill)
     # Engine(engram_transfer="overlap") vs the default (engram: decode at batch 1 / 64; engram-prefill: a
@@ -218,7 +185,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|fused-rope|engine-runs|graphs|prefill-indexer|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

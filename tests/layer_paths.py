@@ -40,9 +40,11 @@ def fill(core, pool, b, cfg, num):
     return pool
 
 
-def attention_diffs(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, backend: str) -> np.ndarray:
+def attention_diffs(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, backend: str,
+                    opts: programs.KernelOptions = programs.KernelOptions()) -> np.ndarray:
     """-> [n_layers] float: per layer, max |y_backend - y_xla| over the valid tokens / max |y_xla|, both from the
-    same stream and pool (the run continues on the XLA path's output and pool)."""
+    same stream and pool (the run continues on the XLA path's output and pool). opts: the kernel path's
+    options."""
 
     @jax.jit
     def both_paths(core, pool, b):  # params as an argument: a closure would embed them in the program
@@ -60,7 +62,7 @@ def attention_diffs(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, bac
                 # the kernel path's pool is dropped after its attention, which read its own writes of this step
                 # (the decode token's ring row); the XLA path's pool carries the run
                 y_k, _ = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared[backend], freqs[i],
-                                                   "full", backend)
+                                                   "full", backend, opts)
                 y, pool = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared["xla"], freqs[i],
                                                     "full", "xla")
                 yf, kf = y.astype(jnp.float32), y_k.astype(jnp.float32)

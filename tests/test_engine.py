@@ -84,19 +84,18 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
-@pytest.mark.parametrize("opt_in", [False, True])
-def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opt_in, monkeypatch):
+@pytest.mark.parametrize("opts", [programs.KernelOptions(fuse_rope=False), programs.KernelOptions(),
+                                  programs.KernelOptions(prefill_indexer_kernel=True)],
+                         ids=["unfused-rope", "default", "prefill-indexer-kernel"])
+def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opts):
     """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
-    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; also
-    (opt_in) with the paths not yet on by default: the query / output RoPE handed to the attention kernel
-    (`programs.FUSE_ROPE`) and the prefill chunk's indexer through the scoring kernel
-    (`programs.PREFILL_INDEXER_KERNEL`). The kernels against those references: tests/pallas_kernels; the
-    compiled kernels: tests/test_engine_gpu.py."""
+    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; with each
+    setting of `programs.KernelOptions` (the query / output RoPE handed to the attention kernel or not, the
+    prefill chunk's indexer through the scoring kernel or XLA). The kernels against those references:
+    tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
     from layer_paths import attention_diffs, fill, make_batch, zero_rows
 
-    monkeypatch.setattr(programs, "FUSE_ROPE", opt_in)
-    monkeypatch.setattr(programs, "PREFILL_INDEXER_KERNEL", opt_in)
     cfg, params = tiny
     core, _ = model.strip_tables(params)
     pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2))
@@ -106,9 +105,9 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opt_in, monkeypatch):
     pool = fill(core, pool, make_batch(tokens, 0, [T, T], [0, 1], bt, zero_rows(cfg, B, T)), cfg, NUM)
     worst = {
         "prefill": attention_diffs(core, pool, make_batch(tokens[:, ::-1].copy(), T, [T, 77], [0, 1], bt,
-                                                          zero_rows(cfg, B, T)), cfg, NUM, "reference"),
+                                                          zero_rows(cfg, B, T)), cfg, NUM, "reference", opts),
         "decode": attention_diffs(core, pool, make_batch(tokens[:, :1].copy(), 2 * T, [1, 1], [0, 1], bt,
-                                                         zero_rows(cfg, B, 1)), cfg, NUM, "reference"),
+                                                         zero_rows(cfg, B, 1)), cfg, NUM, "reference", opts),
     }
     assert max(float(d.max()) for d in worst.values()) < 1e-5, worst
 

@@ -50,15 +50,14 @@ def bench():
 
 
 @pytest.mark.parametrize("fuse_rope, prefill_indexer", [(False, False), (True, False), (False, True)])
-def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer, monkeypatch):
+def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer):
     """Two rows whose pools hold 1536 tokens (ratio-2 layers: 768 entries, so the top-512 selection is real),
     then a prefill chunk (one ragged row) whose windows reach into the rings, and a decode step; also with the
-    query / output RoPE inside the attention kernel (`programs.FUSE_ROPE`), and with the chunk's indexers
-    through the scoring kernel (`programs.PREFILL_INDEXER_KERNEL`)."""
+    query / output RoPE inside the attention kernel or not, and with the chunk's indexers through the scoring
+    kernel or XLA (`programs.KernelOptions`)."""
     from serving.engine import programs
 
-    monkeypatch.setattr(programs, "FUSE_ROPE", fuse_rope)
-    monkeypatch.setattr(programs, "PREFILL_INDEXER_KERNEL", prefill_indexer)
+    opts = programs.KernelOptions(fuse_rope=fuse_rope, prefill_indexer_kernel=prefill_indexer)
     cfg, params = bench
     core, _ = model.strip_tables(params)
     B, T0, ctx = 2, 1536, 32
@@ -70,9 +69,9 @@ def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_inde
     chunk = rng.integers(3, cfg.vocab_size, (B, 256))
     diffs = {
         "prefill": attention_diffs(core, pool, make_batch(chunk, T0, [256, 200], [0, 1], bt, zero_rows(cfg, B, 256)),
-                                   cfg, NUM, "pallas"),
+                                   cfg, NUM, "pallas", opts),
         "decode": attention_diffs(core, pool, make_batch(chunk[:, :1], T0, [1, 1], [0, 1], bt, zero_rows(cfg, B, 1)),
-                                  cfg, NUM, "pallas"),
+                                  cfg, NUM, "pallas", opts),
     }
     for k, d in diffs.items():
         print(f"{k} (fused RoPE {fuse_rope}, prefill indexer kernel {prefill_indexer}): per-layer rel. max "

@@ -67,19 +67,18 @@ def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
 
 
 @pytest.mark.parametrize("program", ["decode", "prefill"])
-def test_fused_rope_lowers_for_cuda(bench, program, monkeypatch):
-    """`programs.FUSE_ROPE`: the attention kernel rotates the query (decode: several key splits, the output's
-    rotation in the XLA combine) and the output in its epilogue (a prefill chunk: one split)."""
+def test_unfused_rope_lowers_for_cuda(bench, program):
+    """`KernelOptions(fuse_rope=False)`: q rotated before the attention kernel and its output after it, in XLA
+    (the other tests lower the default, the RoPE inside the kernel: decode with several key splits, the
+    output's rotation in the XLA combine; a prefill chunk with one split, in the kernel's epilogue)."""
     cfg, core, pool = bench
-    monkeypatch.setattr(programs, "FUSE_ROPE", True)
-    jax.clear_caches()  # the programs' traces do not key on the module flag
+    opts = programs.KernelOptions(fuse_rope=False)
     if program == "decode":
         programs.run_full.trace(core, pool, _batch(cfg, 2, 1, 8), _sampling(2), cfg=cfg, num=quant.REFERENCE,
-                                backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
+                                backend="pallas", sites=ALL_SITES, opts=opts).lower(lowering_platforms=("cuda",))
     else:
         programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
-                                   backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
-    jax.clear_caches()
+                                   backend="pallas", sites=ALL_SITES, opts=opts).lower(lowering_platforms=("cuda",))
 
 
 def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
@@ -98,12 +97,16 @@ def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
     assert "annotate_device_placement" not in on_device  # rows already on the device: no copy
 
 
-def test_prefill_indexer_kernel_lowers_for_cuda(bench, monkeypatch):
-    """`programs.PREFILL_INDEXER_KERNEL`: a 2048-token chunk's indexers through the scoring kernel, its queries
-    in groups of 8 (8 x 32 heads: the wgmma N of 256), 256 kernel rows over the context."""
+def test_prefill_indexer_kernel_lowers_for_cuda(bench):
+    """`KernelOptions(prefill_indexer_kernel=True)`: a 2048-token chunk's indexers through the scoring kernel, its
+    queries in groups of 8 (8 x 32 heads: the wgmma N of 256), 256 kernel rows over the context; the program
+    has the kernel with the option and not without (the option is part of the programs' cache key)."""
     cfg, core, pool = bench
-    monkeypatch.setattr(programs, "PREFILL_INDEXER_KERNEL", True)
-    jax.clear_caches()  # the programs' traces do not key on the module flag
-    programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
-                               backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
-    jax.clear_caches()
+
+    def lowered(opts):
+        return programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
+                                          backend="pallas", sites=ALL_SITES, opts=opts).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    assert "indexer_logits" in lowered(programs.KernelOptions(prefill_indexer_kernel=True))
+    assert "indexer_logits" not in lowered(programs.KernelOptions())

@@ -297,12 +297,13 @@ class Engine:
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
                  min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
                  mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
-                 engram_transfer: str = "argument"):
+                 engram_transfer: str = "argument", kernel_options: programs.KernelOptions = programs.KernelOptions()):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         self.attention_backend, self.moe_backend, self.sites = resolve_backends(
             cfg, params, attention_backend, moe_backend, mhc_backend, router_backend, numerics)
         # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
-        self.static = {"cfg": cfg, "num": numerics, "backend": self.attention_backend, "sites": self.sites}
+        self.static = {"cfg": cfg, "num": numerics, "backend": self.attention_backend, "sites": self.sites,
+                       "opts": kernel_options}
         self.params, tables = model.strip_tables(params)
         if self.moe_backend != "xla":
             self.params = moe.prepare_experts(self.params, interpret=self.moe_backend == "interpret")

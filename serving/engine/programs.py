@@ -54,6 +54,29 @@ class Sampling:
     key: jax.Array  # uint32 [B, 2]: per-request key folded with the step
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Options of the kernel attention path (any attention backend but 'xla'), static in every program (part of
+    the jit cache key: a program traced with one setting is never reused for another).
+
+    fuse_rope: the query RoPE and the output's inverse RoPE inside the attention kernel
+      (`KernelConfig.fuse_rope`) instead of two XLA passes over q and o (at a 2048-token prefill chunk 128 MB each
+      way, per layer). On the H200 (2026-12-01, docs/PERFORMANCE.md "Fused RoPE and the prefill indexer
+      kernel"): the kernel's GPU tests and the engine layer by layer pass; batch-64 decode 9.20 -> 8.98 ms of
+      device time, batch 1 unchanged (4.77 ms). In the interpreter the fused kernel equals the unfused one bit
+      for bit (tests/pallas_kernels/test_sparse_attention.py).
+    prefill_indexer_kernel: a prefill chunk's indexers through the scoring kernel (`_kernel_index_topk`, as
+      decode runs it) instead of XLA's einsum, whose [B, T, heads, G] float32 products grow with the context
+      (`indexer.raw_scores` forms them 4 GiB at a time beyond 16K entries). Off: on the H200 (same section) it
+      passes its GPU tests and the engine layer by layer, but a 16K prefill takes the same time (0.254 vs 0.255
+      s) and a 64K prefill is 32% slower (1.842 vs 1.391 s). The kernel, written for decode, gathers and
+      dequantizes every key once per 8 queries (256 times for a 2048-token chunk) and runs a wgmma with N = 256;
+      XLA dequantizes the keys once and runs one large matmul."""
+
+    fuse_rope: bool = True
+    prefill_indexer_kernel: bool = False
+
+
 def _dequant_fp8_rows(q, s):
     return quant.fp8_dequantize(q, quant.ue8m0_decode(s))
 
@@ -145,7 +168,7 @@ def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
 
 
 def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict, freqs,
-                         backend: str):
+                         backend: str, opts: KernelOptions):
     """Decode (one token a row, phase 'full') through the fused kernels: the token's KV writes (ring, and on
     KV-source layers the compressed entry, index key and pending state) in one kernel, the indexer's scores and
     top-k straight from the MXFP4 pool (candidate entries only after the candidate source layer), and the sparse
@@ -179,7 +202,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
             lists[k][si] = getattr(new, k)
     pool = dataclasses.replace(pool, **lists)
 
-    fuse = FUSE_ROPE
+    fuse = opts.fuse_rope
     with jax.named_scope("q_proj"):
         q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
     if role in (AttnRole.FULL, AttnRole.REINDEX):
@@ -223,24 +246,6 @@ def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
     return rows.astype(jnp.int32)
 
 
-# The query RoPE and the output's inverse RoPE inside the attention kernel (`KernelConfig.fuse_rope`) instead of
-# two XLA passes over q and o (at a 2048-token prefill chunk 128 MB each way, per layer). On the H200 (2026-12-01,
-# docs/PERFORMANCE.md "Fused RoPE and the prefill indexer kernel"): the kernel's GPU tests and the engine layer by
-# layer pass; the batch-64 decode step 9.20 -> 8.98 ms of device time, batch 1 unchanged (4.77 ms). In the
-# interpreter the fused kernel equals the unfused one bit for bit (tests/pallas_kernels/test_sparse_attention.py).
-FUSE_ROPE = True
-
-
-# A prefill chunk's indexer through the scoring kernel (`_kernel_index_topk`, as decode runs it) instead of
-# XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (`indexer.raw_scores` forms them
-# 4 GiB at a time beyond 16K entries). Off: on the H200 (2026-12-01, docs/PERFORMANCE.md "Fused RoPE and the
-# prefill indexer kernel") it passes its GPU tests and the engine layer by layer, but a 16K prefill takes the same
-# time (0.254 vs 0.255 s) and a 64K prefill is 32% slower (1.842 vs 1.391 s). The kernel, written for decode,
-# gathers and dequantizes every key once per 8 queries (256 times for a 2048-token chunk) and runs a wgmma with
-# N = 256; XLA dequantizes the keys once and runs one large matmul.
-PREFILL_INDEXER_KERNEL = False
-
-
 def _rope_kw(pos, freqs, fuse: bool) -> dict:
     """The attention kernel's arguments that rotate q and its output at positions pos [N] (fuse), else none."""
     if not fuse:
@@ -255,9 +260,9 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
 def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, layer: int, shared: dict, cfg,
                        num: Numerics, backend: str):
     """One indexer layer through the scoring kernel, straight from the MXFP4 pool (decode, and prefill chunks
-    with PREFILL_INDEXER_KERNEL): the encoder indexers and the candidate source layer score every visible entry
-    (a chunk's queries in groups that share one pass over the entries), the layers after it only their
-    candidates. qi [B, T, IH, ID], wi [B, T, IH], pos [B, T] -> top-k entry ids int32 [B, T, k];
+    with KernelOptions.prefill_indexer_kernel): the encoder indexers and the candidate source layer score every
+    visible entry (a chunk's queries in groups that share one pass over the entries), the layers after it only
+    their candidates. qi [B, T, IH, ID], wi [B, T, IH], pos [B, T] -> top-k entry ids int32 [B, T, k];
     shared["cand"] holds candidate block ids (the XLA path: an entry mask)."""
     from pallas_kernels import indexer_logits as il
 
@@ -295,15 +300,15 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batc
 
 
 def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
-                     freqs, phase: str, backend: str = "xla"):
+                     freqs, phase: str, backend: str = "xla", opts: KernelOptions = KernelOptions()):
     """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
     split layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
     -> (output [B, T, D] or None, pool)."""
     p = lp
     B, T, _ = x.shape
     if backend != "xla" and T == 1 and phase == "full":
-        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend)
-    fuse = FUSE_ROPE and backend != "xla"
+        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend, opts)
+    fuse = opts.fuse_rope and backend != "xla"
     role, r = cfg.role(layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
@@ -360,7 +365,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if role in (AttnRole.FULL, AttnRole.REINDEX):
             q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
-            if backend != "xla" and PREFILL_INDEXER_KERNEL:
+            if backend != "xla" and opts.prefill_indexer_kernel:
                 shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend)
             else:
                 keys = _context_index_keys(pool, si, b.block_table, cfg)
@@ -388,7 +393,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
 
 
 def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict, backend: str = "xla",
-            sites: model.Sites = model.Sites()):
+            sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
     freqs = model.freqs_for(cfg)
     shared: dict = {}
     for i in range(first, last):
@@ -405,12 +410,14 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         if phase == "kv_only":
             with jax.named_scope("attention"):
                 x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
-                _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend)
+                _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend,
+                                           opts)
             break
 
         def attn_fn(x, lp=lp, i=i, phase=phase):
             nonlocal pool
-            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend)
+            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend,
+                                       opts)
             return y
 
         h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn, sites=sites)
@@ -466,41 +473,41 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
     return logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites", "opts"), donate_argnames=("pool",))
 def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics, backend: str = "xla",
-             sites: model.Sites = model.Sites()):
+             sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
     backend other than 'xla' (see ATTENTION_BACKENDS): the fused kernels (decode: KV writes, indexer, attention;
     longer chunks: attention, one kernel row per query token). sites: which per-layer sites (mHC, router) run
-    fused (`model.Sites`)."""
+    fused (`model.Sites`); opts: options of the kernel attention path (`KernelOptions`)."""
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend, sites)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend, sites, opts)
     with jax.named_scope("head_sample"):
         logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites", "opts"), donate_argnames=("pool",))
 def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backend: str = "xla",
-                sites: model.Sites = model.Sites()):
+                sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
     """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
     [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backend,
-                           sites)
+                           sites, opts)
     W = cfg.window_size
     return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites", "opts"), donate_argnames=("pool",))
 def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-                backend: str = "xla", sites: model.Sites = model.Sites()):
+                backend: str = "xla", sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
     b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backend,
-                           sites)
+                           sites, opts)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
