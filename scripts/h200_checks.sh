@@ -14,6 +14,7 @@
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
+#   bash scripts/h200_checks.sh gaps          # the idle time between a decode step's kernels, from a trace (~5 min)
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
 #   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
@@ -125,6 +126,17 @@ case "${1:-}" in
     echo "compare_engine_runs rc=$?"
     grep -E "^\||gap" "$OUT/engine_runs.txt"
     ;;
+  gaps)
+    # where the batch-1 step's idle half sits (before Mosaic GPU calls, between small fusions, a few stalls),
+    # and whether the GPU waits on the host's launches; batch 64 for contrast. The .xplane.pb comes back under
+    # $OUT/gaps*/trace: `python3 scripts/trace_gaps.py --trace FILE` analyses it again on any machine
+    for b in 1 64; do
+      timeout -k 10 240 $PY scripts/trace_gaps.py --backend auto --batch $b --out "$OUT/gaps$b" \
+        > "$OUT/gaps$b.txt" 2>&1
+      echo "trace_gaps batch $b rc=$?"
+      grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps$b.txt" | head -60
+    done
+    ;;
   graphs)
     # a batch-1 step launches ~600 kernels, most under 5 us (docs/PERFORMANCE.md): how much do CUDA graphs recover?
     # Mosaic GPU's custom call is command-buffer compatible (jaxlib/mosaic/gpu/custom_call.cc registers its
@@ -185,7 +197,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|gaps|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
     exit 2
     ;;
 esac
