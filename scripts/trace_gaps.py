@@ -11,21 +11,28 @@ the trace links kernels to their host-side launch calls (CUPTI correlation ids),
 kernel waited on the GPU after its launch returned: near zero everywhere means the GPU was starved by the host.
 
 The timed region is the device program alone (`programs.run_full` on a prepared batch, as bench_engine's
-"device" column), several steps back to back; the first traced step is dropped.
+"device" column), several steps back to back; the first traced step is dropped. The engine's whole step
+(`Engine.step`: scheduling, host inputs, the program, the sampled ids back, bookkeeping) measured 1.1-2.2 ms
+longer than that on the H200 (docs/PERFORMANCE.md), more than the stubbed step's 0.1-0.6 ms of Python on the
+CPU; a cProfile of engine steps on the GPU machine (printed last) says where that time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import dataclasses
 import glob
+import io
 import json
 import logging
 import os
+import pstats
 import statistics
 import sys
 import tempfile
+import time
 
 import jax
 
@@ -178,6 +185,29 @@ def print_report(label: str, steps: list[dict]) -> None:
         print(f"| {g:.1f} | `{a[:60]}` | `{b[:60]}` |")
 
 
+def host_profile(eng, device_step, n: int) -> None:
+    """Engine.step vs the device program alone (medians of n), then the engine steps' Python under cProfile."""
+    def median_ms(fn):
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(ts)
+
+    dev, whole = median_ms(device_step), median_ms(eng.step)
+    print(f"\nEngine.step {whole:.2f} ms, the device program alone {dev:.2f} ms (medians of {n}): "
+          f"{whole - dev:.2f} ms more")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        eng.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+    print(f"\ncProfile of {n} engine steps (cumulative):\n" + buf.getvalue().split("\n", 4)[-1].strip())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
@@ -188,6 +218,7 @@ def main():
                     help="without step annotations in the trace: an idle stretch at least this long separates "
                          "two traced steps")
     ap.add_argument("--trace", default="", help="analyse this .xplane.pb instead of running (any machine)")
+    ap.add_argument("--host-steps", type=int, default=20, help="engine steps under cProfile (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -230,6 +261,8 @@ def main():
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bench preset decode, kernels={args.backend}, "
           f"batch {args.batch}, context {args.decode_ctx}")
     print_report(f"decode step, batch {args.batch}", summaries)
+    if not args.trace and args.host_steps:
+        host_profile(eng, step, args.host_steps)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "trace_gaps.json"), "w") as fh:

@@ -55,3 +55,26 @@ def test_reads_a_profile_and_its_step_marks(tmp_path):
     kernels, launches, windows = tg.read_trace(path)
     assert kernels == [] and len(windows) == 3
     assert all(a < b for a, b in windows) and windows[0][1] <= windows[1][0]
+
+
+def test_host_profile_of_engine_steps(capsys):
+    """The engine-step half of the script on the tiny preset (the XLA path on the CPU)."""
+    from bench_engine import fake_decode_state, make_engine
+
+    from dsv41 import params as P
+    from dsv41.config import preset
+    from serving.engine import programs
+
+    cfg = preset("tiny")
+    eng = make_engine(cfg, P.init_params(cfg, seed=0), True, 512, 1, "xla")
+    fake_decode_state(eng, 1, 200)
+    eng.step()
+    b, s = eng.decode_inputs(list(eng.running.values()))
+
+    def device_step():
+        eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, s, **eng.static)
+        tok.block_until_ready()
+
+    tg.host_profile(eng, device_step, 2)
+    out = capsys.readouterr().out
+    assert "Engine.step" in out and "engine.py" in out and "(_decode)" in out
