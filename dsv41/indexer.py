@@ -42,23 +42,28 @@ def index_queries(x: jax.Array, qr: jax.Array, p: dict, pos: jax.Array, freqs: n
 MAX_PRODUCT_BYTES = 4 << 30
 
 
-def raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype) -> jax.Array:
+def raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype, products_in_dtype: bool = False) -> jax.Array:
     """score(i, g) = sum_h w_h relu(q_h . k_g), each step rounded to `dtype` as the reference does (bf16 scores
-    make exact ties common). q [B, S, IH, ID], w [B, S, IH], k [B, G, ID] -> float32 [B, S, G]."""
+    make exact ties common). q [B, S, IH, ID], w [B, S, IH], k [B, G, ID] -> float32 [B, S, G].
+    products_in_dtype: the q.k GEMM writes its products in `dtype` (its float32 accumulator rounded once as it
+    is stored, the same rounding) instead of float32 rounded by the next op: half the bytes of the largest
+    intermediate at bf16 (scripts/bench_index_scores.py times the two on the GPU)."""
     B, S, IH, ID = q.shape
     G = k.shape[1]
-    blk = max(128, MAX_PRODUCT_BYTES // (4 * B * S * IH) // 128 * 128)
+    item = jnp.dtype(dtype).itemsize if products_in_dtype else 4
+    blk = max(128, MAX_PRODUCT_BYTES // (item * B * S * IH) // 128 * 128)
     if blk >= G:
-        return _raw_scores(q, w, k, dtype)
+        return _raw_scores(q, w, k, dtype, products_in_dtype)
     n = -(-G // blk)
     kb = jnp.pad(k, ((0, 0), (0, n * blk - G), (0, 0))).reshape(B, n, blk, ID).swapaxes(0, 1)
-    s = jax.lax.map(lambda kk: _raw_scores(q, w, kk, dtype), kb)  # [n, B, S, blk]
+    s = jax.lax.map(lambda kk: _raw_scores(q, w, kk, dtype, products_in_dtype), kb)  # [n, B, S, blk]
     return jnp.moveaxis(s, 0, 2).reshape(B, S, n * blk)[..., :G]
 
 
-def _raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype) -> jax.Array:
-    s = quant.round_to(jnp.einsum("bshd,btd->bsht", q.astype(dtype), k.astype(dtype),
-                                  preferred_element_type=jnp.float32), dtype)
+def _raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype, products_in_dtype: bool) -> jax.Array:
+    prod = jnp.einsum("bshd,btd->bsht", q.astype(dtype), k.astype(dtype),
+                      preferred_element_type=dtype if products_in_dtype else jnp.float32)
+    s = quant.round_to(prod.astype(jnp.float32), dtype)  # (a no-op on products already in dtype)
     # a dtype x dtype product is exact in float32: one rounding after it is the dtype multiply
     s = quant.round_to(jax.nn.relu(s) * w[..., None].astype(dtype).astype(jnp.float32), dtype)
     return quant.round_to(jnp.sum(s, axis=2), dtype)

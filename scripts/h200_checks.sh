@@ -14,6 +14,7 @@
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
+#   bash scripts/h200_checks.sh index-scores  # prefill indexer scores in XLA: float32 vs bf16 products (~2 min)
 #   bash scripts/h200_checks.sh gaps          # the idle time between a decode step's kernels, from a trace (~5 min)
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
 #   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
@@ -126,6 +127,12 @@ case "${1:-}" in
     echo "compare_engine_runs rc=$?"
     grep -E "^\||gap" "$OUT/engine_runs.txt"
     ;;
+  index-scores)
+    # if the bf16 products are bit-equal and faster, indexer.scores takes them (raw_scores(products_in_dtype=))
+    timeout -k 10 300 $PY scripts/bench_index_scores.py --entries 4096,16384,65536 > "$OUT/index_scores.txt" 2>&1
+    echo "bench_index_scores rc=$?"
+    grep -E "^\||TFLOP" "$OUT/index_scores.txt"
+    ;;
   gaps)
     # where the batch-1 step's idle half sits (before Mosaic GPU calls, between small fusions, a few stalls),
     # and whether the GPU waits on the host's launches; batch 64 for contrast. The .xplane.pb comes back under
@@ -197,7 +204,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|gaps|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|index-scores|gaps|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

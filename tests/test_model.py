@@ -131,3 +131,31 @@ def test_index_scores_in_entry_blocks_equal_one_pass(dtype, monkeypatch):
         np.testing.assert_array_equal(np.asarray(blocked), np.asarray(one))
     else:
         np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=0, atol=1e-5 * np.abs(one).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_index_products_written_in_the_activation_dtype_are_the_same_scores(dtype, monkeypatch):
+    """`raw_scores(..., products_in_dtype=True)`: the q.k GEMM stores its products in the activation dtype (the
+    one rounding of its float32 accumulator) instead of float32 rounded by the next op: the same scores bit for
+    bit, in one pass and in blocks (whose size it computes from the smaller products)."""
+    import jax
+
+    from dsv41 import indexer
+
+    rng = np.random.default_rng(1)
+    B, S, IH, ID, G = 2, 9, 8, 64, 700
+    q = jnp.asarray(rng.standard_normal((B, S, IH, ID)), dtype)
+    w = jnp.asarray(rng.standard_normal((B, S, IH)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, G, ID)), dtype)
+    f = jax.jit(indexer.raw_scores, static_argnums=(3, 4))
+    today = f(q, w, k, dtype, False)
+    np.testing.assert_array_equal(np.asarray(f(q, w, k, dtype, True)), np.asarray(today))
+    item = jnp.dtype(dtype).itemsize
+    monkeypatch.setattr(indexer, "MAX_PRODUCT_BYTES", item * B * S * IH * 256)  # blocks of 256: 3, ragged
+    jax.clear_caches()  # traces do not key on the module constant
+    blocked = f(q, w, k, dtype, True)
+    jax.clear_caches()
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(np.asarray(blocked), np.asarray(today))
+    else:
+        np.testing.assert_allclose(np.asarray(blocked), np.asarray(today), rtol=0, atol=1e-5 * np.abs(today).max())

@@ -1,0 +1,89 @@
+"""The XLA path of a prefill chunk's indexer scores (`dsv41.indexer.raw_scores`, what the engine's prefill runs
+since the scoring kernel measured slower there) against the same arithmetic with the q.k products written in
+bf16 instead of float32. Prints one table (markdown).
+
+    PYTHONPATH=. python3 scripts/bench_index_scores.py [--queries 2048] [--entries 4096,16384,65536]
+
+Why: score = bf16(sum_h bf16(relu(bf16(q_h . k)) * w_h)). XLA runs the q.k einsum as one GEMM whose float32
+output [queries, heads, entries] is written to HBM and read back by the fusion doing relu, weights and the head
+sum: 8 bytes of traffic per product (8 GiB per block of 2048 queries x 32 heads x 16K entries), where the GEMM
+itself is ~0.4 ms. The products are rounded to bf16 first thing in that fusion, so the GEMM can write them in
+bf16 (one rounding of the float32 accumulator, the same one): 4 bytes per product. Each variant is checked bit
+for bit against the current one (on the CPU they are equal: tests/test_model.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from dsv41 import indexer
+
+log = logging.getLogger("bench_index_scores")
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--queries", type=int, default=2048, help="a prefill chunk")
+    ap.add_argument("--entries", default="4096,16384,65536", help="compressed entries G (context / ratio)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    S, IH, ID = args.queries, args.heads, args.head_dim
+    dev = jax.devices()[0]
+    n = 8192 if dev.platform == "gpu" else 512
+    a = jnp.ones((n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    rate = 2 * n**3 / timed(lambda: mm(a).block_until_ready(), args.reps)
+    x = jnp.ones((2**28 if dev.platform == "gpu" else 2**22,), jnp.float32)
+    sc = jax.jit(lambda v: v * 1.0001)
+    bw = 2 * x.size * 4 / timed(lambda: sc(x).block_until_ready(), args.reps)
+    del a, x
+    variants = {"float32 (today)": False, "bf16": True}  # name -> raw_scores(products_in_dtype=)
+    f = jax.jit(indexer.raw_scores, static_argnums=(3, 4))
+    rows = []  # (G, name, seconds, bit-equal to today)
+    for G in [int(g) for g in args.entries.split(",")]:
+        kq, kk, kw = jax.random.split(jax.random.key(G), 3)
+        q = jax.random.normal(kq, (1, S, IH, ID), jnp.bfloat16)
+        k = jax.random.normal(kk, (1, G, ID), jnp.bfloat16)
+        w = jax.random.normal(kw, (1, S, IH), jnp.bfloat16)
+        today = None
+        for name, in_dtype in variants.items():
+            out = f(q, w, k, jnp.bfloat16, in_dtype)
+            today = out if today is None else today
+            t = timed(lambda d=in_dtype: f(q, w, k, jnp.bfloat16, d).block_until_ready(), args.reps)
+            rows.append((G, name, t, bool(jnp.array_equal(out, today))))
+            log.info("G=%d products %s: %.3f ms", G, name, t * 1e3)
+        del q, k, w, out, today
+    flops = lambda G: 2.0 * S * IH * G * ID  # noqa: E731
+    print(f"\n{dev.device_kind}, jax {jax.__version__}: {S} queries x {IH} heads x {ID} dims; measured bf16 "
+          f"matmul {rate / 1e12:.0f} TFLOP/s, HBM {bw / 1e12:.2f} TB/s (f32 scale, read + write)\n")
+    print("| entries G | products | ms | vs today | bit-equal to today | GEMM at the matmul rate ms | "
+          "products written + read at HBM rate ms |")
+    print("|---|---|---|---|---|---|---|")
+    base = {g: t for g, nm, t, _ in rows if nm == "float32 (today)"}
+    for g, nm, t, same in rows:
+        per = 8 if nm == "float32 (today)" else 4
+        print(f"| {g} | {nm} | {t * 1e3:.3f} | {base[g] / t:.2f}x | {same} | {flops(g) / rate * 1e3:.3f} | "
+              f"{per * S * IH * g / bw * 1e3:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
