@@ -297,7 +297,8 @@ class Engine:
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
                  min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
                  mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
-                 engram_transfer: str = "argument", kernel_options: programs.KernelOptions = programs.KernelOptions()):
+                 engram_transfer: str = "argument",
+                 kernel_options: programs.KernelOptions = programs.KernelOptions()):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         self.attention_backend, self.moe_backend, self.sites = resolve_backends(
             cfg, params, attention_backend, moe_backend, mhc_backend, router_backend, numerics)
