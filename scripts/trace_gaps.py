@@ -261,6 +261,9 @@ def main():
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bench preset decode, kernels={args.backend}, "
           f"batch {args.batch}, context {args.decode_ctx}")
     print_report(f"decode step, batch {args.batch}", summaries)
+    if windows:  # the host's view: from the call to the result back, dispatch before the first kernel included
+        print(f"\nhost step window (call to block_until_ready): median "
+              f"{statistics.median(b - a for a, b in windows[1:] or windows) / 1e3:.1f} us")
     if not args.trace and args.host_steps:
         host_profile(eng, step, args.host_steps)
     if args.out:
