@@ -20,6 +20,8 @@ What it does, in one process:
    - xla: `grouped_fp4_matmul(backend='xla')` (dequantize all experts + lax.ragged_dot), and
      lax.ragged_dot alone on pre-dequantized bf16 weights;
    - mgpu: jax's ragged_dot_mgpu on pre-dequantized bf16 weights (prefill and decode B=64 only);
+   - torch: PyTorch's torch._grouped_mm on the same bf16 weights (scripts/torch_baselines.py; CUDA events,
+     L2 flushed before each call; --no-torch skips it);
 4. prints one table: time, effective bandwidth on the FP4 expert bytes touched (decode) or TFLOP/s
    (prefill), and the percentage of the measured ceiling.
 """
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_baselines
 from dsv41.quant import Fp4Weight
 from pallas_kernels import expert_gemm as eg
 
@@ -77,9 +80,11 @@ _CUPTI_OK = False  # --cupti: profiler.measure jits the timed function, so array
 
 
 def time_calls(fn, arg_sets, reps=5):
+    """Median seconds per call of fn over `arg_sets` (rotated), calls queued back to back: (cupti_s or None,
+    wall_s). Wall-clock, so where a call's GPU time is below JAX's dispatch cost (decode at batch 1) this is the
+    dispatch rate, not the kernel's time."""
     if INTERPRET:
         reps = 1
-    """Median seconds per call of fn over `arg_sets` (rotated). Returns (cupti_s or None, wall_s)."""
     global _CUPTI_OK
     out = fn(*arg_sets[0])
     jax.block_until_ready(out)
@@ -206,6 +211,21 @@ def kernel_only(x, pw, gs, cfg):
     return jax.jit(call), (eg.live_tile_count(te), te, tb)
 
 
+def torch_grouped_mm(x, wbf16, gs, ref):
+    """The grouped GEMM in PyTorch (scripts/torch_baselines.py: torch._grouped_mm on bf16 weights [E, N, K],
+    shared with JAX through DLPack, no copy) -> (seconds per call, cold, pass, rel. error vs ref)."""
+    import torch
+    import torch_baselines as tb
+
+    xt, wt, gt = (torch.from_dlpack(jax.block_until_ready(a)) for a in (x, wbf16, gs))
+    y = tb.grouped_mm(xt, wt, gt)
+    ok, rel = check("torch _grouped_mm", jnp.asarray(y.float().cpu().numpy()), ref)
+    us = tb.cuda_time_us(lambda: tb.grouped_mm(xt, wt, gt), iters=10, flush=tb.l2_flusher())
+    del xt, wt, gt, y
+    torch.cuda.empty_cache()
+    return us * 1e-6, ok, rel
+
+
 def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_mgpu):
     topk = 6
     rot = 1 if kind == "prefill" else args.rot
@@ -279,6 +299,13 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
                 log("two kernel variants failed: stopping (--stop-on-fail)")
                 dump(ceil, args)
                 sys.exit(2)
+    if not INTERPRET and not args.no_torch and elapsed() < args.budget_s:
+        try:
+            t_torch, ok, rel = torch_grouped_mm(x0, wbf16, gs0, ref)
+            add("torch _grouped_mm(bf16 w)", None, None, t_torch, ok, rel,
+                "PyTorch, weights pre-dequantized to bf16 (4x the bytes), CUDA events, L2 flushed")
+        except Exception as ex:  # noqa: BLE001
+            log(f"FAILED torch baseline {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
     if args.skip_baselines or kind == "prefill" or elapsed() > args.budget_s:  # XLA ragged_dot OOMs at M=49152
         return
     # XLA: the engine's current path (dequantize all experts every call + ragged_dot)
@@ -344,6 +371,7 @@ def main():
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--variants", action="store_true", help="also time non-default configs")
     ap.add_argument("--skip-baselines", action="store_true")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch grouped GEMM baseline")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--no-mgpu", action="store_true")
     ap.add_argument("--stop-on-fail", action="store_true")

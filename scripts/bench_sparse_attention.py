@@ -16,7 +16,8 @@ What it does, in one process:
      copy as a second figure) as the roofline ceiling;
   4. times kernel vs the XLA reference with CUPTI (per-kernel GPU time, medians
      over repeats after warm-up), with L2 flushed before every call ("cold",
-     the decode case) and back-to-back ("warm");
+     the decode case) and back-to-back ("warm"), and the same attention in PyTorch
+     over bf16 caches (scripts/torch_baselines.py, CUDA events, L2 flushed);
   5. prints one table and writes JSON to $OUT (or ./out) when set.
 Bytes per sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2).
 """
@@ -32,6 +33,7 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_baselines
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -151,6 +153,31 @@ def time_gpu(f, args, *, iters=20, cold=False, flush=None):
   return m, m, ["wall-clock"]
 
 
+def torch_baseline(inp, ref32, iters):
+  """The same decode attention in PyTorch over bf16 caches (scripts/torch_baselines.py; the FP8 ring and the FP4
+  pool dequantized once, outside the timing): -> (cold us with L2 flushed, rel. L2 error vs the f32 reference)."""
+  import torch
+  import torch_baselines as tb
+
+  q, swa_q, swa_s, swa_valid, topk, page_table, kv_packed, kv_scale, sink = inp
+  w, d = swa_q.shape[1:]
+  p = kv_packed.shape[1]
+  g = jnp.maximum(topk, 0)
+  rows = jnp.where(topk >= 0, jnp.take_along_axis(page_table, g // p, axis=1) * p + g % p, -1)
+  pool = sa.dequant_kv_fp4(kv_packed.reshape(-1, d // 2), kv_scale.reshape(-1, d // 16))
+  # the mask travels as int8: DLPack's bool is not exchanged by every jax/torch pair
+  args = [q, sa.dequant_swa_fp8(swa_q, swa_s).astype(jnp.bfloat16), sa.swa_valid_mask(swa_valid, w).astype(jnp.int8),
+          pool.astype(jnp.bfloat16), rows, jnp.asarray(sink, jnp.float32)]
+  args = [torch.from_dlpack(jax.block_until_ready(a)) for a in args]
+  args[2] = args[2].bool()
+  out = tb.decode_attention(*args)
+  err = rel_err(jnp.asarray(out.float().cpu().numpy()), ref32)[0]
+  us = tb.cuda_time_us(lambda: tb.decode_attention(*args), iters=iters, flush=tb.l2_flusher())
+  del args, pool
+  torch.cuda.empty_cache()
+  return us, err
+
+
 def copy_bandwidth():
   res = {}
   n = int(os.environ.get("BENCH_COPY_BYTES", 2 << 30))
@@ -256,6 +283,13 @@ def main():
       log("xla timing failed", repr(e)[:300])
       t_x, names_x = float("nan"), []
     log(f"B={b}: XLA reference {t_x * 1e3:.1f} us (cold), kernels {names_x[:6]}")
+    t_torch = e_torch = float("nan")
+    if not args.interpret:
+      try:
+        t_torch, e_torch = torch_baseline(inp, ref32, args.iters)
+        log(f"B={b}: PyTorch over bf16 caches {t_torch:.1f} us (cold), rel_l2 {e_torch:.2e}")
+      except Exception as e:  # noqa: BLE001
+        log("torch baseline failed", repr(e)[:300])
     for s, vname, cfg in variants[b]:
       s = s or sa.default_num_splits(b, n_tiles)
       entry = {"B": b, "S": s, "variant": vname, "config": str(cfg),
@@ -285,7 +319,8 @@ def main():
         t_all, t_k, names = time_gpu(f, inp, iters=args.iters, cold=True, flush=flush)
         t_warm, t_kw, _ = time_gpu(f, inp, iters=args.iters, cold=False)
         entry.update(path_us=t_all * 1e3, kernel_us=t_k * 1e3, warm_path_us=t_warm * 1e3,
-                     warm_kernel_us=t_kw * 1e3, xla_us=t_x * 1e3, kernels=names)
+                     warm_kernel_us=t_kw * 1e3, xla_us=t_x * 1e3, torch_us=t_torch, torch_rel_l2=e_torch,
+                     kernels=names)
         log(f"  cold: path {t_all * 1e3:.1f} us, main kernel {t_k * 1e3:.1f} us; "
             f"warm: path {t_warm * 1e3:.1f} us, kernel {t_kw * 1e3:.1f} us; kernels {names}")
       except Exception as ex:  # noqa: BLE001
@@ -299,7 +334,8 @@ def main():
   print()
   print(f"copy ceiling: {ceiling:.2f} TB/s ({bw})")
   hdr = (f"{'variant':>14} {'B':>3} {'S':>3} {'kern us':>8} {'path us':>8} {'warm us':>8} {'XLA us':>8} "
-         f"{'speedup':>7} {'MB':>7} {'TB/s':>6} {'%BW':>5} {'TFLOP/s':>7} {'rel_l2':>8} ok")
+         f"{'speedup':>7} {'torch us':>8} {'vs torch':>8} {'MB':>7} {'TB/s':>6} {'%BW':>5} {'TFLOP/s':>7} "
+         f"{'rel_l2':>8} ok")
   print(hdr)
   for r in rows:
     if "error" in r:
@@ -308,7 +344,8 @@ def main():
     tb = r["bytes"] / (r["path_us"] * 1e-6) / 1e12
     print(f"{r['variant']:>14} {r['B']:>3} {r['S']:>3} {r['kernel_us']:8.1f} {r['path_us']:8.1f} "
           f"{r['warm_path_us']:8.1f} {r['xla_us']:8.1f} {r['xla_us'] / r['path_us']:7.2f} "
-          f"{r['bytes'] / 1e6:7.2f} {tb:6.2f} {100 * tb / ceiling:5.1f} "
+          f"{r['torch_us']:8.1f} {r['torch_us'] / r['path_us']:8.2f} {r['bytes'] / 1e6:7.2f} {tb:6.2f} "
+          f"{100 * tb / ceiling:5.1f} "
           f"{r['flops'] / (r['path_us'] * 1e-6) / 1e12:7.1f} {r['rel_l2']:8.1e} {r['ok']}")
   with open(os.path.join(out_dir, "bench_sparse_attention.json"), "w") as fh:
     json.dump(results, fh, indent=1, default=str)

@@ -11,6 +11,7 @@
 #   bash scripts/h200_checks.sh kernels       # router, mHC and indexer top-k benches (~8 min)
 #   bash scripts/h200_checks.sh profile       # every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
+#   bash scripts/h200_checks.sh torch         # sparse attention and expert GEMM vs PyTorch on the same GPU (~2 min)
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
@@ -97,6 +98,18 @@ case "${1:-}" in
     # (a config with 4 compute warpgroups hung on the device: see docs/KERNELS_EXPERT_GEMM.md)
     JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 10 -s INT 240 $PY scripts/bench_expert_gemm.py --out "$OUT" \
       --budget-s 200 --rot 4 --decode-tokens 1,64 --variants --skip-baselines > "$OUT/eg_log.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"
+    sed -n '/ceilings measured/,$p' "$OUT/eg_log.txt"
+    ;;
+  torch)
+    # scripts/torch_baselines.py timed beside our kernels, on the same data (decode shapes; the full sets:
+    # bench_sparse_attention.py with its default variants, bench_expert_gemm.py without --skip-prefill)
+    BENCH_COPY_BYTES=1073741824 timeout -k 5 95 $PY scripts/bench_sparse_attention.py --iters 10 --skip-probe \
+      --variants "1:10:r,8:10:s,64:2:s" > "$OUT/sa_log.txt" 2>&1
+    echo "bench_sparse_attention rc=$?"
+    grep -E "PyTorch|copy ceiling|variant| [0-9]+:[0-9]+:[rs] " "$OUT/sa_log.txt" | tail -14
+    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 75 $PY scripts/bench_expert_gemm.py --out "$OUT" \
+      --budget-s 55 --rot 4 --decode-tokens 1,64 --skip-baselines --skip-prefill --no-mgpu > "$OUT/eg_log.txt" 2>&1
     echo "bench_expert_gemm rc=$?"
     sed -n '/ceilings measured/,$p' "$OUT/eg_log.txt"
     ;;

@@ -1,0 +1,74 @@
+"""PyTorch implementations of the ops our Mosaic GPU kernels replace, as a PyTorch serving stack would run them on
+the same GPU: the benches (`bench_sparse_attention.py`, `bench_expert_gemm.py`) time them in the same process as
+our kernels, on the same data.
+
+PyTorch has no FP4 / block-scaled FP8 GEMM or attention on Hopper, so the baselines take bf16 caches and bf16
+expert weights (dequantized once, outside the timing): they read 2-3.6x the bytes our kernels read, which is what
+a PyTorch stack without custom kernels pays. Plain torch only (no JAX), so the same file runs in the Python 3.11
+reference environment, where `tests/test_torch_baselines.py` checks it on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+
+def decode_attention(q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor, pool: torch.Tensor,
+                     rows: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over its window and its selected compressed entries, all 64 heads sharing one
+    latent (K = V), a per-head sink in the denominator (`sparse_attention_reference`'s math).
+    q [B, H, D], win [B, W, D], win_valid bool [B, W], pool [N, D] (every entry of every page), rows int [B, K]
+    (pool rows of the selected entries, -1 = none), sink float32 [H] -> [B, H, D] in q's dtype."""
+    d = q.shape[-1]
+    sel = pool[rows.clamp(min=0).long()]  # [B, K, D]: the gather a paged PyTorch kernel does
+    kv = torch.cat([win, sel], 1)
+    valid = torch.cat([win_valid, rows >= 0], 1)  # [B, W + K]
+    s = torch.einsum("bhd,bnd->bhn", q, kv).float() / math.sqrt(d)
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = torch.maximum(s.amax(-1), sink[None, :].float())  # [B, H]
+    p = torch.exp(s - m[..., None])
+    den = p.sum(-1) + torch.exp(sink[None, :].float() - m)
+    o = torch.einsum("bhn,bnd->bhd", p.to(kv.dtype), kv).float() / den[..., None]
+    return o.to(q.dtype)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Rows of x [M, K] sorted by group, group g's rows times w[g]^T (w [G, N, K]) -> [M, N] in x's dtype.
+    `torch._grouped_mm` (one launch, CUTLASS, bf16 on Hopper) where this torch has it on this device, else a loop
+    over the groups (the CPU, older torch)."""
+    ends = torch.cumsum(group_sizes.to(torch.int32), 0).to(torch.int32)
+    if x.is_cuda and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = (x[start:end].float() @ w[g].float().T).to(x.dtype)
+        start = end
+    return out
+
+
+def cuda_time_us(fn, iters: int = 20, warmup: int = 3, flush=None) -> float:
+    """Median microseconds of fn() between two CUDA events; flush() (untimed) before each call when given, so
+    that the data comes from HBM as in our kernels' cold timings."""
+    ts = []
+    for i in range(warmup + iters):
+        if flush is not None:
+            flush()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        if i >= warmup:
+            ts.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(ts)
+
+
+def l2_flusher(mib: int = 256):
+    """A callable that writes `mib` MiB on the GPU (more than the H200's 60 MB of L2)."""
+    buf = torch.empty(mib << 18, dtype=torch.float32, device="cuda")
+    return lambda: buf.add_(1.0)
