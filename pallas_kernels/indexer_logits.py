@@ -44,7 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv41 import indexer, topk
+from pallas_kernels import indexer_chunk as ic
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels.indexer_chunk import query_group
 
 log = logging.getLogger(__name__)
 
@@ -298,15 +300,8 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
     tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     dequant_fn = None if interpret else _mgpu_dequant_fn(d)
     prefetch_fn = None if (interpret or not prefetch or tps < 2) else _mgpu_prefetch_fn(d)
-    if interpret:
-        # The interpreter runs the body as XLA ops, and XLA drops a bare astype(bf16).astype(f32) pair (excess
-        # precision): the sums of unrounded terms then differ from the GPU's by a bf16 step (seen from 64 query
-        # columns on). reduce_precision is kept, and rounds as the GPU's conversion does.
-        def to_bf16(v):
-            return lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
-    else:
-        def to_bf16(v):
-            return v.astype(jnp.bfloat16).astype(jnp.float32)
+    # (interpreted, a bare astype pair would be dropped by XLA: scores a bf16 step off from 64 query columns on)
+    to_bf16 = ic.bf16_rounder(interpret)
 
     def body(q_ref, w_ref, src_ref, scale_ref, rows_ref, out_ref,
              q_smem, w_smem, k_smem, bias_smem, rows_smem, q_bar, w_bar, rows_bar, ready, consumed):
@@ -516,45 +511,30 @@ def entry_scores(q, w, ik_packed, ik_scale, rows, *, backend="pallas", dtype=jnp
 
 
 def context_scores(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, num_entries: int, *,
-                   backend="pallas", dtype=jnp.bfloat16, **kwargs):
+                   backend="pallas", dtype=jnp.bfloat16, num_splits=None, **kwargs):
     """Scores over entries 0..G-1 (G = num_entries, static) -> f32 [B, S, G]; -inf where not visible
     (same as `indexer.scores` on `_context_index_keys`; a visible entry on a page < 0 or out of range is -inf
     here, 0-key score there).
 
-    Any number of queries S: the kernel takes `query_group(IH)` queries a row (their heads are the wgmma N,
-    <= 256), so a prefill chunk's S queries become ceil(S / group) kernel rows of the same entries, each reading
-    them once (from L2 after the first). The XLA path's [B, S, IH, G] float32 products are never formed."""
+    Up to `query_group(IH)` queries (decode): this module's kernel, which gathers and dequantizes the entries
+    of its row itself. More (a prefill chunk): the entries are dequantized once into dense bf16 keys (exact) and
+    `indexer_chunk.chunk_scores` scores every query against them, each key tile shared by two query groups; the
+    XLA path's [B, S, IH, G] products are never formed. num_splits goes to whichever kernel runs, kwargs to
+    this module's kernel."""
     B, S, IH = q.shape[:3]
     P, E, _ = ik_packed.shape
     nvis = visible_count(q_pos, ratio)                                    # [B, S]
-    group = query_group(IH)
-    if backend != "xla" and S > group:
-        pad = -S % group
-        qg = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(-1, group, *q.shape[2:])
-        wg = jnp.pad(w, ((0, 0), (0, pad), (0, 0))).reshape(-1, group, IH)
-        n = (S + pad) // group
-        last = jnp.pad(nvis, ((0, 0), (0, pad)), mode="edge").reshape(B * n, group)
-        s = _context_entry_scores(qg, wg, ik_packed, ik_scale, jnp.repeat(jnp.asarray(block_table), n, axis=0),
-                                  last, num_entries, backend, dtype, **kwargs)
-        s = s.reshape(B, S + pad, num_entries)[:, :S]
-    else:
-        s = _context_entry_scores(q, w, ik_packed, ik_scale, block_table, nvis, num_entries, backend, dtype,
-                                  **kwargs)
-    return jnp.where(jnp.arange(num_entries)[None, None] < nvis[..., None], s, -jnp.inf)
-
-
-def query_group(index_heads: int) -> int:
-    """Queries one kernel row scores together: their heads are the wgmma's N (<= 256)."""
-    return max(1, 256 // index_heads)
-
-
-def _context_entry_scores(q, w, ik_packed, ik_scale, block_table, nvis, num_entries: int, backend, dtype, **kwargs):
-    """Scores of entries 0..G-1 for kernel rows [B', S'] of queries; entries no query of a row sees are skipped."""
-    P, E, _ = ik_packed.shape
-    g = jnp.broadcast_to(jnp.arange(num_entries, dtype=jnp.int32)[None], (q.shape[0], num_entries))
-    g = jnp.where(g < jnp.max(nvis, axis=1, keepdims=True), g, -1)        # rows no query of b can see: skip
+    g = jnp.broadcast_to(jnp.arange(num_entries, dtype=jnp.int32)[None], (B, num_entries))
+    g = jnp.where(g < jnp.max(nvis, axis=1, keepdims=True), g, -1)        # entries no query of b sees: skipped
     rows = pool_rows(g, block_table, E, P)
-    return entry_scores(q, w, ik_packed, ik_scale, rows, backend=backend, dtype=dtype, **kwargs)
+    if backend != "xla" and S > query_group(IH):
+        keys = dequant_rows(ik_packed, ik_scale, rows).astype(jnp.bfloat16)
+        s = ic.chunk_scores(q, w, keys, nvis, interpret=backend == "interpret", num_splits=num_splits)
+    else:
+        s = entry_scores(q, w, ik_packed, ik_scale, rows, backend=backend, dtype=dtype, num_splits=num_splits,
+                         **kwargs)
+    visible = (jnp.arange(num_entries)[None, None] < nvis[..., None]) & (rows >= 0)[:, None]
+    return jnp.where(visible, s, -jnp.inf)
 
 
 def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos, ratio: int, block_size: int = 8,

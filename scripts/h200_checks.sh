@@ -15,7 +15,10 @@
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
 #   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
-#   bash scripts/h200_checks.sh index-scores  # prefill indexer scores in XLA: float32 vs bf16 products (~2 min)
+#   bash scripts/h200_checks.sh index-scores  # prefill indexer scores: XLA float32 / bf16 products, chunk kernel
+#   bash scripts/h200_checks.sh chunk-indexer # the chunk indexer kernel's GPU tests, engine layer by layer, then
+#                                             # index-scores (~6 min)
+#   bash scripts/h200_checks.sh chunk-indexer-engine  # 64K prefill, chunk indexers in XLA vs indexer_chunk
 #   bash scripts/h200_checks.sh gaps          # the idle time between a decode step's kernels, from a trace (~5 min)
 #   bash scripts/h200_checks.sh graphs        # batch-1 decode under XLA command-buffer (CUDA graph) settings
 #   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
@@ -140,11 +143,28 @@ case "${1:-}" in
     echo "compare_engine_runs rc=$?"
     grep -E "^\||gap" "$OUT/engine_runs.txt"
     ;;
-  index-scores)
-    # if the bf16 products are bit-equal and faster, indexer.scores takes them (raw_scores(products_in_dtype=))
+  index-scores|chunk-indexer)
+    # a prefill chunk's indexer scores: XLA with float32 / bf16 products and the chunk kernel (indexer_chunk).
+    # chunk-indexer first runs the kernel's GPU tests, the indexer's context tests that now go through it, and
+    # the engine layer by layer with KernelOptions(prefill_indexer_kernel=True)
+    if [ "$1" = chunk-indexer ]; then
+      timeout -k 10 240 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+        tests/pallas_kernels/test_indexer_chunk.py \
+        "tests/pallas_kernels/test_indexer_logits.py::test_gpu_context_flash" \
+        "tests/test_engine_gpu.py::test_kv_path_kernels_match_xla_layer_by_layer[False-True]" \
+        > "$OUT/chunk_tests.txt" 2>&1
+      echo "pytest rc=$?"
+      grep -E "PASSED|FAILED|ERROR|passed|failed|layer" "$OUT/chunk_tests.txt" | tail -24
+    fi
     timeout -k 10 300 $PY scripts/bench_index_scores.py --entries 4096,16384,65536 > "$OUT/index_scores.txt" 2>&1
     echo "bench_index_scores rc=$?"
-    grep -E "^\||TFLOP" "$OUT/index_scores.txt"
+    grep -E "^\||TFLOP|failed" "$OUT/index_scores.txt"
+    ;;
+  chunk-indexer-engine)
+    # a 64K prompt (replay) with the chunk's indexers in XLA (default) and through indexer_chunk
+    timeout -k 10 560 $PY scripts/bench_engine.py --prefill-backends auto,auto+indexer-kernel --lengths 65536 \
+      --replay on --backends "" > "$OUT/chunk_engine.txt" 2>&1
+    echo "bench_engine rc=$?"; grep -E "^\| auto|TFLOP|TB/s" "$OUT/chunk_engine.txt"
     ;;
   gaps)
     # where the batch-1 step's idle half sits (before Mosaic GPU calls, between small fusions, a few stalls),
@@ -217,7 +237,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|fp8|fp8-engine|engine-runs|index-scores|gaps|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

@@ -98,9 +98,10 @@ def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
 
 
 def test_prefill_indexer_kernel_lowers_for_cuda(bench):
-    """`KernelOptions(prefill_indexer_kernel=True)`: a 2048-token chunk's indexers through the scoring kernel, its
-    queries in groups of 8 (8 x 32 heads: the wgmma N of 256), 256 kernel rows over the context; the program
-    has the kernel with the option and not without (the option is part of the programs' cache key)."""
+    """`KernelOptions(prefill_indexer_kernel=True)`: a 2048-token chunk's encoder indexers through the chunk
+    kernel (`indexer_chunk`: the keys dequantized once, two groups of 8 queries x 32 heads sharing each key tile);
+    the program has the kernel with the option and not without (the option is part of the programs' cache
+    key)."""
     cfg, core, pool = bench
 
     def lowered(opts):
@@ -108,5 +109,5 @@ def test_prefill_indexer_kernel_lowers_for_cuda(bench):
                                           backend="pallas", sites=ALL_SITES, opts=opts).lower(
             lowering_platforms=("cuda",)).as_text()
 
-    assert "indexer_logits" in lowered(programs.KernelOptions(prefill_indexer_kernel=True))
-    assert "indexer_logits" not in lowered(programs.KernelOptions())
+    assert "indexer_chunk" in lowered(programs.KernelOptions(prefill_indexer_kernel=True))
+    assert "indexer_chunk" not in lowered(programs.KernelOptions())

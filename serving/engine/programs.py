@@ -65,13 +65,14 @@ class KernelOptions:
       kernel"): the kernel's GPU tests and the engine layer by layer pass; batch-64 decode 9.20 -> 8.98 ms of
       device time, batch 1 unchanged (4.77 ms). In the interpreter the fused kernel equals the unfused one bit
       for bit (tests/pallas_kernels/test_sparse_attention.py).
-    prefill_indexer_kernel: a prefill chunk's indexers through the scoring kernel (`_kernel_index_topk`, as
-      decode runs it) instead of XLA's einsum, whose [B, T, heads, G] float32 products grow with the context
-      (`indexer.raw_scores` forms them 4 GiB at a time beyond 16K entries). Off: on the H200 (same section) it
-      passes its GPU tests and the engine layer by layer, but a 16K prefill takes the same time (0.254 vs 0.255
-      s) and a 64K prefill is 32% slower (1.842 vs 1.391 s). The kernel, written for decode, gathers and
-      dequantizes every key once per 8 queries (256 times for a 2048-token chunk) and runs a wgmma with N = 256;
-      XLA dequantizes the keys once and runs one large matmul."""
+    prefill_indexer_kernel: a prefill chunk's indexers through the kernels (`_kernel_index_topk`: the encoder
+      indexers and the candidate source through `indexer_chunk`, the layers after it through their candidates)
+      instead of XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (`indexer.raw_scores`
+      forms them 4 GiB at a time beyond 16K entries). Off until timed: the first version (the decode kernel run
+      on groups of 8 queries, gathering and dequantizing every key once per group) passed on the H200 but made a
+      64K prefill 32% slower than XLA (1.842 vs 1.391 s, same section); `indexer_chunk` (keys dequantized once,
+      streamed by TMA, each tile shared by 16 queries) is checked in the interpreter and lowered for sm_90a, and
+      awaits that device run (`bash scripts/h200_checks.sh chunk-indexer`)."""
 
     fuse_rope: bool = True
     prefill_indexer_kernel: bool = False
