@@ -22,7 +22,7 @@ Kernel (grid: query blocks x key splits x rows; 3 warpgroups):
   * WG0, WG1 (consumers): each loads one query group's q [nq, ID] (nq = group x heads <= 256) and head weights
     into shared memory; per tile S^T = K Q^T by wgmma ([TILE keys, nq] float32, keys are M, query-heads N, ID
     is K), releases the stage, then per query its heads' columns: bf16, ReLU, times its weights, bf16, head sum,
-    bf16: one float32 score per key. Query blocks run fastest in the grid, so the CTAs resident at once stream
+    bf16: one score per key, stored as bf16 (exact; the scores [S, G] are the kernel's one large output). Query blocks run fastest in the grid, so the CTAs resident at once stream
     the same key tiles (from L2 after the first).
 Skipped tiles leave their output unwritten; `chunk_scores` masks every key beyond a query's visible count.
 
@@ -87,8 +87,8 @@ def default_num_splits(ctas: int, n_tiles: int) -> int:
 def _build_kernel(b: int, n_blocks: int, ih: int, qpg: int, d: int, n_tiles: int, num_splits: int,
                   interpret: bool):
     """q [b, n_blocks*NC, qpg*ih, d] bf16, w [b, n_blocks*NC, qpg, ih] f32 (bf16 values), keys [b, n_tiles*TILE,
-    d] bf16, live [b, n_blocks] int32 (key tiles some query of the block sees) -> f32 [b, n_blocks*NC*qpg,
-    n_tiles*TILE]."""
+    d] bf16, live [b, n_blocks] int32 (key tiles some query of the block sees) -> bf16 [b, n_blocks*NC*qpg,
+    n_tiles*TILE] (a score is a bf16 value: stored as one, half the bytes of float32)."""
     t, ns, nc = TILE, NUM_STAGES, NUM_CONSUMERS
     nq = qpg * ih
     tps = n_tiles // num_splits
@@ -159,7 +159,7 @@ def _build_kernel(b: int, n_blocks: int, ih: int, qpg: int, d: int, n_tiles: int
                     for j in range(qpg):   # query j of the group: its heads are columns j*ih .. (j+1)*ih
                         wj = plgpu.load(w_smem.at[wg, j], layout=col_layout)
                         y = to_bf16(x[:, j * ih:(j + 1) * ih] * lax.broadcast_in_dim(wj, (t, ih), [1]))
-                        out_ref[bi, qg * qpg + j, pl.ds(col0, t)] = to_bf16(y.sum(axis=1))
+                        out_ref[bi, qg * qpg + j, pl.ds(col0, t)] = y.sum(axis=1).astype(jnp.bfloat16)
 
     scratch = [
         plgpu.SMEM((nc, nq, d), jnp.bfloat16, transforms=transforms),
@@ -173,7 +173,7 @@ def _build_kernel(b: int, n_blocks: int, ih: int, qpg: int, d: int, n_tiles: int
     # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
     return jax.jit(plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((b, n_blocks * nc * qpg, n_tiles * t), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((b, n_blocks * nc * qpg, n_tiles * t), jnp.bfloat16),
         grid=(n_blocks, num_splits, b),
         grid_names=("qblock", "split", "batch"),
         num_threads=nc + 1,
@@ -217,4 +217,5 @@ def chunk_scores(q, w, keys, nvis, *, interpret: bool = False, num_splits: int |
     seen = jnp.pad(jnp.minimum(nvis, G), ((0, 0), (0, pad_s))).reshape(B, n_blocks, per_block).max(axis=-1)
     live = (seen + TILE - 1) // TILE                                               # [B, n_blocks]
     out = _build_kernel(B, n_blocks, IH, qpg, ID, n_tiles, num_splits, bool(interpret))(qb, wb, kb, live)
-    return jnp.where(jnp.arange(G)[None, None] < nvis[..., None], out[:, :S, :G], -jnp.inf)
+    visible = jnp.arange(G)[None, None] < nvis[..., None]
+    return jnp.where(visible, out[:, :S, :G].astype(jnp.float32), -jnp.inf)

@@ -12,9 +12,11 @@ What it does, in one process:
    for prefill against a batched dot over groups padded to the largest with exact bf16 weights and float32
    accumulation (XLA lowers ragged_dot at M=49152 to a dense masked dot that needs 180-360 GiB): pass =
    relative Frobenius error <= 5e-3 and every output finite (bf16 output rounding alone gives ~1.7e-3);
-3. times (median over 5 repeats of pipelined wall clock per call, rotating over several routings so
-   repeated calls do not re-read the same experts from L2; --cupti adds CUPTI kernel time, off by default
-   because profiler.measure jits the timed closure and captured the weights as multi-GB constants):
+3. times (median over 5 repeats, rotating over several routings so repeated calls do not re-read the same
+   experts from L2) the GPU time of every kernel of a call by CUPTI (what the table shows; --no-cupti: none),
+   and the pipelined wall clock per call (in the JSON; at 1 token it is JAX's dispatch rate). Every timed
+   function gets its arrays as arguments: profiler.measure jits what it times, and arrays a closure holds
+   become constants of that program (multi-GB weights: the process died, 2026-11-30):
    - pallas: the whole `grouped_fp4_matmul(backend='pallas')` (schedule + kernel + row gather) and the
      kernel alone;
    - xla: `grouped_fp4_matmul(backend='xla')` (dequantize all experts + lax.ragged_dot), and
@@ -75,14 +77,14 @@ def elapsed():
 # timing
 
 
-_CUPTI_OK = False  # --cupti: profiler.measure jits the timed function, so arrays it closes over become
-# multi-GB constants (seen 2026-11-30 on the H200: 2.4 GB captured, then the process died): off by default
+_CUPTI_OK = None  # None: not tried yet; False after a failure or with --no-cupti
 
 
 def time_calls(fn, arg_sets, reps=5):
-    """Median seconds per call of fn over `arg_sets` (rotated), calls queued back to back: (cupti_s or None,
-    wall_s). Wall-clock, so where a call's GPU time is below JAX's dispatch cost (decode at batch 1) this is the
-    dispatch rate, not the kernel's time."""
+    """Median seconds per call of the jitted fn over `arg_sets` (rotated): (cupti_s or None, wall_s).
+    cupti_s: the GPU time of the call's kernels (CUPTI). wall_s: calls queued back to back, so where a call's GPU
+    time is below JAX's dispatch cost (decode at 1 token) it is the dispatch rate. Every array fn reads must be
+    in its arguments (see the module docstring)."""
     if INTERPRET:
         reps = 1
     global _CUPTI_OK
@@ -104,13 +106,10 @@ def time_calls(fn, arg_sets, reps=5):
         try:
             from jax.experimental.mosaic.gpu import profiler
 
-            def run_all():
-                return [fn(*a) for a in arg_sets]
-
+            measured = profiler.measure(fn)
             vals = []
             for _ in range(reps):
-                _, ms = profiler.measure(run_all)()
-                vals.append(ms / 1e3 / len(arg_sets))
+                vals.append(sum(measured(*a)[1] for a in arg_sets) / 1e3 / len(arg_sets))
             cupti = statistics.median(vals)
             _CUPTI_OK = True
         except Exception as ex:  # noqa: BLE001
@@ -278,7 +277,7 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
             jax.block_until_ready(y)
             ok, rel = check(f"{kind} {mat} T={tokens} {cfg}", y, ref)
             log(f"  compile+first run {time.time() - t:.1f}s")
-            c, wt = time_calls(lambda x, g, f=f: f(x, pw, g), sets)
+            c, wt = time_calls(f, [(x, pw, g) for x, g in sets])
             add("pallas", cfg, c, wt, ok, rel)
             kf, _ = kernel_only(x0, pw, gs0, cfg)
             ksets = []
@@ -312,27 +311,27 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
     try:
         fx = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="xla"))
         ok, rel = check(f"{kind} {mat} T={tokens} xla", fx(x0, w, gs0), ref)
-        c, wt = time_calls(lambda x, g: fx(x, w, g), sets[:2], reps=3)
+        c, wt = time_calls(fx, [(x, w, g) for x, g in sets[:2]], reps=3)
         add("xla dequant+ragged_dot", None, c, wt, ok, rel)
         fr = jax.jit(lambda x, wb, g: jax.lax.ragged_dot(x, wb, g, preferred_element_type=jnp.float32
                                                          ).astype(jnp.bfloat16))
         wkn = jnp.swapaxes(wbf16, 1, 2)
-        c, wt = time_calls(lambda x, g: fr(x, wkn, g), sets, reps=3)
+        c, wt = time_calls(fr, [(x, wkn, g) for x, g in sets], reps=3)
         add("xla ragged_dot(bf16 w)", None, c, wt, None, None, "weights pre-dequantized")
     except Exception as ex:  # noqa: BLE001
         log(f"FAILED xla {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
     if do_mgpu and not args.no_mgpu and elapsed() < args.budget_s:
         try:
             from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
-            fm = jax.jit(functools.partial(rdm.ragged_dot, block_m=128 if kind == "prefill" else 64,
-                                           block_n=128, block_k=64, max_concurrent_steps=4,
-                                           grid_block_n=1, transpose_rhs=True))
+            fm = jax.jit(lambda x, wb, g: rdm.ragged_dot(x, wb, group_sizes=g, block_m=128 if kind == "prefill" else 64,
+                                                          block_n=128, block_k=64, max_concurrent_steps=4,
+                                                          grid_block_n=1, transpose_rhs=True))
             t = time.time()
-            ym = fm(x0, wbf16, group_sizes=gs0)
+            ym = fm(x0, wbf16, gs0)
             jax.block_until_ready(ym)
             log(f"  ragged_dot_mgpu compile+first run {time.time() - t:.1f}s")
             ok, rel = check(f"{kind} {mat} T={tokens} ragged_dot_mgpu", ym, ref)
-            c, wt = time_calls(lambda x, g: fm(x, wbf16, group_sizes=g), sets, reps=3)
+            c, wt = time_calls(fm, [(x, wbf16, g) for x, g in sets], reps=3)
             add("ragged_dot_mgpu(bf16 w)", None, c, wt, ok, rel, "weights pre-dequantized")
         except Exception as ex:  # noqa: BLE001
             log(f"FAILED ragged_dot_mgpu {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
@@ -375,13 +374,13 @@ def main():
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--no-mgpu", action="store_true")
     ap.add_argument("--stop-on-fail", action="store_true")
-    ap.add_argument("--cupti", action="store_true", help="also try CUPTI kernel timing (see _CUPTI_OK)")
+    ap.add_argument("--no-cupti", action="store_true", help="wall clock only (no CUPTI kernel timing)")
     ap.add_argument("--tiny", action="store_true", help="CPU: whole script at toy shapes, interpreter")
     args = ap.parse_args()
     global INTERPRET
     INTERPRET = args.tiny
     global _CUPTI_OK
-    _CUPTI_OK = None if args.cupti else False
+    _CUPTI_OK = False if args.no_cupti or args.tiny else None
     log("jax", jax.__version__, jax.devices())
     C = eg.KernelConfig
     if args.cpu_smoke:

@@ -60,11 +60,12 @@ def test_kernel_matches_reference(B, S, IH, ID, G, splits, exact):
 
 
 def test_causal_chunk_skips_tiles_no_query_sees():
-    """A chunk at the start of a sequence (entries visible grow with the position) and a row whose queries see
-    nothing: the blocks' tiles beyond their last visible key are not computed, everything visible is."""
-    B, S, IH, ID, G = 2, 40, 16, 64, 512
+    """A chunk at the start of a sequence (entries visible grow with the position), a row whose queries see
+    nothing, and one whose queries see one key of a second tile: the blocks' tiles beyond their last visible
+    key are not computed, everything visible is."""
+    B, S, IH, ID, G = 3, 40, 16, 64, 512
     q, w, k, _ = inputs(5, B, S, IH, ID, G, exact=True)
-    nvis = jnp.asarray([np.arange(S) * 5 // 2, np.zeros(S)], jnp.int32)   # ratio-2-like growth; row 1 empty
+    nvis = jnp.asarray([np.arange(S) * 5 // 2, np.zeros(S), np.full(S, 65)], jnp.int32)
     out = run(q, w, k, nvis, num_splits=2)
     check(out, ic.chunk_scores_reference(q, w, k, nvis), True)
     assert np.isneginf(np.asarray(out)[1]).all()
