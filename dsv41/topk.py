@@ -76,13 +76,20 @@ def top_k_positions(x: jax.Array, k: int, bits: int = DIGIT_BITS, histogram: str
     if not 0 < k <= n:
         raise ValueError(f"k={k} must be in [1, {n}]")
     keys = order_keys(x)
-    t = kth_largest_key(keys, k, bits, histogram)[..., None]
+    return positions_from_threshold(keys, kth_largest_key(keys, k, bits, histogram), k)
+
+
+def positions_from_threshold(keys: jax.Array, t: jax.Array, k: int) -> jax.Array:
+    """keys uint32 [..., N], t uint32 [...] their k-th largest -> int32 [..., k]: every position above t and the
+    lowest positions equal to it, k in all, ascending (two cumulative sums and one scatter)."""
+    n = keys.shape[-1]
+    t = t[..., None]
     above = keys > t
     need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)  # how many of the ties to take
     tie = keys == t
     take = above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= need))
     slot = jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1  # exactly k taken: slots 0..k-1 in position order
-    lead = x.shape[:-1]
+    lead = keys.shape[:-1]
     flat_slot = jnp.where(take, slot, k).reshape(-1, n)
     rows = jnp.arange(flat_slot.shape[0])[:, None]
     pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), flat_slot.shape)

@@ -46,6 +46,7 @@ from jax import lax
 from dsv41 import indexer, topk
 from pallas_kernels import indexer_chunk as ic
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels import topk_select
 from pallas_kernels.indexer_chunk import query_group
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class IndexerConfig:
     index_topk: int = 512
     candidate_block_size: int = 8
     candidate_topk_blocks: int = 2048
-    topk_method: str = "auto"  # 'auto', 'lax' (lax.top_k) or a dsv41.topk.RADIX_VARIANTS name: topk_entries
+    topk_method: str = "auto"  # one of TOPK_METHODS: topk_entries
 
     @classmethod
     def from_model(cls, cfg) -> IndexerConfig:
@@ -565,28 +566,37 @@ def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos,
 
 # 'auto' takes the radix select from this many rows of scores (batch x queries) on: on the H200 (2026-11-30,
 # 16K candidates, k 512) it took 102 us at 64 rows where lax.top_k took 123, but 78 / 65 us at 8 / 1 rows where
-# lax.top_k took 60 / 57 (scripts/bench_indexer.py, docs/KERNELS_INDEXER.md).
+# lax.top_k took 60 / 57 (scripts/bench_indexer.py, docs/KERNELS_INDEXER.md). 'kernel' (the threshold in one
+# Mosaic GPU launch, pallas_kernels/topk_select.py) is not in 'auto' until timed there.
 RADIX_MIN_ROWS = 64
+TOPK_METHODS = ("auto", "lax", *topk.RADIX_VARIANTS, "kernel")
 
 
-def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto") -> jax.Array:
+def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto",
+                 interpret: bool = False) -> jax.Array:
     """Scores [B, S, N] over entry ids [B, S, N] or [N] (-1 = none/not visible, ascending where valid)
     -> int32 [B, S, min(k, N)]: chosen entry ids ascending, -1 padded at the end. Ties go to the lower id
     (lax.top_k keeps the lower position first; positions ascend with ids) - `indexer.select_topk` semantics.
     method 'lax': lax.top_k (a sort); 'radix' (and the other `dsv41.topk.RADIX_VARIANTS`):
     `dsv41.topk.top_k_positions`, the same positions by radix select (counting passes, no sort of the N
-    scores); 'auto': radix from RADIX_MIN_ROWS rows on, as measured by scripts/bench_indexer.py."""
+    scores); 'kernel': the same, the k-th largest found by `topk_select` (one Mosaic GPU launch; interpret:
+    in the interpreter), rows longer than its limit by 'radix'; 'auto': radix from RADIX_MIN_ROWS rows on,
+    as measured by scripts/bench_indexer.py."""
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
     if method == "auto":
         method = "radix" if math.prod(s.shape[:-1]) >= RADIX_MIN_ROWS else "lax"
+    if method == "kernel" and s.shape[-1] > topk_select.MAX_KEYS:
+        method = "radix"
     if method == "lax":
         _, pos = lax.top_k(s, k)
     elif method in topk.RADIX_VARIANTS:
         pos = topk.top_k_positions(s, k, *topk.RADIX_VARIANTS[method])
+    elif method == "kernel":
+        pos = topk_select.top_k_positions(s, k, interpret=interpret)
     else:
-        raise ValueError(f"unknown top-k method {method!r}: 'lax', 'auto' or one of {list(topk.RADIX_VARIANTS)}")
+        raise ValueError(f"unknown top-k method {method!r}: one of {list(TOPK_METHODS)}")
     ids = jnp.take_along_axis(jnp.broadcast_to(entries, s.shape), pos, axis=-1)
     big = jnp.iinfo(jnp.int32).max
     ids = jnp.sort(jnp.where(ids >= 0, ids, big), axis=-1)
@@ -638,13 +648,13 @@ def index_topk(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, *, can
     if cand_blocks is not None:
         s, g = candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos, ratio,
                                 cfg.candidate_block_size, backend=backend, dtype=dtype, **kwargs)
-        return topk_entries(s, g, cfg.index_topk, cfg.topk_method), None
+        return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret"), None
     s = context_scores(q, w, ik_packed, ik_scale, block_table, q_pos, ratio, num_entries, backend=backend,
                        dtype=dtype, **kwargs)
     g = jnp.arange(num_entries, dtype=jnp.int32)
     g = jnp.where(g[None, None] < visible_count(q_pos, ratio)[..., None], g, -1)
     cand = candidate_blocks(s, q_pos, ratio, cfg) if want_candidates else None
-    return topk_entries(s, g, cfg.index_topk, cfg.topk_method), cand
+    return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret"), cand
 
 
 # ----------------------------------------------------------------------------------------------------------------

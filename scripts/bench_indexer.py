@@ -42,12 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import topk
 from pallas_kernels import indexer_logits as il
 
 T0 = time.time()
 IH, ID, RATIO, E = 32, 128, 2, 64
 ENTRY_BYTES = ID // 2 + ID // 32
+SELECT_METHODS = tuple(m for m in il.TOPK_METHODS if m != "auto")  # lax first: the ids compared against
 NUM_SMS_H200 = 132
 
 
@@ -250,10 +250,11 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             row[f"{name}_error"] = repr(ex)[:1000]
             log(f"{mode} B={B} ctx={ctx}: {name} timing ERROR", repr(ex)[:300])
             traceback.print_exc()
-    # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs the radix selects (dsv41/topk.py), same ids
+    # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs the radix selects (dsv41/topk.py) vs the
+    # threshold kernel (pallas_kernels/topk_select.py), same ids
     try:
         s_t, g_t = scores_g(*sargs)
-        methods = ("lax", *topk.RADIX_VARIANTS)
+        methods = SELECT_METHODS
         tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in methods}
         want = np.asarray(tk_fns["lax"](s_t, g_t))
         row["topk_radix_same"] = all(np.array_equal(np.asarray(tk_fns[m](s_t, g_t)), want) for m in methods[1:])
@@ -293,7 +294,7 @@ def print_table(rows, bw):
           "kern+topk = whole index_topk; XLA = today's path; CUPTI GPU time, L2 flushed)")
     hdr = (f"{'mode':<11}{'B':>4}{'ctx':>8}{'check':>7}{'max_rel':>10}{'kernel us':>11}{'kern+topk us':>14}"
            f"{'XLA us':>10}{'XLA/path':>9}{'bytes':>12}{'roof us':>9}{'% of BW':>9}{'topk lax':>10}"
-           + "".join(f"{m:>9}" for m in topk.RADIX_VARIANTS) + f"{'same':>6}")
+           + "".join(f"{m:>9}" for m in SELECT_METHODS[1:]) + f"{'same':>6}")
     print(hdr)
     print("-" * len(hdr))
 
@@ -306,7 +307,7 @@ def print_table(rows, bw):
               f"{f(r, 'max_rel', '.1e'):>10}{f(r, 'kernel_us', '.1f'):>11}{f(r, 'path_us', '.1f'):>14}"
               f"{f(r, 'xla_us', '.1f'):>10}{ratio:>9}{r.get('bytes', 0):>12,}{f(r, 'roofline_us', '.1f'):>9}"
               f"{f(r, 'pct_bw', '.0f'):>9}{f(r, 'topk_lax_us', '.1f'):>10}"
-              + "".join(f"{f(r, f'topk_{m}_us', '.1f'):>9}" for m in topk.RADIX_VARIANTS)
+              + "".join(f"{f(r, f'topk_{m}_us', '.1f'):>9}" for m in SELECT_METHODS[1:])
               + f"{str(r.get('topk_radix_same', '-')):>6}")
     print()
 

@@ -1,0 +1,105 @@
+"""The indexer's top-k threshold in one Mosaic GPU kernel: the k-th largest score of each row.
+
+The indexer keeps the 512 best of up to 16K scores a query (`indexer_logits.topk_entries`). On the H200 that
+top-k took 57-65 us at batch 1 and 102-123 us at batch 64 (lax.top_k sorts; `dsv41.topk`'s radix select
+counts in 8 passes of XLA kernels), more than the scoring kernel before it (docs/KERNELS_INDEXER.md). The
+selection needs the k-th largest key t: then every position above t and the lowest positions equal to it are
+the answer, placed in order by two cumulative sums (`dsv41.topk.positions_from_threshold`, XLA).
+
+This kernel finds t in one launch. One CTA (one warpgroup) per row: TMA brings the row's keys (the
+order-preserving uint32 map of the float32 scores, `dsv41.topk.order_keys`) into shared memory, and up to
+REG_KEYS of them stay in registers (128 a thread at 16K). Then 32 one-bit passes from the most significant bit:
+candidate c = prefix | bit, count the keys >= c (a compare and an add per key a thread holds, one warpgroup
+reduction), keep c when the count still reaches k. The result is the largest t with #(keys >= t) >= k, what
+`dsv41.topk.kth_largest_key` computes (its reference). One bit a pass is the fewest compares: a d-bit digit
+costs 2^d - 1 counts a pass for 32/d passes.
+
+Limits: N <= MAX_KEYS (the row in shared memory, 128 KB); `indexer_logits.topk_entries` sends longer rows to
+the XLA select. Rows are padded with key 0, below every key of a NaN-free float.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from dsv41 import topk
+
+MAX_KEYS = 32768   # shared memory: 128 KB; TMA: the row as [N / 128, 128], at most 256 rows of a box
+REG_KEYS = 16384   # rows up to this many keys are held in registers (128 a thread) for all 32 passes
+CHUNK = 4096       # keys a loaded array holds (32 a thread)
+
+
+def _padded(n: int) -> int:
+    return -(-n // CHUNK) * CHUNK if n > CHUNK else -(-n // 128) * 128
+
+
+@functools.cache
+def _build_kernel(b: int, n: int, k: int, interpret: bool):
+    """keys uint32 [b, n / 128, 128] -> uint32 [b, 128] (each row's threshold, repeated)."""
+    rows = n // 128
+    cr = min(rows, CHUNK // 128)     # rows of 128 keys in one loaded array
+    n_ch = rows // cr
+
+    def body(keys_ref, out_ref, keys_smem, bar):
+        r = lax.axis_index("row")
+        plgpu.copy_gmem_to_smem(keys_ref.at[r], keys_smem, bar)
+        plgpu.barrier_wait(bar)
+        held = [keys_smem[pl.ds(c * cr, cr), :] for c in range(n_ch)] if n <= REG_KEYS else None
+
+        def count_at_least(t):
+            acc = None
+            for c in range(n_ch):
+                v = held[c] if held is not None else keys_smem[pl.ds(c * cr, cr), :]
+                ge = jnp.where(v >= t, 1, 0).astype(jnp.int32)
+                acc = ge if acc is None else acc + ge
+            return jnp.sum(acc)
+
+        def one_bit(i, prefix):
+            c = prefix | lax.shift_left(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+            return jnp.where(count_at_least(c) >= k, c, prefix)
+
+        t = lax.fori_loop(0, 32, one_bit, jnp.uint32(0))
+        out_ref[r, :] = jnp.broadcast_to(t, (128,))
+
+    kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+    # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
+    return jax.jit(plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((b, 128), jnp.uint32),
+        grid=(b,),
+        grid_names=("row",),
+        kernel_name="topk_threshold",
+        # Lane semantics: the layouts follow from the loads (plain strided vectors), no inference search
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        scratch_types=[plgpu.SMEM((rows, 128), jnp.uint32), plgpu.Barrier(num_arrivals=1)],
+        **kwargs,
+    ))
+
+
+def kth_largest_key(keys: jax.Array, k: int, *, interpret: bool = False) -> jax.Array:
+    """uint32 [..., N] -> uint32 [...]: the largest t with #(keys >= t) >= k (1 <= k <= N <= MAX_KEYS), as
+    `dsv41.topk.kth_largest_key`."""
+    lead, n = keys.shape[:-1], keys.shape[-1]
+    if not 0 < k <= n:
+        raise ValueError(f"k={k} must be in [1, {n}]")
+    if n > MAX_KEYS:
+        raise NotImplementedError(f"{n} keys a row > {MAX_KEYS} (shared memory); use dsv41.topk")
+    flat = keys.reshape(-1, n).astype(jnp.uint32)
+    npad = _padded(n)
+    flat = jnp.pad(flat, ((0, 0), (0, npad - n)))
+    b = flat.shape[0]
+    out = _build_kernel(b, npad, k, bool(interpret))(flat.reshape(b, npad // 128, 128))
+    return out[:, 0].reshape(lead)
+
+
+def top_k_positions(x: jax.Array, k: int, *, interpret: bool = False) -> jax.Array:
+    """x float [..., N] -> int32 [..., k]: the positions lax.top_k(x, k) selects (ties to the lower position),
+    ascending; the threshold by the kernel, the placement in XLA."""
+    keys = topk.order_keys(x)
+    return topk.positions_from_threshold(keys, kth_largest_key(keys, k, interpret=interpret), k)

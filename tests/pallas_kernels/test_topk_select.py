@@ -1,0 +1,84 @@
+"""Tests of the top-k threshold kernel (pallas_kernels/topk_select): the Mosaic GPU kernel in the interpreter
+against `dsv41.topk.kth_largest_key` and the positions against lax.top_k (ties to the lower position), rows
+held in registers and rows re-read from shared memory every pass; the indexer's `topk_entries` through it;
+lowering for CUDA at the indexer's shapes. GPU tests are marked `gpu`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41 import topk
+from pallas_kernels import indexer_logits as il
+from pallas_kernels import topk_select as ts
+
+
+def scores(seed, shape):
+    """Fresh scores with many exact ties (bf16-rounded, as the indexer's), some -inf (invisible entries)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x = np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    x[rng.random(shape) < 0.1] = -np.inf
+    return jnp.asarray(x)
+
+
+def lax_positions(x, k):
+    return np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1)
+
+
+@pytest.mark.parametrize("shape,k", [
+    ((3, 200), 37),        # one array of 256 keys (padded)
+    ((2, 5000), 512),      # two chunks of 4096 (padded to 8192), held in registers
+    ((1, 20000), 512),     # beyond REG_KEYS: the keys re-read from shared memory every pass
+    ((2, 130), 130),       # k = N: every key, -inf ones too
+])
+def test_threshold_and_positions_match_the_references(shape, k):
+    x = scores(shape[-1] + k, shape)
+    keys = topk.order_keys(x)
+    t = jax.jit(functools.partial(ts.kth_largest_key, k=k, interpret=True))(keys)
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(topk.kth_largest_key(keys, k)))
+    pos = jax.jit(functools.partial(ts.top_k_positions, k=k, interpret=True))(x)
+    np.testing.assert_array_equal(np.asarray(pos), lax_positions(x, k))
+
+
+def test_a_row_of_equal_scores_takes_the_lowest_positions():
+    x = jnp.zeros((2, 300), jnp.float32).at[1, 7].set(1.0)
+    pos = np.asarray(ts.top_k_positions(x, 5, interpret=True))
+    np.testing.assert_array_equal(pos, [[0, 1, 2, 3, 4], [0, 1, 2, 3, 7]])
+
+
+def test_topk_entries_through_the_kernel_equals_lax():
+    """The indexer's selection (entry ids ascending, -1 padded) with method='kernel' and with lax.top_k."""
+    s = scores(3, (2, 3, 1000))
+    g = jnp.where(jnp.isfinite(s), jnp.arange(1000, dtype=jnp.int32), -1)
+    got = il.topk_entries(s, g, 64, "kernel", interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(il.topk_entries(s, g, 64, "lax")))
+
+
+def test_limits():
+    keys = jnp.zeros((1, ts.MAX_KEYS + 1), jnp.uint32)
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        ts.kth_largest_key(keys, 4, interpret=True)
+    with pytest.raises(ValueError, match="k=0"):
+        ts.kth_largest_key(keys[:, :10], 0, interpret=True)
+
+
+def test_kernel_lowers_for_cuda():
+    """Pallas -> Mosaic GPU lowering (Lane semantics) at batch 64 x 16K candidates (keys in registers) and at 32K
+    keys (shared memory), on the CPU."""
+    sds = jax.ShapeDtypeStruct
+    for n in (16384, 32768):
+        low = jax.jit(functools.partial(ts.top_k_positions, k=512)).trace(sds((64, n), jnp.float32))
+        assert "topk_threshold" in low.lower(lowering_platforms=("cuda",)).as_text()
+
+
+# ----------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 16384), (64, 16384), (8, 32768), (64, 1000)])
+def test_gpu_positions_equal_lax(shape):
+    x = scores(shape[0], shape)
+    k = min(512, shape[-1])
+    pos = jax.jit(functools.partial(ts.top_k_positions, k=k))(x)
+    np.testing.assert_array_equal(np.asarray(pos), lax_positions(x, k))
