@@ -603,10 +603,12 @@ def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto",
     return jnp.where(ids == big, -1, ids).astype(jnp.int32)
 
 
-def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerConfig = IndexerConfig()) -> jax.Array:
+def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerConfig = IndexerConfig(),
+                     interpret: bool = False) -> jax.Array:
     """Layer 20's level one as a block list: context scores [B, S, G] -> int32 [B, S, min(topk_blocks, nb)]
     ascending block ids, -1 padded; the block of the newest visible entry always in. Same set as
-    `indexer.candidate_mask` (which returns a per-entry mask)."""
+    `indexer.candidate_mask` (which returns a per-entry mask). The block top-k by cfg.topk_method ('kernel':
+    `topk_select`, interpret: in the interpreter; else lax.top_k)."""
     bs = cfg.candidate_block_size
     G = s.shape[-1]
     blk = jnp.pad(s, [(0, 0), (0, 0), (0, -G % bs)], constant_values=-jnp.inf)
@@ -615,7 +617,11 @@ def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerCon
     last = (visible_count(q_pos, ratio) - 1) // bs
     blk = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, blk)
     kb = min(cfg.candidate_topk_blocks, nb)
-    v, i = lax.top_k(blk, kb)
+    if cfg.topk_method == "kernel" and nb <= topk_select.MAX_KEYS:
+        i = topk_select.top_k_positions(blk, kb, interpret=interpret)
+        v = jnp.take_along_axis(blk, i, axis=-1)
+    else:
+        v, i = lax.top_k(blk, kb)
     big = jnp.iinfo(jnp.int32).max
     i = jnp.sort(jnp.where(v > -jnp.inf, i, big), axis=-1)
     return jnp.where(i == big, -1, i).astype(jnp.int32)
@@ -653,7 +659,7 @@ def index_topk(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, *, can
                        dtype=dtype, **kwargs)
     g = jnp.arange(num_entries, dtype=jnp.int32)
     g = jnp.where(g[None, None] < visible_count(q_pos, ratio)[..., None], g, -1)
-    cand = candidate_blocks(s, q_pos, ratio, cfg) if want_candidates else None
+    cand = candidate_blocks(s, q_pos, ratio, cfg, backend == "interpret") if want_candidates else None
     return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret"), cand
 
 

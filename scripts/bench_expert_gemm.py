@@ -212,7 +212,7 @@ def kernel_only(x, pw, gs, cfg):
 
 def torch_grouped_mm(x, wbf16, gs, ref):
     """The grouped GEMM in PyTorch (scripts/torch_baselines.py: torch._grouped_mm on bf16 weights [E, N, K],
-    shared with JAX through DLPack, no copy) -> (seconds per call, cold, pass, rel. error vs ref)."""
+    shared with JAX through DLPack, no copy) -> (seconds per call with L2 flushed, pass, rel. error vs ref)."""
     import torch
     import torch_baselines as tb
 

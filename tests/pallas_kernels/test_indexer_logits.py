@@ -92,11 +92,13 @@ def test_reference_matches_indexer_scores():
     np.testing.assert_array_equal(np.asarray(s_ctx), np.asarray(ref))
 
 
-def test_context_topk_and_candidates_match_today():
+@pytest.mark.parametrize("method", ["auto", "kernel"])
+def test_context_topk_and_candidates_match_today(method):
     """Context mode (kernel, interpret) -> top-k and candidate blocks; candidates mode (kernel, interpret) -> top-k;
-    both equal today's XLA path; candidate blocks give the same entry mask as indexer.candidate_mask."""
+    both equal today's XLA path; candidate blocks give the same entry mask as indexer.candidate_mask. With the
+    top-k by XLA ('auto') and by the threshold kernel ('kernel', entries and blocks)."""
     B, S, E, ratio = 2, 1, 16, 2
-    cfg = il.IndexerConfig(index_topk=24, candidate_block_size=8, candidate_topk_blocks=5)
+    cfg = il.IndexerConfig(index_topk=24, candidate_block_size=8, candidate_topk_blocks=5, topk_method=method)
     q, w, pk, sc, bt = make_pool(11, B, S, E=E, pages_per_row=8)
     G = bt.shape[1] * E                                                    # 128 entries = 2 tiles
     q_pos = jnp.array([[230], [37]], jnp.int32)                           # 115 and 19 visible entries
