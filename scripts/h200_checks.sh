@@ -24,6 +24,7 @@
 #   bash scripts/h200_checks.sh flips         # first discrete choice that differs: XLA vs FP8 linear kernel, runs
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
+#   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
@@ -210,6 +211,19 @@ case "${1:-}" in
     echo "pytest rc=$?"
     grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/flag_engine.txt" | tail -10
     ;;
+  topk)
+    # the top-k threshold kernel (topk_select): its GPU tests, the top-k alone beside lax / radix on the indexer
+    # kernel's scores, then decode with KernelOptions(indexer_topk="kernel") vs the default
+    timeout -k 10 100 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_topk_select.py > "$OUT/topk_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/topk_tests.txt" | tail -8
+    timeout -k 10 150 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:8:16,c:1:16 --no-sweep \
+      --no-xla > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
+    tail -c 2500 "$OUT/indexer_log.txt"
+    timeout -k 10 330 $PY scripts/bench_engine.py --backends auto,auto+kernel-topk --batches 1,64 --skip-prefill \
+      --decode-ctx 4096 > "$OUT/topk_engine.txt" 2>&1
+    echo "bench_engine rc=$?"; grep -E "^\| auto" "$OUT/topk_engine.txt"
+    ;;
   kv-flags-time)
     # programs.KernelOptions: decode with the RoPE in the attention kernel (default) and in XLA, batch 64; a 16K
     # prefill with the chunk's indexers in XLA (default) and through the scoring kernel (a decode row compiles in
@@ -237,7 +251,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

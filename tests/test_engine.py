@@ -85,14 +85,15 @@ def test_prefix_hit_equals_cold_replay(tiny):
 
 
 @pytest.mark.parametrize("opts", [programs.KernelOptions(fuse_rope=False), programs.KernelOptions(),
-                                  programs.KernelOptions(prefill_indexer_kernel=True)],
-                         ids=["unfused-rope", "default", "prefill-indexer-kernel"])
+                                  programs.KernelOptions(prefill_indexer_kernel=True, indexer_topk="kernel")],
+                         ids=["unfused-rope", "default", "prefill-indexer-kernel+kernel-topk"])
 def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opts):
     """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
     reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; with each
     setting of `programs.KernelOptions` (the query / output RoPE handed to the attention kernel or not, the
-    prefill chunk's indexer through the scoring kernel or XLA). The kernels against those references:
+    prefill chunk's indexer through the scoring kernel or XLA, the top-k by XLA or, through its reference, the
+    threshold kernel). The kernels against those references:
     tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
     from layer_paths import attention_diffs, fill, make_batch, zero_rows
 

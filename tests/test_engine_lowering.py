@@ -111,3 +111,18 @@ def test_prefill_indexer_kernel_lowers_for_cuda(bench):
 
     assert "indexer_chunk" in lowered(programs.KernelOptions(prefill_indexer_kernel=True))
     assert "indexer_chunk" not in lowered(programs.KernelOptions())
+
+
+def test_kernel_topk_lowers_for_cuda(bench):
+    """`KernelOptions(indexer_topk="kernel")`: the decode step's indexers and layer 20's block selection through
+    the threshold kernel (`topk_select`), in the program with the option and not without."""
+    cfg, core, pool = bench
+
+    def lowered(opts):
+        return programs.run_full.trace(core, pool, _batch(cfg, 2, 1, 8), _sampling(2), cfg=cfg, num=quant.REFERENCE,
+                                       backend="pallas", opts=opts).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "topk_threshold" in lowered(programs.KernelOptions(indexer_topk="kernel"))
+    assert "topk_threshold" not in lowered(programs.KernelOptions())
+    with pytest.raises(ValueError, match="indexer_topk"):
+        programs.KernelOptions(indexer_topk="sort")

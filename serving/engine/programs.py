@@ -72,10 +72,21 @@ class KernelOptions:
       on groups of 8 queries, gathering and dequantizing every key once per group) passed on the H200 but made a
       64K prefill 32% slower than XLA (1.842 vs 1.391 s, same section); `indexer_chunk` (keys dequantized once,
       streamed by TMA, each tile shared by 16 queries) is checked in the interpreter and lowered for sm_90a, and
-      awaits that device run (`bash scripts/h200_checks.sh chunk-indexer`)."""
+      awaits that device run (`bash scripts/h200_checks.sh chunk-indexer`).
+    indexer_topk: how the kernel path's indexers pick their top-k entries and layer 20's blocks, one of
+      `indexer_logits.TOPK_METHODS`: 'auto' (lax.top_k or XLA's radix select, by batch) or 'kernel' (the
+      threshold by `topk_select`, one Mosaic GPU launch; checked in the interpreter and lowered for sm_90a,
+      not yet timed: `bash scripts/h200_checks.sh kernels`)."""
 
     fuse_rope: bool = True
     prefill_indexer_kernel: bool = False
+    indexer_topk: str = "auto"
+
+    def __post_init__(self):
+        from pallas_kernels.indexer_logits import TOPK_METHODS
+
+        if self.indexer_topk not in TOPK_METHODS:
+            raise ValueError(f"indexer_topk={self.indexer_topk!r}: one of {list(TOPK_METHODS)}")
 
 
 def _dequant_fp8_rows(q, s):
@@ -209,7 +220,8 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     if role in (AttnRole.FULL, AttnRole.REINDEX):
         with jax.named_scope("indexer"):
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
-            shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend)
+            shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
+                                                opts)
 
     R = ring_size(cfg, layer)
     lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
@@ -259,7 +271,7 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
 
 
 def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, layer: int, shared: dict, cfg,
-                       num: Numerics, backend: str):
+                       num: Numerics, backend: str, opts: KernelOptions):
     """One indexer layer through the scoring kernel, straight from the MXFP4 pool (decode, and prefill chunks
     with KernelOptions.prefill_indexer_kernel): the encoder indexers and the candidate source layer score every
     visible entry (a chunk's queries in groups that share one pass over the entries), the layers after it only
@@ -268,8 +280,11 @@ def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, lay
     from pallas_kernels import indexer_logits as il
 
     ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
-    kw = dict(cfg=il.IndexerConfig.from_model(cfg), backend="xla" if backend == "reference" else backend,
-              dtype=num.jdtype)
+    # the reference backend (the kernels' jnp references, CPU tests) selects by XLA's radix select, the
+    # threshold kernel's reference (same positions)
+    method = "radix" if backend == "reference" and opts.indexer_topk == "kernel" else opts.indexer_topk
+    icfg = dataclasses.replace(il.IndexerConfig.from_model(cfg), topk_method=method)
+    kw = dict(cfg=icfg, backend="xla" if backend == "reference" else backend, dtype=num.jdtype)
     if cfg.uses_candidates(layer):
         topk, _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=shared["cand"], **kw)
         return topk
@@ -367,7 +382,8 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
             q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
             if backend != "xla" and opts.prefill_indexer_kernel:
-                shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend)
+                shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
+                                                    opts)
             else:
                 keys = _context_index_keys(pool, si, b.block_table, cfg)
                 s = indexer.scores(qi, wi, keys, pos, r, num)
