@@ -2,7 +2,8 @@
 
 For query i of row b and key n:
 
-    score[b, i, n] = bf16( sum_h bf16( relu( bf16(q[b,i,h,:] . k[b,n,:]) ) * w[b,i,h] ) ),  -inf where n >= nvis[b, i]
+    score[b, i, n] = bf16( sum_h bf16( relu( bf16(q[b,i,h,:] . k[b,n,:]) ) * w[b,i,h] ) )
+                     (-inf where n >= nvis[b, i])
 
 with the rounding steps of `dsv41.indexer.raw_scores` (`chunk_scores_reference`), returned as float32.
 
@@ -22,8 +23,9 @@ Kernel (grid: query blocks x key splits x rows; 3 warpgroups):
   * WG0, WG1 (consumers): each loads one query group's q [nq, ID] (nq = group x heads <= 256) and head weights
     into shared memory; per tile S^T = K Q^T by wgmma ([TILE keys, nq] float32, keys are M, query-heads N, ID
     is K), releases the stage, then per query its heads' columns: bf16, ReLU, times its weights, bf16, head sum,
-    bf16: one score per key, stored as bf16 (exact; the scores [S, G] are the kernel's one large output). Query blocks run fastest in the grid, so the CTAs resident at once stream
-    the same key tiles (from L2 after the first).
+    bf16: one score per key, stored as bf16 (exact; the scores [S, G] are the kernel's one large output).
+Query blocks run fastest in the grid, so the CTAs resident at once stream the same key tiles (from L2 after the
+first).
 Skipped tiles leave their output unwritten; `chunk_scores` masks every key beyond a query's visible count.
 
 Interpret mode (CPU): the same body in the Mosaic GPU interpreter (no register budget calls).
