@@ -1,7 +1,8 @@
-"""A prefill chunk's indexer scores three ways: XLA's path (`dsv41.indexer.raw_scores`, what the engine's prefill
-runs by default), the same with the q.k products written in bf16 instead of float32, and the chunk kernel
-(`pallas_kernels.indexer_chunk`, `KernelOptions.prefill_indexer_kernel`). Prints one table (markdown) against
-the roofline: the q.k GEMM's FLOPs at the bf16 matmul rate measured in the same run.
+"""A prefill chunk's indexer scores by XLA's path (`dsv41.indexer.raw_scores`, what the engine's prefill runs by
+default), the same with the q.k products written in bf16 instead of float32, the chunk kernel
+(`pallas_kernels.indexer_chunk`, `KernelOptions.prefill_indexer_kernel`) and, on a GPU, PyTorch's einsum path
+(scripts/torch_baselines.py). Prints one table (markdown) against the roofline: the q.k GEMM's FLOPs at the bf16
+matmul rate measured in the same run.
 
     PYTHONPATH=. python3 scripts/bench_index_scores.py [--queries 2048] [--entries 4096,16384,65536]
 
@@ -22,12 +23,17 @@ import logging
 import statistics
 import time
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import indexer
 from pallas_kernels import indexer_chunk as ic
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_baselines
 
 log = logging.getLogger("bench_index_scores")
 
@@ -49,6 +55,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch row (scripts/torch_baselines.py)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     S, IH, ID = args.queries, args.heads, args.head_dim
@@ -64,11 +71,13 @@ def main():
     xla = jax.jit(indexer.raw_scores, static_argnums=(3, 4))
     kernel = jax.jit(lambda q, w, k: ic.chunk_scores(q, w, k, jnp.full(q.shape[:2], k.shape[1], jnp.int32),
                                                       interpret=dev.platform != "gpu"))
-    variants = {  # name -> (scores(q, w, k), product bytes written and read per product)
-        "XLA, float32 products (today)": (lambda q, w, k: xla(q, w, k, jnp.bfloat16, False), 8),
-        "XLA, bf16 products": (lambda q, w, k: xla(q, w, k, jnp.bfloat16, True), 4),
-        "kernel (indexer_chunk)": (kernel, 0),
+    variants = {  # name -> (scores(q, w, k) -> blocked result, product bytes written and read per product)
+        "XLA, float32 products (today)": (lambda q, w, k: xla(q, w, k, jnp.bfloat16, False).block_until_ready(), 8),
+        "XLA, bf16 products": (lambda q, w, k: xla(q, w, k, jnp.bfloat16, True).block_until_ready(), 4),
+        "kernel (indexer_chunk)": (lambda q, w, k: kernel(q, w, k).block_until_ready(), 0),
     }
+    if dev.platform == "gpu" and not args.no_torch:
+        variants["PyTorch (einsum, bf16 products)"] = (torch_scores, 4)
     rows = []  # (G, name, seconds, agreement with today)
     for G in [int(g) for g in args.entries.split(",")]:
         kq, kk, kw = jax.random.split(jax.random.key(G), 3)
@@ -79,7 +88,7 @@ def main():
         for name, (fn, _) in variants.items():
             try:
                 out = np.asarray(fn(q, w, k))
-                t = timed(lambda f=fn: f(q, w, k).block_until_ready(), args.reps)
+                t = timed(lambda f=fn: f(q, w, k), args.reps)
             except Exception as e:  # noqa: BLE001  (a failing variant is a row, not the end of the table)
                 log.error("G=%d %s failed: %s", G, name, str(e)[:400])
                 rows.append((G, name, float("nan"), "failed"))
@@ -100,6 +109,17 @@ def main():
         moved = f"{per * S * IH * g / bw * 1e3:.3f}" if per else "-"
         print(f"| {g} | {nm} | {t * 1e3:.3f} | {base[g] / t:.2f}x | {same} | {flops(g) / rate * 1e3:.3f} | "
               f"{100 * flops(g) / t / rate:.0f}% | {moved} |")
+
+
+def torch_scores(q, w, k):
+    """scripts/torch_baselines.py's path on the same arrays (shared through DLPack) -> its float32 scores [1, S, G]
+    on the host after the GPU finished (the same blocking as the JAX rows)."""
+    import torch
+    import torch_baselines as tb
+
+    s = tb.index_scores(*(torch.from_dlpack(a[0]) for a in (q, w, k)))
+    torch.cuda.synchronize()
+    return s[None].cpu().numpy()
 
 
 def agreement(out, today) -> str:

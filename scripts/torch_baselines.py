@@ -1,6 +1,6 @@
 """PyTorch implementations of the ops our Mosaic GPU kernels replace, as a PyTorch serving stack would run them on
-the same GPU: the benches (`bench_sparse_attention.py`, `bench_expert_gemm.py`) time them in the same process as
-our kernels, on the same data.
+the same GPU: the benches (`bench_sparse_attention.py`, `bench_expert_gemm.py`, `bench_index_scores.py`) time them
+in the same process as our kernels, on the same data.
 
 PyTorch has no FP4 / block-scaled FP8 GEMM or attention on Hopper, so the baselines take bf16 caches and bf16
 expert weights (dequantized once, outside the timing): they read 2-3.6x the bytes our kernels read, which is what
@@ -49,6 +49,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> t
             out[start:end] = (x[start:end].float() @ w[g].float().T).to(x.dtype)
         start = end
     return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores of a prefill chunk, as a PyTorch stack without a fused kernel computes them: q [S, IH,
+    ID], w [S, IH], k [G, ID] bf16 -> float32 [S, G] = bf16(sum_h bf16(relu(bf16(q_h . k)) * w_h)), the
+    [S, IH, G] products written out in bf16 (`dsv41.indexer.raw_scores`' roundings)."""
+    p = torch.relu(torch.einsum("shd,gd->shg", q, k))  # bf16 out: the float32 accumulator rounded once
+    return (p * w[..., None]).float().sum(1).to(torch.bfloat16).float()
 
 
 def cuda_time_us(fn, iters: int = 20, warmup: int = 3, flush=None) -> float:

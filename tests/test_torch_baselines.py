@@ -1,15 +1,18 @@
-"""scripts/torch_baselines.py (the PyTorch side of the kernel benches) against numpy, on the CPU in the Python
-3.11 reference environment (torch is not installed for 3.12). A baseline that computed something else would make
-the benches' comparison meaningless; on the GPU the benches check them against our references again."""
+"""scripts/torch_baselines.py (the PyTorch side of the kernel benches) against numpy and the model's indexer
+scores, on the CPU in the Python 3.11 reference environment (torch is not installed for 3.12). A baseline that
+computed something else would make the benches' comparison meaningless; on the GPU the benches check them
+against our references again."""
 
 import subprocess
 import sys
 import textwrap
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+from dsv41 import indexer
 from tests.reference.driver import REF_PYTHON, REFERENCE_MISSING, REPO_ROOT, _child_env
 
 pytestmark = pytest.mark.skipif(not REF_PYTHON.exists(), reason=REFERENCE_MISSING)
@@ -24,7 +27,8 @@ RUNNER = textwrap.dedent("""
     o = tb.decode_attention(bf("q"), bf("win"), torch.from_numpy(a["win_valid"]), bf("pool"),
                             torch.from_numpy(a["rows"]), torch.from_numpy(a["sink"]))
     y = tb.grouped_mm(bf("x"), bf("w"), torch.from_numpy(a["sizes"]))
-    np.savez(sys.argv[3], o=o.float().numpy(), y=y.float().numpy())
+    s = tb.index_scores(bf("iq"), bf("iw"), bf("ik"))
+    np.savez(sys.argv[3], o=o.float().numpy(), y=y.float().numpy(), s=s.numpy())
 """)
 
 
@@ -52,6 +56,9 @@ def test_torch_baselines_compute_the_ops_they_stand_for(tmp_path):
     inp["rows"][1] = -1  # a row with no selected entry: the window and the sink only
     sizes = np.array([5, 0, 7, 1, 0, 3], np.int64)
     inp.update(x=_bf16(rng, int(sizes.sum()), 32), w=_bf16(rng, len(sizes), 48, 32), sizes=sizes)
+    # indexer scores on a coarse grid (exact in bf16 at every step): the PyTorch path must equal the model's
+    grid = lambda *shape: (rng.integers(-4, 5, shape) / 4.0).astype(np.float32)  # noqa: E731
+    inp.update(iq=grid(5, 4, 32), iw=grid(5, 4), ik=grid(40, 32))
     np.savez(tmp_path / "in.npz", **inp)
     subprocess.run([str(REF_PYTHON), "-c", RUNNER, str(REPO_ROOT), str(tmp_path / "in.npz"),
                     str(tmp_path / "out.npz")], check=True, env=_child_env(1), cwd=tmp_path, timeout=300,
@@ -62,3 +69,6 @@ def test_torch_baselines_compute_the_ops_they_stand_for(tmp_path):
     starts = np.concatenate([[0], np.cumsum(sizes)])
     want_y = np.concatenate([inp["x"][a:b] @ inp["w"][g].T for g, (a, b) in enumerate(zip(starts, starts[1:]))])
     assert np.abs(out["y"] - want_y).max() <= 1e-2 * np.abs(want_y).max()
+    want_s = indexer.raw_scores(*(jnp.asarray(inp[k][None], jnp.bfloat16) for k in ("iq", "iw", "ik")),
+                                jnp.bfloat16)[0]
+    np.testing.assert_array_equal(out["s"], np.asarray(want_s))
