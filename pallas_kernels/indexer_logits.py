@@ -572,16 +572,16 @@ RADIX_MIN_ROWS = 64
 TOPK_METHODS = ("auto", "lax", *topk.RADIX_VARIANTS, "kernel")
 
 
-def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto",
-                 interpret: bool = False) -> jax.Array:
+def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto", interpret: bool = False,
+                 bf16_values: bool = False) -> jax.Array:
     """Scores [B, S, N] over entry ids [B, S, N] or [N] (-1 = none/not visible, ascending where valid)
     -> int32 [B, S, min(k, N)]: chosen entry ids ascending, -1 padded at the end. Ties go to the lower id
     (lax.top_k keeps the lower position first; positions ascend with ids) - `indexer.select_topk` semantics.
     method 'lax': lax.top_k (a sort); 'radix' (and the other `dsv41.topk.RADIX_VARIANTS`):
     `dsv41.topk.top_k_positions`, the same positions by radix select (counting passes, no sort of the N
     scores); 'kernel': the same, the k-th largest found by `topk_select` (one Mosaic GPU launch; interpret:
-    in the interpreter), rows longer than its limit by 'radix'; 'auto': radix from RADIX_MIN_ROWS rows on,
-    as measured by scripts/bench_indexer.py."""
+    in the interpreter; bf16_values: every score is a bf16 value, 16 passes), rows longer than its limit by
+    'radix'; 'auto': radix from RADIX_MIN_ROWS rows on, as measured by scripts/bench_indexer.py."""
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
@@ -594,7 +594,7 @@ def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto",
     elif method in topk.RADIX_VARIANTS:
         pos = topk.top_k_positions(s, k, *topk.RADIX_VARIANTS[method])
     elif method == "kernel":
-        pos = topk_select.top_k_positions(s, k, interpret=interpret)
+        pos = topk_select.top_k_positions(s, k, bf16_values=bf16_values, interpret=interpret)
     else:
         raise ValueError(f"unknown top-k method {method!r}: one of {list(TOPK_METHODS)}")
     ids = jnp.take_along_axis(jnp.broadcast_to(entries, s.shape), pos, axis=-1)
@@ -604,11 +604,11 @@ def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto",
 
 
 def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerConfig = IndexerConfig(),
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, bf16_values: bool = False) -> jax.Array:
     """Layer 20's level one as a block list: context scores [B, S, G] -> int32 [B, S, min(topk_blocks, nb)]
     ascending block ids, -1 padded; the block of the newest visible entry always in. Same set as
     `indexer.candidate_mask` (which returns a per-entry mask). The block top-k by cfg.topk_method ('kernel':
-    `topk_select`, interpret: in the interpreter; else lax.top_k)."""
+    `topk_select`, interpret: in the interpreter, bf16_values as `topk_entries`; else lax.top_k)."""
     bs = cfg.candidate_block_size
     G = s.shape[-1]
     blk = jnp.pad(s, [(0, 0), (0, 0), (0, -G % bs)], constant_values=-jnp.inf)
@@ -618,7 +618,7 @@ def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerCon
     blk = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, blk)
     kb = min(cfg.candidate_topk_blocks, nb)
     if cfg.topk_method == "kernel" and nb <= topk_select.MAX_KEYS:
-        i = topk_select.top_k_positions(blk, kb, interpret=interpret)
+        i = topk_select.top_k_positions(blk, kb, bf16_values=bf16_values, interpret=interpret)
         v = jnp.take_along_axis(blk, i, axis=-1)
     else:
         v, i = lax.top_k(blk, kb)
@@ -651,16 +651,17 @@ def index_topk(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, *, can
     """
     if (cand_blocks is None) == (num_entries is None):
         raise ValueError("pass exactly one of cand_blocks / num_entries")
+    bf16 = backend != "xla" or dtype == jnp.bfloat16  # the kernels' scores are always bf16 values
     if cand_blocks is not None:
         s, g = candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos, ratio,
                                 cfg.candidate_block_size, backend=backend, dtype=dtype, **kwargs)
-        return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret"), None
+        return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret", bf16), None
     s = context_scores(q, w, ik_packed, ik_scale, block_table, q_pos, ratio, num_entries, backend=backend,
                        dtype=dtype, **kwargs)
     g = jnp.arange(num_entries, dtype=jnp.int32)
     g = jnp.where(g[None, None] < visible_count(q_pos, ratio)[..., None], g, -1)
-    cand = candidate_blocks(s, q_pos, ratio, cfg, backend == "interpret") if want_candidates else None
-    return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret"), cand
+    cand = candidate_blocks(s, q_pos, ratio, cfg, backend == "interpret", bf16) if want_candidates else None
+    return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret", bf16), cand
 
 
 # ----------------------------------------------------------------------------------------------------------------

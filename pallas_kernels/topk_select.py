@@ -12,7 +12,8 @@ REG_KEYS of them stay in registers (128 a thread at 16K). Then 32 one-bit passes
 candidate c = prefix | bit, count the keys >= c (a compare and an add per key a thread holds, one warpgroup
 reduction), keep c when the count still reaches k. The result is the largest t with #(keys >= t) >= k, what
 `dsv41.topk.kth_largest_key` computes (its reference). One bit a pass is the fewest compares: a d-bit digit
-costs 2^d - 1 counts a pass for 32/d passes.
+costs 2^d - 1 counts a pass for 32/d passes. The indexer's scores are bf16 values, whose keys are fixed by
+their top 16 bits: 16 passes (`bf16_values`).
 
 Limits: N <= MAX_KEYS (the row in shared memory, 128 KB); `indexer_logits.topk_entries` sends longer rows to
 the XLA select. Rows are padded with key 0, below every key of a NaN-free float.
@@ -40,8 +41,9 @@ def _padded(n: int) -> int:
 
 
 @functools.cache
-def _build_kernel(b: int, n: int, k: int, interpret: bool):
-    """keys uint32 [b, n / 128, 128] -> uint32 [b, 128] (each row's threshold, repeated)."""
+def _build_kernel(b: int, n: int, k: int, passes: int, interpret: bool):
+    """keys uint32 [b, n / 128, 128] -> uint32 [b, 128] (each row's threshold prefix over the top `passes` bits,
+    repeated)."""
     rows = n // 128
     cr = min(rows, CHUNK // 128)     # rows of 128 keys in one loaded array
     n_ch = rows // cr
@@ -64,7 +66,7 @@ def _build_kernel(b: int, n: int, k: int, interpret: bool):
             c = prefix | lax.shift_left(jnp.uint32(1), (31 - i).astype(jnp.uint32))
             return jnp.where(count_at_least(c) >= k, c, prefix)
 
-        t = lax.fori_loop(0, 32, one_bit, jnp.uint32(0))
+        t = lax.fori_loop(0, passes, one_bit, jnp.uint32(0))
         out_ref[r, :] = jnp.broadcast_to(t, (128,))
 
     kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
@@ -82,9 +84,11 @@ def _build_kernel(b: int, n: int, k: int, interpret: bool):
     ))
 
 
-def kth_largest_key(keys: jax.Array, k: int, *, interpret: bool = False) -> jax.Array:
+def kth_largest_key(keys: jax.Array, k: int, *, bf16_values: bool = False, interpret: bool = False) -> jax.Array:
     """uint32 [..., N] -> uint32 [...]: the largest t with #(keys >= t) >= k (1 <= k <= N <= MAX_KEYS), as
-    `dsv41.topk.kth_largest_key`."""
+    `dsv41.topk.kth_largest_key`. bf16_values: the keys are `order_keys` of bf16 values (the indexer's scores):
+    their low 16 bits follow from the sign (0 for a value >= 0, 0xFFFF below), so 16 passes find the top half
+    and the low half is set from it."""
     lead, n = keys.shape[:-1], keys.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"k={k} must be in [1, {n}]")
@@ -94,12 +98,17 @@ def kth_largest_key(keys: jax.Array, k: int, *, interpret: bool = False) -> jax.
     npad = _padded(n)
     flat = jnp.pad(flat, ((0, 0), (0, npad - n)))
     b = flat.shape[0]
-    out = _build_kernel(b, npad, k, bool(interpret))(flat.reshape(b, npad // 128, 128))
-    return out[:, 0].reshape(lead)
+    out = _build_kernel(b, npad, k, 16 if bf16_values else 32, bool(interpret))(flat.reshape(b, npad // 128, 128))
+    t = out[:, 0]
+    if bf16_values:
+        t = t | jnp.where(t < jnp.uint32(0x80000000), jnp.uint32(0xFFFF), jnp.uint32(0))
+    return t.reshape(lead)
 
 
-def top_k_positions(x: jax.Array, k: int, *, interpret: bool = False) -> jax.Array:
+def top_k_positions(x: jax.Array, k: int, *, bf16_values: bool = False, interpret: bool = False) -> jax.Array:
     """x float [..., N] -> int32 [..., k]: the positions lax.top_k(x, k) selects (ties to the lower position),
-    ascending; the threshold by the kernel, the placement in XLA."""
+    ascending; the threshold by the kernel, the placement in XLA. bf16_values: every x is a bf16 value (16
+    passes instead of 32; a wrong promise gives a wrong selection)."""
     keys = topk.order_keys(x)
-    return topk.positions_from_threshold(keys, kth_largest_key(keys, k, interpret=interpret), k)
+    t = kth_largest_key(keys, k, bf16_values=bf16_values, interpret=interpret)
+    return topk.positions_from_threshold(keys, t, k)

@@ -16,7 +16,7 @@ from pallas_kernels import topk_select as ts
 
 
 def scores(seed, shape):
-    """Fresh scores with many exact ties (bf16-rounded, as the indexer's), some -inf (invisible entries)."""
+    """Fresh scores with many exact ties (bf16 values, as the indexer's), some -inf (invisible entries)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32)
     x = np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
@@ -28,19 +28,28 @@ def lax_positions(x, k):
     return np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1)
 
 
+@pytest.mark.parametrize("bf16_values", [False, True], ids=["32-passes", "bf16-16-passes"])
 @pytest.mark.parametrize("shape,k", [
     ((3, 200), 37),        # one array of 256 keys (padded)
     ((2, 5000), 512),      # two chunks of 4096 (padded to 8192), held in registers
     ((1, 20000), 512),     # beyond REG_KEYS: the keys re-read from shared memory every pass
     ((2, 130), 130),       # k = N: every key, -inf ones too
 ])
-def test_threshold_and_positions_match_the_references(shape, k):
+def test_threshold_and_positions_match_the_references(shape, k, bf16_values):
     x = scores(shape[-1] + k, shape)
     keys = topk.order_keys(x)
-    t = jax.jit(functools.partial(ts.kth_largest_key, k=k, interpret=True))(keys)
+    t = jax.jit(functools.partial(ts.kth_largest_key, k=k, bf16_values=bf16_values, interpret=True))(keys)
     np.testing.assert_array_equal(np.asarray(t), np.asarray(topk.kth_largest_key(keys, k)))
-    pos = jax.jit(functools.partial(ts.top_k_positions, k=k, interpret=True))(x)
+    pos = jax.jit(functools.partial(ts.top_k_positions, k=k, bf16_values=bf16_values, interpret=True))(x)
     np.testing.assert_array_equal(np.asarray(pos), lax_positions(x, k))
+
+
+def test_float32_scores_need_all_32_passes():
+    """Scores that are not bf16 values, tied in their top 16 bits: 32 passes tell them apart, 16 do not (so the
+    promise bf16_values matters, and the tests above would see a pass count cut short)."""
+    x = jnp.asarray([[1.0, 1.0 + 2 ** -20, 1.0 + 2 ** -19, 0.5]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ts.top_k_positions(x, 1, interpret=True)), [[2]])
+    assert np.asarray(ts.top_k_positions(x, 1, bf16_values=True, interpret=True)).tolist() != [[2]]
 
 
 def test_a_row_of_equal_scores_takes_the_lowest_positions():
@@ -76,9 +85,10 @@ def test_kernel_lowers_for_cuda():
 
 # ----------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("bf16_values", [False, True])
 @pytest.mark.parametrize("shape", [(1, 16384), (64, 16384), (8, 32768), (64, 1000)])
-def test_gpu_positions_equal_lax(shape):
+def test_gpu_positions_equal_lax(shape, bf16_values):
     x = scores(shape[0], shape)
     k = min(512, shape[-1])
-    pos = jax.jit(functools.partial(ts.top_k_positions, k=k))(x)
+    pos = jax.jit(functools.partial(ts.top_k_positions, k=k, bf16_values=bf16_values))(x)
     np.testing.assert_array_equal(np.asarray(pos), lax_positions(x, k))
