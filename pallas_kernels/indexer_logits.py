@@ -580,15 +580,13 @@ def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto",
     method 'lax': lax.top_k (a sort); 'radix' (and the other `dsv41.topk.RADIX_VARIANTS`):
     `dsv41.topk.top_k_positions`, the same positions by radix select (counting passes, no sort of the N
     scores); 'kernel': the same, the k-th largest found by `topk_select` (one Mosaic GPU launch; interpret:
-    in the interpreter; bf16_values: every score is a bf16 value, 16 passes), rows longer than its limit by
-    'radix'; 'auto': radix from RADIX_MIN_ROWS rows on, as measured by scripts/bench_indexer.py."""
+    in the interpreter; bf16_values: every score is a bf16 value, 16 passes); 'auto': radix from
+    RADIX_MIN_ROWS rows on, as measured by scripts/bench_indexer.py."""
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
     if method == "auto":
         method = "radix" if math.prod(s.shape[:-1]) >= RADIX_MIN_ROWS else "lax"
-    if method == "kernel" and s.shape[-1] > topk_select.MAX_KEYS:
-        method = "radix"
     if method == "lax":
         _, pos = lax.top_k(s, k)
     elif method in topk.RADIX_VARIANTS:
@@ -617,7 +615,7 @@ def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerCon
     last = (visible_count(q_pos, ratio) - 1) // bs
     blk = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, blk)
     kb = min(cfg.candidate_topk_blocks, nb)
-    if cfg.topk_method == "kernel" and nb <= topk_select.MAX_KEYS:
+    if cfg.topk_method == "kernel":
         i = topk_select.top_k_positions(blk, kb, bf16_values=bf16_values, interpret=interpret)
         v = jnp.take_along_axis(blk, i, axis=-1)
     else:

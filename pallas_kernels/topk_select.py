@@ -15,8 +15,11 @@ reduction), keep c when the count still reaches k. The result is the largest t w
 costs 2^d - 1 counts a pass for 32/d passes. The indexer's scores are bf16 values, whose keys are fixed by
 their top 16 bits: 16 passes (`bf16_values`).
 
-Limits: N <= MAX_KEYS (the row in shared memory, 128 KB); `indexer_logits.topk_entries` sends longer rows to
-the XLA select. Rows are padded with key 0, below every key of a NaN-free float.
+A row longer than MAX_KEYS (the row in shared memory, 128 KB: at decode, the context-scoring layers beyond a
+64K-token context at ratio 2) is cut into segments: the threshold of each segment's k largest, those keys
+gathered, and the threshold of the gathered keys is the row's (two launches; XLA's radix select where the
+segments' k largest would be as many keys as the row). Rows are padded with key 0, below every key of a
+NaN-free float.
 """
 
 from __future__ import annotations
@@ -85,16 +88,26 @@ def _build_kernel(b: int, n: int, k: int, passes: int, interpret: bool):
 
 
 def kth_largest_key(keys: jax.Array, k: int, *, bf16_values: bool = False, interpret: bool = False) -> jax.Array:
-    """uint32 [..., N] -> uint32 [...]: the largest t with #(keys >= t) >= k (1 <= k <= N <= MAX_KEYS), as
+    """uint32 [..., N] -> uint32 [...]: the largest t with #(keys >= t) >= k (1 <= k <= N), as
     `dsv41.topk.kth_largest_key`. bf16_values: the keys are `order_keys` of bf16 values (the indexer's scores):
     their low 16 bits follow from the sign (0 for a value >= 0, 0xFFFF below), so 16 passes find the top half
     and the low half is set from it."""
     lead, n = keys.shape[:-1], keys.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"k={k} must be in [1, {n}]")
-    if n > MAX_KEYS:
-        raise NotImplementedError(f"{n} keys a row > {MAX_KEYS} (shared memory); use dsv41.topk")
     flat = keys.reshape(-1, n).astype(jnp.uint32)
+    if n > MAX_KEYS:
+        nseg = -(-n // MAX_KEYS)
+        k1 = min(k, MAX_KEYS)
+        if nseg * k1 >= n:  # segments' k largest would not be fewer keys than the row (k near the row length)
+            return topk.kth_largest_key(flat, k).reshape(lead)
+        # Longer than shared memory: the k-th largest of a row is the k-th largest of its segments' k largest
+        # (each key among the row's k largest is among its segment's; padding keys 0 are below every key).
+        seg = jnp.pad(flat, ((0, 0), (0, nseg * MAX_KEYS - n))).reshape(-1, MAX_KEYS)
+        t1 = kth_largest_key(seg, k1, bf16_values=bf16_values, interpret=interpret)
+        top = jnp.take_along_axis(seg, topk.positions_from_threshold(seg, t1, k1), axis=-1)
+        cand = top.reshape(flat.shape[0], nseg * k1)
+        return kth_largest_key(cand, k, bf16_values=bf16_values, interpret=interpret).reshape(lead)
     npad = _padded(n)
     flat = jnp.pad(flat, ((0, 0), (0, npad - n)))
     b = flat.shape[0]

@@ -66,19 +66,28 @@ def test_topk_entries_through_the_kernel_equals_lax():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(il.topk_entries(s, g, 64, "lax")))
 
 
+@pytest.mark.parametrize("n,k", [(3000, 300), (40000, 30), (1500, 1000)])
+def test_rows_longer_than_shared_memory_go_by_segments(monkeypatch, n, k):
+    """MAX_KEYS cut to 1024 so that small rows take the long-row path: the k largest of each segment (the last one
+    padded), then the threshold of those; twice where the gathered keys are still too many (40 x 30 = 1200);
+    XLA's select where segmenting would not shrink the row (2 x 1000 >= 1500)."""
+    monkeypatch.setattr(ts, "MAX_KEYS", 1024)
+    x = scores(n + k, (2, n))
+    keys = topk.order_keys(x)
+    t = jax.jit(functools.partial(ts.kth_largest_key, k=k, bf16_values=True, interpret=True))(keys)
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(topk.kth_largest_key(keys, k)))
+
+
 def test_limits():
-    keys = jnp.zeros((1, ts.MAX_KEYS + 1), jnp.uint32)
-    with pytest.raises(NotImplementedError, match="shared memory"):
-        ts.kth_largest_key(keys, 4, interpret=True)
     with pytest.raises(ValueError, match="k=0"):
-        ts.kth_largest_key(keys[:, :10], 0, interpret=True)
+        ts.kth_largest_key(jnp.zeros((1, 10), jnp.uint32), 0, interpret=True)
 
 
 def test_kernel_lowers_for_cuda():
-    """Pallas -> Mosaic GPU lowering (Lane semantics) at batch 64 x 16K candidates (keys in registers) and at 32K
-    keys (shared memory), on the CPU."""
+    """Pallas -> Mosaic GPU lowering (Lane semantics) at batch 64 x 16K candidates (keys in registers), at 32K
+    keys (shared memory) and at 142K (a long row by segments), on the CPU."""
     sds = jax.ShapeDtypeStruct
-    for n in (16384, 32768):
+    for n in (16384, 32768, 142000):
         low = jax.jit(functools.partial(ts.top_k_positions, k=512)).trace(sds((64, n), jnp.float32))
         assert "topk_threshold" in low.lower(lowering_platforms=("cuda",)).as_text()
 
@@ -86,7 +95,7 @@ def test_kernel_lowers_for_cuda():
 # ----------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("bf16_values", [False, True])
-@pytest.mark.parametrize("shape", [(1, 16384), (64, 16384), (8, 32768), (64, 1000)])
+@pytest.mark.parametrize("shape", [(1, 16384), (64, 16384), (8, 32768), (64, 1000), (2, 142000)])
 def test_gpu_positions_equal_lax(shape, bf16_values):
     x = scores(shape[0], shape)
     k = min(512, shape[-1])
