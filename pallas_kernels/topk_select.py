@@ -35,7 +35,7 @@ from jax import lax
 from dsv41 import topk
 
 MAX_KEYS = 32768   # shared memory: 128 KB; TMA: the row as [N / 128, 128], at most 256 rows of a box
-REG_KEYS = 16384   # rows up to this many keys are held in registers (128 a thread) for all 32 passes
+REG_KEYS = 16384   # rows up to this many keys are held in registers (128 a thread) for every pass
 CHUNK = 4096       # keys a loaded array holds (32 a thread)
 
 
