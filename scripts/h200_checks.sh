@@ -152,7 +152,7 @@ case "${1:-}" in
       timeout -k 10 240 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
         tests/pallas_kernels/test_indexer_chunk.py \
         "tests/pallas_kernels/test_indexer_logits.py::test_gpu_context_flash" \
-        "tests/test_engine_gpu.py::test_kv_path_kernels_match_xla_layer_by_layer[False-True]" \
+        "tests/test_engine_gpu.py::test_kv_path_kernels_match_xla_layer_by_layer[False-True-auto]" \
         > "$OUT/chunk_tests.txt" 2>&1
       echo "pytest rc=$?"
       grep -E "PASSED|FAILED|ERROR|passed|failed|layer" "$OUT/chunk_tests.txt" | tail -24
@@ -212,15 +212,18 @@ case "${1:-}" in
     grep -E "per-layer|PASSED|FAILED|passed|failed" "$OUT/flag_engine.txt" | tail -10
     ;;
   topk)
-    # the top-k threshold kernel (topk_select): its GPU tests, the top-k alone beside lax / radix on the indexer
-    # kernel's scores, then decode with KernelOptions(indexer_topk="kernel") vs the default
-    timeout -k 10 100 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
-      tests/pallas_kernels/test_topk_select.py > "$OUT/topk_tests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/topk_tests.txt" | tail -8
-    timeout -k 10 150 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:8:16,c:1:16 --no-sweep \
+    # the top-k threshold kernel (topk_select): its GPU tests and the engine layer by layer with it, the top-k
+    # alone beside lax / radix on the indexer kernel's scores, then decode with KernelOptions(indexer_topk=
+    # "kernel") vs the default
+    timeout -k 10 150 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_topk_select.py \
+      "tests/test_engine_gpu.py::test_kv_path_kernels_match_xla_layer_by_layer[True-False-kernel]" \
+      > "$OUT/topk_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "per-layer|PASSED|FAILED|ERROR|passed|failed" "$OUT/topk_tests.txt" | tail -12
+    timeout -k 10 120 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:8:16,c:1:16 --no-sweep \
       --no-xla > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
     tail -c 2500 "$OUT/indexer_log.txt"
-    timeout -k 10 330 $PY scripts/bench_engine.py --backends auto,auto+kernel-topk --batches 1,64 --skip-prefill \
+    timeout -k 10 300 $PY scripts/bench_engine.py --backends auto,auto+kernel-topk --batches 1,64 --skip-prefill \
       --decode-ctx 4096 > "$OUT/topk_engine.txt" 2>&1
     echo "bench_engine rc=$?"; grep -E "^\| auto" "$OUT/topk_engine.txt"
     ;;

@@ -49,15 +49,16 @@ def bench():
     return cfg, P.init_params(cfg, seed=0)
 
 
-@pytest.mark.parametrize("fuse_rope, prefill_indexer", [(False, False), (True, False), (False, True)])
-def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer):
+@pytest.mark.parametrize("fuse_rope, prefill_indexer, topk", [(False, False, "auto"), (True, False, "auto"),
+                                                              (False, True, "auto"), (True, False, "kernel")])
+def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer, topk):
     """Two rows whose pools hold 1536 tokens (ratio-2 layers: 768 entries, so the top-512 selection is real),
     then a prefill chunk (one ragged row) whose windows reach into the rings, and a decode step; also with the
-    query / output RoPE inside the attention kernel or not, and with the chunk's indexers through the scoring
-    kernel or XLA (`programs.KernelOptions`)."""
+    query / output RoPE inside the attention kernel or not, with the chunk's indexers through the chunk kernel
+    or XLA, and with the top-k threshold kernel (`programs.KernelOptions`)."""
     from serving.engine import programs
 
-    opts = programs.KernelOptions(fuse_rope=fuse_rope, prefill_indexer_kernel=prefill_indexer)
+    opts = programs.KernelOptions(fuse_rope=fuse_rope, prefill_indexer_kernel=prefill_indexer, indexer_topk=topk)
     cfg, params = bench
     core, _ = model.strip_tables(params)
     B, T0, ctx = 2, 1536, 32
@@ -74,8 +75,8 @@ def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_inde
                                   cfg, NUM, "pallas", opts),
     }
     for k, d in diffs.items():
-        print(f"{k} (fused RoPE {fuse_rope}, prefill indexer kernel {prefill_indexer}): per-layer rel. max "
-              f"difference {np.array2string(d, precision=4)}")
+        print(f"{k} (fused RoPE {fuse_rope}, prefill indexer kernel {prefill_indexer}, top-k {topk}): per-layer "
+              f"rel. max difference {np.array2string(d, precision=4)}")
     assert all(np.all(np.isfinite(d)) and d.max() < LAYER_TOL[k] for k, d in diffs.items()), diffs
 
 
