@@ -45,8 +45,9 @@ def test_threshold_and_positions_match_the_references(shape, k, bf16_values):
 
 
 def test_float32_scores_need_all_32_passes():
-    """Scores that are not bf16 values, tied in their top 16 bits: 32 passes tell them apart, 16 do not (so the
-    promise bf16_values matters, and the tests above would see a pass count cut short)."""
+    """Scores that are not bf16 values, tied in their top 16 bits: 32 passes tell them apart, 16 do not. So the
+    promise bf16_values matters, and the 32-pass mode cut short fails here (the bf16 data above cannot show
+    it)."""
     x = jnp.asarray([[1.0, 1.0 + 2 ** -20, 1.0 + 2 ** -19, 0.5]], jnp.float32)
     np.testing.assert_array_equal(np.asarray(ts.top_k_positions(x, 1, interpret=True)), [[2]])
     assert np.asarray(ts.top_k_positions(x, 1, bf16_values=True, interpret=True)).tolist() != [[2]]
