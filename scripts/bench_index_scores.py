@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
-
 import os
 import sys
 
@@ -30,22 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import indexer
-from pallas_kernels import indexer_chunk as ic
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_baselines
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine, torch_baselines
+from bench_engine import measure_hbm, measure_mxu, timed  # noqa: E402
+from dsv41 import indexer  # noqa: E402
+from pallas_kernels import indexer_chunk as ic  # noqa: E402
 
 log = logging.getLogger("bench_index_scores")
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main():
@@ -60,23 +47,17 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     S, IH, ID = args.queries, args.heads, args.head_dim
     dev = jax.devices()[0]
-    n = 8192 if dev.platform == "gpu" else 512
-    a = jnp.ones((n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a: a @ a)
-    rate = 2 * n**3 / timed(lambda: mm(a).block_until_ready(), args.reps)
-    x = jnp.ones((2**28 if dev.platform == "gpu" else 2**22,), jnp.float32)
-    sc = jax.jit(lambda v: v * 1.0001)
-    bw = 2 * x.size * 4 / timed(lambda: sc(x).block_until_ready(), args.reps)
-    del a, x
+    gpu = dev.platform == "gpu"
+    rate, bw = measure_mxu(8192 if gpu else 512), measure_hbm(1.0 if gpu else 1 / 64)
     xla = jax.jit(indexer.raw_scores, static_argnums=(3, 4))
     kernel = jax.jit(lambda q, w, k: ic.chunk_scores(q, w, k, jnp.full(q.shape[:2], k.shape[1], jnp.int32),
-                                                      interpret=dev.platform != "gpu"))
+                                                      interpret=not gpu))
     variants = {  # name -> (scores(q, w, k) -> blocked result, product bytes written and read per product)
         "XLA, float32 products (today)": (lambda q, w, k: xla(q, w, k, jnp.bfloat16, False).block_until_ready(), 8),
         "XLA, bf16 products": (lambda q, w, k: xla(q, w, k, jnp.bfloat16, True).block_until_ready(), 4),
         "kernel (indexer_chunk)": (lambda q, w, k: kernel(q, w, k).block_until_ready(), 0),
     }
-    if dev.platform == "gpu" and not args.no_torch:
+    if gpu and not args.no_torch:
         variants["PyTorch (einsum, bf16 products)"] = (torch_scores, 4)
     rows = []  # (G, name, seconds, agreement with today)
     for G in [int(g) for g in args.entries.split(",")]:
@@ -87,7 +68,7 @@ def main():
         today = None
         for name, (fn, _) in variants.items():
             try:
-                out = np.asarray(fn(q, w, k))
+                out = np.asarray(fn(q, w, k))  # (also the warm-up: compiles)
                 t = timed(lambda f=fn: f(q, w, k), args.reps)
             except Exception as e:  # noqa: BLE001  (a failing variant is a row, not the end of the table)
                 log.error("G=%d %s failed: %s", G, name, str(e)[:400])

@@ -96,18 +96,9 @@ def _cupti_measure(f, args, iters):
 
 def cuda_event_median_s(op, iters, warmup=3):
   """Median seconds of one op() between two CUDA events (PyTorch), after `warmup` untimed calls: the ceilings'
-  PyTorch side, shared by the benches."""
-  import torch
-  ts = []
-  for i in range(warmup + iters):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    op()
-    e.record()
-    e.synchronize()
-    if i >= warmup:
-      ts.append(s.elapsed_time(e) / 1e3)
-  return statistics.median(ts)
+  PyTorch side, shared by the benches (scripts/torch_baselines.py times the same way)."""
+  import torch_baselines as tb
+  return tb.cuda_time_us(op, iters=iters, warmup=warmup) * 1e-6
 
 
 def wall_median_s(f, args, iters=10):
