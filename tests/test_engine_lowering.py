@@ -41,10 +41,18 @@ def _sampling(B):
 
 
 def test_decode_lowers_for_cuda(bench):
+    """Every kernel of the decode step, the indexers' top-k threshold kernel too
+    (`KernelOptions(indexer_topk="kernel")`: in the program with the option; the FP8 test below lowers the
+    default and finds it absent)."""
     cfg, core, pool = bench
     B = 2
-    programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
-                            backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
+    hlo = programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
+                                  backend="pallas", sites=ALL_SITES,
+                                  opts=programs.KernelOptions(indexer_topk="kernel")).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "topk_threshold" in hlo
+    with pytest.raises(ValueError, match="indexer_topk"):
+        programs.KernelOptions(indexer_topk="sort")
 
 
 def test_prefill_chunk_lowers_for_cuda(bench):
@@ -62,8 +70,10 @@ def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
     cfg, core, pool = bench
     B = 64
     core = jax.eval_shape(lambda c: nn.prepare_linears(c, cfg), core)
-    programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
-                            backend="pallas", sites=model.Sites(mhc="pallas")).lower(lowering_platforms=("cuda",))
+    hlo = programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
+                                  backend="pallas", sites=model.Sites(mhc="pallas")).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "topk_threshold" not in hlo  # the default top-k is XLA's (the threshold kernel: an option)
 
 
 @pytest.mark.parametrize("program", ["decode", "prefill"])
@@ -112,17 +122,3 @@ def test_prefill_indexer_kernel_lowers_for_cuda(bench):
     assert "indexer_chunk" in lowered(programs.KernelOptions(prefill_indexer_kernel=True))
     assert "indexer_chunk" not in lowered(programs.KernelOptions())
 
-
-def test_kernel_topk_lowers_for_cuda(bench):
-    """`KernelOptions(indexer_topk="kernel")`: the decode step's indexers and layer 20's block selection through
-    the threshold kernel (`topk_select`), in the program with the option and not without."""
-    cfg, core, pool = bench
-
-    def lowered(opts):
-        return programs.run_full.trace(core, pool, _batch(cfg, 2, 1, 8), _sampling(2), cfg=cfg, num=quant.REFERENCE,
-                                       backend="pallas", opts=opts).lower(lowering_platforms=("cuda",)).as_text()
-
-    assert "topk_threshold" in lowered(programs.KernelOptions(indexer_topk="kernel"))
-    assert "topk_threshold" not in lowered(programs.KernelOptions())
-    with pytest.raises(ValueError, match="indexer_topk"):
-        programs.KernelOptions(indexer_topk="sort")
