@@ -208,8 +208,14 @@ class KernelConfig:
 
 
 def default_config(m: int, n: int, k: int) -> KernelConfig:
-    if m <= 512:  # decode-like: few rows per expert; chaining measured 1221 vs 1255 us (w1/w3, 64 tokens, H200)
-        return KernelConfig(tm=8, tk=256 if k % 256 == 0 else 128, num_wgs=2, stages=4, chain=True)
+    if m <= 512:
+        # Decode-like: few rows per expert, every SM's work items chained into one TMA stream, which needs the
+        # stages to divide the K steps: 4 for w1/w3 (20 steps of 256), 3 for w2 (9 steps). On the H200
+        # (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from 665 to 612 us (57% of HBM) and
+        # w1/w3 from 1195-1255 to 1115-1221 us; at 1 token all of these were within 1 us (18.4 / 36.6 us).
+        tk = 256 if k % 256 == 0 else 128
+        steps = k // tk
+        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=3 if steps % 4 and steps % 3 == 0 else 4, chain=True)
     return KernelConfig(tm=128, tk=128, num_wgs=2, stages=4)
 
 

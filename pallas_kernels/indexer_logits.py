@@ -564,29 +564,40 @@ def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos,
     return jnp.where(g >= 0, s, -jnp.inf), g
 
 
-# 'auto' takes the radix select from this many rows of scores (batch x queries) on: on the H200 (2026-11-30,
-# 16K candidates, k 512) it took 102 us at 64 rows where lax.top_k took 123, but 78 / 65 us at 8 / 1 rows where
-# lax.top_k took 60 / 57 (scripts/bench_indexer.py, docs/KERNELS_INDEXER.md). 'kernel' (the threshold in one
-# Mosaic GPU launch, pallas_kernels/topk_select.py) is not in 'auto' until timed there.
+# How 'auto' picks, from the H200 (2026-12-01, scripts/bench_indexer.py: top-k 512 of 16384-wide candidate rows,
+# CUPTI GPU time, docs/KERNELS_INDEXER.md): at 64 / 8 / 1 rows the threshold kernel (`topk_select`, with its
+# placement) took 57.6 / 42.4 / 39.0 us, XLA's radix select 102.8 / 76.3 / 65.6 and lax.top_k 122.9 / 60.1 / 56.7.
+# So the kernel where a kernel backend runs, rows are at least KERNEL_MIN_KEYS wide and there are at most
+# KERNEL_MAX_ROWS of them (what was timed; in decode at a 4K context, rows far narrower, batch 1 took 4.60 ms a
+# step with it against 4.29 without, one run each); else radix from RADIX_MIN_ROWS rows, lax.top_k below.
 RADIX_MIN_ROWS = 64
+KERNEL_MIN_KEYS = 16384
+KERNEL_MAX_ROWS = 64
 TOPK_METHODS = ("auto", "lax", *topk.RADIX_VARIANTS, "kernel")
 
 
+def auto_topk_method(rows: int, width: int, kernel_ok: bool) -> str:
+    """'auto' resolved for `rows` rows of `width` scores: the fastest method measured at that size."""
+    if kernel_ok and width >= KERNEL_MIN_KEYS and rows <= KERNEL_MAX_ROWS:
+        return "kernel"
+    return "radix" if rows >= RADIX_MIN_ROWS else "lax"
+
+
 def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto", interpret: bool = False,
-                 bf16_values: bool = False) -> jax.Array:
+                 bf16_values: bool = False, kernel_ok: bool = False) -> jax.Array:
     """Scores [B, S, N] over entry ids [B, S, N] or [N] (-1 = none/not visible, ascending where valid)
     -> int32 [B, S, min(k, N)]: chosen entry ids ascending, -1 padded at the end. Ties go to the lower id
     (lax.top_k keeps the lower position first; positions ascend with ids) - `indexer.select_topk` semantics.
     method 'lax': lax.top_k (a sort); 'radix' (and the other `dsv41.topk.RADIX_VARIANTS`):
     `dsv41.topk.top_k_positions`, the same positions by radix select (counting passes, no sort of the N
     scores); 'kernel': the same, the k-th largest found by `topk_select` (one Mosaic GPU launch; interpret:
-    in the interpreter; bf16_values: every score is a bf16 value, 16 passes); 'auto': radix from
-    RADIX_MIN_ROWS rows on, as measured by scripts/bench_indexer.py."""
+    in the interpreter; bf16_values: every score is a bf16 value, 16 passes); 'auto': `auto_topk_method`
+    (kernel_ok: a kernel backend runs, so 'auto' may pick 'kernel')."""
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
     if method == "auto":
-        method = "radix" if math.prod(s.shape[:-1]) >= RADIX_MIN_ROWS else "lax"
+        method = auto_topk_method(math.prod(s.shape[:-1]), s.shape[-1], kernel_ok or interpret)
     if method == "lax":
         _, pos = lax.top_k(s, k)
     elif method in topk.RADIX_VARIANTS:
@@ -653,13 +664,14 @@ def index_topk(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, *, can
     if cand_blocks is not None:
         s, g = candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos, ratio,
                                 cfg.candidate_block_size, backend=backend, dtype=dtype, **kwargs)
-        return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret", bf16), None
+        return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret", bf16,
+                            backend != "xla"), None
     s = context_scores(q, w, ik_packed, ik_scale, block_table, q_pos, ratio, num_entries, backend=backend,
                        dtype=dtype, **kwargs)
     g = jnp.arange(num_entries, dtype=jnp.int32)
     g = jnp.where(g[None, None] < visible_count(q_pos, ratio)[..., None], g, -1)
     cand = candidate_blocks(s, q_pos, ratio, cfg, backend == "interpret", bf16) if want_candidates else None
-    return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret", bf16), cand
+    return topk_entries(s, g, cfg.index_topk, cfg.topk_method, backend == "interpret", bf16, backend != "xla"), cand
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -85,8 +85,8 @@ KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla",
 # configuration suffixes (auto+overlap+unfused-rope): what each changes from the engine's defaults
 SUFFIXES = {"overlap": "the program copies the Engram rows from pinned host memory (engram_transfer='overlap')",
             "unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
-            "indexer-kernel": "prefill chunks' indexers through the scoring kernels "
-                              "(KernelOptions(prefill_indexer_kernel=True))",
+            "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
+                           "(KernelOptions(prefill_indexer_kernel=False))",
             "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))"}
 
 
@@ -104,7 +104,7 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
     opts = programs.KernelOptions(fuse_rope="unfused-rope" not in suffixes,
-                                  prefill_indexer_kernel="indexer-kernel" in suffixes,
+                                  prefill_indexer_kernel="xla-indexer" not in suffixes,
                                   indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,

@@ -422,12 +422,13 @@ def _cases(args, ceil):
         weights[mat] = (n, k, w, pw, wbf16)
     log("weights ready")
 
-    dec_cfgs = [C(tm=8, tk=256, num_wgs=2, stages=4, chain=True)]  # eg.default_config's decode config
+    dec_cfgs = None  # per weight: eg.default_config's decode config
     pre_cfgs = [C(tm=128, tk=128, num_wgs=2, stages=4)]
     # variants: pipeline depth (bytes in flight), compute warpgroups, and items chained into one TMA stream;
     # (K / tk) % stages == 0 for a config to chain (w13: 20 steps of 256, w2: 9). Not here: 4 compute
     # warpgroups (tk=128, 8 stages, chained) hung on the H200 (2026-11-30) and took the run with it.
-    dec_var = [C(tm=8, tk=256, num_wgs=2, stages=4), C(tm=8, tk=256, num_wgs=2, stages=3, chain=True),
+    dec_var = [C(tm=8, tk=256, num_wgs=2, stages=4), C(tm=8, tk=256, num_wgs=2, stages=4, chain=True),
+               C(tm=8, tk=256, num_wgs=2, stages=3, chain=True),
                C(tm=8, tk=256, num_wgs=2, stages=8), C(tm=8, tk=128, num_wgs=2, stages=6, chain=True),
                C(tm=8, tk=256, num_wgs=1, stages=6)]
     # K slices at decode (more, smaller items than 1-2 uneven waves of experts x N blocks): per weight, as the
@@ -453,7 +454,8 @@ def _cases(args, ceil):
             if elapsed() > args.budget_s:
                 log("budget reached, skipping", kind, tokens, mat)
                 continue
-            run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, dec_cfgs if kind == "decode" else pre_cfgs,
+            cfgs = (dec_cfgs or [eg.default_config(tokens * 6, n, k)]) if kind == "decode" else pre_cfgs
+            run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, cfgs,
                      ceil, args, do_mgpu=(kind == "prefill" and mat == "w13"))
     if args.variants:
         vcases = [("decode", min(dec), "w13"), ("decode", min(dec), "w2"), ("decode", max(dec), "w13"),

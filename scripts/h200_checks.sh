@@ -163,7 +163,7 @@ case "${1:-}" in
     ;;
   chunk-indexer-engine)
     # a 64K prompt (replay) with the chunk's indexers in XLA (default) and through indexer_chunk
-    timeout -k 10 560 $PY scripts/bench_engine.py --prefill-backends auto,auto+indexer-kernel --lengths 65536 \
+    timeout -k 10 560 $PY scripts/bench_engine.py --prefill-backends auto+xla-indexer,auto --lengths 65536 \
       --replay on --backends "" > "$OUT/chunk_engine.txt" 2>&1
     echo "bench_engine rc=$?"; grep -E "^\| auto|TFLOP|TB/s" "$OUT/chunk_engine.txt"
     ;;
@@ -234,7 +234,7 @@ case "${1:-}" in
     timeout -k 10 300 $PY scripts/bench_engine.py --backends auto,auto+unfused-rope --batches 64 --skip-prefill \
       --decode-ctx 4096 > "$OUT/kv_dec.txt" 2>&1
     echo "bench_engine decode rc=$?"; grep -E "^\| auto" "$OUT/kv_dec.txt"
-    timeout -k 10 250 $PY scripts/bench_engine.py --prefill-backends auto,auto+indexer-kernel --lengths 16384 \
+    timeout -k 10 250 $PY scripts/bench_engine.py --prefill-backends auto+xla-indexer,auto --lengths 16384 \
       --replay on --backends "" > "$OUT/kv_pre.txt" 2>&1
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto" "$OUT/kv_pre.txt"
     ;;

@@ -81,7 +81,7 @@ def read_trace(path: str, device_plane: str = "/device:GPU:0"
     pd = ProfileData.from_file(path)
     kernels, launches, windows = [], {}, []
     for plane in pd.planes:
-        if plane.name == device_plane:
+        if plane.name.split(" ")[0] == device_plane:  # the name may carry a suffix after a space
             for line in plane.lines:
                 if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
                     continue
@@ -252,7 +252,16 @@ def main():
         path = found[-1]
     kernels, launches, windows = read_trace(path)
     if not kernels:
-        sys.exit(f"{path}: no kernels on /device:GPU:0 (a trace from a GPU run is needed)")
+        # what the trace holds instead, to fix the reader against (the H200 trace of 2026-12-01 found none)
+        from jax.profiler import ProfileData
+
+        for plane in ProfileData.from_file(path).planes:
+            for line in plane.lines:
+                names = [e.name for _, e in zip(range(3), line.events)]
+                log.info("plane %r line %r: %d events, first %s", plane.name, line.name, len(list(line.events)),
+                         names)
+        sys.exit(f"{path}: no kernels on a /device:GPU:0 stream line (a trace from a GPU run is needed; its "
+                 f"planes and lines are listed above)")
     steps = split_steps(kernels, windows, args.step_gap_us * 1e3)
     log.info("%s: %d kernels, %d steps (%d step marks), %d launch records", path, len(kernels), len(steps),
              len(windows), len(launches))

@@ -84,9 +84,9 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
-@pytest.mark.parametrize("opts", [programs.KernelOptions(fuse_rope=False), programs.KernelOptions(),
-                                  programs.KernelOptions(prefill_indexer_kernel=True, indexer_topk="kernel")],
-                         ids=["unfused-rope", "default", "prefill-indexer-kernel+kernel-topk"])
+@pytest.mark.parametrize("opts", [programs.KernelOptions(fuse_rope=False, prefill_indexer_kernel=False),
+                                  programs.KernelOptions(), programs.KernelOptions(indexer_topk="kernel")],
+                         ids=["unfused-rope+xla-indexer", "default", "kernel-topk"])
 def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opts):
     """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows

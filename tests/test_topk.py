@@ -67,3 +67,19 @@ def test_auto_method_takes_radix_from_64_rows(monkeypatch):
         got = il.topk_entries(s, jnp.arange(100, dtype=jnp.int32), 10)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(il.topk_entries(s, jnp.arange(100), 10, "lax")))
     assert calls == [(il.RADIX_MIN_ROWS, 1, 100)]
+
+
+def test_auto_method_takes_the_threshold_kernel_only_where_timed(monkeypatch):
+    """'auto' with a kernel backend: the threshold kernel for up to KERNEL_MAX_ROWS rows of KERNEL_MIN_KEYS+
+    scores (the sizes the H200 timed it fastest at), XLA's choice for narrower rows, more rows or no kernels."""
+    from pallas_kernels import indexer_logits as il
+
+    calls = []
+    monkeypatch.setattr(il.topk_select, "top_k_positions",
+                        lambda x, k, **kw: calls.append(x.shape) or jax.lax.top_k(x, k)[1])
+    n = il.KERNEL_MIN_KEYS
+    for rows, width, kernel_ok in [(1, n, True), (il.KERNEL_MAX_ROWS, n, True), (1, n - 8, True),
+                                   (il.KERNEL_MAX_ROWS + 1, n, True), (1, n, False)]:
+        s = jnp.zeros((rows, 1, width), jnp.float32)
+        il.topk_entries(s, jnp.arange(width, dtype=jnp.int32), 4, kernel_ok=kernel_ok)
+    assert calls == [(1, 1, n), (il.KERNEL_MAX_ROWS, 1, n)]

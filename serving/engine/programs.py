@@ -68,18 +68,17 @@ class KernelOptions:
     prefill_indexer_kernel: a prefill chunk's indexers through the kernels (`_kernel_index_topk`: the encoder
       indexers and the candidate source through `indexer_chunk`, the layers after it through their candidates)
       instead of XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (`indexer.raw_scores`
-      forms them 4 GiB at a time beyond 16K entries). Off until timed: the first version (the decode kernel run
-      on groups of 8 queries, gathering and dequantizing every key once per group) passed on the H200 but made a
-      64K prefill 32% slower than XLA (1.842 vs 1.391 s, same section); `indexer_chunk` (keys dequantized once,
-      streamed by TMA, each tile shared by 16 queries) is checked in the interpreter and lowered for sm_90a, and
-      awaits that device run (`bash scripts/h200_checks.sh chunk-indexer`).
+      forms them 4 GiB at a time beyond 16K entries). On by default: on the H200 (2026-12-01, docs/PERFORMANCE.md
+      "The chunk indexer and the top-k kernel") `indexer_chunk` scored a 2048-query chunk 3.2-4.0x faster than
+      XLA (4.63 vs 18.51 ms at 64K entries) and a 64K prompt took 1.171 s against 1.372. (A first version, the
+      decode kernel run on groups of 8 queries, made the 64K prompt 32% slower.)
     indexer_topk: how the kernel path's indexers pick their top-k entries and layer 20's blocks, one of
-      `indexer_logits.TOPK_METHODS`: 'auto' (lax.top_k or XLA's radix select, by batch) or 'kernel' (the
-      threshold by `topk_select`, one Mosaic GPU launch; checked in the interpreter and lowered for sm_90a,
-      not yet timed: `bash scripts/h200_checks.sh kernels`)."""
+      `indexer_logits.TOPK_METHODS`: 'auto' (`indexer_logits.auto_topk_method`: the threshold kernel
+      `topk_select` for up to 64 rows of 16K+ scores, where the H200 measured it fastest; else lax.top_k or
+      XLA's radix select, by rows) or 'kernel' (the threshold kernel for every row)."""
 
     fuse_rope: bool = True
-    prefill_indexer_kernel: bool = False
+    prefill_indexer_kernel: bool = True
     indexer_topk: str = "auto"
 
     def __post_init__(self):
