@@ -108,10 +108,10 @@ def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
 
 
 def test_prefill_indexer_kernel_lowers_for_cuda(bench):
-    """`KernelOptions(prefill_indexer_kernel=True)`: a 2048-token chunk's encoder indexers through the chunk
-    kernel (`indexer_chunk`: the keys dequantized once, two groups of 8 queries x 32 heads sharing each key tile);
-    the program has the kernel with the option and not without (the option is part of the programs' cache
-    key)."""
+    """`KernelOptions(prefill_indexer_kernel=True)` (the default): a 2048-token chunk's encoder indexers through
+    the chunk kernel (`indexer_chunk`: the keys dequantized once, two groups of 8 queries x 32 heads sharing each
+    key tile); the program has the kernel with the option and not without (the option is part of the programs'
+    cache key)."""
     cfg, core, pool = bench
 
     def lowered(opts):
@@ -119,6 +119,6 @@ def test_prefill_indexer_kernel_lowers_for_cuda(bench):
                                           backend="pallas", sites=ALL_SITES, opts=opts).lower(
             lowering_platforms=("cuda",)).as_text()
 
-    assert "indexer_chunk" in lowered(programs.KernelOptions(prefill_indexer_kernel=True))
-    assert "indexer_chunk" not in lowered(programs.KernelOptions())
+    assert "indexer_chunk" in lowered(programs.KernelOptions())
+    assert "indexer_chunk" not in lowered(programs.KernelOptions(prefill_indexer_kernel=False))
 

@@ -24,7 +24,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(params=["fake", pytest.param("tiny", marks=pytest.mark.slow)])
+# the tiny server's tests on one worker (`--dist loadgroup`): its engine compiles once
+@pytest.fixture(params=["fake", pytest.param("tiny", marks=[pytest.mark.slow, pytest.mark.xdist_group("tiny_server")])])
 def any_server(request):
     return request.getfixturevalue(f"{request.param}_server")
 
