@@ -12,9 +12,6 @@ from dsv41.config import preset
 from serving.engine import kv_pool, programs
 from serving.engine.engine import Engine, EngineError, SamplingParams
 
-# one worker (`--dist loadgroup`): the engines here share their compiled programs
-pytestmark = pytest.mark.xdist_group("engine_tiny")
-
 NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
 TOL = 1e-4  # max |logit| difference; logits are O(1)
 GREEDY4 = SamplingParams(max_tokens=4, ignore_eos=True)

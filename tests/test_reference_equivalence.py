@@ -27,7 +27,6 @@ from tests.reference.driver import reference_available, run_reference
 
 pytestmark = [
     pytest.mark.reference,
-    pytest.mark.xdist_group("reference"),  # one worker: the module's reference runs (~30 s each) happen once
     pytest.mark.skipif(not reference_available(), reason="reference env missing: bash scripts/setup_reference_env.sh"),
 ]
 

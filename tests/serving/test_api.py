@@ -24,8 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "properties": {"city": {"type": "string"}}}}}]
 
 
-# the tiny server's tests on one worker (`--dist loadgroup`): its engine compiles once
-@pytest.fixture(params=["fake", pytest.param("tiny", marks=[pytest.mark.slow, pytest.mark.xdist_group("tiny_server")])])
+@pytest.fixture(params=["fake", pytest.param("tiny", marks=pytest.mark.slow)])
 def any_server(request):
     return request.getfixturevalue(f"{request.param}_server")
 
