@@ -81,14 +81,22 @@ def top_k_positions(x: jax.Array, k: int, bits: int = DIGIT_BITS, histogram: str
 
 def positions_from_threshold(keys: jax.Array, t: jax.Array, k: int) -> jax.Array:
     """keys uint32 [..., N], t uint32 [...] their k-th largest -> int32 [..., k]: every position above t and the
-    lowest positions equal to it, k in all, ascending (two cumulative sums and one scatter)."""
+    lowest positions equal to it, k in all, ascending (one cumulative sum and one scatter)."""
     n = keys.shape[-1]
     t = t[..., None]
     above = keys > t
-    need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)  # how many of the ties to take
     tie = keys == t
-    take = above | (tie & (jnp.cumsum(tie, axis=-1, dtype=jnp.int32) <= need))
-    slot = jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1  # exactly k taken: slots 0..k-1 in position order
+    if n < 1 << 16:
+        # One scan counts both: the keys above t in the low 16 bits, the ties in the high 16 (each count <= N).
+        # The last column's low half is how many keys are above t, so no separate sum either.
+        c = jnp.cumsum(above.astype(jnp.uint32) | (tie.astype(jnp.uint32) << 16), axis=-1, dtype=jnp.uint32)
+        above_c, tie_c = (c & 0xFFFF).astype(jnp.int32), (c >> 16).astype(jnp.int32)
+    else:
+        above_c = jnp.cumsum(above, axis=-1, dtype=jnp.int32)
+        tie_c = jnp.cumsum(tie, axis=-1, dtype=jnp.int32)
+    need = k - above_c[..., -1:]  # how many of the ties to take
+    take = above | (tie & (tie_c <= need))
+    slot = above_c + jnp.minimum(tie_c, need) - 1  # exactly k taken: slots 0..k-1 in position order
     lead = keys.shape[:-1]
     flat_slot = jnp.where(take, slot, k).reshape(-1, n)
     rows = jnp.arange(flat_slot.shape[0])[:, None]

@@ -4,7 +4,8 @@ The indexer keeps the 512 best of up to 16K scores a query (`indexer_logits.topk
 top-k took 57-65 us at batch 1 and 102-123 us at batch 64 (lax.top_k sorts; `dsv41.topk`'s radix select
 counts in 8 passes of XLA kernels), more than the scoring kernel before it (docs/KERNELS_INDEXER.md). The
 selection needs the k-th largest key t: then every position above t and the lowest positions equal to it are
-the answer, placed in order by two cumulative sums (`dsv41.topk.positions_from_threshold`, XLA).
+the answer, placed in order by a cumulative sum and a scatter (`dsv41.topk.positions_from_threshold`,
+XLA).
 
 This kernel finds t in one launch. One CTA (one warpgroup) per row: TMA brings the row's keys (the
 order-preserving uint32 map of the float32 scores, `dsv41.topk.order_keys`) into shared memory, and up to

@@ -32,6 +32,18 @@ def test_same_positions_as_lax_top_k(shape, k, levels, variant):
     np.testing.assert_array_equal(got, _lax_positions(xj, k))
 
 
+@pytest.mark.parametrize("n", [70, 1 << 16])
+def test_placement_takes_the_lowest_ties(n):
+    """positions_from_threshold: below 2^16 keys one scan counts the keys above and the ties (16 bits each),
+    from 2^16 on two scans; either way every key above the k-th largest and the lowest positions tied with it."""
+    rng = np.random.default_rng(n)
+    x = jnp.asarray(np.round(rng.standard_normal((2, n)) * 2), jnp.float32)  # five or so values: ties everywhere
+    k = n // 3
+    keys = topk.order_keys(x)
+    got = topk.positions_from_threshold(keys, topk.kth_largest_key(keys, k), k)
+    np.testing.assert_array_equal(np.asarray(got), _lax_positions(x, k))
+
+
 def test_order_keys_preserve_order():
     v = np.array([-np.inf, -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 2.0, 3e38, np.inf], np.float32)
     keys = np.asarray(topk.order_keys(jnp.asarray(v))).astype(np.int64)
