@@ -25,6 +25,7 @@
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
+#   bash scripts/h200_checks.sh owed          # the eleventh session's owed runs: batch-1 trace, top-k, batch 64 (~6 min)
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
@@ -238,6 +239,21 @@ case "${1:-}" in
       --replay on --backends "" > "$OUT/kv_pre.txt" 2>&1
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto" "$OUT/kv_pre.txt"
     ;;
+  owed)
+    # what the eleventh session left owed, in one call (~6 min): the batch-1 trace (trace_gaps now lists the
+    # trace's planes and lines when it finds no kernels), the top-k alone after the one-scan placement (each
+    # method's kernel count and longest kernel), and batch-64 decode with the threshold kernel for every row
+    timeout -k 10 200 $PY scripts/trace_gaps.py --backend auto --batch 1 --out "$OUT/gaps1" > "$OUT/gaps1.txt" 2>&1
+    echo "trace_gaps batch 1 rc=$?"
+    grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps1.txt" | head -60
+    grep -E "plane .* line " "$OUT/gaps1.txt" | head -40
+    timeout -k 10 100 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:1:16 --no-sweep --no-xla \
+      > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
+    grep -E "top-k alone|^mode|^candidates" "$OUT/indexer_log.txt"
+    timeout -k 10 260 $PY scripts/bench_engine.py --backends auto,auto+kernel-topk --batches 64 --skip-prefill \
+      --decode-ctx 4096 > "$OUT/topk_engine.txt" 2>&1
+    echo "bench_engine rc=$?"; grep -E "^\| auto|decode auto" "$OUT/topk_engine.txt"
+    ;;
   engram|engram-prefill)
     # Engine(engram_transfer="overlap") vs the default (engram: decode at batch 1 / 64; engram-prefill: a
     # 4096-token prompt, two 2048-token chunks of ~13 MB of rows each). The bench preset's only Engram layer is
@@ -254,7 +270,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|engram|engram-prefill" >&2
     exit 2
     ;;
 esac
