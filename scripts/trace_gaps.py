@@ -257,9 +257,9 @@ def main():
 
         for plane in ProfileData.from_file(path).planes:
             for line in plane.lines:
-                names = [e.name for _, e in zip(range(3), line.events)]
-                log.info("plane %r line %r: %d events, first %s", plane.name, line.name, len(list(line.events)),
-                         names)
+                events = list(line.events)
+                log.info("plane %r line %r: %d events, first %s", plane.name, line.name, len(events),
+                         [e.name for e in events[:3]])
         sys.exit(f"{path}: no kernels on a /device:GPU:0 stream line (a trace from a GPU run is needed; its "
                  f"planes and lines are listed above)")
     steps = split_steps(kernels, windows, args.step_gap_us * 1e3)

@@ -69,9 +69,9 @@ class KernelOptions:
       indexers and the candidate source through `indexer_chunk`, the layers after it through their candidates)
       instead of XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (`indexer.raw_scores`
       forms them 4 GiB at a time beyond 16K entries). On by default: on the H200 (2026-12-01, docs/PERFORMANCE.md
-      "The chunk indexer and the top-k threshold kernel") `indexer_chunk` scored a 2048-query chunk 3.2-4.0x faster than
-      XLA (4.63 vs 18.51 ms at 64K entries) and a 64K prompt took 1.171 s against 1.372. (A first version, the
-      decode kernel run on groups of 8 queries, made the 64K prompt 32% slower.)
+      "The chunk indexer and the top-k threshold kernel") `indexer_chunk` scored a 2048-query chunk 3.2-4.0x
+      faster than XLA (4.63 vs 18.51 ms at 64K entries) and a 64K prompt took 1.171 s against 1.372. (A first
+      version, the decode kernel run on groups of 8 queries, made the 64K prompt 32% slower.)
     indexer_topk: how the kernel path's indexers pick their top-k entries and layer 20's blocks, one of
       `indexer_logits.TOPK_METHODS`: 'auto' (`indexer_logits.auto_topk_method`: the threshold kernel
       `topk_select` for up to 64 rows of 16K+ scores, where the H200 measured it fastest; else lax.top_k or
