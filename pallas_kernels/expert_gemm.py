@@ -22,9 +22,13 @@ padded output [T_max * tm, N] (one tm-row slot per tile), and rows are gathered 
 Kernel weight layout (`PreparedFp4`): per group of 32 inputs (16 bytes) the nibbles are permuted so that
 the 32-bit word c (bytes 4c..4c+3) holds exactly what lane c of a row quad needs for the A-fragment, in the
 order the decoder wants: nibble n of word c is input 8*(n % 4) + 2*c + n // 4. Scales are transposed to
-[E, K/32, N] so a (groups x rows) tile is one TMA box. Decode of one word q (8 values), for j in 0..3:
+[E, K/32, N] so a (groups x rows) tile is one TMA box, and each holds the bf16 exponent field of the
+multiplier the decoder needs, e = s + 126 (0 for s = 0, which UE8M0 decoding flushes to 0), so that the
+decoder builds the bf16x2 multiplier with one integer multiply instead of an add, a compare, a select and
+two shifts per word. Decode of one word q (8 values) and its scale byte e, for j in 0..3:
+  m     = e * 0x00800080                                                      (bf16x2 (2^(s-1), 2^(s-1)))
   out_j = ((q << (12 - 4j)) & 0x80008000) | ((q << (6 - 4j)) & 0x01C001C0)   (bf16x2 = e2m1 * 2^-126)
-  a_j   = out_j * (2^(s-1), 2^(s-1))                                          (mul.rn.bf16x2)
+  a_j   = out_j * m                                                           (mul.rn.bf16x2)
 which is exact; it needs UE8M0 scale bytes <= 128 (|w| <= 12; real checkpoints are far below), which
 `prepare_fp4_experts` checks when the scales are concrete.
 """
@@ -44,6 +48,19 @@ from dsv41.quant import Fp4Weight, pack_nibbles, ue8m0_decode, unpack_nibbles
 Backend = Literal["pallas", "xla", "interpret"]
 
 MAX_SCALE_BYTE = 128  # 2^(s-1) must be a finite bf16
+SCALE_BIAS = 126  # kernel-layout scale byte: the bf16 exponent field of 2^(s-1) (e2m1 decodes as e2m1 * 2^-126)
+FP8_SCALE_BIAS = 120  # the FP8 decoder's: 2^(s-7) (e4m3 decodes as e4m3 * 2^-120; `fp8_linear`)
+
+
+def kernel_scale_bytes(s: jax.Array, bias: int) -> jax.Array:
+    """UE8M0 bytes s -> the kernel layout's scale bytes s + bias (0 stays 0: `ue8m0_decode` flushes it)."""
+    s = s.astype(jnp.int32)
+    return jnp.where(s == 0, 0, s + bias).astype(jnp.uint8)
+
+
+def ue8m0_from_kernel(e: jax.Array, bias: int) -> jax.Array:
+    s = e.astype(jnp.int32)
+    return jnp.where(s == 0, 0, s - bias).astype(jnp.uint8)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,7 +100,8 @@ def grouped_fp4_matmul_xla(x: jax.Array, w: Fp4Weight, group_sizes: jax.Array) -
 @dataclasses.dataclass(frozen=True)
 class PreparedFp4:
     """Routed-expert FP4 weight in the kernel layout: `weight` uint8 [E, N, K/2] (nibbles permuted within
-    each 32-input group, see the module doc), `scale_t` uint8 [E, K/32, N] (UE8M0 bytes, transposed).
+    each 32-input group, see the module doc), `scale_t` uint8 [E, K/32, N] (UE8M0 bytes + SCALE_BIAS,
+    transposed; see the module doc).
     `interpret` (static): the model runs the kernel in the Mosaic GPU interpreter (CPU tests)."""
 
     weight: jax.Array
@@ -122,7 +140,7 @@ def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = Fals
         if smax > MAX_SCALE_BYTE:
             raise ValueError(f"UE8M0 scale byte {smax} > {MAX_SCALE_BYTE}: |w| > 12 is outside the kernel's range")
     packed = pack_nibbles(_perm_to_kernel(unpack_nibbles(w.weight)))
-    return PreparedFp4(packed, jnp.swapaxes(w.scale, -1, -2), interpret)
+    return PreparedFp4(packed, jnp.swapaxes(kernel_scale_bytes(w.scale, SCALE_BIAS), -1, -2), interpret)
 
 
 def concat_out_features(*ws: PreparedFp4) -> PreparedFp4:
@@ -136,7 +154,8 @@ def concat_out_features(*ws: PreparedFp4) -> PreparedFp4:
 
 
 def unprepare_fp4_experts(p: PreparedFp4) -> Fp4Weight:
-    return Fp4Weight(pack_nibbles(_perm_from_kernel(unpack_nibbles(p.weight))), jnp.swapaxes(p.scale_t, -1, -2))
+    return Fp4Weight(pack_nibbles(_perm_from_kernel(unpack_nibbles(p.weight))),
+                     jnp.swapaxes(ue8m0_from_kernel(p.scale_t, SCALE_BIAS), -1, -2))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,8 +163,14 @@ def unprepare_fp4_experts(p: PreparedFp4) -> Fp4Weight:
 
 
 def max_tiles(m: int, e: int, tm: int) -> int:
-    """Upper bound on the (row block, expert) tiles: every block once, plus one per expert boundary."""
+    """Upper bound on the tiles of `tile_schedule`: sum over experts of ceil(n_e / tm) = E' + sum floor((n_e - 1)
+    / tm) <= E' + floor((m - E') / tm) <= cdiv(m, tm) + E' - 1, E' <= min(e, m) the experts with rows."""
     return pl_cdiv(m, tm) + max(min(e, m) - 1, 0)
+
+
+def padded_rows(m: int, e: int) -> int:
+    """Rows of x in the kernel's row layout (`tile_schedule`): every expert's rows from a multiple of 8."""
+    return pl_cdiv(m, 8) * 8 + 8 * min(e, m)
 
 
 def pl_cdiv(a: int, b: int) -> int:
@@ -153,28 +178,41 @@ def pl_cdiv(a: int, b: int) -> int:
 
 
 def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int):
-    """Tiles = (aligned block of tm rows, expert) pairs that share at least one row, experts in order.
+    """Tiles = runs of up to tm rows of one expert, cut from the expert's first row, experts in order.
 
-    Returns tile_expert [t_max] (-1 past the last tile), tile_block [t_max], and for each row its position
-    in the padded output [t_max * tm] plus a validity mask (rows outside every group give 0)."""
+    Each tile streams its expert's weights once for up to tm of its rows, so an expert is read ceil(n_e / tm)
+    times: the fewest for tiles of tm rows. (Tiles of aligned blocks of the sorted rows, the first schedule, read
+    an expert once per block its rows touch: for random top-6 routing 261 tiles instead of 245 at 64 tokens of
+    Flash's 384 experts, 104 instead of 74 with the bench preset's 64, 475 instead of 384 at a 2048-token prefill
+    chunk.) The kernel's TMA loads x in tiles of 8 rows, so a tile must start on a multiple of 8: it reads x in a
+    padded row layout [padded_rows(m, E), K] where each expert's rows start on a multiple of 8. A tile's last rows
+    may be padding, the next expert's rows or past the end (TMA reads zeros there): computed, never gathered.
+
+    Returns tile_expert [t_max] (-1 past the last tile), tile_row [t_max] (the tile's first row in the padded
+    layout), src [padded_rows] (the sorted row each padded row holds; m for padding), and for each sorted row its
+    position in the padded output [t_max * tm] plus a validity mask (rows outside every group give 0)."""
     gs = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(gs)
     starts = ends - gs
-    first = starts // tm
-    last = (ends - 1) // tm
-    n = jnp.where(gs > 0, last - first + 1, 0)
+    gp = (gs + 7) // 8 * 8  # an expert's rows in the padded layout
+    pends = jnp.cumsum(gp)
+    pstarts = pends - gp
+    n = (gs + tm - 1) // tm  # tiles of each expert
     cum = jnp.cumsum(n)
     base = cum - n
     t = jnp.arange(t_max, dtype=jnp.int32)
     te = jnp.minimum(jnp.searchsorted(cum, t, side="right", method="compare_all").astype(jnp.int32), gs.shape[0] - 1)
-    tb = first[te] + (t - base[te])
     live = t < cum[-1]
     tile_expert = jnp.where(live, te, -1).astype(jnp.int32)
-    tile_block = jnp.where(live, tb, 0).astype(jnp.int32)
+    tile_row = jnp.where(live, pstarts[te] + (t - base[te]) * tm, 0).astype(jnp.int32)
+    p = jnp.arange(padded_rows(m, gs.shape[0]), dtype=jnp.int32)
+    pe = jnp.minimum(jnp.searchsorted(pends, p, side="right", method="compare_all"), gs.shape[0] - 1)
+    poff = p - pstarts[pe]
+    src = jnp.where((p < pends[-1]) & (poff < gs[pe]), starts[pe] + poff, m).astype(jnp.int32)
     re, valid = _row_expert(gs, m)
-    r = jnp.arange(m, dtype=jnp.int32)
-    pos = (base[re] + r // tm - first[re]) * tm + r % tm
-    return tile_expert, tile_block, jnp.where(valid, pos, 0), valid
+    off = jnp.arange(m, dtype=jnp.int32) - starts[re]
+    pos = (base[re] + off // tm) * tm + off % tm
+    return tile_expert, tile_row, src, jnp.where(valid, pos, 0), valid
 
 
 def live_tile_count(tile_expert: jax.Array) -> jax.Array:
@@ -220,15 +258,15 @@ def default_config(m: int, n: int, k: int) -> KernelConfig:
 
 
 def _dequant_tile_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
-    """Model of the register decode for interpret mode: packed kernel-layout bytes [64, tk/2] and scale
-    bytes [tk/32, 64] -> bf16 [64, tk] in natural input order."""
+    """Model of the register decode for interpret mode: packed kernel-layout bytes [64, tk/2] and kernel-layout
+    scale bytes [tk/32, 64] -> bf16 [64, tk] in natural input order."""
     codes = _perm_from_kernel(unpack_nibbles(wb.astype(jnp.uint8))).astype(jnp.uint16)
     mag = codes & 7  # e2m1 without a table constant (kernels may not close over arrays); CPU flushes the
     # subnormal e2m1 * 2^-126 form the GPU decoder uses, so build normal bf16 bits for mag >= 2 instead
     big = jax.lax.bitcast_convert_type((mag << 6) + 0x3F00, jnp.bfloat16).astype(jnp.float32)
     v = jnp.where(mag >= 2, big, mag.astype(jnp.float32) * 0.5)
     v = jnp.where((codes & 8) != 0, -v, v)
-    s = ue8m0_decode(sb.astype(jnp.uint8)).T  # [64, tk/32]
+    s = ue8m0_decode(ue8m0_from_kernel(sb, SCALE_BIAS)).T  # [64, tk/32]
     v = v.reshape(v.shape[0], -1, 32) * s[:, :, None]
     return v.reshape(v.shape[0], -1).astype(jnp.bfloat16)
 
@@ -241,16 +279,20 @@ def _perm8_from_kernel(b: jax.Array) -> jax.Array:
 
 
 def _dequant_tile8_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
-    """Model of the FP8 register decode for interpret mode: kernel-layout e4m3 bytes [64, tk] and UE8M0 bytes
-    [tk/32, 64] -> bf16 [64, tk] in natural input order."""
+    """Model of the FP8 register decode for interpret mode: kernel-layout e4m3 bytes [64, tk] and kernel-layout
+    scale bytes (FP8_SCALE_BIAS) [tk/32, 64] -> bf16 [64, tk] in natural input order."""
     q = jax.lax.bitcast_convert_type(_perm8_from_kernel(wb.astype(jnp.uint8)), jnp.float8_e4m3fn).astype(jnp.float32)
-    sc = ue8m0_decode(sb.astype(jnp.uint8)).T  # [64, tk/32]
+    sc = ue8m0_decode(ue8m0_from_kernel(sb, FP8_SCALE_BIAS)).T  # [64, tk/32]
     v = q.reshape(q.shape[0], -1, 32) * sc[:, :, None]
     return v.reshape(q.shape[0], -1).astype(jnp.bfloat16)
 
 
+# One 32-bit word of kernel-layout nibbles ($4) and its scale byte ($5, SCALE_BIAS added) -> 4 bf16x2
+# A-fragment registers (the module doc's formula). e * 0x00800080 = (e << 7) | (e << 23): e <= 254 keeps
+# e << 7 inside its 16-bit half, so both halves are the bf16 2^(e-127).
 _FP4_PTX = """{
-        .reg .b32 a<4>, b<4>;
+        .reg .b32 a<4>, b<4>, m;
+        mul.lo.u32 m, $5, 0x00800080;
         shl.b32 a0, $4, 12;  shl.b32 b0, $4, 6;
         shl.b32 a1, $4, 8;   shl.b32 b1, $4, 2;
         shl.b32 a2, $4, 4;   shr.b32 b2, $4, 2;
@@ -259,25 +301,27 @@ _FP4_PTX = """{
         and.b32 a1, a1, 0x80008000;  and.b32 b1, b1, 0x01C001C0;  or.b32 a1, a1, b1;
         and.b32 a2, a2, 0x80008000;  and.b32 b2, b2, 0x01C001C0;  or.b32 a2, a2, b2;
         and.b32 a3, a3, 0x80008000;  and.b32 b3, b3, 0x01C001C0;  or.b32 a3, a3, b3;
-        mul.rn.bf16x2 $0, a0, $5;
-        mul.rn.bf16x2 $1, a1, $5;
-        mul.rn.bf16x2 $2, a2, $5;
-        mul.rn.bf16x2 $3, a3, $5;
+        mul.rn.bf16x2 $0, a0, m;
+        mul.rn.bf16x2 $1, a1, m;
+        mul.rn.bf16x2 $2, a2, m;
+        mul.rn.bf16x2 $3, a3, m;
         }"""
 
 # FP8: word c holds inputs (2c, 2c+1, 8+2c, 9+2c) of its 16; prmt moves bytes 0,1 (then 2,3) to the high
 # byte of each bf16 half; sign stays at bit 15 and exponent|mantissa shift down 4 to bits 4..10:
-# bf16 bits = e4m3 * 2^-120 (subnormals too), then * 2^(s-7) (mul.rn.bf16x2, exact).
+# bf16 bits = e4m3 * 2^-120 (subnormals too), then * 2^(s-7) (mul.rn.bf16x2, exact), built from the scale
+# byte ($3, FP8_SCALE_BIAS added) as in the FP4 decoder.
 _FP8_PTX = """{
-        .reg .b32 z, p0, p1, t0, t1;
+        .reg .b32 z, p0, p1, t0, t1, m;
         mov.b32 z, 0;
+        mul.lo.u32 m, $3, 0x00800080;
         prmt.b32 p0, $2, z, 0x1404;  prmt.b32 p1, $2, z, 0x3424;
         shr.b32 t0, p0, 4;           shr.b32 t1, p1, 4;
         and.b32 p0, p0, 0x80008000;  and.b32 p1, p1, 0x80008000;
         and.b32 t0, t0, 0x07F007F0;  and.b32 t1, t1, 0x07F007F0;
         or.b32 p0, p0, t0;           or.b32 p1, p1, t1;
-        mul.rn.bf16x2 $0, p0, $3;
-        mul.rn.bf16x2 $1, p1, $3;
+        mul.rn.bf16x2 $0, p0, m;
+        mul.rn.bf16x2 $1, p1, m;
         }"""
 
 
@@ -318,19 +362,16 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
         n_out = 2 if fp8 else 4  # A-fragment registers one 32-bit word of weights makes
         struct_ty = llvm.StructType.get_literal([i32] * n_out)
         ptx, constraints = (_FP8_PTX, "=r,=r,r,r") if fp8 else (_FP4_PTX, "=r,=r,=r,=r,r,r")
-        # e4m3 * 2^-120 times 2^(s-7) (FP8), e2m1 * 2^-126 times 2^(s-1) (FP4): the bf16 exponent field
-        bias = 120 if fp8 else 126
+        scales = {}  # (scale group, row half) -> its byte, loaded once
         for idx, reg in np.ndenumerate(words.registers):
             g, rh = idx[1], idx[4]
             assert idx[0] == 0 and all(v == 0 for i, v in enumerate(idx) if i not in (1, 4))
-            row = arith.index_cast(index, arith.addi(row0, c32(8 * rh)))
-            # FP4: one 16-byte group is 32 inputs; FP8: 16, so two groups share a scale
-            s = arith.extui(i32, memref.load(s_ref, [ci(g // 2 if fp8 else g), row]))
-            bits = arith.shli(arith.addi(s, c32(bias)), c32(7))
-            bits = arith.select(arith.cmpi(arith.CmpIPredicate.eq, s, c32(0)), c32(0), bits)
-            s2 = arith.ori(bits, arith.shli(bits, c32(16)))
+            key = (g // 2 if fp8 else g, rh)  # FP4: one 16-byte group is 32 inputs; FP8: 16, so two share one
+            if key not in scales:
+                row = arith.index_cast(index, arith.addi(row0, c32(8 * rh)))
+                scales[key] = arith.extui(i32, memref.load(s_ref, [ci(key[0]), row]))
             q = mu.bitcast(reg, i32)
-            res = llvm.inline_asm(struct_ty, [q, s2], ptx, constraints)
+            res = llvm.inline_asm(struct_ty, [q, scales[key]], ptx, constraints)
             for j in range(n_out):
                 o = llvm.extractvalue(i32, res, [j])
                 ridx = list(idx)
@@ -387,7 +428,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     if a_smem_mode:
         scratch["a_smem"] = plgpu.SMEM((nwg, 64, tk), jnp.bfloat16, transforms=x_transforms)
 
-    def kernel(nl_gmem, te_gmem, tb_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+    def kernel(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         def get_pipeline(body, compute_context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 body,
@@ -427,7 +468,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                 nb = lin % (n_blocks * ks) // ks
                 sp = lin % ks
                 ex = te_gmem[t]
-                blk = tb_gmem[t]
+                row0 = pl.multiple_of(tr_gmem[t], 8)  # tile_schedule: on a multiple of 8 (TMA tiles of 8 rows)
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, tm), jnp.float32))
@@ -459,7 +500,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
-                refs = (x_gmem.at[pl.ds(blk * tm, tm), pl.ds(sp * kp, kp)],
+                refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(sp * kp, kp)],
                         w_gmem.at[ex, pl.ds(nb * tn, tn), pl.ds(sp * (kp * tkp // tk), kp * tkp // tk)],
                         s_gmem.at[ex, pl.ds(sp * (kp // 32), kp // 32), pl.ds(nb * tn, tn)])
                 if not chain:
@@ -507,28 +548,27 @@ def grouped_fp4_matmul_pallas(x: jax.Array, w: Fp4Weight | PreparedFp4, group_si
                               config: KernelConfig | None = None, interpret: bool = False) -> jax.Array:
     pw = prepare_fp4_experts(w, check=False)
     m, k = x.shape
-    if m % 8 and m > 8:  # a TMA box of 8 rows needs a row count below 8 or a multiple of it
-        y = grouped_fp4_matmul_pallas(jnp.pad(x, ((0, -m % 8), (0, 0))), pw, group_sizes, config, interpret)
-        return y[:m]
     e, n, k2 = pw.weight.shape
     if k2 * 2 != k:
         raise ValueError(f"x has K={k}, weight has K={k2 * 2}")
     cfg = config or default_config(m, n, k)
     t_max = max_tiles(m, e, cfg.tm)
-    te, tb, pos, valid = tile_schedule(group_sizes, m, cfg.tm, t_max)
-    y_pad = run_kernel(live_tile_count(te), te, tb, x, pw.weight, pw.scale_t, e=e, t_max=t_max, cfg=cfg,
+    te, tr, src, pos, valid = tile_schedule(group_sizes, m, cfg.tm, t_max)
+    xp = jnp.take(x, src, axis=0, mode="fill", fill_value=0)  # the padded row layout (XLA fuses it into x's gather)
+    y_pad = run_kernel(live_tile_count(te), te, tr, xp, pw.weight, pw.scale_t, e=e, t_max=t_max, cfg=cfg,
                        interpret=interpret)
     return jnp.where(valid[:, None], y_pad[pos], jnp.zeros((), jnp.bfloat16))
 
 
-def run_kernel(live, tile_expert, tile_block, x, weight, scale_t, *, e: int, t_max: int, cfg: KernelConfig,
+def run_kernel(live, tile_expert, tile_row, x, weight, scale_t, *, e: int, t_max: int, cfg: KernelConfig,
                interpret: bool, fmt: str = "fp4") -> jax.Array:
-    """The kernel over a tile schedule -> bf16 [t_max * tm, N] (rows of dead tiles unwritten). With K slices
-    (cfg.ksplit > 1) the kernel writes float32 partials y^T [ksplit * N, t_max * tm], summed here and rounded
-    once (the sum fuses into the caller's gather)."""
+    """The kernel over a tile schedule (x in its row layout, tile rows on multiples of 8: `tile_schedule`) -> bf16
+    [t_max * tm, N] (rows of dead tiles unwritten). With K slices (cfg.ksplit > 1) the kernel writes float32
+    partials y^T [ksplit * N, t_max * tm], summed here and rounded once (the sum fuses into the caller's
+    gather)."""
     m, k = x.shape
     n = weight.shape[1]
-    args = (live, tile_expert, tile_block, x.astype(jnp.bfloat16), weight, scale_t)
+    args = (live, tile_expert, tile_row, x.astype(jnp.bfloat16), weight, scale_t)
     if cfg.ksplit == 1:
         return _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(*args)
     part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt, out_dtype=jnp.float32)(*args)

@@ -13,7 +13,9 @@ inputs (2c, 2c+1, 8+2c, 9+2c): the two bf16x2 A-fragment registers lane c needs.
 the high byte of a bf16 half (`prmt`), keeps the sign at bit 15 and shifts exponent|mantissa down to bits
 4..10, which is e4m3 * 2^-120 exactly (subnormals included), then multiplies by 2^(s-7) (`mul.rn.bf16x2`,
 exact). Scales: the block's UE8M0 byte for every row, transposed to [K/32, N] (a TMA box per tile; 1/32 of
-the weight bytes). Limits: N % 128 == 0, K % 128 == 0, scale bytes <= MAX_SCALE_BYTE.
+the weight bytes), stored as the bf16 exponent field of 2^(s-7), s + 120 (`expert_gemm.FP8_SCALE_BIAS`; 0
+stays 0), so the decoder builds its multiplier with one integer multiply. Limits: N % 128 == 0, K % 128 == 0,
+scale bytes <= MAX_SCALE_BYTE.
 
 Split K: a kernel work item is 128 output rows over all of K, so a linear with few rows (wq_a: N=1280, 10
 items) would leave most of the 132 SMs idle. The kernel cuts K into S slices, each a work item of its own
@@ -58,8 +60,9 @@ def splits(n: int, k: int, num_sms: int = 132, groups: int = 1) -> int:
 class PreparedFp8:
     """An FP8 linear weight [N, K] (or G grouped ones [G, N, K], each group with its own input rows, as wo_a) in
     the kernel layout: `weight` uint8 [G, N, K] (e4m3 bytes, reordered per 16 inputs; G = 1 for a plain
-    linear), `scale_t` uint8 [G, K/32, N] (UE8M0 per row and 32 inputs). Static: `splits`, the K slices the
-    kernel runs as separate work items; `interpret`, run the kernel in the Mosaic GPU interpreter (CPU tests).
+    linear), `scale_t` uint8 [G, K/32, N] (UE8M0 per row and 32 inputs, plus `expert_gemm.FP8_SCALE_BIAS`).
+    Static: `splits`, the K slices the kernel runs as separate work items; `interpret`, run the kernel in the
+    Mosaic GPU interpreter (CPU tests).
     `dequantize` gives the dense weight ([N, K] or [G, N, K]), so a path without the kernel still works."""
 
     weight: jax.Array
@@ -109,12 +112,14 @@ def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True
         raise ValueError(f"num_splits={s_} must divide K/{TK}={k // TK}")
     raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8).reshape(g, n, k)
     rows = jnp.repeat(w.scale.reshape(g, -1, k // 32), 32, axis=1)[:, :n]  # the block's byte for every row
-    return PreparedFp8(_perm_to_kernel(raw), jnp.swapaxes(rows, 1, 2), s_, interpret)
+    scale_t = jnp.swapaxes(eg.kernel_scale_bytes(rows, eg.FP8_SCALE_BIAS), 1, 2)
+    return PreparedFp8(_perm_to_kernel(raw), scale_t, s_, interpret)
 
 
 def unprepare_fp8_linear(p: PreparedFp8) -> Fp8Weight:
     raw = eg._perm8_from_kernel(p.weight)
-    rows = jnp.swapaxes(p.scale_t, 1, 2)[:, ::32]  # [G, N/32, K/32]: a block's rows share its byte
+    s_rows = eg.ue8m0_from_kernel(p.scale_t, eg.FP8_SCALE_BIAS)
+    rows = jnp.swapaxes(s_rows, 1, 2)[:, ::32]  # [G, N/32, K/32]: a block's rows share its byte
     w = Fp8Weight(jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn), rows)
     return Fp8Weight(w.weight[0], w.scale[0]) if p.groups == 1 else w
 
@@ -150,8 +155,8 @@ def fp8_grouped_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | N
     tm = max(8, -(-m // 8) * 8)
     xs = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, tm - m), (0, 0))).reshape(g * tm, k)
     cfg = config or _config(tm, k // TK // w.splits, w.splits)
-    tiles = jnp.arange(g, dtype=jnp.int32)  # tile t: group t's row block t
-    y = eg.run_kernel(jnp.full((1,), g, jnp.int32), tiles, tiles, xs, w.weight, w.scale_t, e=g, t_max=g, cfg=cfg,
+    tiles = jnp.arange(g, dtype=jnp.int32)  # tile t: group t's rows, from row t * tm
+    y = eg.run_kernel(jnp.full((1,), g, jnp.int32), tiles, tiles * tm, xs, w.weight, w.scale_t, e=g, t_max=g, cfg=cfg,
                       interpret=w.interpret, fmt="fp8")
     return y.reshape(g, tm, n)[:, :m]
 

@@ -204,10 +204,10 @@ def kernel_only(x, pw, gs, cfg):
     m = x.shape[0]
     e = pw.weight.shape[0]
     t_max = eg.max_tiles(m, e, cfg.tm)
-    te, tb, _, _ = eg.tile_schedule(gs, m, cfg.tm, t_max)
-    call = eg._build_kernel(m, x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET,
+    te, tr, src, _, _ = eg.tile_schedule(gs, m, cfg.tm, t_max)
+    call = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET,
                             out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
-    return jax.jit(call), (eg.live_tile_count(te), te, tb)
+    return jax.jit(call), (eg.live_tile_count(te), te, tr), src
 
 
 def torch_grouped_mm(x, wbf16, gs, ref):
@@ -279,11 +279,11 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
             log(f"  compile+first run {time.time() - t:.1f}s")
             c, wt = time_calls(f, [(x, pw, g) for x, g in sets])
             add("pallas", cfg, c, wt, ok, rel)
-            kf, _ = kernel_only(x0, pw, gs0, cfg)
+            kf, _, _ = kernel_only(x0, pw, gs0, cfg)
             ksets = []
-            for x, gs in sets:
-                _, sched = kernel_only(x, pw, gs, cfg)
-                ksets.append((*sched, x, pw.weight, pw.scale_t))
+            for x, gs in sets:  # the kernel alone: x already in its padded row layout
+                _, sched, src = kernel_only(x, pw, gs, cfg)
+                ksets.append((*sched, jnp.take(x, src, axis=0, mode="fill", fill_value=0), pw.weight, pw.scale_t))
             c, wt = time_calls(kf, ksets)
             add("pallas-kernel", cfg, c, wt, ok, rel)
         except Exception as ex:  # noqa: BLE001

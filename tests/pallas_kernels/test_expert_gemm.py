@@ -83,6 +83,52 @@ def test_prepare_roundtrip_and_tile_decode_model():
         8 * (nn % 4) + 2 * c + nn // 4 for c in range(4) for nn in range(8)]
 
 
+def test_register_decoders_emulated_bit_exact():
+    """The decoders' PTX text, run by a small emulator on every nibble / e4m3 byte and the whole range of
+    kernel-layout scale bytes, gives exactly e2m1 (e4m3) x 2^(s-127) as bf16, -0 included."""
+    import ml_dtypes
+    import ptx_emulator
+
+    from dsv41.quant import ue8m0_decode
+
+    rng = np.random.default_rng(11)
+    # FP4: out_j holds nibbles j (low half) and j + 4 (high half) of the word
+    words = np.concatenate([rng.integers(0, 2**32, 4000, dtype=np.uint64),
+                            np.arange(16, dtype=np.uint64) * 0x11111111]).astype(np.uint32)
+    s = np.concatenate([rng.integers(0, eg.MAX_SCALE_BYTE + 1, 4000), np.arange(16) * 8]).astype(np.uint8)
+    e = np.asarray(eg.kernel_scale_bytes(jnp.asarray(s), eg.SCALE_BIAS)).astype(np.uint32)
+    outs = ptx_emulator.run(eg._FP4_PTX, {4: words, 5: e}, 4)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    scale = np.asarray(ue8m0_decode(jnp.asarray(s)))
+    for j, o in enumerate(outs):
+        got = ptx_emulator.bf16_values(o)
+        for half, nib in enumerate((j, j + 4)):
+            want = (e2m1[(words >> (4 * nib)) & 15] * scale).astype(ml_dtypes.bfloat16).astype(np.float32)
+            np.testing.assert_array_equal(got[:, half], want)
+            np.testing.assert_array_equal(np.signbit(got[:, half]), np.signbit(want))
+    # FP8: out_0 holds bytes 0 (low) and 1 (high), out_1 bytes 2 and 3; e4m3 NaN bytes excluded
+    codes = np.concatenate([np.arange(256), rng.integers(0, 256, 4 * 4000 - 256)]).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E
+    words8 = codes.view(np.uint32)
+    s8 = rng.integers(0, 135, words8.shape[0]).astype(np.uint8)
+    e8 = np.asarray(eg.kernel_scale_bytes(jnp.asarray(s8), eg.FP8_SCALE_BIAS)).astype(np.uint32)
+    outs8 = ptx_emulator.run(eg._FP8_PTX, {2: words8, 3: e8}, 2)
+    vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(-1, 4)
+    scale8 = np.asarray(ue8m0_decode(jnp.asarray(s8)))
+    for j, o in enumerate(outs8):
+        got = ptx_emulator.bf16_values(o)
+        want = (vals[:, 2 * j:2 * j + 2] * scale8[:, None]).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_kernel_scale_bytes_are_the_multiplier_exponent():
+    s = jnp.arange(0, eg.MAX_SCALE_BYTE + 1, dtype=jnp.uint8)
+    e = eg.kernel_scale_bytes(s, eg.SCALE_BIAS)
+    assert int(e[0]) == 0 and (np.asarray(e[1:]) == np.arange(1, 129) + 126).all()
+    assert (np.asarray(eg.ue8m0_from_kernel(e, eg.SCALE_BIAS)) == np.asarray(s)).all()
+
+
 def test_prepare_rejects_large_scales():
     w = Fp4Weight(jnp.zeros((1, 8, 16), jnp.uint8), jnp.full((1, 8, 1), 129, jnp.uint8))
     with pytest.raises(ValueError):
@@ -90,26 +136,36 @@ def test_prepare_rejects_large_scales():
 
 
 @pytest.mark.parametrize("gs,tm", [([5, 0, 11, 0, 3], 8), ([0, 0, 17, 0, 0], 8), ([1, 1, 1, 1, 1], 16),
-                                   ([0, 0, 0, 0, 0], 8), ([40, 0, 2, 0, 0], 16)])
+                                   ([0, 0, 0, 0, 0], 8), ([40, 0, 2, 0, 0], 16), ([9, 7, 8, 16, 1], 8)])
 def test_tile_schedule(gs, tm):
     m = max(sum(gs), 1) + 2
     e = len(gs)
     t_max = eg.max_tiles(m, e, tm)
-    te, tb, pos, valid = (np.asarray(a) for a in eg.tile_schedule(jnp.asarray(gs, jnp.int32), m, tm, t_max))
+    sched = eg.tile_schedule(jnp.asarray(gs, jnp.int32), m, tm, t_max)
+    te, tr, src, pos, valid = (np.asarray(a) for a in sched)
     starts = np.cumsum(gs) - gs
+    pstarts = np.cumsum([-(-g // 8) * 8 for g in gs]) - [-(-g // 8) * 8 for g in gs]
     live = te >= 0
     assert live.sum() <= t_max and (te[~live] == -1).all() and live[:live.sum()].all()
-    # every live tile is a (block, expert) pair that shares a row
+    # an expert's weights are read once per tm of its rows: the fewest tiles of tm rows
+    assert live.sum() == sum(-(-g // tm) for g in gs)
+    # the padded row layout: each expert's rows in order from a multiple of 8, padding rows point past m
+    assert src.shape == (eg.padded_rows(m, e),)
+    for ex, g in enumerate(gs):
+        assert pstarts[ex] % 8 == 0 and (src[pstarts[ex]:pstarts[ex] + g] == starts[ex] + np.arange(g)).all()
+    assert ((src == m) | np.isin(src, np.arange(sum(gs)))).all() and (src < m).sum() == sum(gs)
+    # every live tile starts on a multiple of 8, tm apart from its expert's first padded row
     for t in np.nonzero(live)[0]:
-        ex, b = te[t], tb[t]
-        assert gs[ex] > 0 and b * tm < starts[ex] + gs[ex] and (b + 1) * tm > starts[ex]
-    # every row of a group lands in its own slot, in a tile of its expert and block
+        ex, r0 = te[t], tr[t]
+        assert gs[ex] > 0 and r0 % 8 == 0 and (r0 - pstarts[ex]) % tm == 0
+        assert pstarts[ex] <= r0 < pstarts[ex] + gs[ex]
+    # every row of a group lands in its own slot, in a tile of its expert whose padded rows hold it there
     rows = np.nonzero(valid)[0]
     assert len(rows) == sum(gs) and len(set(pos[rows])) == len(rows)
     for r in rows:
         t, off = divmod(pos[r], tm)
         ex = np.searchsorted(np.cumsum(gs), r, side="right")
-        assert te[t] == ex and tb[t] == r // tm and off == r % tm
+        assert te[t] == ex and src[tr[t] + off] == r
 
 
 # Mosaic GPU interpreter runs (the interpreter's buffers start as NaN, so an unwritten output slot that is
