@@ -564,23 +564,29 @@ def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos,
     return jnp.where(g >= 0, s, -jnp.inf), g
 
 
-# How 'auto' picks, from the H200 (2026-12-01, scripts/bench_indexer.py: top-k 512 of 16384-wide candidate rows,
-# CUPTI GPU time, docs/KERNELS_INDEXER.md): at 64 / 8 / 1 rows the threshold kernel (`topk_select`, with its
-# placement) took 57.6 / 42.4 / 39.0 us, XLA's radix select 102.8 / 76.3 / 65.6 and lax.top_k 122.9 / 60.1 / 56.7.
-# So the kernel where a kernel backend runs, rows are at least KERNEL_MIN_KEYS wide and there are at most
-# KERNEL_MAX_ROWS of them (what was timed; in decode at a 4K context, rows far narrower, batch 1 took 4.60 ms a
-# step with it against 4.29 without, one run each); else radix from RADIX_MIN_ROWS rows, lax.top_k below.
+# How 'auto' picks, from the H200 (scripts/bench_indexer.py: top-k 512, CUPTI GPU time of every kernel of the call,
+# docs/PERFORMANCE.md "Twelfth session"). After the one-scan placement (`dsv41.topk.positions_from_threshold`) the
+# threshold kernel (`topk_select`, with its placement) was the fastest method at every size timed, 1 to 64 rows of
+# 2048 to 16384 scores, but by very different margins: 16384-wide rows 51.5 / 32.3 / 30.0 us at 64 / 8 / 1 rows
+# against radix select's 96.8 / 66.9 / 56.5 and lax.top_k's 120.9 / 56.3 / 52.8; 2048-wide rows 23.7 / 21.4 us at
+# 64 / 1 rows against radix's 47.7 / 43.2 and lax's 24.9 / 23.4. In decode at a 4K context, the kernel for every
+# row took batch 64 from 8.48 to 8.08 ms of device time a step (rows that had taken radix select), and batch 1
+# from 4.13 to 4.28 ms (rows that had taken lax.top_k; one run each). So the kernel replaces radix select (from
+# RADIX_MIN_ROWS rows, up to KERNEL_MAX_ROWS: prefill chunks' rows were not timed) from 2048 scores, and
+# lax.top_k (fewer rows) only from 16384 scores, where it is 1.7x faster: KERNEL_MIN_KEYS, the narrowest rows at
+# which the kernel replaces each XLA method.
 RADIX_MIN_ROWS = 64
-KERNEL_MIN_KEYS = 16384
 KERNEL_MAX_ROWS = 64
+KERNEL_MIN_KEYS = {"lax": 16384, "radix": 2048}
 TOPK_METHODS = ("auto", "lax", *topk.RADIX_VARIANTS, "kernel")
 
 
 def auto_topk_method(rows: int, width: int, kernel_ok: bool) -> str:
     """'auto' resolved for `rows` rows of `width` scores: the fastest method measured at that size."""
-    if kernel_ok and width >= KERNEL_MIN_KEYS and rows <= KERNEL_MAX_ROWS:
+    xla = "radix" if rows >= RADIX_MIN_ROWS else "lax"
+    if kernel_ok and rows <= KERNEL_MAX_ROWS and width >= KERNEL_MIN_KEYS[xla]:
         return "kernel"
-    return "radix" if rows >= RADIX_MIN_ROWS else "lax"
+    return xla
 
 
 def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto", interpret: bool = False,

@@ -82,16 +82,20 @@ def test_auto_method_takes_radix_from_64_rows(monkeypatch):
 
 
 def test_auto_method_takes_the_threshold_kernel_only_where_timed(monkeypatch):
-    """'auto' with a kernel backend: the threshold kernel for up to KERNEL_MAX_ROWS rows of KERNEL_MIN_KEYS+
-    scores (the sizes the H200 timed it fastest at), XLA's choice for narrower rows, more rows or no kernels."""
+    """'auto' with a kernel backend: the threshold kernel in place of radix select (RADIX_MIN_ROWS to
+    KERNEL_MAX_ROWS rows) from KERNEL_MIN_KEYS['radix'] scores and in place of lax.top_k (fewer rows) from
+    KERNEL_MIN_KEYS['lax'] (the sizes the H200 timed it faster at); XLA's choice elsewhere or without kernels."""
     from pallas_kernels import indexer_logits as il
 
     calls = []
     monkeypatch.setattr(il.topk_select, "top_k_positions",
                         lambda x, k, **kw: calls.append(x.shape) or jax.lax.top_k(x, k)[1])
-    n = il.KERNEL_MIN_KEYS
-    for rows, width, kernel_ok in [(1, n, True), (il.KERNEL_MAX_ROWS, n, True), (1, n - 8, True),
-                                   (il.KERNEL_MAX_ROWS + 1, n, True), (1, n, False)]:
+    wide, narrow, many = il.KERNEL_MIN_KEYS["lax"], il.KERNEL_MIN_KEYS["radix"], il.KERNEL_MAX_ROWS
+    assert narrow < wide and il.RADIX_MIN_ROWS <= many
+    cases = [(1, wide, True, True), (many, wide, True, True), (many, narrow, True, True),
+             (1, wide - 8, True, False), (1, narrow, True, False), (many, narrow - 8, True, False),
+             (many + 1, wide, True, False), (1, wide, False, False)]
+    for rows, width, kernel_ok, _ in cases:
         s = jnp.zeros((rows, 1, width), jnp.float32)
         il.topk_entries(s, jnp.arange(width, dtype=jnp.int32), 4, kernel_ok=kernel_ok)
-    assert calls == [(1, 1, n), (il.KERNEL_MAX_ROWS, 1, n)]
+    assert calls == [(rows, 1, width) for rows, width, _, kernel in cases if kernel]

@@ -74,8 +74,9 @@ class KernelOptions:
       version, the decode kernel run on groups of 8 queries, made the 64K prompt 32% slower.)
     indexer_topk: how the kernel path's indexers pick their top-k entries and layer 20's blocks, one of
       `indexer_logits.TOPK_METHODS`: 'auto' (`indexer_logits.auto_topk_method`: the threshold kernel
-      `topk_select` for up to 64 rows of 16K+ scores, where the H200 measured it fastest; else lax.top_k or
-      XLA's radix select, by rows) or 'kernel' (the threshold kernel for every row)."""
+      `topk_select` where the H200 measured it faster: in place of radix select for 64 rows of 2048+ scores,
+      in place of lax.top_k for fewer rows of 16384+; else those two, by rows) or 'kernel' (the threshold
+      kernel for every row)."""
 
     fuse_rope: bool = True
     prefill_indexer_kernel: bool = True
