@@ -71,6 +71,14 @@ def _stats(event) -> dict:
 STEP_MARK = "dsv41_step"  # the host annotation around each traced step
 
 
+def is_kernel_stream(line_name: str) -> bool:
+    """A device line that holds kernels: a stream, not one for copies alone. The H200's trace names the compute
+    stream after every kind of work on it, 'Stream #14(Memset,Compute,MemcpyD2H,MemcpyD2D)', beside
+    'Stream #15(MemcpyH2D)' (2026-12-01)."""
+    name = line_name.lower()
+    return "stream" in name and ("compute" in name or "memcpy" not in name)
+
+
 def read_trace(path: str, device_plane: str = "/device:GPU:0"
                ) -> tuple[list[Kernel], dict[int, float], list[tuple[float, float]]]:
     """An .xplane.pb -> (kernels on the device plane sorted by start, {correlation id: host launch call end ns},
@@ -83,7 +91,7 @@ def read_trace(path: str, device_plane: str = "/device:GPU:0"
     for plane in pd.planes:
         if plane.name.split(" ")[0] == device_plane:  # the name may carry a suffix after a space
             for line in plane.lines:
-                if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
+                if not is_kernel_stream(line.name):
                     continue
                 for e in line.events:
                     kernels.append(Kernel(e.name, float(e.start_ns), float(e.duration_ns), line.name, _stats(e)))
@@ -116,6 +124,18 @@ def split_steps(kernels: list[Kernel], windows: list[tuple[float, float]], min_s
         steps[-1].append(k)
         end = max(end, k.end_ns)
     return steps
+
+
+def window_edges(kernels: list[Kernel], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(ns from the host's call to the step's first kernel, ns from its last kernel's end to the host having the
+    result) per host step window with kernels: the time a step spends outside its kernels' span (dispatch,
+    input copies, the result's copy back)."""
+    out = []
+    for a, b in windows:
+        ks = [k for k in kernels if a <= k.start_ns <= b]
+        if ks:
+            out.append((ks[0].start_ns - a, b - max(k.end_ns for k in ks)))
+    return out
 
 
 def gaps(step: list[Kernel]) -> list[tuple[float, Kernel, Kernel]]:
@@ -273,6 +293,10 @@ def main():
     if windows:  # the host's view: from the call to the result back, dispatch before the first kernel included
         print(f"\nhost step window (call to block_until_ready): median "
               f"{statistics.median(b - a for a, b in windows[1:] or windows) / 1e3:.1f} us")
+        edges = window_edges(kernels, windows[1:] or windows)
+        if edges:
+            print(f"of it before the first kernel: median {statistics.median(e[0] for e in edges) / 1e3:.1f} us; "
+                  f"after the last kernel: median {statistics.median(e[1] for e in edges) / 1e3:.1f} us")
     if not args.trace and args.host_steps:
         host_profile(eng, step, args.host_steps)
     if args.out:

@@ -33,6 +33,19 @@ def test_launch_wait_is_kernel_start_after_its_launch_returned():
     assert s["launch_wait_us"] == [0.0, 2.0]
 
 
+def test_window_edges_are_the_time_outside_the_kernels():
+    ks = [k("a", 100, 10), k("b", 120, 30), k("c", 1000, 10)]
+    assert tg.window_edges(ks, [(0, 200), (500, 600), (900, 1050)]) == [(100.0, 50.0), (100.0, 40.0)]
+
+
+def test_kernel_streams_by_name():
+    # the names the H200's trace gave (2026-12-01): the compute stream also lists the copies it runs
+    assert tg.is_kernel_stream("Stream #14(Memset,Compute,MemcpyD2H,MemcpyD2D)")
+    assert tg.is_kernel_stream("Stream #7")
+    assert not tg.is_kernel_stream("Stream #15(MemcpyH2D)")
+    assert not tg.is_kernel_stream("XLA Ops")
+
+
 def test_steps_split_by_host_windows_else_by_long_idle():
     ks = [k("a", 0, 10), k("b", 20, 10), k("c", 1000, 10), k("d", 1015, 10)]
     assert [[x.name for x in s] for s in tg.split_steps(ks, [(0, 500), (900, 1100)], 1e9)] == [["a", "b"],
