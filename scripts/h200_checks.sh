@@ -26,6 +26,9 @@
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh owed          # the eleventh session's owed runs: batch-1 trace, top-k, batch 64 (~6 min)
+#   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
+#                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
+#   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
@@ -172,7 +175,7 @@ case "${1:-}" in
     # where the batch-1 step's idle half sits (before Mosaic GPU calls, between small fusions, a few stalls),
     # and whether the GPU waits on the host's launches; batch 64 for contrast. The .xplane.pb comes back under
     # $OUT/gaps*/trace: `python3 scripts/trace_gaps.py --trace FILE` analyses it again on any machine
-    for b in 1 64; do
+    for b in ${GAPS_BATCHES:-1 64}; do
       timeout -k 10 240 $PY scripts/trace_gaps.py --backend auto --batch $b --out "$OUT/gaps$b" \
         > "$OUT/gaps$b.txt" 2>&1
       echo "trace_gaps batch $b rc=$?"
@@ -183,9 +186,13 @@ case "${1:-}" in
     # a batch-1 step launches ~600 kernels, most under 5 us (docs/PERFORMANCE.md): how much do CUDA graphs recover?
     # Mosaic GPU's custom call is command-buffer compatible (jaxlib/mosaic/gpu/custom_call.cc registers its
     # execute handler with kCmdBufferCompatible), so the kernels can sit inside the graphs; the step's lax.cond
-    # (sampling) needs CONDITIONAL, which the default list may lack
+    # (sampling) needs CONDITIONAL, which the default list may lack. With GRAPHS=off: XLA's defaults against
+    # command buffers off (the twelfth session's trace: the kernels of a batch-1 step are busy 96% of their span,
+    # 2.78 ms, but the call takes 4.39 ms; does recording or updating the graphs fill the difference?)
     all="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
-    for flags in "" "--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1"; do
+    second="--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1"
+    [ "${GRAPHS:-}" = off ] && second="--xla_gpu_enable_command_buffer="
+    for flags in "" "$second"; do
       echo "== XLA_FLAGS='$flags'"
       XLA_FLAGS="$flags" timeout -k 10 140 $PY scripts/bench_engine.py --backends auto --batches 1 --skip-prefill \
         --decode-ctx 4096 2>&1 | grep -E "decode auto|Unknown|rror" | tail -3
@@ -254,6 +261,45 @@ case "${1:-}" in
       --decode-ctx 4096 > "$OUT/topk_engine.txt" 2>&1
     echo "bench_engine rc=$?"; grep -E "^\| auto|decode auto" "$OUT/topk_engine.txt"
     ;;
+  decode-kernels)
+    # The twelfth session's change: the kernel layout stores each scale as the bf16 exponent field of the
+    # decoder's multiplier (one integer multiply a word instead of an add, a compare, a select and two shifts)
+    # in the FP4 expert GEMM and the FP8 linear. GPU tests; then CUPTI times at 1 / 64 tokens and an 8192-token
+    # prefill, after the same bench on the code before the change when $AB_OLD names a copy of it (a folder
+    # holding the old pallas_kernels package, untracked so that it travels: `mkdir ab_old && git archive
+    # <commit> pallas_kernels | tar -x -C ab_old`); the FP8 linears at Flash's shapes; then decode attention's
+    # producer at batch 64 and 1: rows in flight (rpbN) and the L2 prefetch (nopf), never timed before.
+    timeout -k 10 120 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_expert_gemm.py tests/pallas_kernels/test_fp8_linear.py > "$OUT/eg_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/eg_tests.txt" | tail -20
+    eg=(scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1,64 --skip-baselines --no-mgpu --no-torch)
+    if [ -n "${AB_OLD:-}" ]; then
+      PYTHONPATH="$AB_OLD:." JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 80 $PY "${eg[@]}" \
+        --budget-s 60 --skip-prefill > "$OUT/eg_old_log.txt" 2>&1
+      echo "bench_expert_gemm (before) rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/eg_old_log.txt"
+    fi
+    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 130 $PY "${eg[@]}" --budget-s 110 --out "$OUT" \
+      > "$OUT/eg_log.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/eg_log.txt"
+    timeout -k 10 160 $PY scripts/bench_fp8_linear.py --rows 1,64 --out "$OUT" > "$OUT/fp8_log.txt" 2>&1
+    echo "bench_fp8_linear rc=$?"; grep -E "^\||HBM" "$OUT/fp8_log.txt" | tail -24
+    BENCH_COPY_BYTES=1073741824 timeout -k 5 120 $PY scripts/bench_sparse_attention.py --iters 10 --skip-probe \
+      --variants "64:2:s,64:2:s:rpb8,64:2:s:rpb2,64:2:s:nopf,64:1:s:rpb8,1:10:r,1:10:r:rpb8" > "$OUT/sa_log.txt" 2>&1
+    echo "bench_sparse_attention rc=$?"
+    grep -E "FAILED|copy ceiling|variant| [0-9]+:[0-9]+:[rs]" "$OUT/sa_log.txt" | tail -14
+    ;;
+  layout)
+    # does the expert weights' row-major layout (a box = 128 pieces of 128 bytes) cap the expert GEMM below HBM
+    # bandwidth? The same boxes streamed from contiguous tiles, no compute. Then the top-k methods on the rows
+    # decode scores at a 4K context (the 'auto' rule was timed at 16K+ only)
+    # (LAYOUT_ARGS: e.g. "--box-rows 128,256 --box-bytes 128,256 --stages 2,4 --ldg 1x4,2x4,2x8,4x8": larger
+    # boxes, and plain loads from several warpgroups instead of TMA)
+    timeout -k 10 200 $PY scripts/bench_weight_layout.py ${LAYOUT_ARGS:-} > "$OUT/layout_log.txt" 2>&1
+    echo "bench_weight_layout rc=$?"; grep -vE "^20[0-9-]+ [0-9:,]+ (Unable|WARNING)" "$OUT/layout_log.txt" | tail -40
+    timeout -k 10 150 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:4,c:8:4,c:1:4,x:64:4,x:1:4 \
+      --no-sweep --no-xla > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
+    grep -E "top-k alone|^mode|^candidates|^context" "$OUT/indexer_log.txt"
+    ;;
   engram|engram-prefill)
     # Engine(engram_transfer="overlap") vs the default (engram: decode at batch 1 / 64; engram-prefill: a
     # 4096-token prompt, two 2048-token chunks of ~13 MB of rows each). The bench preset's only Engram layer is
@@ -270,7 +316,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|decode-kernels|layout|engram|engram-prefill" >&2
     exit 2
     ;;
 esac
