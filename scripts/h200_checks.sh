@@ -25,7 +25,9 @@
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
-#   bash scripts/h200_checks.sh owed          # the eleventh session's owed runs: batch-1 trace, top-k, batch 64 (~6 min)
+#   bash scripts/h200_checks.sh owed-11       # the eleventh session's owed runs: batch-1 trace, top-k, batch 64 (~6 min)
+#   bash scripts/h200_checks.sh owed          # the twelfth session's: the expert GEMM's tile schedule, fetch paths,
+#                                             # the batch-1 call's ends (~9 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
@@ -247,6 +249,24 @@ case "${1:-}" in
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto" "$OUT/kv_pre.txt"
     ;;
   owed)
+    # what the twelfth session left owed, in one call (~9 min): the expert GEMM's new tile schedule (its GPU tests
+    # and the FP8 linear's, which shares the kernel; then CUPTI times at 1 / 64 tokens and an 8192-token prefill,
+    # against docs/PERFORMANCE.md "Twelfth session"), larger TMA boxes and plain loads from several warpgroups
+    # (which fetch path to build for the decode), and the batch-1 call's time outside its kernels' span
+    timeout -k 10 120 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_expert_gemm.py tests/pallas_kernels/test_fp8_linear.py > "$OUT/eg_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/eg_tests.txt" | tail -20
+    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 130 $PY scripts/bench_expert_gemm.py --rot 4 \
+      --decode-tokens 1,64 --skip-baselines --no-mgpu --no-torch --budget-s 110 --out "$OUT" > "$OUT/eg_log.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/eg_log.txt"
+    timeout -k 10 120 $PY scripts/bench_weight_layout.py --box-rows 128,256 --box-bytes 128,256 --stages 2,4 \
+      --ldg 1x4,2x4,2x8,4x8 > "$OUT/layout_log.txt" 2>&1
+    echo "bench_weight_layout rc=$?"; grep -vE "^20[0-9-]+ [0-9:,]+ (Unable|WARNING)" "$OUT/layout_log.txt" | tail -40
+    timeout -k 10 170 $PY scripts/trace_gaps.py --backend auto --batch 1 --out "$OUT/gaps1" > "$OUT/gaps1.txt" 2>&1
+    echo "trace_gaps batch 1 rc=$?"; rm -rf "$OUT/gaps1/trace"  # the trace is larger than what comes back
+    grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps1.txt" | head -45
+    ;;
+  owed-11)
     # what the eleventh session left owed, in one call (~6 min): the batch-1 trace (trace_gaps now lists the
     # trace's planes and lines when it finds no kernels), the top-k alone after the one-scan placement (each
     # method's kernel count and longest kernel), and batch-64 decode with the threshold kernel for every row
@@ -316,7 +336,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|decode-kernels|layout|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|owed-11|decode-kernels|layout|engram|engram-prefill" >&2
     exit 2
     ;;
 esac
