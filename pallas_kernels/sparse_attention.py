@@ -965,6 +965,81 @@ def dequant_probe(fmt, src, scale, rows, *, interpret=False):
   return kern(src, scale, rows)
 
 
+@functools.lru_cache(maxsize=None)
+def _build_producer_stream(fmt, d, n_ctas, n_tiles, interpret, cfg):
+  """Timing kernel: the attention kernel's producer alone. Each of n_ctas CTAs gathers and dequantizes
+  n_tiles tiles into NUM_STAGES shared-memory slots exactly as the producer warpgroup does (L2 prefetch of the
+  next tile's rows and rows in flight per `cfg`), with no consumer to wait for, and writes its last tile out.
+  Its time against the attention kernel's at the same tiles per CTA says whether the producer is the limit."""
+  t, ns = TILE, NUM_STAGES
+  tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  fn = pf = None
+  if not interpret:
+    fn, pf = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch), _mgpu_prefetch_fn(fmt, t, d)
+
+  def body(src_ref, scale_ref, rows_ref, out_ref, bias_out_ref, k_smem, bias_smem, rows_smem, bar):
+    c = lax.axis_index("cta")
+    plgpu.copy_gmem_to_smem(rows_ref.at[c], rows_smem, bar)
+    plgpu.barrier_wait(bar)
+
+    @pl.loop(0, n_tiles)
+    def _tile(ti):
+      slot = lax.rem(ti, ns)
+      if interpret:  # the interpreter reads rows the wrapper gathered, in order
+        _interpret_dequant(fmt, src_ref.at[c, pl.ds(ti * t, t)], scale_ref.at[c, pl.ds(ti * t, t)],
+                           rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
+        return
+      if cfg.prefetch and n_tiles > 1:
+        @pl.when(ti + 1 < n_tiles)
+        def _():
+          plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(pf)(
+              src_ref, scale_ref, rows_smem.at[jnp.minimum(ti + 1, n_tiles - 1)])
+      plgpu.inline_mgpu(
+          arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                     plgpu.RefType(tile_transforms), plgpu.RefType()),
+      )(fn)(src_ref, scale_ref, rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
+      plgpu.commit_smem()
+
+    last = (n_tiles - 1) % ns
+    plgpu.copy_smem_to_gmem(k_smem.at[last], out_ref.at[c])
+    plgpu.copy_smem_to_gmem(bias_smem.at[last], bias_out_ref.at[c])
+    plgpu.wait_smem_to_gmem(0)
+
+  kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+  return jax.jit(plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((n_ctas, t, d), jnp.bfloat16),
+                jax.ShapeDtypeStruct((n_ctas, t), jnp.float32)),
+      grid=(n_ctas,),
+      grid_names=("cta",),
+      kernel_name="sparse_attention_producer",
+      scratch_types=[
+          plgpu.SMEM((ns, t, d), jnp.bfloat16, transforms=tile_transforms),
+          plgpu.SMEM((ns, t), jnp.float32),
+          plgpu.SMEM((n_tiles, t), jnp.int32),
+          plgpu.Barrier(num_arrivals=1),
+      ],
+      **kwargs,
+  ))
+
+
+def producer_stream(fmt, src, scale, rows, *, interpret=False, config=None):
+  """Runs the attention producer alone (`_build_producer_stream`) over rows int32 [CTAs, tiles, TILE] (-1 =
+  none) of src / scale (as `dequant_probe`'s). Returns each CTA's last tile: (bf16 [CTAs, TILE, D], bias f32
+  [CTAs, TILE])."""
+  d = src.shape[1] * (2 if fmt == "fp4" else 1)
+  n_ctas, n_tiles, t = rows.shape
+  if t != TILE:
+    raise ValueError(f"rows must be [CTAs, tiles, {TILE}], got {rows.shape}")
+  kern = _build_producer_stream(fmt, d, n_ctas, n_tiles, bool(interpret), config or KernelConfig())
+  rows = jnp.asarray(rows, jnp.int32)
+  src, scale = _as_u8(src), _as_u8(scale)
+  if interpret:
+    g = jnp.maximum(rows, 0).reshape(n_ctas, n_tiles * t)
+    src, scale = src[g], scale[g]
+  return kern(src, scale, rows)
+
+
 def default_num_splits(batch, n_tiles, num_sms=132):
   """Largest divisor of n_tiles with batch * splits <= num_sms (>= 1)."""
   best = 1

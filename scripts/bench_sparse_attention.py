@@ -193,6 +193,19 @@ def copy_bandwidth():
   return res
 
 
+def producer_pool(key, fmt, d, rows=1 << 18):
+  """A pool of `rows` random cache rows (FP4: e2m1 bytes + e4m3 scales; FP8: e4m3 + UE8M0), well past the L2."""
+  k1, k2 = jax.random.split(key)
+  if fmt == "fp4":
+    src = jax.random.bits(k1, (rows, d // 2), jnp.uint8)
+    sc = jax.random.randint(k2, (rows, d // 16), 0x30, 0x48, jnp.int32).astype(jnp.uint8)  # finite e4m3
+  else:
+    src = jax.random.bits(k1, (rows, d), jnp.uint8)
+    src = jnp.where((src & 0x7F) == 0x7F, 0x7E, src).astype(jnp.uint8)  # no e4m3 NaN
+    sc = jax.random.randint(k2, (rows, d // 32), 120, 130, jnp.int32).astype(jnp.uint8)
+  return src, sc
+
+
 # ---------------------------------------------------------------- main
 def main():
   ap = argparse.ArgumentParser()
@@ -200,6 +213,9 @@ def main():
   ap.add_argument("--variants", default="1:10:r,1:10:s,8:10:r,8:10:s,64:1:r,64:1:s,64:2:r,64:2:s",
                   help="B:S:mode[:nopf][:rpbN] entries; mode r=redundant, s=split QK")
   ap.add_argument("--skip-probe", action="store_true")
+  ap.add_argument("--producer", default="",
+                  help="also time the producer alone (sa.producer_stream): CTAsxTILES:fmt entries, e.g. "
+                       "128x5:fp4,128x2:fp8 (batch 64, 2 splits: each CTA's 5 tiles), 64x10:fp4")
   ap.add_argument("--interpret", action="store_true",
                   help="CPU smoke test of this script (Mosaic GPU interpreter)")
   args = ap.parse_args()
@@ -338,6 +354,24 @@ def main():
           f"{r['torch_us']:8.1f} {r['torch_us'] / r['path_us']:8.2f} {r['bytes'] / 1e6:7.2f} {tb:6.2f} "
           f"{100 * tb / ceiling:5.1f} "
           f"{r['flops'] / (r['path_us'] * 1e-6) / 1e12:7.1f} {r['rel_l2']:8.1e} {r['ok']}")
+  # 6. the producer alone: the gathers and dequantization of the same tiles per CTA with no consumer to wait
+  # for; against the kernel's time at those tiles per CTA it says whether the producer is what limits it
+  results["producer"] = []
+  if args.producer:
+    print(f"\nproducer alone (CUPTI, L2 flushed): {'CTAs':>5} {'tiles':>5} {'fmt':>4} {'us':>8} {'us/tile':>8}")
+  for spec in filter(None, args.producer.split(",")):
+    shape, fmt = spec.split(":")
+    ctas, tiles = map(int, shape.split("x"))
+    src, sc = producer_pool(jax.random.key(11), fmt, d)
+    prow = jax.random.randint(jax.random.key(12), (ctas, tiles, sa.TILE), 0, src.shape[0], jnp.int32)
+    f = jax.jit(lambda a, b_, c, _f=fmt: sa.producer_stream(_f, a, b_, c, interpret=args.interpret))
+    try:
+      t_p, _, _ = time_gpu(f, (src, sc, prow), iters=args.iters, cold=True, flush=flush)
+      print(f"{'':>35} {ctas:>5} {tiles:>5} {fmt:>4} {t_p * 1e3:8.1f} {t_p * 1e3 / tiles:8.2f}")
+      results["producer"].append({"ctas": ctas, "tiles": tiles, "fmt": fmt, "us": t_p * 1e3})
+    except Exception as ex:  # noqa: BLE001
+      log(f"producer {spec} FAILED:", repr(ex)[:2000])
+      results["producer"].append({"ctas": ctas, "tiles": tiles, "fmt": fmt, "error": repr(ex)[:2000]})
   with open(os.path.join(out_dir, "bench_sparse_attention.json"), "w") as fh:
     json.dump(results, fh, indent=1, default=str)
   log("done")

@@ -28,6 +28,7 @@
 #   bash scripts/h200_checks.sh owed-11       # the eleventh session's owed runs: batch-1 trace, top-k, batch 64 (~6 min)
 #   bash scripts/h200_checks.sh owed          # the twelfth session's: the expert GEMM's tile schedule, fetch paths,
 #                                             # the batch-1 call's ends (~9 min)
+#   bash scripts/h200_checks.sh owed-2        # and: decode step (new defaults), attention's producer alone (~7 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
@@ -266,6 +267,19 @@ case "${1:-}" in
     echo "trace_gaps batch 1 rc=$?"; rm -rf "$OUT/gaps1/trace"  # the trace is larger than what comes back
     grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps1.txt" | head -45
     ;;
+  owed-2)
+    # the twelfth session's second owed call (~7 min): the decode step with the new tile schedule and top-k rule,
+    # then decode attention's producer alone against the kernel at the same tiles per CTA (batch 64 with 2 and 1
+    # key splits: 5 and 10 tiles a CTA; batch 1: 1 tile), which says whether the producer is the kernel's limit
+    timeout -k 10 330 $PY scripts/bench_engine.py --backends auto --batches 1,8,64 --skip-prefill --decode-ctx 4096 \
+      > "$OUT/engine_log.txt" 2>&1
+    echo "bench_engine rc=$?"; grep -E "decode auto|^\| auto" "$OUT/engine_log.txt"
+    BENCH_COPY_BYTES=1073741824 timeout -k 5 150 $PY scripts/bench_sparse_attention.py --iters 10 --skip-probe \
+      --variants "64:2:s,64:1:s,1:10:r" --producer 128x5:fp4,128x2:fp8,64x10:fp4,10x1:fp4,10x1:fp8 \
+      > "$OUT/sa_log.txt" 2>&1
+    echo "bench_sparse_attention rc=$?"
+    grep -E "FAILED|copy ceiling|variant| [0-9]+:[0-9]+:[rs]|producer|fp4 |fp8 " "$OUT/sa_log.txt" | tail -20
+    ;;
   owed-11)
     # what the eleventh session left owed, in one call (~6 min): the batch-1 trace (trace_gaps now lists the
     # trace's planes and lines when it finds no kernels), the top-k alone after the one-scan placement (each
@@ -336,7 +350,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|owed-11|decode-kernels|layout|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|owed-2|owed-11|decode-kernels|layout|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

@@ -258,6 +258,30 @@ def test_dequant_probe_interpret_exact():
   np.testing.assert_array_equal(bias, jnp.where(rows >= 0, 0.0, -jnp.inf))
 
 
+def test_producer_stream_interpret_last_tile_exact():
+  """The producer-alone timing kernel dequantizes every CTA's tiles in turn; its last tile is exact."""
+  key = jax.random.key(5)
+  r, d, ctas, tiles = 70, 128, 2, 3
+  rows = jax.random.randint(key, (ctas, tiles, sa.TILE), 0, r).astype(jnp.int32).at[1, 2, 5].set(-1)
+  kvp, kvs = sa.quantize_kv_fp4(jax.random.normal(key, (r, d)))
+  out, bias = sa.producer_stream("fp4", kvp, kvs, rows, interpret=True)
+  last = rows[:, -1]
+  g = jnp.maximum(last, 0)
+  want = jnp.where((last >= 0)[..., None], sa.dequant_kv_fp4(kvp[g], kvs[g]), 0)
+  np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(bias, jnp.where(last >= 0, 0.0, -jnp.inf))
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_producer_stream_lowers_for_cuda(fmt):
+  d, r = 512, 4096
+  src = jax.ShapeDtypeStruct((r, d // 2 if fmt == "fp4" else d), jnp.uint8)
+  sc = jax.ShapeDtypeStruct((r, d // 16 if fmt == "fp4" else d // 32), jnp.uint8)
+  rows = jax.ShapeDtypeStruct((128, 5, sa.TILE), jnp.int32)
+  jax.jit(lambda a, b, c: sa.producer_stream(fmt, a, b, c)).trace(src, sc, rows).lower(
+      lowering_platforms=("cuda",))
+
+
 def test_kernel_lowers_for_cuda_at_flash_shapes():
   """Mosaic GPU lowering (layouts, smem budget, wgmma shapes) runs on CPU."""
   b, h, d, w, k, p = 2, 64, 512, 128, 512, 64
