@@ -336,10 +336,23 @@ def _swizzled_chunk_offset(r, q, d):
   return ((r // 8) * (d // 64) + q // 8) * 1024 + (r % 8) * 128 + (((q % 8) ^ (r % 8)) * 16)
 
 
-def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
-  """Returns an inline_mgpu body that fills one bf16 K tile + its bias."""
+STAGE_SLOTS = 8  # rows a producer thread stages a round with fetch='cp_async'
+STAGE_BYTES = STAGE_SLOTS * 128 * 16  # per thread and slot its 16 data bytes (16 KB: what split mode leaves)
 
-  def fn(ctx, src_ref, scale_ref, rows_ref, k_ref, bias_ref):
+
+def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int, fetch: str = "registers"):
+  """Returns an inline_mgpu body that fills one bf16 K tile + its bias.
+
+  fetch 'registers': each thread loads its rows' 16-byte chunks into registers, rows_per_batch rows in flight
+  (`ld.global.nc.v4`), then dequantizes them. 'cp_async': each thread copies the chunks of up to STAGE_SLOTS
+  rows straight into a shared staging buffer (`cp.async`, no registers held while in flight; their 1-2 scale
+  bytes a row load into registers meanwhile: a whole FP4 tile, or half a FP8 one, is one round trip), waits
+  for its own copies and dequantizes from there. A thread reads back only what it copied itself, so no barrier
+  is needed between the two."""
+  if fetch not in ("registers", "cp_async"):
+    raise ValueError(f"bad fetch {fetch!r}")
+
+  def fn(ctx, src_ref, scale_ref, rows_ref, k_ref, bias_ref, stage_ref=None):
     del ctx
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
@@ -381,6 +394,35 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
     rsub = arith.divui(tid, ci(lanes_per_row))
     is_m0 = arith.cmpi(arith.CmpIPredicate.eq, m, zero)
 
+    def load_scale(row):
+      """This thread's scale bytes of a row (FP4: 2 e4m3, bytes 2m, 2m+1; FP8: 1 UE8M0, byte m // 2) as u32."""
+      if fmt == "fp4":
+        saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
+                           arith.extui(i64, arith.muli(m, ci(2))))
+        return mu.inline_ptx(
+            "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
+            "ld.global.nc.b16 t, [g]; cvt.u32.u16 $0, t; }",
+            saddr, result_types=i32, has_side_effects=True)
+      saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
+                         arith.extui(i64, arith.divui(m, ci(2))))
+      return mu.inline_ptx(
+          "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
+          "ld.global.nc.u8 t, [g]; cvt.u32.u16 $0, t; }",
+          saddr, result_types=i32, has_side_effects=True)
+
+    def finish_row(r, valid, words, sc):
+      # Invalid rows are zero-filled (data and scale): no NaN can leak into P V.
+      words = [arith.select(valid, w, zero) for w in words]
+      sc = arith.select(valid, sc, zero)
+      # bias: 0 for a valid key, -inf otherwise (one lane per row writes it).
+      bias = arith.select(valid, arith.constant(f32, 0.0),
+                          arith.constant(f32, float("-inf")))
+      mu.inline_ptx(
+          "@$2 st.shared.f32 [$0], $1;",
+          arith.addi(bias_base, arith.muli(r, ci(4))), bias, is_m0,
+          has_side_effects=True)
+      return words, sc
+
     def load_row(i):
       r = arith.addi(rsub, ci(rows_per_pass * i))
       rid = mu.inline_ptx(
@@ -395,31 +437,7 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
           "{ .reg .b64 g; cvta.to.global.u64 g, $4; "
           "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [g]; }",
           addr, result_types=[i32] * 4, has_side_effects=True)
-      if fmt == "fp4":
-        saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
-                           arith.extui(i64, arith.muli(m, ci(2))))
-        sc = mu.inline_ptx(
-            "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
-            "ld.global.nc.b16 t, [g]; cvt.u32.u16 $0, t; }",
-            saddr, result_types=i32, has_side_effects=True)
-      else:
-        saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
-                           arith.extui(i64, arith.divui(m, ci(2))))
-        sc = mu.inline_ptx(
-            "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
-            "ld.global.nc.u8 t, [g]; cvt.u32.u16 $0, t; }",
-            saddr, result_types=i32, has_side_effects=True)
-      # Invalid rows are zero-filled (data and scale): no NaN can leak into P V.
-      words = [arith.select(valid, w, zero) for w in words]
-      sc = arith.select(valid, sc, zero)
-      # bias: 0 for a valid key, -inf otherwise (one lane per row writes it).
-      bias = arith.select(valid, arith.constant(f32, 0.0),
-                          arith.constant(f32, float("-inf")))
-      mu.inline_ptx(
-          "@$2 st.shared.f32 [$0], $1;",
-          arith.addi(bias_base, arith.muli(r, ci(4))), bias, is_m0,
-          has_side_effects=True)
-      return r, words, sc
+      return (r, *finish_row(r, valid, words, load_scale(row)))
 
     def store_chunk(r, q, regs):
       # offset = ((r//8)*(d/64) + q//8)*1024 + (r%8)*128 + ((q%8)^(r%8))*16
@@ -433,8 +451,41 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
           "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
           arith.addi(k_base, off), *regs, has_side_effects=True)
 
-    for i0 in range(0, n_iter, rows_per_batch):
-      loaded = [load_row(i) for i in range(i0, min(n_iter, i0 + rows_per_batch))]
+    def stage_rows(i0, n):
+      """cp.async this thread's data chunks of rows i0 .. i0+n-1 into its staging slots (their scale bytes into
+      registers meanwhile), wait for them, and read them back as load_row returns them."""
+      stage = ptr_i32(stage_ref)
+      data_at = lambda s_: arith.addi(stage, arith.muli(arith.addi(ci(s_ * 128), tid), ci(16)))
+      meta = []
+      for s_ in range(n):
+        r = arith.addi(rsub, ci(rows_per_pass * (i0 + s_)))
+        rid = mu.inline_ptx(
+            "ld.shared.b32 $0, [$1];",
+            arith.addi(rows_base, arith.muli(r, ci(4))), result_types=i32,
+            has_side_effects=True)
+        valid = arith.cmpi(arith.CmpIPredicate.sge, rid, zero)
+        row = arith.extui(i64, arith.maxsi(rid, zero))
+        addr = arith.addi(arith.addi(src, arith.muli(row, cl(row_bytes))),
+                          arith.extui(i64, arith.muli(m, ci(16))))
+        mu.inline_ptx(
+            "{ .reg .pred p; .reg .b64 g; setp.ne.b32 p, $2, 0; cvta.to.global.u64 g, $1; "
+            "@p cp.async.cg.shared.global [$0], [g], 16; }",
+            data_at(s_), addr, arith.extui(i32, valid), has_side_effects=True)
+        meta.append((r, valid, load_scale(row)))
+      mu.inline_ptx("cp.async.commit_group; cp.async.wait_group 0;", has_side_effects=True)
+      out = []
+      for s_, (r, valid, sc) in enumerate(meta):
+        words = mu.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", data_at(s_),
+                              result_types=[i32] * 4, has_side_effects=True)
+        out.append((r, *finish_row(r, valid, words, sc)))
+      return out
+
+    per_round = STAGE_SLOTS if fetch == "cp_async" else rows_per_batch
+    for i0 in range(0, n_iter, per_round):
+      if fetch == "cp_async":
+        loaded = stage_rows(i0, min(per_round, n_iter - i0))
+      else:
+        loaded = [load_row(i) for i in range(i0, min(n_iter, i0 + per_round))]
       for r, words, sc in loaded:
         if fmt == "fp4":
           s_lo, s_hi = mu.inline_ptx(_E4M3_SCALE_PTX, sc, result_types=[i32, i32])
@@ -482,6 +533,10 @@ class KernelConfig:
     maxima and P halves through shared memory (2 syncs per tile).
   prefetch: L2-prefetch the next tile's rows before waiting for a free stage.
   rows_per_batch: rows whose 16-byte loads a producer thread has in flight.
+  fetch: how the producer fetches a tile's rows: 'registers' (loads into registers, rows_per_batch rows in
+    flight) or 'cp_async' (copies straight into a 20 KB shared staging buffer, 8 rows a thread in flight;
+    opt-in until it has run on the device: interpreter (which does not run the producer's PTX) and sm_90a
+    lowering only so far).
   fuse_rope: with rope_query / rope_output, rotate the query's RoPE dims in
     shared memory and the output's (one key split: the kernel's epilogue;
     more: the XLA combine) inside the kernel instead of two XLA passes over
@@ -494,6 +549,7 @@ class KernelConfig:
   consumer_regs: int = 216
   producer_regs: int = 72
   fuse_rope: bool = False
+  fetch: str = "registers"
 
   def __post_init__(self):
     # 384 threads -> ptxas gives 168 regs/thread; setmaxnreg only moves
@@ -506,6 +562,8 @@ class KernelConfig:
       raise ValueError("register counts must be multiples of 8")
     if self.qk_mode not in ("redundant", "split"):
       raise ValueError(f"bad qk_mode {self.qk_mode!r}")
+    if self.fetch not in ("registers", "cp_async"):
+      raise ValueError(f"bad fetch {self.fetch!r}: 'registers' or 'cp_async'")
 
 
 def _mgpu_prefetch_fn(fmt: str, tile: int, d: int):
@@ -628,6 +686,7 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
   p_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
   rope = rope_q or rope_o
   rw = ROPE_W
+  staged = cfg.fetch == "cp_async" and not interpret  # the interpreter's producer reads pre-gathered rows
   if rope_o and split_out:
     raise ValueError("the output RoPE runs in the kernel only with one key split")
   if rope and rw > dh:
@@ -647,19 +706,20 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
   fns = {}
   if not interpret:
     for fmt in ("fp4", "fp8"):
-      fns[fmt] = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch)
+      fns[fmt] = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch, cfg.fetch)
       fns["pf_" + fmt] = _mgpu_prefetch_fn(fmt, t, d)
 
-  def dequant(fmt, src_ref, scale_ref, rows_ref, k_ref, bias_ref, bi=None, lt=None):
+  def dequant(fmt, src_ref, scale_ref, rows_ref, k_ref, bias_ref, bi=None, lt=None, stage_ref=None):
     if interpret:
       # Pre-gathered [B, tiles*T, ...] arrays; lt = tile index within format.
       _interpret_dequant(fmt, src_ref.at[bi, pl.ds(lt * t, t)],
                          scale_ref.at[bi, pl.ds(lt * t, t)], rows_ref, k_ref, bias_ref)
       return
+    refs = (src_ref, scale_ref, rows_ref, k_ref, bias_ref) + ((stage_ref,) if stage_ref is not None else ())
     plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                   plgpu.RefType(tile_transforms), plgpu.RefType()),
-    )(fns[fmt])(src_ref, scale_ref, rows_ref, k_ref, bias_ref)
+                   plgpu.RefType(tile_transforms), plgpu.RefType()) + (plgpu.RefType(),) * (len(refs) - 5),
+    )(fns[fmt])(*refs)
 
   def prefetch(fmt, src_ref, scale_ref, rows_ref):
     if interpret:
@@ -676,6 +736,9 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
       opart_ref, ml_ref, *scratch = refs
     else:
       o_ref, *scratch = refs
+    stage_smem = None
+    if staged:
+      *scratch, stage_smem = scratch
     cs_smem = rope_bar = None
     if rope:
       *scratch, cs_smem, rope_bar = scratch
@@ -726,9 +789,9 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
         args = (rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
         tile_fmt_branches(
             gt,
-            lambda: dequant("fp8", swa_ref, swas_ref, *args, bi=bi, lt=gt),
+            lambda: dequant("fp8", swa_ref, swas_ref, *args, bi=bi, lt=gt, stage_ref=stage_smem),
             lambda: dequant("fp4", kv_ref, kvs_ref, *args, bi=bi,
-                            lt=gt - n_tiles_swa))
+                            lt=gt - n_tiles_swa, stage_ref=stage_smem))
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[slot])
 
@@ -890,6 +953,8 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
   ]
   if rope:
     scratch += [plgpu.SMEM((2, rw), jnp.float32), plgpu.Barrier(num_arrivals=2)]
+  if staged:
+    scratch += [plgpu.SMEM((STAGE_BYTES,), jnp.uint8)]
   kwargs = {}
   if interpret:
     kwargs["interpret"] = plgpu.InterpretGPUParams()
@@ -975,9 +1040,10 @@ def _build_producer_stream(fmt, d, n_ctas, n_tiles, interpret, cfg):
   tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   fn = pf = None
   if not interpret:
-    fn, pf = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch), _mgpu_prefetch_fn(fmt, t, d)
+    fn, pf = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch, cfg.fetch), _mgpu_prefetch_fn(fmt, t, d)
+  staged = cfg.fetch == "cp_async" and not interpret
 
-  def body(src_ref, scale_ref, rows_ref, out_ref, bias_out_ref, k_smem, bias_smem, rows_smem, bar):
+  def body(src_ref, scale_ref, rows_ref, out_ref, bias_out_ref, k_smem, bias_smem, rows_smem, bar, *stage):
     c = lax.axis_index("cta")
     plgpu.copy_gmem_to_smem(rows_ref.at[c], rows_smem, bar)
     plgpu.barrier_wait(bar)
@@ -996,8 +1062,8 @@ def _build_producer_stream(fmt, d, n_ctas, n_tiles, interpret, cfg):
               src_ref, scale_ref, rows_smem.at[jnp.minimum(ti + 1, n_tiles - 1)])
       plgpu.inline_mgpu(
           arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                     plgpu.RefType(tile_transforms), plgpu.RefType()),
-      )(fn)(src_ref, scale_ref, rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
+                     plgpu.RefType(tile_transforms), plgpu.RefType()) + (plgpu.RefType(),) * len(stage),
+      )(fn)(src_ref, scale_ref, rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot], *stage)
       plgpu.commit_smem()
 
     last = (n_tiles - 1) % ns
@@ -1018,7 +1084,7 @@ def _build_producer_stream(fmt, d, n_ctas, n_tiles, interpret, cfg):
           plgpu.SMEM((ns, t), jnp.float32),
           plgpu.SMEM((n_tiles, t), jnp.int32),
           plgpu.Barrier(num_arrivals=1),
-      ],
+      ] + ([plgpu.SMEM((STAGE_BYTES,), jnp.uint8)] if staged else []),
       **kwargs,
   ))
 

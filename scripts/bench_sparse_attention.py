@@ -211,11 +211,12 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--variants", default="1:10:r,1:10:s,8:10:r,8:10:s,64:1:r,64:1:s,64:2:r,64:2:s",
-                  help="B:S:mode[:nopf][:rpbN] entries; mode r=redundant, s=split QK")
+                  help="B:S:mode[:nopf][:rpbN][:cpa] entries; mode r=redundant, s=split QK; cpa: the "
+                       "producer's cp.async fetch")
   ap.add_argument("--skip-probe", action="store_true")
   ap.add_argument("--producer", default="",
-                  help="also time the producer alone (sa.producer_stream): CTAsxTILES:fmt entries, e.g. "
-                       "128x5:fp4,128x2:fp8 (batch 64, 2 splits: each CTA's 5 tiles), 64x10:fp4")
+                  help="also time the producer alone (sa.producer_stream): CTAsxTILES:fmt[:cpa] entries, e.g. "
+                       "128x5:fp4,128x2:fp8 (batch 64, 2 splits: each CTA's 5 tiles), 64x10:fp4:cpa")
   ap.add_argument("--interpret", action="store_true",
                   help="CPU smoke test of this script (Mosaic GPU interpreter)")
   args = ap.parse_args()
@@ -234,6 +235,8 @@ def main():
         cfg["prefetch"] = False
       elif extra.startswith("rpb"):
         cfg["rows_per_batch"] = int(extra[3:])
+      elif extra == "cpa":
+        cfg["fetch"] = "cp_async"
     variants.setdefault(bb, []).append((ss, v, sa.KernelConfig(**cfg)))
   results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": [], "timings": []}
 
@@ -358,20 +361,24 @@ def main():
   # for; against the kernel's time at those tiles per CTA it says whether the producer is what limits it
   results["producer"] = []
   if args.producer:
-    print(f"\nproducer alone (CUPTI, L2 flushed): {'CTAs':>5} {'tiles':>5} {'fmt':>4} {'us':>8} {'us/tile':>8}")
+    print("\nproducer alone (CUPTI, L2 flushed):")
+    print(f"{'fetch':>10} {'CTAs':>5} {'tiles':>5} {'fmt':>4} {'us':>8} {'us/tile':>8}")
   for spec in filter(None, args.producer.split(",")):
-    shape, fmt = spec.split(":")
+    shape, fmt, *extra = spec.split(":")
     ctas, tiles = map(int, shape.split("x"))
+    pcfg = sa.KernelConfig(fetch="cp_async" if "cpa" in extra else "registers")
     src, sc = producer_pool(jax.random.key(11), fmt, d)
     prow = jax.random.randint(jax.random.key(12), (ctas, tiles, sa.TILE), 0, src.shape[0], jnp.int32)
-    f = jax.jit(lambda a, b_, c, _f=fmt: sa.producer_stream(_f, a, b_, c, interpret=args.interpret))
+    f = jax.jit(lambda a, b_, c, _f=fmt, _c=pcfg: sa.producer_stream(_f, a, b_, c, interpret=args.interpret,
+                                                                     config=_c))
+    entry = {"ctas": ctas, "tiles": tiles, "fmt": fmt, "fetch": pcfg.fetch}
     try:
       t_p, _, _ = time_gpu(f, (src, sc, prow), iters=args.iters, cold=True, flush=flush)
-      print(f"{'':>35} {ctas:>5} {tiles:>5} {fmt:>4} {t_p * 1e3:8.1f} {t_p * 1e3 / tiles:8.2f}")
-      results["producer"].append({"ctas": ctas, "tiles": tiles, "fmt": fmt, "us": t_p * 1e3})
+      print(f"{pcfg.fetch:>10} {ctas:>5} {tiles:>5} {fmt:>4} {t_p * 1e3:8.1f} {t_p * 1e3 / tiles:8.2f}")
+      results["producer"].append({**entry, "us": t_p * 1e3})
     except Exception as ex:  # noqa: BLE001
       log(f"producer {spec} FAILED:", repr(ex)[:2000])
-      results["producer"].append({"ctas": ctas, "tiles": tiles, "fmt": fmt, "error": repr(ex)[:2000]})
+      results["producer"].append({**entry, "error": repr(ex)[:2000]})
   with open(os.path.join(out_dir, "bench_sparse_attention.json"), "w") as fh:
     json.dump(results, fh, indent=1, default=str)
   log("done")

@@ -28,7 +28,7 @@
 #   bash scripts/h200_checks.sh owed-11       # the eleventh session's owed runs: batch-1 trace, top-k, batch 64 (~6 min)
 #   bash scripts/h200_checks.sh owed          # the twelfth session's: the expert GEMM's tile schedule, fetch paths,
 #                                             # the batch-1 call's ends (~9 min)
-#   bash scripts/h200_checks.sh owed-2        # and: decode step (new defaults), attention's producer alone (~7 min)
+#   bash scripts/h200_checks.sh owed-2        # and: attention's producer alone, its cp.async fetch (~5 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
@@ -268,17 +268,19 @@ case "${1:-}" in
     grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps1.txt" | head -45
     ;;
   owed-2)
-    # the twelfth session's second owed call (~7 min): the decode step with the new tile schedule and top-k rule,
-    # then decode attention's producer alone against the kernel at the same tiles per CTA (batch 64 with 2 and 1
-    # key splits: 5 and 10 tiles a CTA; batch 1: 1 tile), which says whether the producer is the kernel's limit
-    timeout -k 10 330 $PY scripts/bench_engine.py --backends auto --batches 1,8,64 --skip-prefill --decode-ctx 4096 \
-      > "$OUT/engine_log.txt" 2>&1
-    echo "bench_engine rc=$?"; grep -E "decode auto|^\| auto" "$OUT/engine_log.txt"
-    BENCH_COPY_BYTES=1073741824 timeout -k 5 150 $PY scripts/bench_sparse_attention.py --iters 10 --skip-probe \
-      --variants "64:2:s,64:1:s,1:10:r" --producer 128x5:fp4,128x2:fp8,64x10:fp4,10x1:fp4,10x1:fp8 \
+    # the twelfth session's second owed call (~5 min): decode attention's producer. GPU tests of the cp.async fetch
+    # (the kernel's output equal to the registers fetch's; the producer alone exact), then the kernel with either
+    # fetch and the producer alone at the same tiles per CTA (batch 64 with 2 and 1 key splits: 5 and 10 tiles a
+    # CTA; batch 1: 1 tile): whether the producer is the kernel's limit, and whether cp.async lifts it
+    timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_sparse_attention.py -k "cp_async or producer_stream" > "$OUT/sa_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/sa_tests.txt" | tail -12
+    BENCH_COPY_BYTES=1073741824 timeout -k 5 200 $PY scripts/bench_sparse_attention.py --iters 10 --skip-probe \
+      --variants "64:2:s,64:2:s:cpa,64:1:s,64:1:s:cpa,1:10:r,1:10:r:cpa" \
+      --producer 128x5:fp4,128x5:fp4:cpa,128x2:fp8,128x2:fp8:cpa,64x10:fp4,64x10:fp4:cpa,10x1:fp4,10x1:fp4:cpa \
       > "$OUT/sa_log.txt" 2>&1
     echo "bench_sparse_attention rc=$?"
-    grep -E "FAILED|copy ceiling|variant| [0-9]+:[0-9]+:[rs]|producer|fp4 |fp8 " "$OUT/sa_log.txt" | tail -20
+    grep -E "FAILED|copy ceiling|variant| [0-9]+:[0-9]+:[rs]|producer|fetch| fp4 | fp8 " "$OUT/sa_log.txt" | tail -24
     ;;
   owed-11)
     # what the eleventh session left owed, in one call (~6 min): the batch-1 trace (trace_gaps now lists the

@@ -273,12 +273,14 @@ def test_producer_stream_interpret_last_tile_exact():
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-def test_producer_stream_lowers_for_cuda(fmt):
+@pytest.mark.parametrize("fetch", ["registers", "cp_async"])
+def test_producer_stream_lowers_for_cuda(fmt, fetch):
   d, r = 512, 4096
   src = jax.ShapeDtypeStruct((r, d // 2 if fmt == "fp4" else d), jnp.uint8)
   sc = jax.ShapeDtypeStruct((r, d // 16 if fmt == "fp4" else d // 32), jnp.uint8)
   rows = jax.ShapeDtypeStruct((128, 5, sa.TILE), jnp.int32)
-  jax.jit(lambda a, b, c: sa.producer_stream(fmt, a, b, c)).trace(src, sc, rows).lower(
+  cfg = sa.KernelConfig(fetch=fetch)
+  jax.jit(lambda a, b, c: sa.producer_stream(fmt, a, b, c, config=cfg)).trace(src, sc, rows).lower(
       lowering_platforms=("cuda",))
 
 
@@ -301,6 +303,12 @@ def test_kernel_lowers_for_cuda_at_flash_shapes():
     f = jax.jit(lambda *a, s=splits, m=mode: sa.sparse_attention_decode(
         *a[:-2], rope_cos=a[-2], rope_sin=a[-1], rope_query=True, rope_output=True, num_splits=s,
         config=sa.KernelConfig(qk_mode=m, fuse_rope=True)))
+    f.trace(*shapes, *cs).lower(lowering_platforms=("cuda",))
+  # the producer's cp.async fetch: its 20 KB staging buffer fits beside the rest (the largest: split mode, RoPE)
+  for splits, mode in ((1, "redundant"), (2, "split")):
+    f = jax.jit(lambda *a, s=splits, m=mode: sa.sparse_attention_decode(
+        *a[:-2], rope_cos=a[-2], rope_sin=a[-1], rope_query=True, rope_output=True, num_splits=s,
+        config=sa.KernelConfig(qk_mode=m, fuse_rope=True, fetch="cp_async")))
     f.trace(*shapes, *cs).lower(lowering_platforms=("cuda",))
 
 
@@ -334,6 +342,39 @@ def test_kernel_gpu_fused_rope(splits, mode):
   assert rel_l2(outs[1], ref) < 1e-2
   # one bf16 step at most: the GPU may contract x*c + x'*s into an FMA on one side and not the other
   np.testing.assert_allclose(outs[1], outs[0], rtol=2.0**-7, atol=1e-3 * np.abs(outs[0]).max())
+
+
+@gpu
+@skip_no_gpu
+@pytest.mark.parametrize("splits,mode", [(1, "redundant"), (2, "split")])
+def test_kernel_gpu_cp_async_fetch(splits, mode):
+  """The producer's cp.async fetch (KernelConfig(fetch='cp_async')) gives the registers fetch's output exactly:
+  the same bytes dequantized by the same code, only staged through shared memory."""
+  args = make_inputs(60 + splits, 3, 64, 512, 128, 512, p=64, pages_per_seq=16)
+  outs = [np.asarray(sa.sparse_attention(*args, backend="pallas", num_splits=splits,
+                                         config=sa.KernelConfig(qk_mode=mode, fetch=f)), np.float32)
+          for f in ("registers", "cp_async")]
+  assert rel_l2(outs[1], sa.sparse_attention_reference(*args, out_dtype=jnp.float32)) < 1e-2
+  np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@gpu
+@skip_no_gpu
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("fetch", ["registers", "cp_async"])
+def test_producer_stream_gpu_exact(fmt, fetch):
+  key = jax.random.key(13)
+  r, d = 500, 512
+  rows = jax.random.randint(key, (4, 3, sa.TILE), 0, r).astype(jnp.int32).at[2, 2, 9].set(-1)
+  x = jax.random.normal(key, (r, d)) * 5
+  src, sc = sa.quantize_kv_fp4(x) if fmt == "fp4" else sa.quantize_swa_fp8(x)
+  deq = sa.dequant_kv_fp4 if fmt == "fp4" else sa.dequant_swa_fp8
+  out, bias = sa.producer_stream(fmt, src, sc, rows, config=sa.KernelConfig(fetch=fetch))
+  last = rows[:, -1]
+  g = jnp.maximum(last, 0)
+  want = jnp.where((last >= 0)[..., None], deq(src[g], sc[g]), 0).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(bias, jnp.where(last >= 0, 0.0, -jnp.inf))
 
 
 @gpu
