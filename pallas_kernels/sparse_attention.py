@@ -396,18 +396,11 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int, fetch: st
 
     def load_scale(row):
       """This thread's scale bytes of a row (FP4: 2 e4m3, bytes 2m, 2m+1; FP8: 1 UE8M0, byte m // 2) as u32."""
-      if fmt == "fp4":
-        saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
-                           arith.extui(i64, arith.muli(m, ci(2))))
-        return mu.inline_ptx(
-            "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
-            "ld.global.nc.b16 t, [g]; cvt.u32.u16 $0, t; }",
-            saddr, result_types=i32, has_side_effects=True)
-      saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))),
-                         arith.extui(i64, arith.divui(m, ci(2))))
+      off, width = (arith.muli(m, ci(2)), "b16") if fmt == "fp4" else (arith.divui(m, ci(2)), "u8")
+      saddr = arith.addi(arith.addi(scl, arith.muli(row, cl(scale_row_bytes))), arith.extui(i64, off))
       return mu.inline_ptx(
           "{ .reg .b64 g; .reg .b16 t; cvta.to.global.u64 g, $1; "
-          "ld.global.nc.u8 t, [g]; cvt.u32.u16 $0, t; }",
+          f"ld.global.nc.{width} t, [g]; cvt.u32.u16 $0, t; }}",
           saddr, result_types=i32, has_side_effects=True)
 
     def finish_row(r, valid, words, sc):
@@ -423,7 +416,8 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int, fetch: st
           has_side_effects=True)
       return words, sc
 
-    def load_row(i):
+    def locate(i):
+      """This thread's i-th row of the tile: (tile row r, valid, pool row, address of its 16 data bytes)."""
       r = arith.addi(rsub, ci(rows_per_pass * i))
       rid = mu.inline_ptx(
           "ld.shared.b32 $0, [$1];",
@@ -433,6 +427,10 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int, fetch: st
       row = arith.extui(i64, arith.maxsi(rid, zero))
       addr = arith.addi(arith.addi(src, arith.muli(row, cl(row_bytes))),
                         arith.extui(i64, arith.muli(m, ci(16))))
+      return r, valid, row, addr
+
+    def load_row(i):
+      r, valid, row, addr = locate(i)
       words = mu.inline_ptx(
           "{ .reg .b64 g; cvta.to.global.u64 g, $4; "
           "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [g]; }",
@@ -458,15 +456,7 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int, fetch: st
       data_at = lambda s_: arith.addi(stage, arith.muli(arith.addi(ci(s_ * 128), tid), ci(16)))
       meta = []
       for s_ in range(n):
-        r = arith.addi(rsub, ci(rows_per_pass * (i0 + s_)))
-        rid = mu.inline_ptx(
-            "ld.shared.b32 $0, [$1];",
-            arith.addi(rows_base, arith.muli(r, ci(4))), result_types=i32,
-            has_side_effects=True)
-        valid = arith.cmpi(arith.CmpIPredicate.sge, rid, zero)
-        row = arith.extui(i64, arith.maxsi(rid, zero))
-        addr = arith.addi(arith.addi(src, arith.muli(row, cl(row_bytes))),
-                          arith.extui(i64, arith.muli(m, ci(16))))
+        r, valid, row, addr = locate(i0 + s_)
         mu.inline_ptx(
             "{ .reg .pred p; .reg .b64 g; setp.ne.b32 p, $2, 0; cvta.to.global.u64 g, $1; "
             "@p cp.async.cg.shared.global [$0], [g], 16; }",
