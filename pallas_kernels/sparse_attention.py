@@ -524,7 +524,7 @@ class KernelConfig:
   prefetch: L2-prefetch the next tile's rows before waiting for a free stage.
   rows_per_batch: rows whose 16-byte loads a producer thread has in flight.
   fetch: how the producer fetches a tile's rows: 'registers' (loads into registers, rows_per_batch rows in
-    flight) or 'cp_async' (copies straight into a 20 KB shared staging buffer, 8 rows a thread in flight;
+    flight) or 'cp_async' (copies straight into a 16 KB shared staging buffer, 8 rows a thread in flight;
     opt-in until it has run on the device: interpreter (which does not run the producer's PTX) and sm_90a
     lowering only so far).
   fuse_rope: with rope_query / rope_output, rotate the query's RoPE dims in
