@@ -11,7 +11,6 @@ memory transforms and pipeline depth through a Mosaic GPU pipeline whose body do
   tiles  [R/rows, Kb/B, rows, B]: each box one contiguous rows*B-byte block
   flat   the same contiguous blocks as boxes of 1 KB rows (uint32 [.., rows*B/1024, 256], no swizzle: what a
          copy of tiles stored already swizzled would be): does TMA stream faster in fewer, longer rows?
-
   ldg    no TMA: each item read by the threads of 1-4 warpgroups with 16-byte plain loads (`--ldg WGSxLOADS`)
 
 On the H200 (2026-12-01, docs/PERFORMANCE.md "Twelfth session") the first three streamed 2.7-3.2 TB/s with the
@@ -20,7 +19,7 @@ decode's [128, 128 B] boxes, at 4 or 8 stages: the kernel's 2.84 TB/s is 90-95% 
 were not run yet.
 
     PYTHONPATH=. python3 scripts/bench_weight_layout.py [--gib 1.5] [--stages 4,8] [--box-bytes 128,64]
-                                                        [--box-rows 128]
+                                                        [--box-rows 128] [--ldg 1x4,2x4,2x8,4x8]
     PYTHONPATH=. python3 scripts/bench_weight_layout.py --tiny    # CPU: the interpreter, toy sizes
 """
 
@@ -36,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 log = logging.getLogger("bench_weight_layout")
+
 
 @functools.lru_cache(maxsize=None)
 def stream_kernel(layout: str, items: int, rows: int, kb: int, box: int, stages: int, interpret: bool):
