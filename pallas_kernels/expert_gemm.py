@@ -195,8 +195,7 @@ def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int):
     ends = jnp.cumsum(gs)
     starts = ends - gs
     gp = (gs + 7) // 8 * 8  # an expert's rows in the padded layout
-    pends = jnp.cumsum(gp)
-    pstarts = pends - gp
+    pstarts = jnp.cumsum(gp) - gp
     n = (gs + tm - 1) // tm  # tiles of each expert
     cum = jnp.cumsum(n)
     base = cum - n
@@ -205,13 +204,12 @@ def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int):
     live = t < cum[-1]
     tile_expert = jnp.where(live, te, -1).astype(jnp.int32)
     tile_row = jnp.where(live, pstarts[te] + (t - base[te]) * tm, 0).astype(jnp.int32)
-    p = jnp.arange(padded_rows(m, gs.shape[0]), dtype=jnp.int32)
-    pe = jnp.minimum(jnp.searchsorted(pends, p, side="right", method="compare_all"), gs.shape[0] - 1)
-    poff = p - pstarts[pe]
-    src = jnp.where((p < pends[-1]) & (poff < gs[pe]), starts[pe] + poff, m).astype(jnp.int32)
     re, valid = _row_expert(gs, m)
-    off = jnp.arange(m, dtype=jnp.int32) - starts[re]
+    r = jnp.arange(m, dtype=jnp.int32)
+    off = r - starts[re]
     pos = (base[re] + off // tm) * tm + off % tm
+    mp = padded_rows(m, gs.shape[0])
+    src = jnp.full((mp,), m, jnp.int32).at[jnp.where(valid, pstarts[re] + off, mp)].set(r, mode="drop")
     return tile_expert, tile_row, src, jnp.where(valid, pos, 0), valid
 
 
