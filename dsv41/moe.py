@@ -62,29 +62,59 @@ def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: Mod
         order, sizes = jnp.argsort(flat, stable=True), jnp.bincount(flat, length=E).astype(jnp.int32)
     else:
         order, sizes = permutation
+    if isinstance(p.get("w13"), expert_gemm.PreparedFp4):
+        return _routed_experts_fp4(x, w, order, sizes, p, cfg, num)
     tok = order // k
     xs = x[tok].astype(dt)
     if num.act_quant:
         xs = quant.fp8_qdq(xs)
 
     def gmm(a, weight):  # a [N, in], weight [E, out, in]
-        if isinstance(weight, expert_gemm.PreparedFp4):  # FP4 decoded in the Mosaic GPU kernel (prepare_experts)
-            backend = "interpret" if weight.interpret else "pallas"
-            return expert_gemm.grouped_fp4_matmul(a.astype(jnp.bfloat16), weight, sizes, backend).astype(dt)
         wd = jnp.swapaxes(quant.dense(weight, dt), 1, 2)
         return jax.lax.ragged_dot(a, wd, sizes, preferred_element_type=jnp.float32).astype(dt)
 
-    if "w13" in p:  # prepare_experts: w1 and w3 as one weight [E, 2F, D], one kernel call
-        gu = gmm(xs, p["w13"])
-        f = gu.shape[-1] // 2
-        h = swiglu(gu[:, :f], gu[:, f:], cfg.swiglu_limit)
-    else:
-        h = swiglu(gmm(xs, p["w1"]), gmm(xs, p["w3"]), cfg.swiglu_limit)
+    h = swiglu(gmm(xs, p["w1"]), gmm(xs, p["w3"]), cfg.swiglu_limit)
     h = (w.reshape(-1)[order][:, None] * h).astype(dt)
     if num.act_quant:
         h = quant.fp8_qdq(h)
     y = gmm(h, p["w2"]).astype(jnp.float32)
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[tok].add(y)
+
+
+def _routed_experts_fp4(x, w, order, sizes, p, cfg: ModelConfig, num: Numerics):
+    """`routed_experts` with the grouped FP4 kernel (`prepare_experts`: w13 [E, 2F, D], w2 [E, D, F]).
+
+    Rows stay in the kernel's layouts between the two GEMMs (`expert_gemm.tile_schedule`): x is gathered from
+    the tokens straight into the padded row layout; SwiGLU, the routing weight and the activation quantization
+    read w13's output where the tile layout holds it, writing w2's input in the padded row layout; each token
+    sums its k rows of w2's output. One schedule for both GEMMs, no per-call row gathers, and a gather-sum in
+    place of a float32 scatter-add over the T * k rows (atomics) at the end. The activation quantization of x
+    runs on the T tokens before the gather, not on their T * k copies (the same per-row values)."""
+    T, D = x.shape
+    k = w.shape[-1]
+    m, E = order.shape[0], sizes.shape[0]
+    w13, w2 = p["w13"], p["w2"]
+    f = w2.shape[-1]
+    c13, c2 = expert_gemm.default_config(m, 2 * f, D, E), expert_gemm.default_config(m, D, f, E)
+    if c13.tm != c2.tm:
+        raise ValueError(f"w13 and w2 share one tile schedule: their configs need the same tm ({c13} / {c2})")
+    sched = expert_gemm.tile_schedule(sizes, m, c13.tm, expert_gemm.max_tiles(m, E, c13.tm))
+    has_row = sched.src < m
+    src = jnp.minimum(sched.src, m - 1)  # padded row -> sorted row (padding rows masked by has_row)
+    xq = quant.fp8_qdq(x.astype(num.jdtype)) if num.act_quant else x
+    xp = jnp.take(xq.astype(jnp.bfloat16), jnp.where(has_row, order[src] // k, T), axis=0, mode="fill",
+                  fill_value=0)
+    gu = expert_gemm.matmul_padded(xp, w13, sched, c13, w13.interpret)  # tile layout [t_max * tm, 2F]
+    gu = jnp.take(gu, sched.pos[src], axis=0)  # w2's padded row layout
+    h = swiglu(gu[:, :f], gu[:, f:], cfg.swiglu_limit)
+    h = jnp.where(has_row[:, None], w.reshape(-1)[order[src]][:, None] * h, 0.0).astype(num.jdtype)
+    if num.act_quant:
+        h = quant.fp8_qdq(h)
+    y = expert_gemm.matmul_padded(h.astype(jnp.bfloat16), w2, sched, c2, w2.interpret)  # [t_max * tm, D]
+    slot_row = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))  # slot -> sorted row
+    rows = jnp.where(sched.valid[slot_row], sched.pos[slot_row], -1).reshape(T, k)
+    ys = jnp.take(y, rows, axis=0, mode="fill", fill_value=0).astype(num.jdtype).astype(jnp.float32)
+    return ys.sum(1)
 
 
 def prepare_experts(params: dict, interpret: bool = False) -> dict:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +177,21 @@ def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int):
+class TileSchedule(NamedTuple):
+    """Where the kernel's tiles and rows sit (`tile_schedule`); shapes fix t_max and m."""
+
+    tile_expert: jax.Array  # int32 [t_max]: each tile's expert, -1 past the last live tile
+    tile_row: jax.Array  # int32 [t_max]: each tile's first row in the padded row layout (a multiple of 8)
+    src: jax.Array  # int32 [padded_rows(m, E)]: the sorted row each padded row holds; m for padding
+    pos: jax.Array  # int32 [m]: each sorted row's row in the kernel's output [t_max * tm] (0 if not valid)
+    valid: jax.Array  # bool [m]: the sorted row is inside some group
+
+    @property
+    def t_max(self) -> int:
+        return self.tile_expert.shape[0]
+
+
+def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int) -> TileSchedule:
     """Tiles = runs of up to tm rows of one expert, cut from the expert's first row, experts in order.
 
     Each tile streams its expert's weights once for up to tm of its rows, so an expert is read ceil(n_e / tm)
@@ -188,9 +202,9 @@ def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int):
     padded row layout [padded_rows(m, E), K] where each expert's rows start on a multiple of 8. A tile's last rows
     may be padding, the next expert's rows or past the end (TMA reads zeros there): computed, never gathered.
 
-    Returns tile_expert [t_max] (-1 past the last tile), tile_row [t_max] (the tile's first row in the padded
-    layout), src [padded_rows] (the sorted row each padded row holds; m for padding), and for each sorted row its
-    position in the padded output [t_max * tm] plus a validity mask (rows outside every group give 0)."""
+    The kernel's output has the tile layout [t_max * tm, N] (tile t's rows at t * tm, `pos`): a caller that
+    feeds it to a second GEMM with the same schedule (w1/w3 -> w2: `dsv41.moe`) regathers it into the padded row
+    layout by `pos[src]` and calls `matmul_padded` again."""
     gs = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(gs)
     starts = ends - gs
@@ -210,7 +224,7 @@ def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int):
     pos = (base[re] + off // tm) * tm + off % tm
     mp = padded_rows(m, gs.shape[0])
     src = jnp.full((mp,), m, jnp.int32).at[jnp.where(valid, pstarts[re] + off, mp)].set(r, mode="drop")
-    return tile_expert, tile_row, src, jnp.where(valid, pos, 0), valid
+    return TileSchedule(tile_expert, tile_row, src, jnp.where(valid, pos, 0), valid)
 
 
 def live_tile_count(tile_expert: jax.Array) -> jax.Array:
@@ -243,15 +257,24 @@ class KernelConfig:
         return 64 * self.num_wgs
 
 
-def default_config(m: int, n: int, k: int) -> KernelConfig:
+def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
+    """The config for m rows over e experts (N = n, K = k).
+
+    Up to 64 rows an expert on average (decode; a prefill chunk over many experts) the weights are the bytes
+    that matter: 256-input steps and every SM's work items chained into one TMA stream, which needs the stages
+    to divide the K steps (4 for w1/w3: 20 steps of 256; 3 for w2: 9). Decode (m <= 512) takes tiles of 8 rows;
+    on the H200 (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from 665 to 612 us and w1/w3
+    from 1195-1255 to 1115-1221 us. A prefill chunk with few rows an expert takes tiles of 64: Flash's 384
+    experts at a 2048-token chunk (32 rows an expert) took 2235 / 1136 us (w1/w3 / w2) against 3341 / 1765 with
+    the 128-row tiles (thirteenth session, docs/PERFORMANCE.md). Beyond 64 rows an expert the GEMM is
+    compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the matmul rate)."""
+    tk = 256 if k % 256 == 0 else 128
+    steps = k // tk
+    stages = 3 if steps % 4 and steps % 3 == 0 else 4
     if m <= 512:
-        # Decode-like: few rows per expert, every SM's work items chained into one TMA stream, which needs the
-        # stages to divide the K steps: 4 for w1/w3 (20 steps of 256), 3 for w2 (9 steps). On the H200
-        # (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from 665 to 612 us (57% of HBM) and
-        # w1/w3 from 1195-1255 to 1115-1221 us; at 1 token all of these were within 1 us (18.4 / 36.6 us).
-        tk = 256 if k % 256 == 0 else 128
-        steps = k // tk
-        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=3 if steps % 4 and steps % 3 == 0 else 4, chain=True)
+        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True)
+    if m <= 64 * e:
+        return KernelConfig(tm=64, tk=tk, num_wgs=2, stages=stages, chain=True)
     return KernelConfig(tm=128, tk=128, num_wgs=2, stages=4)
 
 
@@ -549,13 +572,21 @@ def grouped_fp4_matmul_pallas(x: jax.Array, w: Fp4Weight | PreparedFp4, group_si
     e, n, k2 = pw.weight.shape
     if k2 * 2 != k:
         raise ValueError(f"x has K={k}, weight has K={k2 * 2}")
-    cfg = config or default_config(m, n, k)
-    t_max = max_tiles(m, e, cfg.tm)
-    te, tr, src, pos, valid = tile_schedule(group_sizes, m, cfg.tm, t_max)
-    xp = jnp.take(x, src, axis=0, mode="fill", fill_value=0)  # the padded row layout (XLA fuses it into x's gather)
-    y_pad = run_kernel(live_tile_count(te), te, tr, xp, pw.weight, pw.scale_t, e=e, t_max=t_max, cfg=cfg,
-                       interpret=interpret)
-    return jnp.where(valid[:, None], y_pad[pos], jnp.zeros((), jnp.bfloat16))
+    cfg = config or default_config(m, n, k, e)
+    sched = tile_schedule(group_sizes, m, cfg.tm, max_tiles(m, e, cfg.tm))
+    xp = jnp.take(x, sched.src, axis=0, mode="fill", fill_value=0)  # the padded row layout
+    y_tiles = matmul_padded(xp, pw, sched, cfg, interpret)
+    return jnp.where(sched.valid[:, None], y_tiles[sched.pos], jnp.zeros((), jnp.bfloat16))
+
+
+def matmul_padded(xp: jax.Array, w: PreparedFp4, sched: TileSchedule, cfg: KernelConfig,
+                  interpret: bool = False) -> jax.Array:
+    """The kernel alone: x bf16 in the schedule's padded row layout [padded_rows(m, E), K] -> y bf16 in its tile
+    layout [t_max * tm, N] (sorted row r at `sched.pos[r]`; rows of no sorted row are unspecified). For callers
+    that keep their rows in these layouts between GEMMs (`dsv41.moe`) instead of gathering each call's rows
+    back."""
+    return run_kernel(live_tile_count(sched.tile_expert), sched.tile_expert, sched.tile_row, xp, w.weight,
+                      w.scale_t, e=w.weight.shape[0], t_max=sched.t_max, cfg=cfg, interpret=interpret)
 
 
 def run_kernel(live, tile_expert, tile_row, x, weight, scale_t, *, e: int, t_max: int, cfg: KernelConfig,

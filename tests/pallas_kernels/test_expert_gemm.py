@@ -234,13 +234,16 @@ def test_ksplit_lowers_for_cuda(n, k, cfg):
         sd((6, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
-def test_decode_default_chains_at_flash_shapes():
-    """The decode config chains every SM's items (its stages divide the K steps) for w1/w3 (K 5120) and w2 (K
-    2304): unchained, w2 took 665 us at 64 tokens on the H200 against 612 chained."""
-    for n, k in [(4608, 5120), (5120, 2304)]:
-        for m in (6, 384):
-            cfg = eg.default_config(m, n, k)
-            assert cfg.chain and (k // cfg.tk) % cfg.stages == 0 and cfg.stages >= 3, (k, cfg)
+def test_default_configs_at_flash_shapes():
+    """Decode and prefill chunks with few rows an expert chain every SM's items (the stages divide the K steps)
+    for w1/w3 (K 5120) and w2 (K 2304): unchained, w2 took 665 us at 64 tokens on the H200 against 612 chained.
+    w1/w3 and w2 of one MoE take the same tile rows (dsv41.moe runs both on one tile schedule)."""
+    for m, tm in ((6, 8), (384, 8), (2048 * 6, 64), (8192 * 6, 128)):
+        cfgs = [eg.default_config(m, n, k, 384) for n, k in [(4608, 5120), (5120, 2304)]]
+        assert {c.tm for c in cfgs} == {tm}, (m, cfgs)
+        for (n, k), cfg in zip([(4608, 5120), (5120, 2304)], cfgs):
+            if tm < 128:
+                assert cfg.chain and (k // cfg.tk) % cfg.stages == 0 and cfg.stages >= 3, (k, cfg)
 
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -253,6 +256,7 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True)),
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True)),
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True)),
+                                   (1536, C(tm=64, tk=256, num_wgs=2, stages=2, chain=True)),
                                    (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2))])
 def test_kernel_gpu(m, cfg):
     rng = np.random.default_rng(7)
@@ -270,9 +274,12 @@ def test_kernel_gpu(m, cfg):
     assert _rel(y, ref) < 5e-3
 
 
-def test_moe_layer_through_the_kernel_equals_xla():
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_moe_layer_through_the_kernel_equals_xla(act_quant):
     """dsv41.moe with the experts in the kernel layout (prepare_experts; here the kernel in the interpreter)
-    against the XLA path on the same FP4 weights: routing, sort, SwiGLU, weighting and scatter around the GEMMs."""
+    against the XLA path on the same FP4 weights: routing, sort, SwiGLU, weighting and the sum over each token's
+    experts around the GEMMs (the kernel path keeps its rows in the kernel's layouts between them), with and
+    without the served FP8 quantization of the activations."""
     from dsv41 import moe
     from dsv41 import params as P
     from dsv41.config import preset
@@ -286,10 +293,12 @@ def test_moe_layer_through_the_kernel_equals_xla():
     assert set(prepared["experts"]) == {"w13", "w2"}  # w1 and w3 in one call
     again = moe.prepare_experts({"layers": [{"ffn": prepared}]}, interpret=True)["layers"][0]["ffn"]["experts"]
     assert again["w13"] is prepared["experts"]["w13"]  # preparing twice is a no-op
-    num = Numerics(act_quant=False, bf16_probs=True, dtype="bfloat16")
+    num = Numerics(act_quant=act_quant, bf16_probs=True, dtype="bfloat16")
     x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 7, cfg.dim)), jnp.bfloat16)
-    y_xla = moe.moe(x, lp, cfg, num)
-    y_kernel = moe.moe(x, prepared, cfg, num)
+    # one program each: eager ops dispatched while the interpreter's callback thread runs can deadlock it
+    layer = jax.jit(lambda x, p: moe.moe(x, p, cfg, num))
+    y_xla = jax.block_until_ready(layer(x, lp))
+    y_kernel = layer(x, prepared)
     assert _rel(y_kernel, np.asarray(y_xla.astype(jnp.float32), np.float64)) < 1e-2
 
 
