@@ -336,23 +336,13 @@ def _swizzled_chunk_offset(r, q, d):
   return ((r // 8) * (d // 64) + q // 8) * 1024 + (r % 8) * 128 + (((q % 8) ^ (r % 8)) * 16)
 
 
-STAGE_SLOTS = 8  # rows a producer thread stages a round with fetch='cp_async'
-STAGE_BYTES = STAGE_SLOTS * 128 * 16  # per thread and slot its 16 data bytes (16 KB: what split mode leaves)
+def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
+  """Returns an inline_mgpu body that fills one bf16 K tile + its bias: each thread loads its rows' 16-byte
+  chunks into registers, rows_per_batch rows in flight (`ld.global.nc.v4`), then dequantizes them. (A cp.async
+  fetch straight into a shared staging buffer, no registers held while in flight, was slower on the H200 in
+  every case timed, the kernel's and the producer's alone: docs/KERNELS_SPARSE_ATTENTION.md.)"""
 
-
-def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int, fetch: str = "registers"):
-  """Returns an inline_mgpu body that fills one bf16 K tile + its bias.
-
-  fetch 'registers': each thread loads its rows' 16-byte chunks into registers, rows_per_batch rows in flight
-  (`ld.global.nc.v4`), then dequantizes them. 'cp_async': each thread copies the chunks of up to STAGE_SLOTS
-  rows straight into a shared staging buffer (`cp.async`, no registers held while in flight; their 1-2 scale
-  bytes a row load into registers meanwhile: a whole FP4 tile, or half a FP8 one, is one round trip), waits
-  for its own copies and dequantizes from there. A thread reads back only what it copied itself, so no barrier
-  is needed between the two."""
-  if fetch not in ("registers", "cp_async"):
-    raise ValueError(f"bad fetch {fetch!r}")
-
-  def fn(ctx, src_ref, scale_ref, rows_ref, k_ref, bias_ref, stage_ref=None):
+  def fn(ctx, src_ref, scale_ref, rows_ref, k_ref, bias_ref):
     del ctx
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
@@ -449,33 +439,8 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int, fetch: st
           "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
           arith.addi(k_base, off), *regs, has_side_effects=True)
 
-    def stage_rows(i0, n):
-      """cp.async this thread's data chunks of rows i0 .. i0+n-1 into its staging slots (their scale bytes into
-      registers meanwhile), wait for them, and read them back as load_row returns them."""
-      stage = ptr_i32(stage_ref)
-      data_at = lambda s_: arith.addi(stage, arith.muli(arith.addi(ci(s_ * 128), tid), ci(16)))
-      meta = []
-      for s_ in range(n):
-        r, valid, row, addr = locate(i0 + s_)
-        mu.inline_ptx(
-            "{ .reg .pred p; .reg .b64 g; setp.ne.b32 p, $2, 0; cvta.to.global.u64 g, $1; "
-            "@p cp.async.cg.shared.global [$0], [g], 16; }",
-            data_at(s_), addr, arith.extui(i32, valid), has_side_effects=True)
-        meta.append((r, valid, load_scale(row)))
-      mu.inline_ptx("cp.async.commit_group; cp.async.wait_group 0;", has_side_effects=True)
-      out = []
-      for s_, (r, valid, sc) in enumerate(meta):
-        words = mu.inline_ptx("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", data_at(s_),
-                              result_types=[i32] * 4, has_side_effects=True)
-        out.append((r, *finish_row(r, valid, words, sc)))
-      return out
-
-    per_round = STAGE_SLOTS if fetch == "cp_async" else rows_per_batch
-    for i0 in range(0, n_iter, per_round):
-      if fetch == "cp_async":
-        loaded = stage_rows(i0, min(per_round, n_iter - i0))
-      else:
-        loaded = [load_row(i) for i in range(i0, min(n_iter, i0 + per_round))]
+    for i0 in range(0, n_iter, rows_per_batch):
+      loaded = [load_row(i) for i in range(i0, min(n_iter, i0 + rows_per_batch))]
       for r, words, sc in loaded:
         if fmt == "fp4":
           s_lo, s_hi = mu.inline_ptx(_E4M3_SCALE_PTX, sc, result_types=[i32, i32])
@@ -523,10 +488,10 @@ class KernelConfig:
     maxima and P halves through shared memory (2 syncs per tile).
   prefetch: L2-prefetch the next tile's rows before waiting for a free stage.
   rows_per_batch: rows whose 16-byte loads a producer thread has in flight.
-  fetch: how the producer fetches a tile's rows: 'registers' (loads into registers, rows_per_batch rows in
-    flight) or 'cp_async' (copies straight into a 16 KB shared staging buffer, 8 rows a thread in flight;
-    opt-in until it has run on the device: interpreter (which does not run the producer's PTX) and sm_90a
-    lowering only so far).
+  fetch_keys: False is for timing only (`bench_sparse_attention.py` ':nofetch'): the producer hands each
+    stage to the consumers without gathering or dequantizing anything, so the kernel's time is its consumers'
+    (QK, softmax and PV over whatever the stages hold; the output is meaningless). Against the producer's time
+    alone (`producer_stream`) it says which side a tile's time goes to.
   fuse_rope: with rope_query / rope_output, rotate the query's RoPE dims in
     shared memory and the output's (one key split: the kernel's epilogue;
     more: the XLA combine) inside the kernel instead of two XLA passes over
@@ -539,7 +504,7 @@ class KernelConfig:
   consumer_regs: int = 216
   producer_regs: int = 72
   fuse_rope: bool = False
-  fetch: str = "registers"
+  fetch_keys: bool = True
 
   def __post_init__(self):
     # 384 threads -> ptxas gives 168 regs/thread; setmaxnreg only moves
@@ -552,8 +517,6 @@ class KernelConfig:
       raise ValueError("register counts must be multiples of 8")
     if self.qk_mode not in ("redundant", "split"):
       raise ValueError(f"bad qk_mode {self.qk_mode!r}")
-    if self.fetch not in ("registers", "cp_async"):
-      raise ValueError(f"bad fetch {self.fetch!r}: 'registers' or 'cp_async'")
 
 
 def _mgpu_prefetch_fn(fmt: str, tile: int, d: int):
@@ -676,7 +639,6 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
   p_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
   rope = rope_q or rope_o
   rw = ROPE_W
-  staged = cfg.fetch == "cp_async" and not interpret  # the interpreter's producer reads pre-gathered rows
   if rope_o and split_out:
     raise ValueError("the output RoPE runs in the kernel only with one key split")
   if rope and rw > dh:
@@ -696,20 +658,19 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
   fns = {}
   if not interpret:
     for fmt in ("fp4", "fp8"):
-      fns[fmt] = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch, cfg.fetch)
+      fns[fmt] = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch)
       fns["pf_" + fmt] = _mgpu_prefetch_fn(fmt, t, d)
 
-  def dequant(fmt, src_ref, scale_ref, rows_ref, k_ref, bias_ref, bi=None, lt=None, stage_ref=None):
+  def dequant(fmt, src_ref, scale_ref, rows_ref, k_ref, bias_ref, bi=None, lt=None):
     if interpret:
       # Pre-gathered [B, tiles*T, ...] arrays; lt = tile index within format.
       _interpret_dequant(fmt, src_ref.at[bi, pl.ds(lt * t, t)],
                          scale_ref.at[bi, pl.ds(lt * t, t)], rows_ref, k_ref, bias_ref)
       return
-    refs = (src_ref, scale_ref, rows_ref, k_ref, bias_ref) + ((stage_ref,) if stage_ref is not None else ())
     plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                   plgpu.RefType(tile_transforms), plgpu.RefType()) + (plgpu.RefType(),) * (len(refs) - 5),
-    )(fns[fmt])(*refs)
+                   plgpu.RefType(tile_transforms), plgpu.RefType()),
+    )(fns[fmt])(src_ref, scale_ref, rows_ref, k_ref, bias_ref)
 
   def prefetch(fmt, src_ref, scale_ref, rows_ref):
     if interpret:
@@ -726,9 +687,6 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
       opart_ref, ml_ref, *scratch = refs
     else:
       o_ref, *scratch = refs
-    stage_smem = None
-    if staged:
-      *scratch, stage_smem = scratch
     cs_smem = rope_bar = None
     if rope:
       *scratch, cs_smem, rope_bar = scratch
@@ -761,7 +719,7 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
       def _tile(ti):
         slot = lax.rem(ti, ns)
         gt = si * tps + ti
-        if cfg.prefetch and tps > 1:
+        if cfg.fetch_keys and cfg.prefetch and tps > 1:
           nxt = jnp.minimum(ti + 1, tps - 1)
           rows_n = rows_smem.at[nxt]
 
@@ -776,13 +734,13 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
         def _():
           plgpu.barrier_wait(consumed.at[slot])
 
-        args = (rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
-        tile_fmt_branches(
-            gt,
-            lambda: dequant("fp8", swa_ref, swas_ref, *args, bi=bi, lt=gt, stage_ref=stage_smem),
-            lambda: dequant("fp4", kv_ref, kvs_ref, *args, bi=bi,
-                            lt=gt - n_tiles_swa, stage_ref=stage_smem))
-        plgpu.commit_smem()
+        if cfg.fetch_keys:
+          args = (rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
+          tile_fmt_branches(
+              gt,
+              lambda: dequant("fp8", swa_ref, swas_ref, *args, bi=bi, lt=gt),
+              lambda: dequant("fp4", kv_ref, kvs_ref, *args, bi=bi, lt=gt - n_tiles_swa))
+          plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[slot])
 
       # Drain: observe the consumers' last releases (keeps every barrier's
@@ -943,8 +901,6 @@ def _build_kernel(b, d, n_tiles_swa, n_tiles_c, num_splits, interpret, cfg, rope
   ]
   if rope:
     scratch += [plgpu.SMEM((2, rw), jnp.float32), plgpu.Barrier(num_arrivals=2)]
-  if staged:
-    scratch += [plgpu.SMEM((STAGE_BYTES,), jnp.uint8)]
   kwargs = {}
   if interpret:
     kwargs["interpret"] = plgpu.InterpretGPUParams()
@@ -1030,10 +986,9 @@ def _build_producer_stream(fmt, d, n_ctas, n_tiles, interpret, cfg):
   tile_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   fn = pf = None
   if not interpret:
-    fn, pf = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch, cfg.fetch), _mgpu_prefetch_fn(fmt, t, d)
-  staged = cfg.fetch == "cp_async" and not interpret
+    fn, pf = _mgpu_dequant_fn(fmt, t, d, cfg.rows_per_batch), _mgpu_prefetch_fn(fmt, t, d)
 
-  def body(src_ref, scale_ref, rows_ref, out_ref, bias_out_ref, k_smem, bias_smem, rows_smem, bar, *stage):
+  def body(src_ref, scale_ref, rows_ref, out_ref, bias_out_ref, k_smem, bias_smem, rows_smem, bar):
     c = lax.axis_index("cta")
     plgpu.copy_gmem_to_smem(rows_ref.at[c], rows_smem, bar)
     plgpu.barrier_wait(bar)
@@ -1052,8 +1007,8 @@ def _build_producer_stream(fmt, d, n_ctas, n_tiles, interpret, cfg):
               src_ref, scale_ref, rows_smem.at[jnp.minimum(ti + 1, n_tiles - 1)])
       plgpu.inline_mgpu(
           arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                     plgpu.RefType(tile_transforms), plgpu.RefType()) + (plgpu.RefType(),) * len(stage),
-      )(fn)(src_ref, scale_ref, rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot], *stage)
+                     plgpu.RefType(tile_transforms), plgpu.RefType()),
+      )(fn)(src_ref, scale_ref, rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
       plgpu.commit_smem()
 
     last = (n_tiles - 1) % ns
@@ -1074,7 +1029,7 @@ def _build_producer_stream(fmt, d, n_ctas, n_tiles, interpret, cfg):
           plgpu.SMEM((ns, t), jnp.float32),
           plgpu.SMEM((n_tiles, t), jnp.int32),
           plgpu.Barrier(num_arrivals=1),
-      ] + ([plgpu.SMEM((STAGE_BYTES,), jnp.uint8)] if staged else []),
+      ],
       **kwargs,
   ))
 

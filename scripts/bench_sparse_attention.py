@@ -211,12 +211,12 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--variants", default="1:10:r,1:10:s,8:10:r,8:10:s,64:1:r,64:1:s,64:2:r,64:2:s",
-                  help="B:S:mode[:nopf][:rpbN][:cpa] entries; mode r=redundant, s=split QK; cpa: the "
-                       "producer's cp.async fetch")
+                  help="B:S:mode[:nopf][:rpbN][:nofetch] entries; mode r=redundant, s=split QK; nofetch: "
+                       "timing only, the consumers alone (KernelConfig(fetch_keys=False))")
   ap.add_argument("--skip-probe", action="store_true")
   ap.add_argument("--producer", default="",
-                  help="also time the producer alone (sa.producer_stream): CTAsxTILES:fmt[:cpa] entries, e.g. "
-                       "128x5:fp4,128x2:fp8 (batch 64, 2 splits: each CTA's 5 tiles), 64x10:fp4:cpa")
+                  help="also time the producer alone (sa.producer_stream): CTAsxTILES:fmt entries, e.g. "
+                       "128x5:fp4,128x2:fp8 (batch 64, 2 splits: each CTA's 5 FP4 and 2 FP8 tiles)")
   ap.add_argument("--interpret", action="store_true",
                   help="CPU smoke test of this script (Mosaic GPU interpreter)")
   args = ap.parse_args()
@@ -235,8 +235,8 @@ def main():
         cfg["prefetch"] = False
       elif extra.startswith("rpb"):
         cfg["rows_per_batch"] = int(extra[3:])
-      elif extra == "cpa":
-        cfg["fetch"] = "cp_async"
+      elif extra == "nofetch":
+        cfg["fetch_keys"] = False
     variants.setdefault(bb, []).append((ss, v, sa.KernelConfig(**cfg)))
   results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": [], "timings": []}
 
@@ -312,10 +312,12 @@ def main():
         entry["compile_run_s"] = time.time() - t_c0
         e, mx, nan = rel_err(out, ref32)
         e_xla, _, _ = rel_err(ref, ref32)
-        entry.update(rel_l2=e, rel_max=mx, nan=nan, ok=(e < 1e-2 and not nan), xla_rel_l2=e_xla)
+        # timing-only variants (the consumers alone) compute over unfilled stages: nothing to check
+        ok = (e < 1e-2 and not nan) if cfg.fetch_keys else "timing"
+        entry.update(rel_l2=e, rel_max=mx, nan=nan, ok=ok, xla_rel_l2=e_xla)
         log(f"{vname} B={b} S={s}: rel_l2={e:.2e} rel_max={mx:.2e} nan={nan} "
             f"(xla bf16 out vs f32: {e_xla:.2e}) compile+run {entry['compile_run_s']:.1f}s")
-        if b == 8:
+        if b == 8 and cfg.fetch_keys:
           rinp = make_inputs(jax.random.key(100 + b), b, ragged=True)
           rout = f(*rinp)
           rref = sa.sparse_attention_reference(*rinp, out_dtype=jnp.float32)
@@ -362,19 +364,17 @@ def main():
   results["producer"] = []
   if args.producer:
     print("\nproducer alone (CUPTI, L2 flushed):")
-    print(f"{'fetch':>10} {'CTAs':>5} {'tiles':>5} {'fmt':>4} {'us':>8} {'us/tile':>8}")
+    print(f"{'CTAs':>5} {'tiles':>5} {'fmt':>4} {'us':>8} {'us/tile':>8}")
   for spec in filter(None, args.producer.split(",")):
-    shape, fmt, *extra = spec.split(":")
+    shape, fmt = spec.split(":")
     ctas, tiles = map(int, shape.split("x"))
-    pcfg = sa.KernelConfig(fetch="cp_async" if "cpa" in extra else "registers")
     src, sc = producer_pool(jax.random.key(11), fmt, d)
     prow = jax.random.randint(jax.random.key(12), (ctas, tiles, sa.TILE), 0, src.shape[0], jnp.int32)
-    f = jax.jit(lambda a, b_, c, _f=fmt, _c=pcfg: sa.producer_stream(_f, a, b_, c, interpret=args.interpret,
-                                                                     config=_c))
-    entry = {"ctas": ctas, "tiles": tiles, "fmt": fmt, "fetch": pcfg.fetch}
+    f = jax.jit(lambda a, b_, c, _f=fmt: sa.producer_stream(_f, a, b_, c, interpret=args.interpret))
+    entry = {"ctas": ctas, "tiles": tiles, "fmt": fmt}
     try:
       t_p, _, _ = time_gpu(f, (src, sc, prow), iters=args.iters, cold=True, flush=flush)
-      print(f"{pcfg.fetch:>10} {ctas:>5} {tiles:>5} {fmt:>4} {t_p * 1e3:8.1f} {t_p * 1e3 / tiles:8.2f}")
+      print(f"{ctas:>5} {tiles:>5} {fmt:>4} {t_p * 1e3:8.1f} {t_p * 1e3 / tiles:8.2f}")
       results["producer"].append({**entry, "us": t_p * 1e3})
     except Exception as ex:  # noqa: BLE001
       log(f"producer {spec} FAILED:", repr(ex)[:2000])
