@@ -25,7 +25,9 @@ What it does, in one process:
    - torch: PyTorch's torch._grouped_mm on the same bf16 weights (scripts/torch_baselines.py; CUDA events,
      L2 flushed before each call; --no-torch skips it);
 4. prints one table: time, effective bandwidth on the FP4 expert bytes touched (decode) or TFLOP/s
-   (prefill), and the percentage of the measured ceiling.
+   (prefill), and the percentage of the measured ceiling;
+5. `--breakdown`: each kernel of the whole call; `--moe 2048,8192`: a whole MoE layer's routed experts as the
+   engine runs them (`dsv41.moe.routed_experts`: the two GEMMs and what runs around them), by kernel.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ INTERPRET = False  # --tiny: run the whole script logic on CPU through the inter
 ROWS: list[dict] = []
 FAILED: set = set()
 LOG: list[str] = []
+MOE_ROWS: list[dict] = []
 
 
 def log(*a):
@@ -117,6 +120,33 @@ def time_calls(fn, arg_sets, reps=5):
                 log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
             _CUPTI_OK = False
     return cupti, statistics.median(walls)
+
+
+def kernel_breakdown(fn, args, reps=5):
+    """CUPTI GPU time of the kernels one call of the jitted fn launches -> (median total us, kernels a call,
+    [(name, median us summed over the kernels of that name)] largest first). By name, not by position: the
+    records of a call do not come in the same order every call (a command buffer's kernels may run
+    concurrently; on the H200, 2026-12-01, medians taken position by position paired times with wrong names)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    measured = profiler.measure(fn, aggregate=False)
+    runs = [measured(*args)[1] or [] for _ in range(reps)]
+    by_name = []
+    for r in runs:
+        d = {}
+        for name, ms in r:
+            d[name] = d.get(name, 0.0) + ms * 1e3
+        by_name.append(d)
+    names = set().union(*by_name)
+    parts = sorted(((n, statistics.median(d.get(n, 0.0) for d in by_name)) for n in names), key=lambda p: -p[1])
+    return statistics.median(sum(d.values()) for d in by_name), len(runs[0]), parts
+
+
+def print_breakdown(title, breakdown, top=8):
+    total, count, parts = breakdown
+    print(f"{title}: {count} kernels, {total:.1f} us")
+    for name, us in parts[:top]:
+        print(f"    {us:9.1f} us  {name[:90]}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,6 +309,8 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
             log(f"  compile+first run {time.time() - t:.1f}s")
             c, wt = time_calls(f, [(x, pw, g) for x, g in sets])
             add("pallas", cfg, c, wt, ok, rel)
+            if args.breakdown and _CUPTI_OK:
+                print_breakdown(f"{kind} {mat} T={tokens} whole call", kernel_breakdown(f, (x0, pw, gs0)))
             kf, _, _ = kernel_only(x0, pw, gs0, cfg)
             ksets = []
             for x, gs in sets:  # the kernel alone: x already in its padded row layout
@@ -337,6 +369,47 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
             log(f"FAILED ragged_dot_mgpu {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
 
 
+def run_moe_case(tokens, e, weights, ceil):
+    """The routed experts of one MoE layer as the engine runs them (`dsv41.moe.routed_experts` with the experts
+    prepared for the kernel: w13 and w2, random top-6 routing, the served numerics): the CUPTI time of all its
+    kernels against the two GEMM kernels' own, i.e. what the rows' gathers, SwiGLU and the sum over each token's
+    experts cost around them."""
+    from dsv41 import moe, quant
+    from dsv41.config import preset
+
+    topk = 6
+    n13, d = weights["w13"][0], weights["w13"][1]
+    f = weights["w2"][1]
+    cfg = dataclasses.replace(preset("bench"), n_routed_experts=e, n_activated_experts=topk)
+    p = {"w13": weights["w13"][3], "w2": weights["w2"][3]}
+    if INTERPRET:
+        p = {k: dataclasses.replace(v, interpret=True) for k, v in p.items()}
+    k1, k2, k3 = jax.random.split(jax.random.key(tokens), 3)
+    x = jax.random.normal(k1, (tokens, d), jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(k2, (tokens, e)), axis=-1)[:, :topk].astype(jnp.int32)
+    w = jax.random.uniform(k3, (tokens, topk), jnp.float32, 0.1, 0.5)
+    fn = jax.jit(lambda x, w, idx, p: moe.routed_experts(x, w, idx, p, cfg, quant.REFERENCE))
+    y = fn(x, w, idx, p)
+    finite = bool(jnp.isfinite(y).all())
+    m = tokens * topk
+    flops = 2 * m * (n13 * d + d * f)
+    if not _CUPTI_OK:
+        _, wall = time_calls(fn, [(x, w, idx, p)])
+        log(f"moe T={tokens}: {wall * 1e6:.1f} us wall clock (no CUPTI), finite={finite}")
+        return
+    bd = kernel_breakdown(fn, (x, w, idx, p))
+    total, count, parts = bd
+    gemm = sum(us for name, us in parts if "expert_gemm" in name)
+    row = {"kind": "moe", "mat": "w13+w2", "tokens": tokens, "M": m, "path": "routed_experts", "us": total,
+           "gemm_us": gemm, "TFLOPs": flops / total / 1e6, "finite": finite, "kernels": count, "parts": parts}
+    MOE_ROWS.append(row)
+    print(f"moe T={tokens}: {total:.1f} us of {count} kernels, of it the two GEMM kernels {gemm:.1f} us "
+          f"({100 * gemm / total:.0f}%); {row['TFLOPs']:.1f} TFLOP/s = {100 * row['TFLOPs'] / ceil['mm_TFLOPs']:.0f}% "
+          f"of the matmul rate (the GEMMs alone {100 * flops / gemm / 1e6 / ceil['mm_TFLOPs']:.0f}%), "
+          f"finite={finite}")
+    print_breakdown(f"moe T={tokens} routed experts", bd)
+
+
 def dump(ceil, args):
     print()
     print(f"H200 ceilings measured in this run: HBM {ceil['hbm_TBps']:.2f} TB/s, bf16 matmul "
@@ -356,7 +429,7 @@ def dump(ceil, args):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_expert_gemm.json"), "w") as fh:
-            json.dump({"ceilings": ceil, "rows": ROWS, "log": LOG, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            json.dump({"ceilings": ceil, "rows": ROWS, "moe": MOE_ROWS, "log": LOG, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "device": str(jax.devices())}, fh, indent=1, default=str)
 
 
@@ -367,7 +440,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330)
     ap.add_argument("--rot", type=int, default=6, help="routings rotated through when timing decode")
     ap.add_argument("--decode-tokens", default="1,8,64")
-    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--prefill-tokens", default="8192", help="token counts of the prefill cases, e.g. 2048,8192")
     ap.add_argument("--variants", action="store_true", help="also time non-default configs")
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch grouped GEMM baseline")
@@ -376,6 +449,13 @@ def main():
     ap.add_argument("--stop-on-fail", action="store_true")
     ap.add_argument("--no-cupti", action="store_true", help="wall clock only (no CUPTI kernel timing)")
     ap.add_argument("--tiny", action="store_true", help="CPU: whole script at toy shapes, interpreter")
+    ap.add_argument("--breakdown", action="store_true", help="print each kernel of the whole call (CUPTI)")
+    ap.add_argument("--moe", default="", help="token counts at which to time a whole MoE layer's routed experts "
+                                              "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
+    ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
+    ap.add_argument("--prefill-configs", default="",
+                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c] (c: chained), e.g. "
+                         "128x128x4,64x256x4c")
     args = ap.parse_args()
     global INTERPRET
     INTERPRET = args.tiny
@@ -410,20 +490,24 @@ def _cases(args, ceil):
     e = 384
     shapes = {"w13": (4608, 5120), "w2": (5120, 2304)}  # w1 and w3 as one weight, as moe.prepare_experts does
     if args.tiny:
-        e, shapes = 8, {"w13": (128, 256), "w2": (256, 128)}
+        e, shapes = 8, {"w13": (256, 256), "w2": (256, 128)}  # D 256, F 128
     weights = {}
     for i, (mat, (n, k)) in enumerate(shapes.items()):
         w = make_weight(jax.random.key(10 + i), e, n, k)
         pw = eg.prepare_fp4_experts(w)
-        # [E, N, K], a few experts at a time (dequantize goes through float32)
-        wbf16 = jnp.concatenate([jax.jit(lambda q, sc: Fp4Weight(q, sc).dequantize(jnp.bfloat16))(
-            w.weight[j:j + 32], w.scale[j:j + 32]) for j in range(0, e, 32)])
+        # [E, N, K], a few experts at a time (dequantize goes through float32); the GEMM cases' reference only
+        wbf16 = None if args.only_moe else jnp.concatenate([jax.jit(
+            lambda q, sc: Fp4Weight(q, sc).dequantize(jnp.bfloat16))(w.weight[j:j + 32], w.scale[j:j + 32])
+            for j in range(0, e, 32)])
         jax.block_until_ready((pw, wbf16))
         weights[mat] = (n, k, w, pw, wbf16)
     log("weights ready")
 
     dec_cfgs = None  # per weight: eg.default_config's decode config
-    pre_cfgs = [C(tm=128, tk=128, num_wgs=2, stages=4)]
+    pre_cfgs = None  # per case: eg.default_config's
+    if args.prefill_configs:
+        pre_cfgs = [C(tm=int(tm), tk=int(tk), num_wgs=2, stages=int(st.rstrip("c")), chain=st.endswith("c"))
+                    for tm, tk, st in (c.split("x") for c in args.prefill_configs.split(","))]
     # variants: pipeline depth (bytes in flight), compute warpgroups, and items chained into one TMA stream;
     # (K / tk) % stages == 0 for a config to chain (w13: 20 steps of 256, w2: 9). Not here: 4 compute
     # warpgroups (tk=128, 8 stages, chained) hung on the H200 (2026-11-30) and took the run with it.
@@ -447,21 +531,29 @@ def _cases(args, ceil):
         dec_split = {mat: [C(tm=8, tk=64, num_wgs=1, stages=1, ksplit=2)] for mat in shapes}
     dec = [int(t) for t in args.decode_tokens.split(",") if t]
     # priority order (the budget cuts the tail): largest decode, prefill, the other decodes, then variants
-    cases = [("decode", max(dec))] + ([] if args.skip_prefill else [("prefill", args.prefill_tokens)])
-    cases += [("decode", t) for t in sorted(dec) if t != max(dec)]
+    for tokens in (int(t) for t in args.moe.split(",") if t):
+        if elapsed() > args.budget_s:
+            log("budget reached, skipping moe", tokens)
+            continue
+        run_moe_case(tokens, e, weights, ceil)
+    if args.only_moe:
+        return
+    pre = [int(t) for t in args.prefill_tokens.split(",") if t]
+    cases = [("decode", t) for t in sorted(dec)[-1:]] + ([] if args.skip_prefill else [("prefill", t) for t in pre])
+    cases += [("decode", t) for t in sorted(dec)[:-1]]
     for kind, tokens in cases:
         for mat, (n, k, w, pw, wbf16) in weights.items():
             if elapsed() > args.budget_s:
                 log("budget reached, skipping", kind, tokens, mat)
                 continue
-            cfgs = (dec_cfgs or [eg.default_config(tokens * 6, n, k)]) if kind == "decode" else pre_cfgs
+            cfgs = (dec_cfgs if kind == "decode" else pre_cfgs) or [eg.default_config(tokens * 6, n, k, e)]
             run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, cfgs,
                      ceil, args, do_mgpu=(kind == "prefill" and mat == "w13"))
     if args.variants:
         vcases = [("decode", min(dec), "w13"), ("decode", min(dec), "w2"), ("decode", max(dec), "w13"),
                   ("decode", max(dec), "w2")]
         if not args.skip_prefill:
-            vcases.insert(1, ("prefill", args.prefill_tokens, "w13"))
+            vcases.insert(1, ("prefill", pre[-1], "w13"))
         for kind, tokens, mat in vcases:
             n, k, w, pw, wbf16 = weights[mat]
             if elapsed() > args.budget_s:

@@ -25,10 +25,8 @@
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
-#   bash scripts/h200_checks.sh owed-11       # the eleventh session's owed runs: batch-1 trace, top-k, batch 64 (~6 min)
-#   bash scripts/h200_checks.sh owed          # the twelfth session's: the expert GEMM's tile schedule, fetch paths,
-#                                             # the batch-1 call's ends (~9 min)
-#   bash scripts/h200_checks.sh owed-2        # and: attention's producer alone, its cp.async fetch (~5 min)
+#   bash scripts/h200_checks.sh owed          # the thirteenth session's owed run: prefill after the MoE change (~6 min)
+#   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
@@ -250,52 +248,28 @@ case "${1:-}" in
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto" "$OUT/kv_pre.txt"
     ;;
   owed)
-    # what the twelfth session left owed, in one call (~9 min): the expert GEMM's new tile schedule (its GPU tests
-    # and the FP8 linear's, which shares the kernel; then CUPTI times at 1 / 64 tokens and an 8192-token prefill,
-    # against docs/PERFORMANCE.md "Twelfth session"), larger TMA boxes and plain loads from several warpgroups
-    # (which fetch path to build for the decode), and the batch-1 call's time outside its kernels' span
-    timeout -k 10 120 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
-      tests/pallas_kernels/test_expert_gemm.py tests/pallas_kernels/test_fp8_linear.py > "$OUT/eg_tests.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/eg_tests.txt" | tail -20
-    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 130 $PY scripts/bench_expert_gemm.py --rot 4 \
-      --decode-tokens 1,64 --skip-baselines --no-mgpu --no-torch --budget-s 110 --out "$OUT" > "$OUT/eg_log.txt" 2>&1
-    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/eg_log.txt"
-    timeout -k 10 120 $PY scripts/bench_weight_layout.py --box-rows 128,256 --box-bytes 128,256 --stages 2,4 \
-      --ldg 1x4,2x4,2x8,4x8 > "$OUT/layout_log.txt" 2>&1
-    echo "bench_weight_layout rc=$?"; grep -vE "^20[0-9-]+ [0-9:,]+ (Unable|WARNING)" "$OUT/layout_log.txt" | tail -40
-    timeout -k 10 170 $PY scripts/trace_gaps.py --backend auto --batch 1 --out "$OUT/gaps1" > "$OUT/gaps1.txt" 2>&1
-    echo "trace_gaps batch 1 rc=$?"; rm -rf "$OUT/gaps1/trace"  # the trace is larger than what comes back
-    grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps1.txt" | head -45
+    # what the thirteenth session left owed (~6 min): prefill through the engine after the routed experts' new
+    # layouts (dsv41.moe) and the 64-row prefill tiles (16K prompt, replay on), then one MoE layer's routed experts
+    # at Flash's shapes by kernel (docs/PERFORMANCE.md "Thirteenth session")
+    timeout -k 10 300 $PY scripts/bench_engine.py --lengths 16384 --replay on --prefill-backends auto \
+      --backends "" > "$OUT/prefill16k.txt" 2>&1
+    echo "bench_engine prefill rc=$?"; grep -E "^\| auto|HBM" "$OUT/prefill16k.txt"
+    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 120 $PY scripts/bench_expert_gemm.py --moe 2048,8192 \
+      --only-moe --no-torch --out "$OUT/moe" > "$OUT/moe.txt" 2>&1
+    echo "bench_expert_gemm --moe rc=$?"; grep -E "^moe|^    " "$OUT/moe.txt"
     ;;
-  owed-2)
-    # the twelfth session's second owed call (~5 min): decode attention's producer. GPU tests of the cp.async fetch
-    # (the kernel's output equal to the registers fetch's; the producer alone exact), then the kernel with either
-    # fetch and the producer alone at the same tiles per CTA (batch 64 with 2 and 1 key splits: 5 and 10 tiles a
-    # CTA; batch 1: 1 tile): whether the producer is the kernel's limit, and whether cp.async lifts it
+  producer)
+    # decode attention's two sides apart: the producer alone (sa.producer_stream) and the consumers alone
+    # (KernelConfig(fetch_keys=False), ':nofetch') against the kernel at the same tiles per CTA (batch 64 with 2
+    # and 1 key splits: 5 FP4 + 2 FP8 and 10 FP4 tiles a CTA; batch 1: one tile): GPU tests, then times (~5 min)
     timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
-      tests/pallas_kernels/test_sparse_attention.py -k "cp_async or producer_stream" > "$OUT/sa_tests.txt" 2>&1
+      tests/pallas_kernels/test_sparse_attention.py -k "producer_stream" > "$OUT/sa_tests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/sa_tests.txt" | tail -12
     BENCH_COPY_BYTES=1073741824 timeout -k 5 200 $PY scripts/bench_sparse_attention.py --iters 10 --skip-probe \
-      --variants "64:2:s,64:2:s:cpa,64:1:s,64:1:s:cpa,1:10:r,1:10:r:cpa" \
-      --producer 128x5:fp4,128x5:fp4:cpa,128x2:fp8,128x2:fp8:cpa,64x10:fp4,64x10:fp4:cpa,10x1:fp4,10x1:fp4:cpa \
-      > "$OUT/sa_log.txt" 2>&1
+      --variants "64:2:s,64:2:s:nofetch,64:1:s,64:1:s:nofetch,1:10:r,1:10:r:nofetch" \
+      --producer 128x5:fp4,128x2:fp8,64x10:fp4,10x1:fp4 > "$OUT/sa_log.txt" 2>&1
     echo "bench_sparse_attention rc=$?"
-    grep -E "FAILED|copy ceiling|variant| [0-9]+:[0-9]+:[rs]|producer|fetch| fp4 | fp8 " "$OUT/sa_log.txt" | tail -24
-    ;;
-  owed-11)
-    # what the eleventh session left owed, in one call (~6 min): the batch-1 trace (trace_gaps now lists the
-    # trace's planes and lines when it finds no kernels), the top-k alone after the one-scan placement (each
-    # method's kernel count and longest kernel), and batch-64 decode with the threshold kernel for every row
-    timeout -k 10 200 $PY scripts/trace_gaps.py --backend auto --batch 1 --out "$OUT/gaps1" > "$OUT/gaps1.txt" 2>&1
-    echo "trace_gaps batch 1 rc=$?"
-    grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps1.txt" | head -60
-    grep -E "plane .* line " "$OUT/gaps1.txt" | head -40
-    timeout -k 10 100 $PY scripts/bench_indexer.py --out "$OUT/indexer" --cases c:64:16,c:1:16 --no-sweep --no-xla \
-      > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
-    grep -E "top-k alone|^mode|^candidates" "$OUT/indexer_log.txt"
-    timeout -k 10 260 $PY scripts/bench_engine.py --backends auto,auto+kernel-topk --batches 64 --skip-prefill \
-      --decode-ctx 4096 > "$OUT/topk_engine.txt" 2>&1
-    echo "bench_engine rc=$?"; grep -E "^\| auto|decode auto" "$OUT/topk_engine.txt"
+    grep -E "FAILED|copy ceiling|variant| [0-9]+:[0-9]+:[rs]|producer|CTAs| fp4 | fp8 " "$OUT/sa_log.txt" | tail -20
     ;;
   decode-kernels)
     # The twelfth session's change: the kernel layout stores each scale as the bf16 exponent field of the
@@ -352,7 +326,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|owed-2|owed-11|decode-kernels|layout|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|producer|decode-kernels|layout|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

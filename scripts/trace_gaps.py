@@ -15,6 +15,11 @@ The timed region is the device program alone (`programs.run_full` on a prepared 
 (`Engine.step`: scheduling, host inputs, the program, the sampled ids back, bookkeeping) measured 1.1-2.2 ms
 longer than that on the H200 (docs/PERFORMANCE.md), more than the stubbed step's 0.1-0.6 ms of Python on the
 CPU; a cProfile of engine steps on the GPU machine (printed last) says where that time goes.
+
+XLA executes a program's command buffers (CUDA graphs) as plain kernel launches while a profiler session is
+active, so the traced timeline is the step without them. `--no-trace` times the program as it runs outside a
+trace; with `TF_CPP_VMODULE=command_buffer_thunk=3` XLA then logs every command buffer update (re-recording a
+graph whose captured buffer addresses changed) with its count of commands.
 """
 
 from __future__ import annotations
@@ -228,6 +233,35 @@ def host_profile(eng, device_step, n: int) -> None:
     print(f"\ncProfile of {n} engine steps (cumulative):\n" + buf.getvalue().split("\n", 4)[-1].strip())
 
 
+def call_overhead(eng, b, s, n: int) -> None:
+    """What a call costs before any of the model's work: programs that take the decode program's arguments
+    (parameters, the donated pool, the batch) and only pass the pool through, against one that takes the batch
+    alone. A gap between them is the per-argument cost of a call (the step's parameters are hundreds of arrays)."""
+    def median_ms(fn):
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(ts)
+
+    everything = jax.jit(lambda params, pool, b, s: (pool, b.tokens[:, 0] + s.top_k), donate_argnums=1)
+    batch_only = jax.jit(lambda b, s: b.tokens[:, 0] + s.top_k)
+
+    def run_everything():
+        eng.pool, tok = everything(eng.params, eng.pool, b, s)
+        tok.block_until_ready()
+
+    def run_batch_only():
+        batch_only(b, s).block_until_ready()
+
+    run_everything(), run_batch_only()
+    n_args = len(jax.tree.leaves((eng.params, eng.pool, b, s)))
+    print(f"\na call that passes the arguments through ({n_args} arrays: parameters, the donated pool, the batch): "
+          f"{median_ms(run_everything):.3f} ms; the batch alone ({len(jax.tree.leaves((b, s)))} arrays): "
+          f"{median_ms(run_batch_only):.3f} ms (medians of {n})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
@@ -239,6 +273,10 @@ def main():
                          "two traced steps")
     ap.add_argument("--trace", default="", help="analyse this .xplane.pb instead of running (any machine)")
     ap.add_argument("--host-steps", type=int, default=20, help="engine steps under cProfile (0: none)")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="only the device program and Engine.step times: XLA runs a program's command buffers "
+                         "(CUDA graphs) only outside a profiling session, so the trace shows the step without "
+                         "them; with TF_CPP_VMODULE=command_buffer_thunk=3 XLA logs each command buffer update")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -261,6 +299,10 @@ def main():
 
         for _ in range(3):
             step()
+        if args.no_trace:
+            host_profile(eng, step, args.host_steps or 20)
+            call_overhead(eng, b, s, args.host_steps or 20)
+            return
         tdir = os.path.join(args.out or tempfile.mkdtemp(), "trace")
         with jax.profiler.trace(tdir):
             for _ in range(args.steps + 1):
