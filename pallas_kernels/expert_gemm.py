@@ -251,6 +251,11 @@ class KernelConfig:
     # bf16 rounding): at decode a few experts x N blocks are 1-2 uneven waves over the SMs; slices make more,
     # smaller items. Needs (K / tk) % ksplit == 0.
     ksplit: int = 1
+    # Decode and multiply each step's tile in two halves of K: the second half's weights are decoded while the
+    # tensor cores multiply the first (wgmma is asynchronous; one wait at the end of the step). Without it the
+    # decode of a step and its multiply run one after the other within a warpgroup. Opt-in until timed on the
+    # H200 (interpreter and sm_90a lowering only). Needs tk % 128 == 0.
+    overlap: bool = False
 
     @property
     def tn(self) -> int:
@@ -346,9 +351,10 @@ _FP8_PTX = """{
         }"""
 
 
-def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
+def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None = None):
     """inline_mgpu: kernel-layout bytes (smem, [64, tk/2] FP4 or [64, tk] FP8, tiled+swizzled) and scale bytes
-    (smem [tk/32, 64]) -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand."""
+    (smem [tk/32, 64]) -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand. half 0 / 1:
+    only the first / second tk/2 inputs, bf16 [64, tk/2] (`KernelConfig.overlap`)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -360,9 +366,11 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
     tkp = tk if fp8 else tk // 2
     swizzle = w_transforms[1].swizzle
 
+    tk_out = tk if half is None else tk // 2
+
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(w_transforms), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((64, tk), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((64, tk_out), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
     def dequant(ctx, w_ref, s_ref):
         del ctx
@@ -378,15 +386,19 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
         lane = arith.remui(tid, c32(32))
         warp = arith.divui(arith.remui(tid, c32(128)), c32(32))
         row0 = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
-        out_shape = fa.WGMMA_LAYOUT.registers_shape((64, tk))
+        out_shape = fa.WGMMA_LAYOUT.registers_shape((64, tk_out))
         regs = np.empty(out_shape, dtype=object)
         n_out = 2 if fp8 else 4  # A-fragment registers one 32-bit word of weights makes
+        n_groups = words.registers.shape[1]  # 16-byte groups of a row
+        g_lo, g_hi = (0, n_groups) if half is None else (half * n_groups // 2, (half + 1) * n_groups // 2)
         struct_ty = llvm.StructType.get_literal([i32] * n_out)
         ptx, constraints = (_FP8_PTX, "=r,=r,r,r") if fp8 else (_FP4_PTX, "=r,=r,=r,=r,r,r")
         scales = {}  # (scale group, row half) -> its byte, loaded once
         for idx, reg in np.ndenumerate(words.registers):
             g, rh = idx[1], idx[4]
             assert idx[0] == 0 and all(v == 0 for i, v in enumerate(idx) if i not in (1, 4))
+            if not g_lo <= g < g_hi:
+                continue
             key = (g // 2 if fp8 else g, rh)  # FP4: one 16-byte group is 32 inputs; FP8: 16, so two share one
             if key not in scales:
                 row = arith.index_cast(index, arith.addi(row0, c32(8 * rh)))
@@ -396,7 +408,7 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4"):
             for j in range(n_out):
                 o = llvm.extractvalue(i32, res, [j])
                 ridx = list(idx)
-                ridx[1] = n_out * g + j
+                ridx[1] = n_out * (g - g_lo) + j
                 regs[tuple(ridx)] = mu.bitcast(o, bf16x2)
         return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
@@ -420,6 +432,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         raise ValueError(f"tm={tm} must be a multiple of 8 and <= 256")
     if tk % 64:
         raise ValueError(f"tk={tk} must be a multiple of 64")
+    if cfg.overlap and tk % 128:
+        raise ValueError(f"overlap decodes halves of tk={tk}: tk must be a multiple of 128")
     if k % tk or n % tn:
         raise ValueError(f"K={k} must be a multiple of tk={tk} and N={n} of tn={tn}")
     ks = cfg.ksplit
@@ -441,7 +455,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         o_shape, o_transforms = (nwg, 64, tm), (plgpu.TilingTransform((8, o_swz // 4)), plgpu.SwizzleTransform(o_swz))
     else:
         o_shape, o_transforms = (nwg, tm, 64), (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    dequant = None if interpret else _dequant_tile_mgpu(tk, w_transforms, fmt)
+    halves = (0, 1) if cfg.overlap else (None,)  # the K parts of a step decoded and multiplied in turn
+    dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h) for h in halves}
     dequant_model = _dequant_tile8_jnp if fmt == "fp8" else _dequant_tile_jnp
     # The interpreter's wgmma takes A only from shared memory.
     a_smem_mode = cfg.a_smem or interpret
@@ -509,15 +524,17 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                 def mma_body(_, x_smem, w_smem, s_smem, acc_ref):
                     w_wg = w_smem.at[pl.ds(wg * 64, 64)]
                     s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
-                    if interpret:
-                        a = dequant_model(w_wg[...], s_wg[...])
-                    else:
-                        a = dequant(w_wg, s_wg)
-                    if a_smem_mode:
-                        a_smem.at[wg][...] = a
-                        plgpu.commit_smem()
-                        a = a_smem.at[wg]
-                    plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+                    a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None
+                    for h in halves:
+                        lo, width = (0, tk) if h is None else (h * (tk // 2), tk // 2)
+                        ks = pl.ds(lo, width)
+                        a = a_full[:, lo:lo + width] if interpret else dequant[h](w_wg, s_wg)
+                        if a_smem_mode:
+                            a_smem.at[wg, :, ks][...] = a
+                            plgpu.commit_smem()
+                            a = a_smem.at[wg, :, ks]
+                        # no wait between the halves: the second half decodes while the first multiplies
+                        plgpu.wgmma(acc_ref, a, x_smem.at[:, ks].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     return acc_ref
 

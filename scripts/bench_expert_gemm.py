@@ -69,7 +69,8 @@ def label(cfg):
     if cfg is None or isinstance(cfg, str):
         return cfg or ""
     return (f"tm{cfg.tm} tk{cfg.tk} wg{cfg.num_wgs} st{cfg.stages}" + (" chain" if cfg.chain else "")
-            + (f" ks{cfg.ksplit}" if cfg.ksplit > 1 else "") + (" A-in-smem" if cfg.a_smem else ""))
+            + (f" ks{cfg.ksplit}" if cfg.ksplit > 1 else "") + (" A-in-smem" if cfg.a_smem else "")
+            + (" overlap" if cfg.overlap else ""))
 
 
 def elapsed():
@@ -454,8 +455,10 @@ def main():
                                               "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
     ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
     ap.add_argument("--prefill-configs", default="",
-                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c] (c: chained), e.g. "
-                         "128x128x4,64x256x4c")
+                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o] (c: chained, o: "
+                         "decode and multiply in two halves of K, KernelConfig.overlap), e.g. 128x128x4,64x256x4co")
+    ap.add_argument("--decode-configs", default="", help="decode configs to time instead of the default, as "
+                                                         "--prefill-configs")
     args = ap.parse_args()
     global INTERPRET
     INTERPRET = args.tiny
@@ -484,6 +487,17 @@ def main():
     dump(ceil, args)
 
 
+def parse_configs(spec):
+    """'TMxTKxSTAGES[c][o],...' -> [KernelConfig] (2 compute warpgroups; c: chained, o: overlap), or None."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        tm, tk, st = item.split("x")
+        flags = st.lstrip("0123456789")
+        out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=2, stages=int(st[:len(st) - len(flags)]),
+                                   chain="c" in flags, overlap="o" in flags))
+    return out or None
+
+
 def _cases(args, ceil):
     C = eg.KernelConfig
     log("ceilings", json.dumps({k: round(v, 3) for k, v in ceil.items()}))
@@ -503,11 +517,8 @@ def _cases(args, ceil):
         weights[mat] = (n, k, w, pw, wbf16)
     log("weights ready")
 
-    dec_cfgs = None  # per weight: eg.default_config's decode config
-    pre_cfgs = None  # per case: eg.default_config's
-    if args.prefill_configs:
-        pre_cfgs = [C(tm=int(tm), tk=int(tk), num_wgs=2, stages=int(st.rstrip("c")), chain=st.endswith("c"))
-                    for tm, tk, st in (c.split("x") for c in args.prefill_configs.split(","))]
+    dec_cfgs = parse_configs(args.decode_configs)  # None: per weight, eg.default_config's decode config
+    pre_cfgs = parse_configs(args.prefill_configs)  # None: per case, eg.default_config's
     # variants: pipeline depth (bytes in flight), compute warpgroups, and items chained into one TMA stream;
     # (K / tk) % stages == 0 for a config to chain (w13: 20 steps of 256, w2: 9). Not here: 4 compute
     # warpgroups (tk=128, 8 stages, chained) hung on the H200 (2026-11-30) and took the run with it.

@@ -25,7 +25,7 @@
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
-#   bash scripts/h200_checks.sh owed          # the thirteenth session's owed run: prefill after the MoE change (~6 min)
+#   bash scripts/h200_checks.sh owed          # the thirteenth session's owed run: the GEMM's K halves, prefill (~9 min)
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
@@ -248,15 +248,28 @@ case "${1:-}" in
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto" "$OUT/kv_pre.txt"
     ;;
   owed)
-    # what the thirteenth session left owed (~6 min): prefill through the engine after the routed experts' new
-    # layouts (dsv41.moe) and the 64-row prefill tiles (16K prompt, replay on), then one MoE layer's routed experts
-    # at Flash's shapes by kernel (docs/PERFORMANCE.md "Thirteenth session")
-    timeout -k 10 300 $PY scripts/bench_engine.py --lengths 16384 --replay on --prefill-backends auto \
+    # what the thirteenth session left owed (~9 min): the expert GEMM's K halves (KernelConfig.overlap: the second
+    # half decodes while the first multiplies): GPU tests, then times with and without at decode (1 / 64 tokens)
+    # and at 2048 / 8192-token prefills (Flash's 384 experts); then prefill through the engine after the routed
+    # experts' new layouts (16K prompt, replay on) and one MoE layer by kernel (docs/PERFORMANCE.md "Thirteenth
+    # session")
+    timeout -k 10 100 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_expert_gemm.py > "$OUT/eg_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/eg_tests.txt" | tail -12
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 5 -s INT 120 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1,64 --skip-prefill \
+      --decode-configs 8x256x4c,8x256x4co,8x256x3c,8x256x3co --skip-baselines --no-mgpu --no-torch --budget-s 100 \
+      --out "$OUT/dec" > "$OUT/ov_dec.txt" 2>&1
+    echo "decode rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/ov_dec.txt" | grep kernel
+    for pre in 2048:64x256x4c,64x256x4co,64x256x3c,64x256x3co 8192:128x128x4,128x128x4o; do
+      timeout -k 5 -s INT 100 $PY scripts/bench_expert_gemm.py --decode-tokens "" --prefill-tokens "${pre%%:*}" \
+        --prefill-configs "${pre#*:}" --skip-baselines --no-mgpu --no-torch --budget-s 80 \
+        --out "$OUT/pre${pre%%:*}" > "$OUT/ov_pre${pre%%:*}.txt" 2>&1
+      echo "prefill ${pre%%:*} rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/ov_pre${pre%%:*}.txt" | grep kernel
+    done
+    timeout -k 10 200 $PY scripts/bench_engine.py --lengths 16384 --replay on --prefill-backends auto \
       --backends "" > "$OUT/prefill16k.txt" 2>&1
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto|HBM" "$OUT/prefill16k.txt"
-    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 120 $PY scripts/bench_expert_gemm.py --moe 2048,8192 \
-      --only-moe --no-torch --out "$OUT/moe" > "$OUT/moe.txt" 2>&1
-    echo "bench_expert_gemm --moe rc=$?"; grep -E "^moe|^    " "$OUT/moe.txt"
     ;;
   producer)
     # decode attention's two sides apart: the producer alone (sa.producer_stream) and the consumers alone

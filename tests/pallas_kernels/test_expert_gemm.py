@@ -182,6 +182,9 @@ INTERP_CASES = [
     # K slices (float32 partials summed outside): 2 and 3 slices, chained and not, an empty group between
     (20, 256, 128, [7, 0, 11], C(tm=8, tk=64, num_wgs=2, stages=2, chain=True, ksplit=2)),
     (24, 192, 128, [0, 9, 0, 15, 0], C(tm=8, tk=64, num_wgs=1, stages=1, ksplit=3)),
+    # each step's tile decoded and multiplied in two halves of K, chained and not, FP4 (the FP8 linear's own)
+    (40, 256, 128, [5, 0, 17, 3, 15], C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, overlap=True)),
+    (24, 512, 128, [0, 9, 0, 15, 0], C(tm=16, tk=256, num_wgs=1, stages=2, overlap=True)),
 ]
 
 
@@ -234,6 +237,19 @@ def test_ksplit_lowers_for_cuda(n, k, cfg):
         sd((6, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("m,cfg", [(6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
+                                   (12288, C(tm=64, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
+                                   (12288, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True))])
+def test_overlap_lowers_for_cuda(m, cfg):
+    """Each step's tile decoded and multiplied in two halves of K (register A halves, two wgmmas, one wait) at
+    Flash's fused w1/w3 shape, through the Mosaic GPU lowering for sm_90a (decode, a 2048-token chunk over 384
+    experts, the 128-row prefill tiles)."""
+    sd, e, n, k = jax.ShapeDtypeStruct, 384, 4608, 5120
+    w = eg.PreparedFp4(sd((e, n, k // 2), jnp.uint8), sd((e, k // 32, n), jnp.uint8))
+    jax.jit(lambda x, w, g: eg.grouped_fp4_matmul_pallas(x, w, g, cfg)).trace(
+        sd((m, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
+
+
 def test_default_configs_at_flash_shapes():
     """Decode and prefill chunks with few rows an expert chain every SM's items (the stages divide the K steps)
     for w1/w3 (K 5120) and w2 (K 2304): unchained, w2 took 665 us at 64 tokens on the H200 against 612 chained.
@@ -257,6 +273,8 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True)),
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True)),
                                    (1536, C(tm=64, tk=256, num_wgs=2, stages=2, chain=True)),
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, overlap=True)),
+                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True)),
                                    (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2))])
 def test_kernel_gpu(m, cfg):
     rng = np.random.default_rng(7)
