@@ -27,6 +27,7 @@
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh owed          # the thirteenth session's owed run: the GEMM's K halves, prefill (~9 min)
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
+#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument array, small parameters packed (~4 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
@@ -271,6 +272,13 @@ case "${1:-}" in
       --backends "" > "$OUT/prefill16k.txt" 2>&1
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto|HBM" "$OUT/prefill16k.txt"
     ;;
+  packed)
+    # what a decode call costs per argument array, and the decode program with the small parameters packed into a
+    # few buffers (Engine(pack_params=True), serving/engine/packed_params.py) against as it is (~4 min)
+    timeout -k 10 280 $PY scripts/trace_gaps.py --backend auto --batch 1 --no-trace --host-steps 20 \
+      > "$OUT/packed.txt" 2>&1
+    echo "trace_gaps rc=$?"; grep -E "Engine.step|passes the arguments|device program" "$OUT/packed.txt"
+    ;;
   producer)
     # decode attention's two sides apart: the producer alone (sa.producer_stream) and the consumers alone
     # (KernelConfig(fetch_keys=False), ':nofetch') against the kernel at the same tiles per CTA (batch 64 with 2
@@ -339,7 +347,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|producer|decode-kernels|layout|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|producer|packed|decode-kernels|layout|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

@@ -46,7 +46,7 @@ from bench_engine import KERNELS, device_params, fake_decode_state, make_engine,
 from profile_step import kind_of  # noqa: E402
 
 from dsv41.config import preset  # noqa: E402
-from serving.engine import programs  # noqa: E402
+from serving.engine import packed_params, programs  # noqa: E402
 
 log = logging.getLogger("trace_gaps")
 
@@ -247,19 +247,46 @@ def call_overhead(eng, b, s, n: int) -> None:
 
     everything = jax.jit(lambda params, pool, b, s: (pool, b.tokens[:, 0] + s.top_k), donate_argnums=1)
     batch_only = jax.jit(lambda b, s: b.tokens[:, 0] + s.top_k)
+    packed = packed_params.pack(eng.params)
 
-    def run_everything():
-        eng.pool, tok = everything(eng.params, eng.pool, b, s)
+    def run_everything(params):
+        eng.pool, tok = everything(params, eng.pool, b, s)
         tok.block_until_ready()
 
     def run_batch_only():
         batch_only(b, s).block_until_ready()
 
-    run_everything(), run_batch_only()
+    run_everything(eng.params), run_everything(packed), run_batch_only()
     n_args = len(jax.tree.leaves((eng.params, eng.pool, b, s)))
     print(f"\na call that passes the arguments through ({n_args} arrays: parameters, the donated pool, the batch): "
-          f"{median_ms(run_everything):.3f} ms; the batch alone ({len(jax.tree.leaves((b, s)))} arrays): "
-          f"{median_ms(run_batch_only):.3f} ms (medians of {n})")
+          f"{median_ms(lambda: run_everything(eng.params)):.3f} ms; with the small parameters packed "
+          f"({len(jax.tree.leaves((packed, eng.pool, b, s)))} arrays): {median_ms(lambda: run_everything(packed)):.3f} "
+          f"ms; the batch alone ({len(jax.tree.leaves((b, s)))} arrays): {median_ms(run_batch_only):.3f} ms "
+          f"(medians of {n})")
+
+
+def packed_program(eng, b, s, n: int) -> None:
+    """The decode program with the small parameters packed (`Engine(pack_params=True)`) against as it is."""
+    packed = packed_params.pack(eng.params)
+
+    def step(params):
+        eng.pool, _, tok = programs.run_full(params, eng.pool, b, s, **eng.static)
+        tok.block_until_ready()
+
+    t = time.perf_counter()
+    step(packed)
+    compile_s = time.perf_counter() - t
+    times = {}
+    for name, params in (("as is", eng.params), ("packed", packed)) * 2:  # interleaved, twice
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            step(params)
+            ts.append(time.perf_counter() - t)
+        times.setdefault(name, []).extend(ts)
+    print(f"device program, parameters as is ({len(jax.tree.leaves(eng.params))} arrays): "
+          f"{1e3 * statistics.median(times['as is']):.3f} ms; packed ({packed.num_arrays} arrays): "
+          f"{1e3 * statistics.median(times['packed']):.3f} ms (medians of {2 * n}; packed compile {compile_s:.0f} s)")
 
 
 def main():
@@ -302,6 +329,7 @@ def main():
         if args.no_trace:
             host_profile(eng, step, args.host_steps or 20)
             call_overhead(eng, b, s, args.host_steps or 20)
+            packed_program(eng, b, s, args.host_steps or 20)
             return
         tdir = os.path.join(args.out or tempfile.mkdtemp(), "trace")
         with jax.profiler.trace(tdir):

@@ -2,6 +2,7 @@
 run with the same replay semantics. float32 activations with the serving formats' KV numerics on both sides,
 so differences are summation order only (bf16 runs diverge chaotically through FP8 bins, see docs/REPLAY.md)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,6 +63,18 @@ def test_short_prompts_identical_with_replay(tiny):
     t_rep, l_rep = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False), ids)
     assert t_exact == t_rep
     assert np.abs(l_exact - l_rep).max() < TOL
+
+
+def test_packed_params_change_nothing(tiny):
+    """Engine(pack_params=True): the small parameter arrays passed as a few buffers (fewer arguments a call), the
+    same tokens and logits through the encoder, decoder and full programs (replay on, a prompt past the window)."""
+    ids = prompt(200, seed=4)
+    t_plain, l_plain = run(make(tiny), ids)
+    eng = make(tiny, pack_params=True)
+    t_packed, l_packed = run(eng, ids)
+    assert len(jax.tree.leaves(eng.params)) < len(jax.tree.leaves(tiny[1])) // 2
+    assert t_plain == t_packed
+    assert np.abs(l_plain - l_packed).max() < TOL
 
 
 def test_long_prompt_replay_is_close_not_exact(tiny):

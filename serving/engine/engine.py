@@ -25,7 +25,7 @@ from dsv41 import model, moe, nn, quant
 from dsv41.config import ModelConfig
 from dsv41.quant import Numerics
 from pallas_kernels import expert_gemm
-from serving.engine import kv_pool, programs
+from serving.engine import kv_pool, packed_params, programs
 from serving.engine.kv_pool import PoolLayout
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class Engine:
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
                  min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
                  mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
-                 engram_transfer: str = "argument",
+                 engram_transfer: str = "argument", pack_params: bool = False,
                  kernel_options: programs.KernelOptions = programs.KernelOptions()):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         self.attention_backend, self.moe_backend, self.sites = resolve_backends(
@@ -311,6 +311,8 @@ class Engine:
         self.linear_backend = resolve_linear_backend(self.params, linear_backend, numerics)
         if self.linear_backend != "xla":
             self.params = nn.prepare_linears(self.params, cfg, interpret=self.linear_backend == "interpret")
+        if pack_params:  # the small arrays in a few buffers: fewer arguments a call (serving/engine/packed_params.py)
+            self.params = packed_params.pack(self.params)
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]

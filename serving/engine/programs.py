@@ -22,6 +22,7 @@ from dsv41.config import AttnRole, ModelConfig
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
+from serving.engine import packed_params
 from serving.engine.kv_pool import KVPool, ring_size
 
 
@@ -496,7 +497,9 @@ def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
     backend other than 'xla' (see ATTENTION_BACKENDS): the fused kernels (decode: KV writes, indexer, attention;
     longer chunks: attention, one kernel row per query token). sites: which per-layer sites (mHC, router) run
-    fused (`model.Sites`); opts: options of the kernel attention path (`KernelOptions`)."""
+    fused (`model.Sites`); opts: options of the kernel attention path (`KernelOptions`). params: the parameter
+    tree or its `packed_params.PackedParams` (every program takes either)."""
+    params = packed_params.unpack(params)
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend, sites, opts)
@@ -510,6 +513,7 @@ def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numeri
                 sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
     """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
     [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
+    params = packed_params.unpack(params)
     h, pre = model.embed(params, b.tokens, cfg, num)
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backend,
@@ -523,6 +527,7 @@ def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: 
                 backend: str = "xla", sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
     b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
+    params = packed_params.unpack(params)
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backend,
                            sites, opts)
