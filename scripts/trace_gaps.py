@@ -210,17 +210,19 @@ def print_report(label: str, steps: list[dict]) -> None:
         print(f"| {g:.1f} | `{a[:60]}` | `{b[:60]}` |")
 
 
+def wall_ms(fn, n: int) -> list[float]:
+    """n wall-clock times of fn(), ms."""
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(1e3 * (time.perf_counter() - t))
+    return ts
+
+
 def host_profile(eng, device_step, n: int) -> None:
     """Engine.step vs the device program alone (medians of n), then the engine steps' Python under cProfile."""
-    def median_ms(fn):
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(ts)
-
-    dev, whole = median_ms(device_step), median_ms(eng.step)
+    dev, whole = statistics.median(wall_ms(device_step, n)), statistics.median(wall_ms(eng.step, n))
     print(f"\nEngine.step {whole:.2f} ms, the device program alone {dev:.2f} ms (medians of {n}): "
           f"{whole - dev:.2f} ms more")
     prof = cProfile.Profile()
@@ -237,14 +239,7 @@ def call_overhead(eng, b, s, n: int) -> None:
     """What a call costs before any of the model's work: programs that take the decode program's arguments
     (parameters, the donated pool, the batch) and only pass the pool through, against one that takes the batch
     alone. A gap between them is the per-argument cost of a call (the step's parameters are hundreds of arrays)."""
-    def median_ms(fn):
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(ts)
-
+    median_ms = lambda fn: statistics.median(wall_ms(fn, n))  # noqa: E731
     everything = jax.jit(lambda params, pool, b, s: (pool, b.tokens[:, 0] + s.top_k), donate_argnums=1)
     batch_only = jax.jit(lambda b, s: b.tokens[:, 0] + s.top_k)
     packed = packed_params.pack(eng.params)
@@ -278,15 +273,10 @@ def packed_program(eng, b, s, n: int) -> None:
     compile_s = time.perf_counter() - t
     times = {}
     for name, params in (("as is", eng.params), ("packed", packed)) * 2:  # interleaved, twice
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            step(params)
-            ts.append(time.perf_counter() - t)
-        times.setdefault(name, []).extend(ts)
+        times.setdefault(name, []).extend(wall_ms(lambda p=params: step(p), n))
     print(f"device program, parameters as is ({len(jax.tree.leaves(eng.params))} arrays): "
-          f"{1e3 * statistics.median(times['as is']):.3f} ms; packed ({packed.num_arrays} arrays): "
-          f"{1e3 * statistics.median(times['packed']):.3f} ms (medians of {2 * n}; packed compile {compile_s:.0f} s)")
+          f"{statistics.median(times['as is']):.3f} ms; packed ({packed.num_arrays} arrays): "
+          f"{statistics.median(times['packed']):.3f} ms (medians of {2 * n}; packed compile {compile_s:.0f} s)")
 
 
 def main():
