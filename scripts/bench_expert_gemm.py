@@ -430,8 +430,9 @@ def dump(ceil, args):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_expert_gemm.json"), "w") as fh:
-            json.dump({"ceilings": ceil, "rows": ROWS, "moe": MOE_ROWS, "log": LOG, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                           "device": str(jax.devices())}, fh, indent=1, default=str)
+            json.dump({"ceilings": ceil, "rows": ROWS, "moe": MOE_ROWS, "log": LOG,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": str(jax.devices())},
+                      fh, indent=1, default=str)
 
 
 def main():
@@ -541,7 +542,6 @@ def _cases(args, ceil):
         dec_var, pre_var = [C(tm=8, tk=64, num_wgs=2, stages=2)], [C(tm=8, tk=64, num_wgs=1, stages=2)]
         dec_split = {mat: [C(tm=8, tk=64, num_wgs=1, stages=1, ksplit=2)] for mat in shapes}
     dec = [int(t) for t in args.decode_tokens.split(",") if t]
-    # priority order (the budget cuts the tail): largest decode, prefill, the other decodes, then variants
     for tokens in (int(t) for t in args.moe.split(",") if t):
         if elapsed() > args.budget_s:
             log("budget reached, skipping moe", tokens)
@@ -550,6 +550,7 @@ def _cases(args, ceil):
     if args.only_moe:
         return
     pre = [int(t) for t in args.prefill_tokens.split(",") if t]
+    # priority order (the budget cuts the tail): largest decode, prefill, the other decodes, then variants
     cases = [("decode", t) for t in sorted(dec)[-1:]] + ([] if args.skip_prefill else [("prefill", t) for t in pre])
     cases += [("decode", t) for t in sorted(dec)[:-1]]
     for kind, tokens in cases:

@@ -252,8 +252,7 @@ case "${1:-}" in
     # what the thirteenth session left owed (~9 min): the expert GEMM's K halves (KernelConfig.overlap: the second
     # half decodes while the first multiplies): GPU tests, then times with and without at decode (1 / 64 tokens)
     # and at 2048 / 8192-token prefills (Flash's 384 experts); then prefill through the engine after the routed
-    # experts' new layouts (16K prompt, replay on) and one MoE layer by kernel (docs/PERFORMANCE.md "Thirteenth
-    # session")
+    # experts' new layouts (16K prompt, replay on; docs/PERFORMANCE.md "Thirteenth session")
     timeout -k 10 100 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
       tests/pallas_kernels/test_expert_gemm.py > "$OUT/eg_tests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/eg_tests.txt" | tail -12
