@@ -267,7 +267,7 @@ case "${1:-}" in
         --out "$OUT/pre${pre%%:*}" > "$OUT/ov_pre${pre%%:*}.txt" 2>&1
       echo "prefill ${pre%%:*} rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/ov_pre${pre%%:*}.txt" | grep kernel
     done
-    timeout -k 10 200 $PY scripts/bench_engine.py --lengths 16384 --replay on --prefill-backends auto \
+    timeout -k 10 160 $PY scripts/bench_engine.py --lengths 16384 --replay on --prefill-backends auto \
       --backends "" > "$OUT/prefill16k.txt" 2>&1
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto|HBM" "$OUT/prefill16k.txt"
     ;;
