@@ -25,7 +25,7 @@ from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
-from serving.engine import programs
+from serving.engine import packed_params, programs
 from serving.engine.engine import Engine, SamplingParams, _Request
 
 log = logging.getLogger("bench_engine")
@@ -87,7 +87,8 @@ SUFFIXES = {"overlap": "the program copies the Engram rows from pinned host memo
             "unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
             "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
                            "(KernelOptions(prefill_indexer_kernel=False))",
-            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))"}
+            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))",
+            "packed": "the small parameter arrays packed into a few buffers (Engine(pack_params=True))"}
 
 
 def kernels_of(config: str) -> tuple[str, ...]:
@@ -111,7 +112,7 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
                   linear_backend=linear_be, engram_transfer="overlap" if "overlap" in suffixes else "argument",
-                  kernel_options=opts)
+                  pack_params="packed" in suffixes, kernel_options=opts)
 
 
 def with_fp4_experts(params):
@@ -269,7 +270,8 @@ def main():
 
         dev_t = timed(dev_only, reps=10)
         host_t = timed(lambda: eng.decode_inputs(reqs), reps=10)
-        read = decode_bytes(cfg, B, args.decode_ctx, *weight_bytes(cfg, eng.params))  # as the engine holds them
+        # the weights as the engine holds them
+        read = decode_bytes(cfg, B, args.decode_ctx, *weight_bytes(cfg, packed_params.unpack(eng.params)))
         bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, rel_dense_b, rel_expert)
         dec.append((be, B, compile_s, step, dev_t, host_t, read, bytes_fp4))
         log.info("decode %s B=%d step=%.2fms device=%.2fms host=%.2fms", be, B, step * 1e3, dev_t * 1e3, host_t * 1e3)
