@@ -11,12 +11,16 @@ memory transforms and pipeline depth through a Mosaic GPU pipeline whose body do
   tiles  [R/rows, Kb/B, rows, B]: each box one contiguous rows*B-byte block
   flat   the same contiguous blocks as boxes of 1 KB rows (uint32 [.., rows*B/1024, 256], no swizzle: what a
          copy of tiles stored already swizzled would be): does TMA stream faster in fewer, longer rows?
-  ldg    no TMA: each item read by the threads of 1-4 warpgroups with 16-byte plain loads (`--ldg WGSxLOADS`)
+  ldg    no TMA: each item read by the threads of 1-4 warpgroups with 16-byte plain loads (`--ldg WGSxLOADS`,
+         `WGSxLOADS:256` / `:128` with an L2 prefetch-size hint and no L1 allocation, `ld.global.nc.L1::no_allocate
+         .L2::256B`)
 
 On the H200 (2026-12-01, docs/PERFORMANCE.md "Twelfth session") the first three streamed 2.7-3.2 TB/s with the
 decode's [128, 128 B] boxes, at 4 or 8 stages: the kernel's 2.84 TB/s is 90-95% of it. Boxes of 256 rows or of
 256 bytes (`--box-rows 128,256 --box-bytes 128,256`; wider than 128 bytes is not swizzled) and the plain loads
-were not run yet.
+were not run yet. The thirteenth session ran them: 2.5-3.2 TB/s for every box and 2.65-3.02 for the plain loads,
+while XLA's own f32 sum reached 3.06-3.25 TB/s and only PyTorch's sum 4.2. Whether the loads' L2 prefetch size
+is the difference is what the hinted plain loads (`--ldg 2x8,2x8:256,4x8:256`) measure.
 
     PYTHONPATH=. python3 scripts/bench_weight_layout.py [--gib 1.5] [--stages 4,8] [--box-bytes 128,64]
                                                         [--box-rows 128] [--ldg 1x4,2x4,2x8,4x8]
@@ -77,11 +81,16 @@ def stream_kernel(layout: str, items: int, rows: int, kb: int, box: int, stages:
 
 
 @functools.lru_cache(maxsize=None)
-def ldg_kernel(items: int, rows: int, kb: int, wgs: int, unroll: int):
+def ldg_kernel(items: int, rows: int, kb: int, wgs: int, unroll: int, hint: str = ""):
     """The same items read without TMA: every thread of `wgs` warpgroups streams 16-byte `ld.global.nc.v4` loads
     over its item's rows x kb bytes (contiguous in the row-major layout), `unroll` loads in flight, folding them
     into one word it stores at the end (so nothing is dead code). The plain-load ceiling of one CTA an item:
-    what a producer of several warps with wide loads would fetch at (GPU only: the interpreter cannot run PTX)."""
+    what a producer of several warps with wide loads would fetch at (GPU only: the interpreter cannot run PTX).
+    hint '256' / '128': each load also asks L2 to fetch 256 / 128 bytes around it and skips L1 (PyTorch's
+    reductions read at 4.2 TB/s on the H200, JAX's at ~3.1-3.2)."""
+    qualifiers = {"": "", "128": ".L1::no_allocate.L2::128B", "256": ".L1::no_allocate.L2::256B"}
+    if hint not in qualifiers:
+        raise ValueError(f"hint {hint!r}: one of {sorted(qualifiers)}")
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils as mu
@@ -109,7 +118,8 @@ def ldg_kernel(items: int, rows: int, kb: int, wgs: int, unroll: int):
                 step = arith.muli(arith.addi(arith.muli(r, arith.constant(i32, unroll)), arith.constant(i32, u)),
                                   arith.constant(i32, threads * 16))
                 words = mu.inline_ptx(
-                    "{ .reg .b64 g; cvta.to.global.u64 g, $4; ld.global.nc.v4.b32 {$0, $1, $2, $3}, [g]; }",
+                    "{ .reg .b64 g; cvta.to.global.u64 g, $4; "
+                    f"ld.global.nc{qualifiers[hint]}.v4.b32 {{$0, $1, $2, $3}}, [g]; }}",
                     arith.addi(mine, arith.extui(i64, step)), result_types=[i32] * 4, has_side_effects=True)
                 carry = [arith.xori(c, w) for c, w in zip(carry, words)]
             return carry
@@ -159,7 +169,7 @@ def main():
     ap.add_argument("--box-bytes", default="128,64", help="box widths (the kernel's tk/2: decode 128, prefill 64)")
     ap.add_argument("--box-rows", default="128", help="rows of a box and of a work item (the kernel's: 128)")
     ap.add_argument("--ldg", default="", help="also the plain-load stream: warpgroups x loads in flight a "
-                                              "thread, e.g. 1x4,2x4,4x8 (GPU only)")
+                                              "thread[:L2 prefetch bytes], e.g. 1x4,2x4,4x8,2x8:256 (GPU only)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
@@ -191,10 +201,12 @@ def main():
                         continue
                     print(f"{layout:>6} {rows:>5} {box:>6} {stages:>6} {ms:8.3f} {nbytes / ms / 1e9:6.2f}", flush=True)
         for spec in filter(None, args.ldg.split(",")):
-            wgs, unroll = map(int, spec.split("x"))
-            fn, shape = ldg_kernel(n_items, rows, kb, wgs, unroll)
+            shape_spec, _, hint = spec.partition(":")
+            wgs, unroll = map(int, shape_spec.split("x"))
+            fn, shape = ldg_kernel(n_items, rows, kb, wgs, unroll, hint)
             ms = median_ms(fn, w, args.reps)
-            print(f"{'ldg':>6} {rows:>5} {f'{wgs}wg':>6} {f'x{unroll}':>6} {ms:8.3f} {nbytes / ms / 1e9:6.2f}",
+            name = "ldg" + (f"/{hint}" if hint else "")
+            print(f"{name:>6} {rows:>5} {f'{wgs}wg':>6} {f'x{unroll}':>6} {ms:8.3f} {nbytes / ms / 1e9:6.2f}",
                   flush=True)
 
 

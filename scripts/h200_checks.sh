@@ -28,6 +28,7 @@
 #   bash scripts/h200_checks.sh owed          # the thirteenth session's owed run: the GEMM's K halves, prefill (~9 min)
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
 #   bash scripts/h200_checks.sh packed        # a decode call's cost per argument array, small parameters packed (~7 min)
+#   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
@@ -322,6 +323,13 @@ case "${1:-}" in
     echo "bench_sparse_attention rc=$?"
     grep -E "FAILED|copy ceiling|variant| [0-9]+:[0-9]+:[rs]" "$OUT/sa_log.txt" | tail -14
     ;;
+  loads)
+    # do plain loads with an L2 prefetch-size hint stream past the ~3.2 TB/s that every TMA box, plain load and
+    # XLA reduction reached on the H200 (PyTorch's sum: 4.2)? (~2 min)
+    timeout -k 10 150 $PY scripts/bench_weight_layout.py --box-rows 128 --box-bytes 128 --stages 4 \
+      --ldg 2x8,2x8:128,2x8:256,4x8:256,1x8:256 > "$OUT/loads_log.txt" 2>&1
+    echo "bench_weight_layout rc=$?"; grep -vE "^20[0-9-]+ [0-9:,]+ (Unable|WARNING)" "$OUT/loads_log.txt" | tail -12
+    ;;
   layout)
     # does the expert weights' row-major layout (a box = 128 pieces of 128 bytes) cap the expert GEMM below HBM
     # bandwidth? The same boxes streamed from contiguous tiles, no compute. Then the top-k methods on the rows
@@ -350,7 +358,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|producer|packed|decode-kernels|layout|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|owed|producer|packed|loads|decode-kernels|layout|engram|engram-prefill" >&2
     exit 2
     ;;
 esac
