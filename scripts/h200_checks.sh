@@ -27,7 +27,7 @@
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh owed          # the thirteenth session's owed run: the GEMM's K halves, prefill (~9 min)
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
-#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument array, small parameters packed (~7 min)
+#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument array, small parameters packed (~6 min)
 #   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
@@ -53,7 +53,7 @@ case "${1:-}" in
   engine-tests)
     # the engine with the kernels against the XLA path: per layer, MoE, end to end (replay on: auto, + mHC)
     timeout -k 10 560 $PY -m pytest -q -s -rA --tb=line -p no:cacheprovider tests/test_engine_gpu.py \
-      -k "not False-auto" > "$OUT/engine_tests.txt" 2>&1
+      -k "not False-auto and not packed" > "$OUT/engine_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "rel\. max|per-layer|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests.txt" | tail -40
     ;;
@@ -274,14 +274,15 @@ case "${1:-}" in
     ;;
   packed)
     # what a decode call costs per argument array, and the decode program with the small parameters packed into a
-    # few buffers (Engine(pack_params=True), serving/engine/packed_params.py) against as it is, then the engine
-    # step with and without at batch 1 (~7 min)
+    # few buffers (Engine(pack_params=True), serving/engine/packed_params.py) against as it is; then the engine
+    # with every kernel, packed or not, on the same prompt (GPU test) (~6 min). The engine step with and without:
+    # bench_engine.py --backends auto,auto+packed --batches 1 --skip-prefill --decode-ctx 4096
     timeout -k 10 240 $PY scripts/trace_gaps.py --backend auto --batch 1 --no-trace --host-steps 20 \
       > "$OUT/packed.txt" 2>&1
     echo "trace_gaps rc=$?"; grep -E "Engine.step|passes the arguments|device program" "$OUT/packed.txt"
-    timeout -k 10 300 $PY scripts/bench_engine.py --backends auto,auto+packed --batches 1 --skip-prefill \
-      --decode-ctx 4096 > "$OUT/packed_engine.txt" 2>&1
-    echo "bench_engine rc=$?"; grep -E "^\| auto|decode auto" "$OUT/packed_engine.txt"
+    timeout -k 10 200 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k packed \
+      > "$OUT/packed_test.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "packed parameters|PASSED|FAILED|ERROR|passed|failed" "$OUT/packed_test.txt"
     ;;
   producer)
     # decode attention's two sides apart: the producer alone (sa.producer_stream) and the consumers alone

@@ -194,3 +194,17 @@ def test_engine_with_all_kernels_end_to_end(bench, replay, sites):
     print(f"replay={replay} sites={sites}: rel. max logit difference per step {np.round(rel, 4).tolist()} (inputs "
           f"equal for the first {same + 1}); tokens {tx} vs {tp}")
     assert np.all(np.isfinite(lp)) and rel[0] < E2E_TOL
+
+
+def test_packed_params_with_all_kernels(bench):
+    """Engine(pack_params=True) with every kernel on (fused mHC and router sites too, so that packed small arrays
+    reach Mosaic GPU kernels as operands): the first step's logits as without packing. The slices are exact;
+    only XLA's fusion choices around them may change, so the bound is the run-to-run one, far below E2E_TOL."""
+    cfg, params = bench
+    ids = list(np.random.default_rng(5).integers(3, cfg.vocab_size, 700))
+    kw = dict(attention_backend="auto", moe_backend="auto", mhc_backend="pallas", router_backend="pallas")
+    _, plain = _run(cfg, params, ids, **kw)
+    _, packed = _run(cfg, params, ids, pack_params=True, **kw)
+    rel = float(np.abs(plain[0] - packed[0]).max() / np.abs(plain[0]).max())
+    print(f"packed parameters: rel. max logit difference at the first step {rel:.3g}")
+    assert np.all(np.isfinite(packed)) and rel < 1e-2
