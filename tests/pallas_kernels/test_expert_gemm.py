@@ -182,7 +182,7 @@ INTERP_CASES = [
     # K slices (float32 partials summed outside): 2 and 3 slices, chained and not, an empty group between
     (20, 256, 128, [7, 0, 11], C(tm=8, tk=64, num_wgs=2, stages=2, chain=True, ksplit=2)),
     (24, 192, 128, [0, 9, 0, 15, 0], C(tm=8, tk=64, num_wgs=1, stages=1, ksplit=3)),
-    # each step's tile decoded and multiplied in two halves of K, chained and not, FP4 (the FP8 linear's own)
+    # each step's tile decoded and multiplied in two halves of K (KernelConfig.overlap), chained and not
     (40, 256, 128, [5, 0, 17, 3, 15], C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, overlap=True)),
     (24, 512, 128, [0, 9, 0, 15, 0], C(tm=16, tk=256, num_wgs=1, stages=2, overlap=True)),
 ]
