@@ -260,30 +260,40 @@ def test_kernel_interpret_flat_window_rows():
   np.testing.assert_allclose(np.asarray(ref), np.asarray(ref2), rtol=1e-6, atol=1e-6)
 
 
+def _quantized_pool(fmt, key, r, d, scale=5.0):
+  """r random rows quantized as the pool stores them (FP4 compressed KV or FP8 SWA ring) -> (src, scale,
+  tile_of); tile_of(rows) -> the bf16 tile and the bias a producer must write for those pool rows (-1: none)."""
+  x = jax.random.normal(key, (r, d)) * scale
+  src, sc = sa.quantize_kv_fp4(x) if fmt == "fp4" else sa.quantize_swa_fp8(x)
+  deq = sa.dequant_kv_fp4 if fmt == "fp4" else sa.dequant_swa_fp8
+
+  def tile_of(rows):
+    g = jnp.maximum(rows, 0)
+    tile = jnp.where((rows >= 0)[..., None], deq(src[g], sc[g]), 0).astype(jnp.bfloat16)
+    return tile, jnp.where(rows >= 0, 0.0, -jnp.inf)
+
+  return src, sc, tile_of
+
+
 def test_dequant_probe_interpret_exact():
   key = jax.random.key(4)
-  r, d = 50, 128
-  rows = jax.random.randint(key, (sa.TILE,), 0, r).astype(jnp.int32).at[7].set(-1)
-  kvp, kvs = sa.quantize_kv_fp4(jax.random.normal(key, (r, d)))
+  rows = jax.random.randint(key, (sa.TILE,), 0, 50).astype(jnp.int32).at[7].set(-1)
+  kvp, kvs, tile_of = _quantized_pool("fp4", key, 50, 128, scale=1.0)
   out, bias = sa.dequant_probe("fp4", kvp, kvs, rows, interpret=True)
-  g = jnp.maximum(rows, 0)
-  want = jnp.where((rows >= 0)[:, None], sa.dequant_kv_fp4(kvp[g], kvs[g]), 0)
-  np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
-  np.testing.assert_array_equal(bias, jnp.where(rows >= 0, 0.0, -jnp.inf))
+  want, want_bias = tile_of(rows)
+  np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(bias, want_bias)
 
 
 def test_producer_stream_interpret_last_tile_exact():
   """The producer-alone timing kernel dequantizes every CTA's tiles in turn; its last tile is exact."""
   key = jax.random.key(5)
-  r, d, ctas, tiles = 70, 128, 2, 3
-  rows = jax.random.randint(key, (ctas, tiles, sa.TILE), 0, r).astype(jnp.int32).at[1, 2, 5].set(-1)
-  kvp, kvs = sa.quantize_kv_fp4(jax.random.normal(key, (r, d)))
+  rows = jax.random.randint(key, (2, 3, sa.TILE), 0, 70).astype(jnp.int32).at[1, 2, 5].set(-1)
+  kvp, kvs, tile_of = _quantized_pool("fp4", key, 70, 128, scale=1.0)
   out, bias = sa.producer_stream("fp4", kvp, kvs, rows, interpret=True)
-  last = rows[:, -1]
-  g = jnp.maximum(last, 0)
-  want = jnp.where((last >= 0)[..., None], sa.dequant_kv_fp4(kvp[g], kvs[g]), 0)
-  np.testing.assert_array_equal(out, want.astype(jnp.bfloat16))
-  np.testing.assert_array_equal(bias, jnp.where(last >= 0, 0.0, -jnp.inf))
+  want, want_bias = tile_of(rows[:, -1])  # each CTA's last tile
+  np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(bias, want_bias)
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
@@ -359,17 +369,12 @@ def test_kernel_gpu_fused_rope(splits, mode):
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_producer_stream_gpu_exact(fmt):
   key = jax.random.key(13)
-  r, d = 500, 512
-  rows = jax.random.randint(key, (4, 3, sa.TILE), 0, r).astype(jnp.int32).at[2, 2, 9].set(-1)
-  x = jax.random.normal(key, (r, d)) * 5
-  src, sc = sa.quantize_kv_fp4(x) if fmt == "fp4" else sa.quantize_swa_fp8(x)
-  deq = sa.dequant_kv_fp4 if fmt == "fp4" else sa.dequant_swa_fp8
+  rows = jax.random.randint(key, (4, 3, sa.TILE), 0, 500).astype(jnp.int32).at[2, 2, 9].set(-1)
+  src, sc, tile_of = _quantized_pool(fmt, key, 500, 512)
   out, bias = sa.producer_stream(fmt, src, sc, rows)
-  last = rows[:, -1]
-  g = jnp.maximum(last, 0)
-  want = jnp.where((last >= 0)[..., None], deq(src[g], sc[g]), 0).astype(jnp.bfloat16)
+  want, want_bias = tile_of(rows[:, -1])  # each CTA's last tile
   np.testing.assert_array_equal(out, want)
-  np.testing.assert_array_equal(bias, jnp.where(last >= 0, 0.0, -jnp.inf))
+  np.testing.assert_array_equal(bias, want_bias)
 
 
 @gpu
@@ -377,17 +382,9 @@ def test_producer_stream_gpu_exact(fmt):
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_dequant_probe_gpu_exact(fmt):
   key = jax.random.key(9)
-  r, d = 300, 512
-  rows = jax.random.randint(key, (sa.TILE,), 0, r).astype(jnp.int32).at[3].set(-1)
-  x = jax.random.normal(key, (r, d)) * 5
-  if fmt == "fp4":
-    src, sc = sa.quantize_kv_fp4(x)
-    deq = sa.dequant_kv_fp4
-  else:
-    src, sc = sa.quantize_swa_fp8(x)
-    deq = sa.dequant_swa_fp8
+  rows = jax.random.randint(key, (sa.TILE,), 0, 300).astype(jnp.int32).at[3].set(-1)
+  src, sc, tile_of = _quantized_pool(fmt, key, 300, 512)
   out, bias = sa.dequant_probe(fmt, src, sc, rows)
-  g = jnp.maximum(rows, 0)
-  want = jnp.where((rows >= 0)[:, None], deq(src[g], sc[g]), 0).astype(jnp.bfloat16)
+  want, want_bias = tile_of(rows)
   np.testing.assert_array_equal(out, want)
-  np.testing.assert_array_equal(bias, jnp.where(rows >= 0, 0.0, -jnp.inf))
+  np.testing.assert_array_equal(bias, want_bias)
