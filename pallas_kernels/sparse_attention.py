@@ -393,7 +393,22 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
           f"ld.global.nc.{width} t, [g]; cvt.u32.u16 $0, t; }}",
           saddr, result_types=i32, has_side_effects=True)
 
-    def finish_row(r, valid, words, sc):
+    def load_row(i):
+      """This thread's i-th row of the tile -> (tile row r, its 4 data words, its scale bytes as u32)."""
+      r = arith.addi(rsub, ci(rows_per_pass * i))
+      rid = mu.inline_ptx(
+          "ld.shared.b32 $0, [$1];",
+          arith.addi(rows_base, arith.muli(r, ci(4))), result_types=i32,
+          has_side_effects=True)
+      valid = arith.cmpi(arith.CmpIPredicate.sge, rid, zero)
+      row = arith.extui(i64, arith.maxsi(rid, zero))
+      addr = arith.addi(arith.addi(src, arith.muli(row, cl(row_bytes))),
+                        arith.extui(i64, arith.muli(m, ci(16))))
+      words = mu.inline_ptx(
+          "{ .reg .b64 g; cvta.to.global.u64 g, $4; "
+          "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [g]; }",
+          addr, result_types=[i32] * 4, has_side_effects=True)
+      sc = load_scale(row)
       # Invalid rows are zero-filled (data and scale): no NaN can leak into P V.
       words = [arith.select(valid, w, zero) for w in words]
       sc = arith.select(valid, sc, zero)
@@ -404,28 +419,7 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
           "@$2 st.shared.f32 [$0], $1;",
           arith.addi(bias_base, arith.muli(r, ci(4))), bias, is_m0,
           has_side_effects=True)
-      return words, sc
-
-    def locate(i):
-      """This thread's i-th row of the tile: (tile row r, valid, pool row, address of its 16 data bytes)."""
-      r = arith.addi(rsub, ci(rows_per_pass * i))
-      rid = mu.inline_ptx(
-          "ld.shared.b32 $0, [$1];",
-          arith.addi(rows_base, arith.muli(r, ci(4))), result_types=i32,
-          has_side_effects=True)
-      valid = arith.cmpi(arith.CmpIPredicate.sge, rid, zero)
-      row = arith.extui(i64, arith.maxsi(rid, zero))
-      addr = arith.addi(arith.addi(src, arith.muli(row, cl(row_bytes))),
-                        arith.extui(i64, arith.muli(m, ci(16))))
-      return r, valid, row, addr
-
-    def load_row(i):
-      r, valid, row, addr = locate(i)
-      words = mu.inline_ptx(
-          "{ .reg .b64 g; cvta.to.global.u64 g, $4; "
-          "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [g]; }",
-          addr, result_types=[i32] * 4, has_side_effects=True)
-      return (r, *finish_row(r, valid, words, load_scale(row)))
+      return r, words, sc
 
     def store_chunk(r, q, regs):
       # offset = ((r//8)*(d/64) + q//8)*1024 + (r%8)*128 + ((q%8)^(r%8))*16
