@@ -65,7 +65,7 @@ def _raw_scores(q: jax.Array, w: jax.Array, k: jax.Array, dtype, products_in_dty
                       preferred_element_type=dtype if products_in_dtype else jnp.float32)
     s = quant.round_to(prod.astype(jnp.float32), dtype)  # (a no-op on products already in dtype)
     # a dtype x dtype product is exact in float32: one rounding after it is the dtype multiply
-    s = quant.round_to(jax.nn.relu(s) * w[..., None].astype(dtype).astype(jnp.float32), dtype)
+    s = quant.round_to(jax.nn.relu(s) * quant.round_to(w[..., None].astype(jnp.float32), dtype), dtype)
     return quant.round_to(jnp.sum(s, axis=2), dtype)
 
 

@@ -63,15 +63,20 @@ def linear_f32(x: jax.Array, w) -> jax.Array:
     three bf16 GEMMs with float32 accumulation, stacked into one so the weight is read once: every product is
     exact, only the summation order differs from a float32 GEMM. XLA's float32 GEMM copied the weight to
     float32 and ran without tensor cores (the head alone: 2.7 ms of a 15.8 ms batch-64 decode step on the
-    H200). Other weights take the float32 GEMM."""
+    H200). Other weights take the float32 GEMM.
+
+    The split rounds with `quant.round_to`, not an astype(bf16).astype(f32) pair: XLA's GPU compiler removes such
+    pairs (SimplifyFPConversions, on by default with excess precision allowed), which made the remainders zero
+    and the product a plain bf16 one on the H200 (the fused mHC site's pre-mix then differed from this path's
+    by 8.6e-4, against 2.8e-5 before the mix dots moved here)."""
     x = x.astype(jnp.float32)
     if not (quant.is_quantized(w) or w.dtype == jnp.bfloat16):
         return jnp.einsum("...i,oi->...o", x, quant.dense(w, jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    hi = x.astype(jnp.bfloat16)
-    r = x - hi.astype(jnp.float32)
-    mid = r.astype(jnp.bfloat16)
-    lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    y = jnp.einsum("t...i,oi->t...o", jnp.stack([hi, mid, lo]), quant.dense(w, jnp.bfloat16),
+    hi = quant.round_to(x, jnp.bfloat16)
+    r = x - hi
+    mid = quant.round_to(r, jnp.bfloat16)
+    terms = [t.astype(jnp.bfloat16) for t in (hi, mid, r - mid)]  # each exact in bf16
+    y = jnp.einsum("t...i,oi->t...o", jnp.stack(terms), quant.dense(w, jnp.bfloat16),
                    preferred_element_type=jnp.float32)
     return y[0] + (y[1] + y[2])
 

@@ -253,8 +253,8 @@ class KernelConfig:
     ksplit: int = 1
     # Decode and multiply each step's tile in two halves of K: the second half's weights are decoded while the
     # tensor cores multiply the first (wgmma is asynchronous; one wait at the end of the step). Without it the
-    # decode of a step and its multiply run one after the other within a warpgroup. Opt-in until timed on the
-    # H200 (interpreter and sm_90a lowering only). Needs tk % 128 == 0.
+    # decode of a step and its multiply run one after the other within a warpgroup. `default_config` turns it
+    # on where it was faster on the H200 (the 8- and 64-row tiles). Needs tk % 128 == 0.
     overlap: bool = False
 
     @property
@@ -272,14 +272,20 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
     from 1195-1255 to 1115-1221 us. A prefill chunk with few rows an expert takes tiles of 64: Flash's 384
     experts at a 2048-token chunk (32 rows an expert) took 2235 / 1136 us (w1/w3 / w2) against 3341 / 1765 with
     the 128-row tiles (thirteenth session, docs/PERFORMANCE.md). Beyond 64 rows an expert the GEMM is
-    compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the matmul rate)."""
+    compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the matmul rate).
+
+    The 8- and 64-row tiles decode and multiply each step in two halves (`overlap`): on the H200 (2026-12-01,
+    fourteenth session) w1/w3 / w2 took 33.6 / 17.1 us at one token against 35.1 / 17.7, 2223 / 1144 us at a
+    2048-token chunk against 2283 / 1157, and 979 / 529 us at 64 tokens against 969 / 535 (even); the 128-row
+    tiles at 8192 tokens were slower with it (w1/w3 5066 against 4938 us)."""
     tk = 256 if k % 256 == 0 else 128
     steps = k // tk
     stages = 3 if steps % 4 and steps % 3 == 0 else 4
+    overlap = tk % 128 == 0
     if m <= 512:
-        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True)
+        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=overlap)
     if m <= 64 * e:
-        return KernelConfig(tm=64, tk=tk, num_wgs=2, stages=stages, chain=True)
+        return KernelConfig(tm=64, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=overlap)
     return KernelConfig(tm=128, tk=128, num_wgs=2, stages=4)
 
 

@@ -260,23 +260,29 @@ def call_overhead(eng, b, s, n: int) -> None:
           f"(medians of {n})")
 
 
-def packed_program(eng, b, s, n: int) -> None:
-    """The decode program with the small parameters packed (`Engine(pack_params=True)`) against as it is."""
-    packed = packed_params.pack(eng.params)
+def packed_program(eng, b, s, n: int, max_bytes: list[float]) -> None:
+    """The decode program with the parameters up to each of `max_bytes` packed (`Engine(pack_params=True)`:
+    packed_params.MAX_BYTES) against as it is. Larger leaves packed are fewer arguments, and cost a copy wherever
+    XLA does not read their slice in place."""
+    variants = {"as is": eng.params}
+    for mb in max_bytes:
+        variants[f"packed <= {mb:g} B"] = packed_params.pack(eng.params, mb)
 
     def step(params):
         eng.pool, _, tok = programs.run_full(params, eng.pool, b, s, **eng.static)
         tok.block_until_ready()
 
-    t = time.perf_counter()
-    step(packed)
-    compile_s = time.perf_counter() - t
+    compile_s = {}
+    for name, params in variants.items():
+        t = time.perf_counter()
+        step(params)
+        compile_s[name] = time.perf_counter() - t
     times = {}
-    for name, params in (("as is", eng.params), ("packed", packed)) * 2:  # interleaved, twice
+    for name, params in list(variants.items()) * 2:  # interleaved, twice
         times.setdefault(name, []).extend(wall_ms(lambda p=params: step(p), n))
-    print(f"device program, parameters as is ({len(jax.tree.leaves(eng.params))} arrays): "
-          f"{statistics.median(times['as is']):.3f} ms; packed ({packed.num_arrays} arrays): "
-          f"{statistics.median(times['packed']):.3f} ms (medians of {2 * n}; packed compile {compile_s:.0f} s)")
+    for name, params in variants.items():
+        print(f"device program, parameters {name} ({len(jax.tree.leaves(params))} arrays): "
+              f"{statistics.median(times[name]):.3f} ms (median of {2 * n}; first call {compile_s[name]:.0f} s)")
 
 
 def main():
@@ -294,6 +300,11 @@ def main():
                     help="only the device program and Engine.step times: XLA runs a program's command buffers "
                          "(CUDA graphs) only outside a profiling session, so the trace shows the step without "
                          "them; with TF_CPP_VMODULE=command_buffer_thunk=3 XLA logs each command buffer update")
+    ap.add_argument("--pack-max-bytes", type=lambda v: [float(x) for x in v.split(",")],
+                    default=[packed_params.MAX_BYTES],
+                    help="with --no-trace: the decode program with parameters up to each size packed (inf: every "
+                         "unsharded one; on the H200 the bench preset's 9 GB uint8 pack then failed in XLA's "
+                         "autotuning with CUDA_ERROR_ILLEGAL_INSTRUCTION)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -319,7 +330,7 @@ def main():
         if args.no_trace:
             host_profile(eng, step, args.host_steps or 20)
             call_overhead(eng, b, s, args.host_steps or 20)
-            packed_program(eng, b, s, args.host_steps or 20)
+            packed_program(eng, b, s, args.host_steps or 20, args.pack_max_bytes)
             return
         tdir = os.path.join(args.out or tempfile.mkdtemp(), "trace")
         with jax.profiler.trace(tdir):

@@ -4,8 +4,10 @@ A jitted call costs about 2.4 us per argument array on the H200 (thirteenth sess
 --no-trace`): the bench preset's decode step passes 268 arrays, 0.6 ms of a 4.5 ms batch-1 step, and Flash's 40
 layers would pass about 1500. Most parameter arrays are small (norm weights, block scales, biases). `pack` puts
 every unsharded leaf of at most `max_bytes` into one 1-D buffer per dtype; `unpack`, the first thing a program
-does, slices them back, and XLA fuses those slices into the ops that read them (a kernel that takes such a leaf
-as an operand gets a small copy instead). Large and sharded leaves pass through as they are.
+does, slices them back, and XLA fuses those slices into the ops that read them. Each leaf starts on a multiple of
+`ALIGN` bytes: XLA hands a kernel that takes such a leaf as an operand the slice in place (a sub-buffer), and the
+Mosaic GPU custom call rejects inputs that are not 256-byte aligned (H200, 2026-12-01: "Input buffer 6 is not
+256-byte aligned" with unaligned offsets). Large and sharded leaves pass through as they are.
 
 Opt-in (`Engine(pack_params=True)`) until timed on the device: `scripts/trace_gaps.py --no-trace` times the
 decode program with and without.
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_BYTES = 64 * 1024
+ALIGN = 256  # bytes: where each packed leaf starts (what the Mosaic GPU custom call asks of its inputs)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -54,22 +57,34 @@ def pack(params, max_bytes: int = MAX_BYTES) -> PackedParams:
     if isinstance(params, PackedParams):
         return params
     leaves, treedef = jax.tree.flatten(params)
-    big, groups, slots = [], {}, []
+    big, groups, sizes, slots = [], {}, {}, []
     for x in leaves:
         if _packable(x, max_bytes):
             key = jnp.dtype(x.dtype).name
-            group = groups.setdefault(key, [])
-            offset = sum(int(y.size) for y in group)
+            step = max(ALIGN // x.dtype.itemsize, 1)
+            offset = -(-sizes.get(key, 0) // step) * step
+            groups.setdefault(key, []).append((offset, x))
+            sizes[key] = offset + int(x.size)
             slots.append(("pack", key, offset, tuple(x.shape)))
-            group.append(x)
         else:
             slots.append(("big", len(big)))
             big.append(x)
     keys = sorted(groups)
-    packs = tuple(jnp.concatenate([y.reshape(-1) for y in groups[k]]) for k in keys)
+    packs = tuple(_concat_at(groups[k], sizes[k]) for k in keys)
     index = {k: i for i, k in enumerate(keys)}
     slots = tuple(s if s[0] == "big" else ("pack", index[s[1]], s[2], s[3]) for s in slots)
     return PackedParams(tuple(big), packs, treedef, slots)
+
+
+def _concat_at(placed: list, size: int) -> jax.Array:
+    """(offset, leaf) pairs -> one 1-D buffer of `size` elements with each leaf at its offset (zeros between)."""
+    parts, end = [], 0
+    for offset, x in placed:
+        if offset > end:
+            parts.append(jnp.zeros((offset - end,), x.dtype))
+        parts.append(x.reshape(-1))
+        end = offset + int(x.size)
+    return jnp.concatenate(parts)
 
 
 def unpack(params):

@@ -253,13 +253,15 @@ def test_overlap_lowers_for_cuda(m, cfg):
 def test_default_configs_at_flash_shapes():
     """Decode and prefill chunks with few rows an expert chain every SM's items (the stages divide the K steps)
     for w1/w3 (K 5120) and w2 (K 2304): unchained, w2 took 665 us at 64 tokens on the H200 against 612 chained.
-    w1/w3 and w2 of one MoE take the same tile rows (dsv41.moe runs both on one tile schedule)."""
+    w1/w3 and w2 of one MoE take the same tile rows (dsv41.moe runs both on one tile schedule). The 8- and
+    64-row tiles decode in two halves of K (faster there on the H200), the 128-row ones do not (slower there)."""
     for m, tm in ((6, 8), (384, 8), (2048 * 6, 64), (8192 * 6, 128)):
         cfgs = [eg.default_config(m, n, k, 384) for n, k in [(4608, 5120), (5120, 2304)]]
         assert {c.tm for c in cfgs} == {tm}, (m, cfgs)
         for (n, k), cfg in zip([(4608, 5120), (5120, 2304)], cfgs):
             if tm < 128:
                 assert cfg.chain and (k // cfg.tk) % cfg.stages == 0 and cfg.stages >= 3, (k, cfg)
+            assert cfg.overlap == (tm < 128), cfg
 
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
