@@ -68,7 +68,7 @@ def linear_f32(x: jax.Array, w) -> jax.Array:
     The split rounds with `quant.round_to`, not an astype(bf16).astype(f32) pair: XLA's GPU compiler removes such
     pairs (SimplifyFPConversions, on by default with excess precision allowed), which made the remainders zero
     and the product a plain bf16 one on the H200 (the fused mHC site's pre-mix then differed from this path's
-    by 8.6e-4, against 2.8e-5 before the mix dots moved here)."""
+    by 8.6e-4, against 2.8e-5 before the mix dots moved here; tests/test_gpu_conversions.py)."""
     x = x.astype(jnp.float32)
     if not (quant.is_quantized(w) or w.dtype == jnp.bfloat16):
         return jnp.einsum("...i,oi->...o", x, quant.dense(w, jnp.float32), precision=jax.lax.Precision.HIGHEST)

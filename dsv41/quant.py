@@ -67,8 +67,23 @@ def pow2_scale(amax: jax.Array, max_value: float) -> jax.Array:
 
 
 def e4m3(x: jax.Array) -> jax.Array:
-    """float32 -> float8_e4m3fn, round to nearest even, saturating at +-448 (a plain cast gives NaN)."""
+    """float32 -> float8_e4m3fn, round to nearest even, saturating at +-448 (a plain cast gives NaN). For values
+    that stay float (a quantize-dequantize), `e4m3_round`."""
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+def e4m3_round(x: jax.Array) -> jax.Array:
+    """float32 -> float32 holding `e4m3(x)`'s value, without a float8 conversion.
+
+    XLA's GPU compiler removes a float32 -> float8 -> float32 convert pair (SimplifyFPConversions, with excess
+    precision allowed, the default), so a quantize-dequantize written with the cast is no rounding at all on
+    the GPU. Here the rounding is arithmetic: e4m3's quantum at x is 2^(max(e, -6) - 3) (e = x's binary exponent;
+    -6 the smallest normal's, below it the subnormals' fixed 2^-9), x / quantum is exact and rounds to nearest
+    even, and the product is exact again."""
+    x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    exp = (jax.lax.bitcast_convert_type(x, jnp.int32) >> 23) & 0xFF  # float32's biased exponent
+    quantum = jax.lax.bitcast_convert_type((jnp.maximum(exp, 127 - 6) - 3) << 23, jnp.float32)
+    return jnp.round(x / quantum) * quantum
 
 
 def e2m1_codes(v: jax.Array) -> jax.Array:
@@ -101,11 +116,15 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 # ---- FP8 (e4m3, UE8M0 per 32) -----------------------------------------------------------------------
 
 
+def _fp8_scales(xg: jax.Array) -> jax.Array:
+    """Blocks [..., n/block, block] float32 -> their pow2 scales [..., n/block]; amax floor 1e-4 as in the kernel."""
+    return pow2_scale(jnp.maximum(jnp.max(jnp.abs(xg), -1), 1e-4), FP8_MAX)
+
+
 def fp8_quantize(x: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
-    """x [..., n] -> (e4m3 [..., n], float32 pow2 scales [..., n/block]). amax floor 1e-4 as in the kernel."""
+    """x [..., n] -> (e4m3 [..., n], float32 pow2 scales [..., n/block])."""
     xg = _block(x.astype(jnp.float32), block)
-    amax = jnp.maximum(jnp.max(jnp.abs(xg), -1), 1e-4)
-    s = pow2_scale(amax, FP8_MAX)
+    s = _fp8_scales(xg)
     q = e4m3(xg / s[..., None])
     return q.reshape(x.shape), s
 
@@ -126,9 +145,11 @@ def round_to(x: jax.Array, dtype) -> jax.Array:
 
 
 def fp8_qdq(x: jax.Array, block: int = 32) -> jax.Array:
-    """The reference's act_quant(..., inplace=True): FP8 round trip, result in x's dtype."""
-    q, s = fp8_quantize(x, block)
-    return fp8_dequantize(q, s, block).astype(x.dtype)
+    """The reference's act_quant(..., inplace=True): FP8 round trip, result in x's dtype (`fp8_quantize` then
+    `fp8_dequantize`'s values, rounded by `e4m3_round`: a float8 cast pair is dropped by XLA on the GPU)."""
+    xg = _block(x.astype(jnp.float32), block)
+    s = _fp8_scales(xg)[..., None]
+    return (e4m3_round(xg / s) * s).reshape(x.shape).astype(x.dtype)
 
 
 # ---- FP4 e2m1 with UE8M0/32 (MXFP4) or E4M3/16 scales -------------------------------------------------
@@ -137,7 +158,7 @@ def fp8_qdq(x: jax.Array, block: int = 32) -> jax.Array:
 def fp4_scales(xg: jax.Array, e4m3_scales: bool) -> jax.Array:
     amax = jnp.max(jnp.abs(xg), -1)
     if e4m3_scales:  # compressed KV: amax/6 rounded to E4M3, floor keeps an all-zero group's scale nonzero
-        return e4m3(jnp.maximum(amax, 6 * 2.0**-9) / FP4_MAX).astype(jnp.float32)
+        return e4m3_round(jnp.maximum(amax, 6 * 2.0**-9) / FP4_MAX)
     return pow2_scale(jnp.maximum(amax, 6 * 2.0**-126), FP4_MAX)
 
 

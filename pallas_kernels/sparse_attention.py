@@ -65,6 +65,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
+from dsv41 import quant
+
 LOG2E = 1.4426950408889634
 NEG_INIT = -1e30          # finite "minus infinity" for the running max
 TILE = 64                 # keys per tile (wgmma N of Q K^T, K of P V)
@@ -132,9 +134,11 @@ def quantize_kv_fp4(x):
   d = x.shape[-1]
   xb = x.reshape(*x.shape[:-1], d // 16, 16)
   amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-  scale = jnp.maximum(amax, 6 * 2.0 ** -9) / 6
-  scale8 = scale.astype(jnp.float8_e4m3fn)
-  y = jnp.clip(xb / scale8.astype(jnp.float32), -6, 6)
+  # the scale's E4M3 value by arithmetic: under jit on the GPU XLA drops an f32 -> f8 -> f32 cast pair, and the
+  # codes would be cut against a scale other than the one stored (quant.e4m3_round)
+  scale = quant.e4m3_round(jnp.maximum(amax, 6 * 2.0 ** -9) / 6)
+  scale8 = scale.astype(jnp.float8_e4m3fn)  # exact
+  y = jnp.clip(xb / scale, -6, 6)
   mags = jnp.asarray(E2M1_VALUES[:8])
   dist = jnp.abs(jnp.abs(y)[..., None] - mags) + 1e-6 * (jnp.arange(8) % 2)
   code = jnp.argmin(dist, axis=-1).astype(jnp.uint8) | jnp.where(y < 0, 8, 0).astype(jnp.uint8)

@@ -86,18 +86,6 @@ def test_linear_f32_is_a_float32_product(wfmt):
     assert y.dtype == np.float32 and np.abs(y - want).max() <= bound
 
 
-def test_linear_f32_split_survives_gpu_simplification():
-    """XLA's GPU compiler removes astype(bf16).astype(f32) pairs (SimplifyFPConversions), which the CPU compiler
-    keeps: a split written with them is exact here and a plain bf16 product on the H200. The split's two
-    roundings must be reduce_precision ops (quant.round_to), which no compiler drops."""
-    import jax
-
-    from dsv41 import nn
-    hlo = jax.jit(nn.linear_f32).lower(jax.ShapeDtypeStruct((4, 64), jnp.float32),
-                                       jax.ShapeDtypeStruct((8, 64), jnp.bfloat16)).as_text()
-    assert hlo.count("reduce_precision") == 2, hlo
-
-
 def test_mhc_coefficients_of_a_bf16_stream_are_float32_dots(monkeypatch):
     """A bf16 stream's 24 mix dots run as three exact bf16 terms of fn (nn.linear_f32 with the roles swapped):
     the mix values must be as close to float64 as the float32 HIGHEST einsum of the float32 path."""

@@ -1,0 +1,44 @@
+"""The model's rounding points survive the float-conversion simplification of XLA's GPU compiler.
+
+With excess precision allowed (the default), XLA's GPU pipeline runs SimplifyFPConversions: a chain of float
+converts such as f32 -> bf16 -> f32 or f32 -> f8e4m3fn -> f32 becomes its input, so a rounding written as a cast
+pair is no rounding on the GPU. On the H200 that made `nn.linear_f32`'s split a plain bf16 product and every FP8
+quantize-dequantize (activations, the SWA cache values, the E4M3 scales of the compressed KV) a no-op; the CPU
+tests could not see it. XLA's CPU pipeline runs the same pass when its oneDNN custom calls are on, so the
+numerics tests that depend on rounding points run again here, in a subprocess with that flag: the teacher-forced
+comparison with the PyTorch reference's cache numerics (5.6% off at layer 0 with the cast pairs, bound 0.2%), the
+formats, and the float32 products of `nn.linear_f32` and the mHC mix.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAG = "--xla_cpu_experimental_onednn_custom_call=true"
+TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_forced", "tests/test_quant.py",
+         "tests/test_model.py::test_linear_f32_is_a_float32_product",
+         "tests/test_model.py::test_mhc_coefficients_of_a_bf16_stream_are_float32_dots"]
+
+
+def _run(code_or_args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip()}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run([sys.executable, *code_or_args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_flag_simplifies_cast_pairs():
+    """The premise: with the flag a bf16 and an FP8 cast pair under jit are dropped (else this file tests
+    nothing)."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "x = jnp.linspace(-3.0, 3.0, 97, dtype=jnp.float32) + 1e-3\n"
+            "for t in (jnp.bfloat16, jnp.float8_e4m3fn):\n"
+            "    assert bool(jnp.all(jax.jit(lambda v: v.astype(t).astype(jnp.float32))(x) == x)), t\n")
+    r = _run(["-c", code])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_numerics_tests_pass_with_gpu_conversion_simplification():
+    r = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *TESTS])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
