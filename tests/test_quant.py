@@ -46,6 +46,24 @@ def test_fp8_qdq_matches_a_numpy_port():
     s = 2.0 ** np.ceil(np.log2(amax / 448.0))
     ref = (np.clip(g / s[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s[..., None])
     np.testing.assert_array_equal(np.asarray(quant.fp8_qdq(jnp.asarray(x))), ref.reshape(4, 64))
+    # under jit too (one program: a float8 cast pair there is what XLA's GPU compiler folds)
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.fp8_qdq)(jnp.asarray(x))), ref.reshape(4, 64))
+
+
+def test_compressed_kv_codes_match_the_stored_scale():
+    """As the pool is written (kv_write.token_bytes, one program): the codes and the E4M3 scale byte stored beside
+    them. Read back with the stored scale they must give the quantize-dequantize values: codes cut against an
+    unrounded scale (a folded cast pair) read back up to 1/16 off."""
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((8, 512)) * 3, jnp.float32)
+
+    @jax.jit
+    def write(x):
+        packed, s = quant.fp4_quantize(x, 16, e4m3_scales=True)
+        return packed, quant.e4m3(s)
+
+    packed, stored = write(x)
+    back = quant.fp4_dequantize(packed, np.asarray(stored).astype(np.float32), 16)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(quant.fp4_qdq(x, 16, True)))
 
 
 @pytest.mark.parametrize("block, e4m3", [(16, True), (32, False)])
