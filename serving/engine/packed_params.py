@@ -70,14 +70,14 @@ def pack(params, max_bytes: int = MAX_BYTES) -> PackedParams:
             slots.append(("big", len(big)))
             big.append(x)
     keys = sorted(groups)
-    packs = tuple(_concat_at(groups[k], sizes[k]) for k in keys)
+    packs = tuple(_concat_at(groups[k]) for k in keys)
     index = {k: i for i, k in enumerate(keys)}
     slots = tuple(s if s[0] == "big" else ("pack", index[s[1]], s[2], s[3]) for s in slots)
     return PackedParams(tuple(big), packs, treedef, slots)
 
 
-def _concat_at(placed: list, size: int) -> jax.Array:
-    """(offset, leaf) pairs -> one 1-D buffer of `size` elements with each leaf at its offset (zeros between)."""
+def _concat_at(placed: list) -> jax.Array:
+    """(offset, leaf) pairs in offset order -> one 1-D buffer with each leaf at its offset (zeros between)."""
     parts, end = [], 0
     for offset, x in placed:
         if offset > end:
