@@ -7,12 +7,18 @@ quantize-dequantize (activations, the SWA cache values, the E4M3 scales of the c
 tests could not see it. XLA's CPU pipeline runs the same pass when its oneDNN custom calls are on, so the
 numerics tests that depend on rounding points run again here, in a subprocess with that flag: the teacher-forced
 comparison with the PyTorch reference's cache numerics (5.6% off at layer 0 with the cast pairs, bound 0.2%), the
-formats, and the float32 products of `nn.linear_f32` and the mHC mix.
+formats, and the float32 products of `nn.linear_f32` and the mHC mix. And statically, over the engine's
+programs: no float value passes through float8 and back (an FP8 rounding is never exact by accident).
 """
 
+import functools
 import os
 import subprocess
 import sys
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAG = "--xla_cpu_experimental_onednn_custom_call=true"
@@ -42,3 +48,51 @@ def test_the_flag_simplifies_cast_pairs():
 def test_numerics_tests_pass_with_gpu_conversion_simplification():
     r = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *TESTS])
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+
+
+# ops that move values without changing them: a convert chain through them is still folded
+_MOVES = {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice", "copy", "copy_p"}
+
+
+def _float8_round_trips(jaxpr, found: list) -> None:
+    """Appends (source dtype, ..., final dtype) of every float convert chain that passes through float8."""
+    producer = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producer[v] = eqn
+        if eqn.primitive.name == "convert_element_type":
+            types, src = [eqn.outvars[0].aval.dtype], eqn.invars[0]
+            while isinstance(src, jcore.Var) and src in producer and (
+                    producer[src].primitive.name in _MOVES | {"convert_element_type"}):
+                p = producer[src]
+                if p.primitive.name == "convert_element_type":
+                    types.append(p.outvars[0].aval.dtype)
+                src = p.invars[0]
+            types = [src.aval.dtype, *reversed(types)]
+            if (len(types) >= 3 and all(jnp.issubdtype(t, jnp.floating) for t in types)
+                    and any(jnp.finfo(t).bits == 8 for t in types[1:-1])):
+                found.append(tuple(str(t) for t in types))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    _float8_round_trips(sub.jaxpr, found)
+                elif isinstance(sub, jcore.Jaxpr):
+                    _float8_round_trips(sub, found)
+
+
+def test_engine_programs_have_no_float8_cast_pairs():
+    """Every program kind of the engine (prefill encoder, decoder, decode) at the served numerics, traced: no
+    float8 round trip for XLA's GPU compiler to fold (the code before quant.e4m3_round had 61-133 a program)."""
+    from serving.engine.engine import Engine
+
+    eng = Engine.from_preset("tiny", max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
+                             min_prefill_bucket=128, min_ctx_pages=8)
+    kinds = {}
+    for shape in eng.program_shapes():
+        kinds.setdefault(shape[0], shape)
+    assert set(kinds) == {"encoder", "decoder", "decode"}, kinds
+    for kind, shape in kinds.items():
+        fn, args, static = eng._padding_call(*shape)
+        found = []
+        _float8_round_trips(jax.make_jaxpr(functools.partial(fn, **static))(*args).jaxpr, found)
+        assert not found, (kind, len(found), found[:3])
