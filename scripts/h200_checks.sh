@@ -52,11 +52,12 @@ case "${1:-}" in
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
     ;;
   engine-tests)
-    # the engine's parts with the kernels against the XLA path: per layer, MoE, FP8 linears, the fused sites;
-    # nn.linear_f32 on the GPU (its split must survive XLA's GPU simplifications) (~7 min; the whole file did not
-    # fit one call on 2026-12-01: end to end is engine-e2e)
+    # the engine's parts with the kernels against the XLA path: per layer, MoE, FP8 linears, the fused sites; on
+    # the GPU itself, the roundings XLA's GPU compiler used to fold (quant's formats under jit, nn.linear_f32, the
+    # mHC mix) (~7 min; the whole file did not fit one call on 2026-12-01: end to end is engine-e2e)
     timeout -k 10 560 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
-      tests/test_model.py -k "not all_kernels_end_to_end and not packed and (gpu or engine or linear_f32 or mhc_coeff)" \
+      tests/test_model.py tests/test_quant.py \
+      -k "not all_kernels_end_to_end and not packed and (gpu or engine or linear_f32 or mhc_coeff or quant)" \
       > "$OUT/engine_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "rel\. max|per-layer|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests.txt" | tail -40
