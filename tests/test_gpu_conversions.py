@@ -27,10 +27,10 @@ TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_force
          "tests/test_model.py::test_mhc_coefficients_of_a_bf16_stream_are_float32_dots"]
 
 
-def _run(code_or_args: list[str]) -> subprocess.CompletedProcess:
+def _run(args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip()}
     env.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run([sys.executable, *code_or_args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
 
 
