@@ -27,8 +27,15 @@ TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_force
          "tests/test_model.py::test_mhc_coefficients_of_a_bf16_stream_are_float32_dots"]
 
 
+# conftest's fast-compile flags: dropped in the rerun, which compiles as the GPU does (full optimization). At
+# level 0 the oneDNN path rounds a layer-11 attention output differently enough (5e-4) to flip one token's
+# expert choice in the teacher-forced comparison (block output 6.5e-3 off): a near-tie, not a lost rounding.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip()}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _FAST_COMPILE]
+    env = {**os.environ, "XLA_FLAGS": " ".join([*flags, FLAG]), "DSV41_TEST_FULL_OPT": "1"}
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
