@@ -20,9 +20,12 @@ Backends (`route_fused(..., backend=)`):
      Decode is bound by the 3.9 MB weight read, so D is split into S pieces until about all SMs have one
      item (E/64 * S = 120 at T <= 16).
   2. XLA: logits = sum over S, transposed to [Tp, E] (one small fusion; fixed order, deterministic).
-  3. `_epilogue_kernel`: one CTA per 64 tokens loads its logits rows and the bias (TMA), then
-     sqrt-softplus, bias, top-k by k rounds of (row max, lowest id reaching it, mask), the chosen raw
-     scores, renormalisation and scale. Outputs are stored as [k, 64] per tile and transposed in XLA.
+  3. `_select_kernel`: one warpgroup per tb tokens (8 for Flash's 384 experts) loads their logits as a
+     [64, 64] tile (row = 64 experts of one token) and the bias (TMA), then sqrt-softplus, bias, and the top-k
+     in two levels held in registers: k rounds of (row max, lowest id reaching it, its score, mask) give each
+     row's k best, and the same rounds over each token's r x 8 candidates (read back through an aliased
+     [64, 8r] view of the buffer they were written to) give its k; renormalisation and scale. Outputs are
+     stored as [k, 64] per CTA and transposed in XLA.
   4. XLA: the counting-sort permutation (group sizes + stable order, `permutation`): at decode sizes a
      one-hot counting sort, else a stable argsort.
 - 'interpret': the same kernels in the Mosaic GPU interpreter (CPU tests).
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Literal
 
 import jax
@@ -72,7 +74,7 @@ class RouteConfig:
 class KernelConfig:
     tm: int = 8  # tokens per GEMM tile = wgmma N (multiple of 8, <= 128)
     tk: int = 128  # D per pipeline step (multiple of 64)
-    splits: int = 20  # D is split into this many pieces (partials summed by the epilogue kernel)
+    splits: int = 20  # D is split into this many pieces (partials summed in XLA)
     num_wgs: int = 2  # compute warpgroups per CTA, 64 experts each
     stages: int = 2  # GEMM pipeline depth
 
@@ -87,7 +89,7 @@ def _round_up(a: int, b: int) -> int:
 
 def default_config(t: int, d: int, e: int) -> KernelConfig:
     """Decode (T <= 64): split D so that ~120 CTAs share the weight read, fewer splits as tokens grow
-    (the partials are S * Tp * E * 4 bytes, read by one epilogue CTA per 64 tokens). Prefill: no split."""
+    (the partials are S * Tp * E * 4 bytes, summed by XLA). Prefill: no split."""
     tm = _round_up(max(t, 1), 8) if t <= 64 else 128
     tk = 128
     n_k = d // tk
@@ -255,7 +257,7 @@ def _gate_kernel(t_pad: int, d: int, e: int, cfg: KernelConfig, interpret: bool)
 
 
 # ---------------------------------------------------------------------------------------------------
-# kernel 2: sum of partials, sqrt-softplus, bias, top-k, renorm, scale
+# kernel 2: sqrt-softplus, bias, top-k in two levels, renorm, scale
 
 
 def _log1p(u: jax.Array) -> jax.Array:
@@ -271,87 +273,110 @@ def _sqrt_softplus(z: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.maximum(z, 0.0) + _log1p(jnp.exp(-jnp.abs(z))))
 
 
+def select_tiling(e: int, k: int) -> tuple[int, int]:
+    """-> (r, tb): a token's E scores are r = E/64 rows of 64 experts, and a selection CTA takes tb tokens
+    (a multiple of 8 with tb * r <= 64, so that its rows fill one [64, 64] WGMMA-layout tile)."""
+    if e % 64:
+        raise ValueError(f"E={e} must be a multiple of 64")
+    r = e // 64
+    if r > 8 or k > 8:
+        raise ValueError(f"the selection kernel takes E <= 512 and k <= 8 (E={e}, k={k}); use the XLA route")
+    return r, 8 * (8 // r)
+
+
 @functools.lru_cache(maxsize=None)
-def _epilogue_kernel(t_pad: int, e: int, cfg: KernelConfig, rc: RouteConfig, interpret: bool):
+def _select_kernel(t_pad: int, e: int, rc: RouteConfig, interpret: bool):
+    """logits f32 [t_pad * r, 64] in `select_rows` order, bias f32 [r, 64] -> (weights f32, ids int32), each
+    [t_pad / tb, k, 64] (per CTA the k picks of its tb tokens in columns 0..tb-1; the other columns are padding).
+
+    Two levels, each k rounds of (row max, lowest id reaching it, its score, mask) in registers:
+    1. The CTA's [64, 64] tile holds row s * tb + t = token t's experts s*64 .. s*64+63: every row keeps its k
+       best (key = score + bias, ties to the lower id) as [64, 8] candidates (keys, ids, scores; -inf past k).
+    2. Read back from shared memory from row s * tb on, the candidates of segment s are a [64, 8] tile whose
+       row t is token t's: the same rounds over the r tiles pick each token's k.
+    The top k of a union is the top k of its parts' top k's, and both levels break ties to the lower expert
+    id, so this is top_k's selection."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    rows = min(t_pad, 64)  # valid partial rows per CTA (64 = one WGMMA-layout row block)
-    if t_pad % rows:
-        raise ValueError(f"padded tokens {t_pad} must be a multiple of {rows}")
-    n_tiles = t_pad // rows
-    ch = 128 if e % 128 == 0 else 64  # expert chunk per register tile [64, ch] (ch/2 f32 regs/thread)
-    if e % ch:
-        raise ValueError(f"E={e} must be a multiple of 64")
-    n_ch = e // ch
     k = rc.k
+    r, tb = select_tiling(e, k)
+    if t_pad % tb:
+        raise ValueError(f"padded tokens {t_pad} must be a multiple of {tb}")
+    rows = tb * r  # rows of the [64, 64] tile that hold scores; the rest are never read back
+    n_tiles = t_pad // tb
+    kc = 8  # candidate columns per row (one WGMMA column tile)
     inv_temp = 1.0 / rc.gate_temp
     layout = plgpu.Layout.WGMMA
     big = 2 ** 30  # a python int: kernels may not close over jax arrays
 
-    def kernel(l_gmem, b_gmem, w_gmem, i_gmem, sum_smem, key_smem, b_smem, w_smem, i_smem, bars):
+    def top_k(keys, vals, ids):
+        """Lists of [64, n] tiles holding each row's entries between them -> k rounds of per-row (best key,
+        lowest id reaching it, val there), [64] each."""
+        out_k, out_i, out_v = [], [], []
+        for j in range(k):
+            m = functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in keys])
+            i = functools.reduce(jnp.minimum, [jnp.min(jnp.where(x == m[:, None], d, big), axis=1)
+                                               for x, d in zip(keys, ids)])
+            hits = [d == i[:, None] for d in ids]
+            # one entry holds the id: the other terms are zeros, so the sum is exact
+            out_v.append(functools.reduce(jnp.add, [jnp.sum(jnp.where(h, v, 0.0), axis=1)
+                                                    for h, v in zip(hits, vals)]))
+            out_k.append(m)
+            out_i.append(i)
+            if j < k - 1:
+                keys = [jnp.where(h, -jnp.inf, x) for h, x in zip(hits, keys)]
+        return out_k, out_i, out_v
+
+    def columns(vectors, pad):
+        """k [64] row vectors -> [64, kc], column j = vectors[j], `pad` past k."""
+        col = plgpu.broadcasted_iota(jnp.int32, (64, kc), 1, layout=layout)
+        out = jnp.where(col == 0, vectors[0][:, None], pad)
+        for j in range(1, k):
+            out = jnp.where(col == j, vectors[j][:, None], out)
+        return out
+
+    def kernel(l_gmem, b_gmem, w_gmem, i_gmem, z_smem, b_smem, ck_smem, ci_smem, cv_smem, w_smem, i_smem, bars):
         tile = jax.lax.axis_index("tile")
-        # 1. logits rows of this tile and the bias, chunk by chunk (a TMA box is at most 256 wide; the
-        # smem tile is [chunk, 64, ch] so each destination is contiguous). Rows >= `rows` stay garbage:
-        # every row is independent and those rows are never stored.
-        for c in range(n_ch):
-            plgpu.copy_gmem_to_smem(l_gmem.at[pl.ds(tile * rows, rows), pl.ds(c * ch, ch)],
-                                    sum_smem.at[c, pl.ds(0, rows)], bars.at[c])
-            plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(c * ch, ch)], b_smem.at[c], bars.at[n_ch + c])
-        for c in range(2 * n_ch):
-            plgpu.barrier_wait(bars.at[c])
+        plgpu.copy_gmem_to_smem(l_gmem.at[pl.ds(tile * rows, rows)], z_smem.at[pl.ds(0, rows)], bars.at[0])
+        plgpu.copy_gmem_to_smem(b_gmem, b_smem, bars.at[1])
+        plgpu.barrier_wait(bars.at[0])
+        plgpu.barrier_wait(bars.at[1])
 
-        # 2. scores = sqrt(softplus(logits / temp)) in place.
-        for c in range(n_ch):
-            z = plgpu.load(sum_smem.at[c], layout=layout)
-            sum_smem.at[c][...] = _sqrt_softplus(z * inv_temp)
+        # Level 1: scores, keys and expert ids of the [64, 64] tile.
+        seg = jax.lax.div(plgpu.broadcasted_iota(jnp.int32, (64, 64), 0, layout=layout), tb)
+        ids = seg * 64 + plgpu.broadcasted_iota(jnp.int32, (64, 64), 1, layout=layout)
+        sc = _sqrt_softplus(plgpu.load(z_smem, layout=layout) * inv_temp)
+        key = sc
+        for s in range(r):
+            bias_s = plgpu.load(b_smem.at[s], layout=layout.reduce(0))
+            key = jnp.where(seg == s, sc + bias_s[None, :], key)
+        keys, picks, vals = top_k([key], [sc], [ids])
+        ck_smem.at[pl.ds(0, 64)][...] = columns(keys, -jnp.inf)
+        ci_smem.at[pl.ds(0, 64)][...] = columns(picks, big)
+        cv_smem.at[pl.ds(0, 64)][...] = columns(vals, 0.0)
 
-        # 3. biased scores (the top-k key) in a second buffer; chosen experts get -inf there.
-        for c in range(n_ch):
-            sc = plgpu.load(sum_smem.at[c], layout=layout)
-            bb = plgpu.load(b_smem.at[c], layout=plgpu.Layout.WGMMA.reduce(0))
-            key_smem.at[c][...] = sc + jnp.broadcast_to(bb[None, :], (64, ch))
+        # Level 2: r tiles of [64, 8], rows t < tb = token t's candidates from segment s.
+        window = lambda ref, s: plgpu.load(ref.at[pl.ds(s * tb, 64)], layout=layout)
+        _, picks, vals = top_k([window(ck_smem, s) for s in range(r)], [window(cv_smem, s) for s in range(r)],
+                               [window(ci_smem, s) for s in range(r)])
 
-        # 4. top-k: k rounds; per chunk (row max, lowest id reaching it, raw score there), then across
-        # chunks the max and the lowest id among chunks reaching it (= top_k's tie rule). The previous
-        # round's pick is masked while the chunk is loaded (one load + store per chunk and round).
-        chosen, picked = [], []
-        for r in range(k):
-            m = best = val = None
-            for c in range(n_ch):
-                ids = plgpu.broadcasted_iota(jnp.int32, (64, ch), 1, layout=layout) + c * ch
-                key = plgpu.load(key_smem.at[c], layout=layout)
-                if r:
-                    key = jnp.where(ids == chosen[-1][:, None], -jnp.inf, key)
-                    if r < k - 1:
-                        key_smem.at[c][...] = key
-                sc = plgpu.load(sum_smem.at[c], layout=layout)
-                mc = jnp.max(key, axis=1)
-                ic = jnp.min(jnp.where(key == mc[:, None], ids, big), axis=1)
-                vc = jnp.sum(jnp.where(ids == ic[:, None], sc, 0.0), axis=1)
-                if m is None:
-                    m, best, val = mc, ic, vc
-                else:  # strictly greater wins: on a tie the earlier (lower-id) chunk keeps it
-                    gt = mc > m
-                    m, best, val = jnp.where(gt, mc, m), jnp.where(gt, ic, best), jnp.where(gt, vc, val)
-            chosen.append(best)
-            picked.append(val)
-
-        # 5. renormalise (same operation order as moe.route) and scale.
+        # Renormalise (same operation order as moe.route) and scale.
         if rc.norm_topk_prob and k > 1:
-            tot = picked[0]
-            for v in picked[1:]:
+            tot = vals[0]
+            for v in vals[1:]:
                 tot = tot + v
             den = tot + EPS
-            picked = [v / den for v in picked]
+            vals = [v / den for v in vals]
         for j in range(k):
-            w_smem.at[j][...] = picked[j] * rc.route_scale
-            i_smem.at[j][...] = chosen[j]
+            w_smem.at[j][...] = vals[j] * rc.route_scale
+            i_smem.at[j][...] = picks[j]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(w_smem, w_gmem.at[tile])
         plgpu.copy_smem_to_gmem(i_smem, i_gmem.at[tile])
         plgpu.wait_smem_to_gmem(0)
 
+    c_rows = (r - 1) * tb + 64  # the last segment's window ends here (its rows >= tb are never used)
     # jit-wrapped and cached: lowered once per program, not per call site (see expert_gemm._build_kernel)
     return jax.jit(plgpu.kernel(
         kernel,
@@ -362,15 +387,24 @@ def _epilogue_kernel(t_pad: int, e: int, cfg: KernelConfig, rc: RouteConfig, int
         kernel_name="router_topk",
         compiler_params=plgpu.CompilerParams(),
         scratch_types=[
-            plgpu.SMEM((n_ch, 64, ch), jnp.float32),  # scores
-            plgpu.SMEM((n_ch, 64, ch), jnp.float32),  # scores + bias, chosen -> -inf
-            plgpu.SMEM((n_ch, ch), jnp.float32),
+            plgpu.SMEM((64, 64), jnp.float32),  # logits; rows >= tb * r unwritten
+            plgpu.SMEM((r, 64), jnp.float32),  # bias
+            plgpu.SMEM((c_rows, kc), jnp.float32),  # candidates: keys, ids, scores
+            plgpu.SMEM((c_rows, kc), jnp.int32),
+            plgpu.SMEM((c_rows, kc), jnp.float32),
             plgpu.SMEM((k, 64), jnp.float32),
             plgpu.SMEM((k, 64), jnp.int32),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2 * n_ch),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
         ],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     ))
+
+
+def select_rows(logits_t: jax.Array, r: int, tb: int) -> jax.Array:
+    """logits^T f32 [E, T_sel] (the split-K sum, experts major) -> [T_sel * r, 64], the selection kernel's rows:
+    CTA c's row s * tb + t = token c * tb + t, experts s*64 .. s*64+63 (one XLA transpose)."""
+    t_sel = logits_t.shape[1]
+    return logits_t.reshape(r, 64, t_sel // tb, tb).transpose(2, 0, 3, 1).reshape(t_sel * r, 64)
 
 
 def _num_sms() -> int:
@@ -390,18 +424,20 @@ def route_pallas(x: jax.Array, weight: jax.Array, bias: jax.Array, rc: RouteConf
     t, d = x.shape
     e = weight.shape[0]
     cfg = config or default_config(t, d, e)
-    t_pad = _round_up(t, cfg.tm)
-    if t_pad > 64:  # the epilogue works on blocks of 64 tokens
-        t_pad = _round_up(t, math.lcm(cfg.tm, 64))
     xb = x.astype(jnp.bfloat16)
     if t > 8 and t % 8:  # a TMA descriptor's row count must be < 8 or a multiple of 8 (the 8-row tiling)
         xb = jnp.pad(xb, ((0, _round_up(t, 8) - t), (0, 0)))
-    parts = _gate_kernel(t_pad, d, e, cfg, interpret)(xb, weight.astype(jnp.bfloat16))
-    # The split-K sum and the transpose to [Tp, E] in XLA (one small fusion, fixed order: deterministic).
-    logits = jnp.sum(parts, axis=0).T
-    w_t, i_t = _epilogue_kernel(t_pad, e, cfg, rc, interpret)(logits, bias.astype(jnp.float32))
-    w = jnp.swapaxes(w_t, 1, 2).reshape(-1, rc.k)[:t]
-    ids = jnp.swapaxes(i_t, 1, 2).reshape(-1, rc.k)[:t]
+    parts = _gate_kernel(_round_up(t, cfg.tm), d, e, cfg, interpret)(xb, weight.astype(jnp.bfloat16))
+    # The split-K sum, the selection's token padding and its row order in XLA (one small fusion, fixed order:
+    # deterministic).
+    r, tb = select_tiling(e, rc.k)
+    t_sel = _round_up(t, tb)
+    logits_t = jnp.sum(parts, axis=0)  # [E, tokens padded to tm]
+    logits_t = jnp.pad(logits_t, ((0, 0), (0, max(t_sel - logits_t.shape[1], 0))))[:, :t_sel]
+    w_t, i_t = _select_kernel(t_sel, e, rc, interpret)(select_rows(logits_t, r, tb),
+                                                       bias.astype(jnp.float32).reshape(r, 64))
+    w = jnp.swapaxes(w_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t]
+    ids = jnp.swapaxes(i_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t]
     order, sizes = permutation(ids, e, perm_method)
     return w, ids, order, sizes
 

@@ -8,8 +8,9 @@ For T in (64, 1, 8, 512, 4096) (decode first), D=5120, E=384, k=6:
      group sizes identical where ids are; also the XLA path vs the reference.
   2. GPU time (CUPTI, all kernels of one call summed; median of --iters calls, each after a 256 MiB write
      that flushes the 50 MB L2 so the 3.9 MB gate weight comes from HBM as in the model) of:
-     pallas (whole route_fused: GEMM + split sum + epilogue + permutation; one jit per T, since the
-     epilogue's Mosaic lowering takes ~7 s of host time), the XLA path (moe.route + argsort + bincount: today's code), and the two permutation methods alone.
+     pallas (whole route_fused: GEMM + split sum + selection + permutation), the XLA path (moe.route +
+     argsort + bincount: today's code), the split-K GEMM + sum alone, the selection kernel alone, and the two
+     permutation methods alone.
   3. roofline = max((weight + x bytes) / HBM bandwidth, FLOPs / matmul rate), both measured in this run
      (torch f32 sum over 1 GiB, torch bf16 8192^3 matmul; XLA fallbacks).
 Prints one table and writes results.json to --out.
@@ -174,7 +175,7 @@ def main():
             ids = ref[1]
             fns["perm_count"] = jax.jit(lambda i: R.permutation(i, E, "count")) if t * K <= 4096 else None
             fns["perm_argsort"] = jax.jit(lambda i: R.permutation(i, E, "argsort"))
-        # The split-K GEMM + XLA sum alone (cheap to lower: the epilogue is the slow one), for the default
+        # The split-K GEMM + XLA sum alone, for the default
         # config and, at decode sizes, a few (splits, warpgroups) variants: tuning data for default_config.
         dflt = R.default_config(t, D, E)
         variants = [dflt]
@@ -185,17 +186,20 @@ def main():
                          if (sv, nv) != (dflt.splits, dflt.num_wgs)]
         for v in variants:
             def gate_sum(x, g, v=v, t=t):
-                tp = R._round_up(t, v.tm)
-                if tp > 64:
-                    tp = R._round_up(t, R.math.lcm(v.tm, 64))
-                parts = R._gate_kernel(tp, D, E, v, args.interpret)(x, g["weight"])
+                parts = R._gate_kernel(R._round_up(t, v.tm), D, E, v, args.interpret)(x, g["weight"])
                 return jnp.sum(parts, axis=0).T
             fns[f"gemm+sum S{v.splits} wg{v.num_wgs}" + (" (default)" if v == dflt else "")] = jax.jit(gate_sum)
+        # The selection kernel alone on logits of the model's scale.
+        r_, tb_ = R.select_tiling(E, K)
+        t_sel = R._round_up(t, tb_)
+        sel_args = (jax.random.normal(jax.random.fold_in(kb, t), (t_sel * r_, 64), jnp.float32) * 1.4,
+                    bias.reshape(r_, 64))
+        fns["select alone"] = jax.jit(lambda lg, b, t_sel=t_sel: R._select_kernel(t_sel, E, rc, args.interpret)(lg, b))
         for name, fn in fns.items():
             if fn is None or time.time() - T0 > args.budget_s + 10:
                 continue
             try:
-                a = (ids,) if name.startswith("perm") else (x, gate)
+                a = (ids,) if name.startswith("perm") else sel_args if name == "select alone" else (x, gate)
                 if name.startswith("gemm") and time.time() - T0 > args.budget_s:
                     continue
                 ms, how = time_gpu(fn, a, args.iters, do_flush)
@@ -233,10 +237,11 @@ def main():
             f(xl / p) if p and xl else "-", f(p / roof) if p else "-", f(tm.get("perm_count")),
             f(tm.get("perm_argsort")))))
     print("check = PASS|FAIL max|w err| / hard id mismatches 'h' / rows with a near-tie in the top-7 'n'")
-    print("\nsplit-K gate GEMM + XLA split sum alone (us); pallas - this - perm ~ the epilogue kernel")
+    print("\nsplit-K gate GEMM + XLA split sum alone, and the selection kernel alone (us)")
     for c in results["cases"]:
         parts = [f"{k[9:]}: {v['us']:.2f}" for k, v in c["timings"].items() if k.startswith("gemm+sum") and "us" in v]
-        print(f"  T={c['T']}: " + "; ".join(parts))
+        sel = c["timings"].get("select alone", {}).get("us")
+        print(f"  T={c['T']}: " + "; ".join(parts) + ("" if sel is None else f" | select {sel:.2f}"))
     save()
     log("wrote", os.path.join(args.out, "results.json"))
     return 0

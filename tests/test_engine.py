@@ -201,7 +201,7 @@ def test_sample_branches():
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(mhc_backend="pallas"), "needs a CUDA GPU"),  # this CPU
-    (dict(router_backend="interpret"), "n_routed_experts % 64"),  # tiny: 8 experts
+    (dict(router_backend="interpret"), "n_routed_experts a multiple of 64"),  # tiny: 8 experts
     (dict(mhc_backend="interpret", numerics=quant.EXACT_F32), "bfloat16"),
     (dict(mhc_backend="fast"), "one of"),
     (dict(attention_backend="pallas"), "needs a CUDA GPU"),

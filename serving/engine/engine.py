@@ -161,14 +161,17 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
                      router_backend: str = "auto", num: Numerics = quant.REFERENCE) -> tuple[str, str, model.Sites]:
     """-> (attention backend, MoE backend, the fused per-layer sites). 'auto' -> the Mosaic GPU kernels on a GPU
     where the shapes and weight formats allow them, else XLA. An explicit 'pallas' that cannot run raises
-    EngineError saying why. The router stays opt-in ('auto' -> 'xla'): on the H200 its kernels take 82 us a call
-    at decode where XLA takes 15 (docs/KERNELS_ROUTER.md); the mHC kernel is 3-6x faster than XLA per site and
+    EngineError saying why. The router stays opt-in ('auto' -> 'xla'): on the H200 its kernels took 82 us a call
+    at decode where XLA takes 15 (docs/KERNELS_ROUTER.md; the selection kernel was rewritten since, not yet
+    timed); the mHC kernel is 3-6x faster than XLA per site and
     matched it inside the engine there (docs/PERFORMANCE.md)."""
     gpu = jax.default_backend() == "gpu"
     site = {"mhc": mhc_backend, "router": router_backend}
     shapes = {"mhc": f"needs dim % 128 == 0 (dim {cfg.dim})" if cfg.dim % 128 else "",
-              "router": f"needs dim % 128 == 0 and n_routed_experts % 64 == 0 ({cfg.dim}, {cfg.n_routed_experts})"
-              if cfg.dim % 128 or cfg.n_routed_experts % 64 else ""}
+              "router": f"needs dim % 128 == 0, n_routed_experts a multiple of 64 up to 512 and at most 8 "
+                        f"activated ({cfg.dim}, {cfg.n_routed_experts}, {cfg.n_activated_experts})"
+              if cfg.dim % 128 or cfg.n_routed_experts % 64 or cfg.n_routed_experts > 512
+              or cfg.n_activated_experts > 8 else ""}
     if num.jdtype != jnp.bfloat16:
         shapes["mhc"] = shapes["mhc"] or f"needs bfloat16 activations (numerics dtype {num.dtype})"
     for name, be in site.items():

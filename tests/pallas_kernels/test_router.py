@@ -107,6 +107,53 @@ def test_kernel_interpret_exact_ties_go_to_lower_id():
             assert list(row).index(lo) < list(row).index(hi)
 
 
+def _select_interpret(logits, bias, rc=RC):
+    """The selection kernel alone in the interpreter: logits f32 [T, E] -> (weights [T, k], ids [T, k])."""
+    t, e = logits.shape
+    r, tb = R.select_tiling(e, rc.k)
+    tp = -(-t // tb) * tb
+    lg = R.select_rows(jnp.pad(logits, ((0, tp - t), (0, 0))).T, r, tb)
+    w_t, i_t = jax.jit(R._select_kernel(tp, e, rc, True))(lg, bias.reshape(r, 64))
+    assert w_t.shape == (tp // tb, rc.k, 64)
+    w = np.asarray(jnp.swapaxes(w_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t])
+    ids = np.asarray(jnp.swapaxes(i_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t])
+    return w, ids
+
+
+@pytest.mark.parametrize("t,e", [(11, 384), (5, 320), (70, 64), (9, 512)])
+def test_select_kernel_interpret_matches_reference(t, e):
+    """The two-level selection at each row count a token can take (r = E/64 rows of 64 experts: 6 for Flash,
+    tb = 8 tokens a CTA; 5 (40 of 64 rows used); 1 (64 tokens a CTA, the second CTA ragged); 8 (all 64 rows)),
+    ragged token counts, fresh random logits of the model's scale and spaced biases (no near-ties)."""
+    rng = np.random.default_rng(1000 + t + e)
+    logits = jnp.asarray(rng.standard_normal((t, e)) * 1.4, jnp.float32)
+    bias = jnp.asarray(rng.permutation(e) * 2e-3, jnp.float32)
+    w, ids = _select_interpret(logits, bias)
+    rw, rids = R.select_reference(jnp.sqrt(jax.nn.softplus(logits)), bias, RC)
+    np.testing.assert_array_equal(ids, np.asarray(rids))
+    np.testing.assert_allclose(w, np.asarray(rw), rtol=2e-5, atol=1e-6)
+
+
+def test_select_kernel_interpret_top_k_within_one_row_or_spread():
+    """A token whose k best experts all sit in one row of 64 (level 1 must keep k a row, level 2 then takes
+    them all), one with its k best in k different rows, and one with exact ties across rows and within a row
+    (bit-equal logits: the lower id first, as top_k)."""
+    e, k = 384, RC.k
+    rng = np.random.default_rng(5)
+    logits = np.asarray(rng.standard_normal((3, e)) * 0.5, np.float32)
+    logits[0, 70:70 + k] = 8.0 + np.arange(k)  # all in row 1
+    logits[1, [5, 100, 130, 250, 300, 383]] = 9.0 - np.arange(k)  # one a row, descending
+    logits[2, [200, 9, 130, 131, 3, 40]] = 7.0  # six equal keys: ids ascending is the order
+    bias = jnp.zeros((e,), jnp.float32)
+    w, ids = _select_interpret(jnp.asarray(logits), bias)
+    _, rids = R.select_reference(jnp.sqrt(jax.nn.softplus(jnp.asarray(logits))), bias, RC)
+    np.testing.assert_array_equal(ids, np.asarray(rids))
+    assert ids[0].tolist() == list(range(70 + k - 1, 69, -1))
+    assert ids[1].tolist() == [5, 100, 130, 250, 300, 383]
+    assert ids[2].tolist() == [3, 9, 40, 130, 131, 200]
+    np.testing.assert_allclose(w.sum(axis=1), RC.route_scale, rtol=1e-6)
+
+
 def test_image_mask_falls_back_to_xla():
     x, w, bias = _data(3, 4, 64, 128)
     gate = {"weight": w, "bias": bias, "bias_vl": -bias}
@@ -158,6 +205,12 @@ def test_lowering_for_cuda_at_flash_shapes():
         jax.jit(g).trace(jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
                          jax.ShapeDtypeStruct((e, d), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
     assert R.default_config(4096, d, e).splits == 1 and R.default_config(4096, d, e).tm == 128
+    # the selection kernel at the bench preset's 64 experts (one row a token) and at 512 (all 64 rows used)
+    for e_, t_pad in ((64, 64), (512, 16)):
+        r, _ = R.select_tiling(e_, RC.k)
+        jax.jit(R._select_kernel(t_pad, e_, RC, False)).trace(
+            jax.ShapeDtypeStruct((t_pad * r, 64), jnp.float32),
+            jax.ShapeDtypeStruct((r, 64), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
