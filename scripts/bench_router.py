@@ -9,8 +9,9 @@ For T in (64, 1, 8, 512, 4096) (decode first), D=5120, E=384, k=6:
   2. GPU time (CUPTI, all kernels of one call summed; median of --iters calls, each after a 256 MiB write
      that flushes the 50 MB L2 so the 3.9 MB gate weight comes from HBM as in the model) of:
      pallas (whole route_fused: GEMM + split sum + selection + permutation), the XLA path (moe.route +
-     argsort + bincount: today's code), the split-K GEMM + sum alone, the selection kernel alone, and the two
-     permutation methods alone.
+     argsort + bincount: today's code), the split-K GEMM + sum alone, the selection kernel alone, the two
+     permutation methods alone, and PyTorch's router on the same data (scripts/torch_baselines.py, CUDA events,
+     checked like the others).
   3. roofline = max((weight + x bytes) / HBM bandwidth, FLOPs / matmul rate), both measured in this run
      (torch f32 sum over 1 GiB, torch bf16 8192^3 matmul; XLA fallbacks).
 Prints one table and writes results.json to --out.
@@ -82,6 +83,22 @@ def check(name, out, ref, x, w, bias, tie_gap):
          "perm_ok": perm_ok}
     log(f"check {name}: {'PASS' if ok else 'FAIL'} {r}")
     return r
+
+
+def torch_route(x, gate, rc, ref, tie_gap, iters):
+    """PyTorch's router on the same data (scripts/torch_baselines.py: float32 logits, torch.topk), shared with
+    JAX through DLPack -> (check dict, us per call with L2 flushed)."""
+    import torch
+    import torch_baselines as tb
+
+    xt, bt = (torch.from_dlpack(jax.block_until_ready(a)) for a in (x, gate["bias"]))
+    w32 = torch.from_dlpack(jax.block_until_ready(gate["weight"])).float()  # converted once, outside the timing
+    fn = lambda: tb.route(xt, w32, bt, rc.k, rc.route_scale, rc.gate_temp)  # noqa: E731
+    res = check("torch", [a.cpu().numpy() for a in fn()], ref, x, gate["weight"], gate["bias"], tie_gap)
+    us = tb.cuda_time_us(fn, iters=iters, flush=tb.l2_flusher())
+    del xt, bt, w32
+    torch.cuda.empty_cache()
+    return res, us
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,13 +225,22 @@ def main():
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 case["timings"][name] = {"error": traceback.format_exc()[-800:]}
+        if ref is not None and not args.interpret and time.time() - T0 <= args.budget_s + 10:
+            try:
+                res, us = torch_route(x, gate, rc, ref, args.tie_gap, args.iters)
+                case["checks"].append(res)
+                case["timings"]["torch"] = {"us": us, "how": "cuda events"}
+                log(f"T={t} torch: {us:.2f} us")
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                case["timings"]["torch"] = {"error": traceback.format_exc()[-800:]}
         save()
 
     # ---- the table
     print(f"\nFused MoE router, D={D} E={E} k={K}; GPU us per call (L2 flushed), roofline = "
           f"max(bytes / {ceil['hbm_TBps']:.2f} TB/s, FLOPs / {ceil['mm_TFLOPs']:.0f} TFLOP/s)")
     hdr = ("T", "check pallas", "check xla", "pallas", "xla", "roofline", "xla/pallas",
-           "pallas/roof", "perm count", "perm argsort")
+           "pallas/roof", "perm count", "perm argsort", "check torch", "torch")
     print(" | ".join(f"{h:>14}" for h in hdr))
     for c in results["cases"]:
         tm = {k: v.get("us") for k, v in c["timings"].items()}
@@ -235,7 +261,7 @@ def main():
         print(" | ".join(f"{v:>14}" for v in (
             c["T"], cs("pallas"), cs("xla"), f(p), f(xl), f(roof),
             f(xl / p) if p and xl else "-", f(p / roof) if p else "-", f(tm.get("perm_count")),
-            f(tm.get("perm_argsort")))))
+            f(tm.get("perm_argsort")), cs("torch"), f(tm.get("torch")))))
     print("check = PASS|FAIL max|w err| / hard id mismatches 'h' / rows with a near-tie in the top-7 'n'")
     print("\nsplit-K gate GEMM + XLA split sum alone, and the selection kernel alone (us)")
     for c in results["cases"]:

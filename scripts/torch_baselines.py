@@ -1,5 +1,6 @@
 """PyTorch implementations of the ops our Mosaic GPU kernels replace, as a PyTorch serving stack would run them on
-the same GPU: the benches (`bench_sparse_attention.py`, `bench_expert_gemm.py`, `bench_index_scores.py`) time them
+the same GPU: the benches (`bench_sparse_attention.py`, `bench_expert_gemm.py`, `bench_index_scores.py`,
+`bench_router.py`) time them
 in the same process as our kernels, on the same data.
 
 PyTorch has no FP4 / block-scaled FP8 GEMM or attention on Hopper, so the baselines take bf16 caches and bf16
@@ -57,6 +58,19 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Ten
     [S, IH, G] products written out in bf16 (`dsv41.indexer.raw_scores`' roundings)."""
     p = torch.relu(torch.einsum("shd,gd->shg", q, k))  # bf16 out: the float32 accumulator rounded once
     return (p * w[..., None]).float().sum(1).to(torch.bfloat16).float()
+
+
+def route(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
+          gate_temp: float = 1.0):
+    """The MoE router as a PyTorch stack runs it (DeepSeek's Gate with float32 logits): x [T, D] bf16, w32 [E, D]
+    float32 (the gate weight, converted once), bias float32 [E] -> (weights float32 [T, k], ids [T, k], order
+    [T*k] (stable sort of the ids), group sizes [E]) = `pallas_kernels.router.route_reference`'s outputs."""
+    scores = torch.sqrt(torch.nn.functional.softplus(torch.nn.functional.linear(x.float(), w32) / gate_temp))
+    ids = torch.topk(scores + bias, k, dim=-1).indices
+    wts = scores.gather(1, ids)
+    wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * route_scale
+    flat = ids.flatten()
+    return wts, ids, torch.sort(flat, stable=True).indices, torch.bincount(flat, minlength=w32.shape[0])
 
 
 def cuda_time_us(fn, iters: int = 20, warmup: int = 3, flush=None) -> float:

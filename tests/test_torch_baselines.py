@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dsv41 import indexer
+from pallas_kernels import router as R
 from tests.reference.driver import REF_PYTHON, REFERENCE_MISSING, REPO_ROOT, _child_env
 
 pytestmark = pytest.mark.skipif(not REF_PYTHON.exists(), reason=REFERENCE_MISSING)
@@ -28,7 +29,9 @@ RUNNER = textwrap.dedent("""
                             torch.from_numpy(a["rows"]), torch.from_numpy(a["sink"]))
     y = tb.grouped_mm(bf("x"), bf("w"), torch.from_numpy(a["sizes"]))
     s = tb.index_scores(bf("iq"), bf("iw"), bf("ik"))
-    np.savez(sys.argv[3], o=o.float().numpy(), y=y.float().numpy(), s=s.numpy())
+    rw, ri, ro, rs = tb.route(bf("rx"), torch.from_numpy(a["rw"]), torch.from_numpy(a["rb"]), 6, 1.5)
+    np.savez(sys.argv[3], o=o.float().numpy(), y=y.float().numpy(), s=s.numpy(), rw=rw.numpy(), ri=ri.numpy(),
+             ro=ro.numpy(), rs=rs.numpy())
 """)
 
 
@@ -59,6 +62,9 @@ def test_torch_baselines_compute_the_ops_they_stand_for(tmp_path):
     # indexer scores on a coarse grid (exact in bf16 at every step): the PyTorch path must equal the model's
     grid = lambda *shape: (rng.integers(-4, 5, shape) / 4.0).astype(np.float32)  # noqa: E731
     inp.update(iq=grid(5, 4, 32), iw=grid(5, 4), ik=grid(40, 32))
+    # the router with biases 0.2 apart and scores within +-0.1 (no near-ties in the top 6: torch.topk's order of
+    # equal keys is not top_k's): the same experts in the same order, weights, expert order and group sizes
+    inp.update(rx=_bf16(rng, 7, 64), rw=_bf16(rng, 128, 64) / 128, rb=rng.permutation(128).astype(np.float32) * 0.2)
     np.savez(tmp_path / "in.npz", **inp)
     subprocess.run([str(REF_PYTHON), "-c", RUNNER, str(REPO_ROOT), str(tmp_path / "in.npz"),
                     str(tmp_path / "out.npz")], check=True, env=_child_env(1), cwd=tmp_path, timeout=300,
@@ -72,3 +78,10 @@ def test_torch_baselines_compute_the_ops_they_stand_for(tmp_path):
     want_s = indexer.raw_scores(*(jnp.asarray(inp[k][None], jnp.bfloat16) for k in ("iq", "iw", "ik")),
                                 jnp.bfloat16)[0]
     np.testing.assert_array_equal(out["s"], np.asarray(want_s))
+    rw, ri, ro, rs = R.route_reference(jnp.asarray(inp["rx"], jnp.bfloat16),
+                                       {"weight": jnp.asarray(inp["rw"], jnp.bfloat16), "bias": inp["rb"]},
+                                       R.RouteConfig())
+    np.testing.assert_array_equal(out["ri"], np.asarray(ri))
+    np.testing.assert_allclose(out["rw"], np.asarray(rw), rtol=2e-5, atol=1e-6)
+    np.testing.assert_array_equal(out["ro"], np.asarray(ro))
+    np.testing.assert_array_equal(out["rs"], np.asarray(rs))
