@@ -19,13 +19,13 @@ Backends (`route_fused(..., backend=)`):
      warp-specialized TMA pipeline and stores a float32 partial [64 experts, tm] to partials [S, E, Tp].
      Decode is bound by the 3.9 MB weight read, so D is split into S pieces until about all SMs have one
      item (E/64 * S = 120 at T <= 16).
-  2. XLA: logits = sum over S, transposed to [Tp, E] (one small fusion; fixed order, deterministic).
+  2. XLA: logits = sum over S, padded and reordered for step 3 (one small fusion; fixed order, deterministic).
   3. `_select_kernel`: one warpgroup per tb tokens (8 for Flash's 384 experts) loads their logits as a
-     [64, 64] tile (row = 64 experts of one token) and the bias (TMA), then sqrt-softplus, bias, and the top-k
-     in two levels held in registers: k rounds of (row max, lowest id reaching it, its score, mask) give each
-     row's k best, and the same rounds over each token's r x 8 candidates (read back through an aliased
-     [64, 8r] view of the buffer they were written to) give its k; renormalisation and scale. Outputs are
-     stored as [k, 64] per CTA and transposed in XLA.
+     [64, 64] tile (row = 64 experts of one token; XLA writes that row order in step 2's fusion) and the bias
+     (TMA), then sqrt-softplus, bias, and the top-k in two levels held in registers: k rounds of (row max,
+     lowest id reaching it, its score, mask) give each row's k best, and the same rounds over each token's
+     r x 8 candidates (read back from shared memory, one [64, 8] tile per 64-expert segment) give its k;
+     renormalisation and scale. Outputs are stored as [k, 64] per CTA and transposed in XLA.
   4. XLA: the counting-sort permutation (group sizes + stable order, `permutation`): at decode sizes a
      one-hot counting sort, else a stable argsort.
 - 'interpret': the same kernels in the Mosaic GPU interpreter (CPU tests).

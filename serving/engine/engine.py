@@ -163,8 +163,8 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     where the shapes and weight formats allow them, else XLA. An explicit 'pallas' that cannot run raises
     EngineError saying why. The router stays opt-in ('auto' -> 'xla'): on the H200 its kernels took 82 us a call
     at decode where XLA takes 15 (docs/KERNELS_ROUTER.md; the selection kernel was rewritten since, not yet
-    timed); the mHC kernel is 3-6x faster than XLA per site and
-    matched it inside the engine there (docs/PERFORMANCE.md)."""
+    timed); the mHC kernel is 3-6x faster than XLA per site and matched it inside the engine there
+    (docs/PERFORMANCE.md)."""
     gpu = jax.default_backend() == "gpu"
     site = {"mhc": mhc_backend, "router": router_backend}
     shapes = {"mhc": f"needs dim % 128 == 0 (dim {cfg.dim})" if cfg.dim % 128 else "",
