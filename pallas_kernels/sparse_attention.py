@@ -133,10 +133,9 @@ def quantize_kv_fp4(x):
   x = jnp.asarray(x, jnp.float32)
   d = x.shape[-1]
   xb = x.reshape(*x.shape[:-1], d // 16, 16)
-  amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-  # the scale's E4M3 value by arithmetic: under jit on the GPU XLA drops an f32 -> f8 -> f32 cast pair, and the
-  # codes would be cut against a scale other than the one stored (quant.e4m3_round)
-  scale = quant.e4m3_round(jnp.maximum(amax, 6 * 2.0 ** -9) / 6)
+  # the scale's E4M3 value by arithmetic (quant.fp4_scales): under jit on the GPU XLA drops an f32 -> f8 -> f32
+  # cast pair, and the codes would be cut against a scale other than the one stored
+  scale = quant.fp4_scales(xb, e4m3_scales=True)[..., None]
   scale8 = scale.astype(jnp.float8_e4m3fn)  # exact
   y = jnp.clip(xb / scale, -6, 6)
   mags = jnp.asarray(E2M1_VALUES[:8])

@@ -8,12 +8,14 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# fast XLA compiles for the CPU tests (DSV41_TEST_FULL_OPT=1 leaves them out)
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 if "jax" not in sys.modules:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags += " --xla_force_host_platform_device_count=8"
     if os.environ.get("DSV41_TEST_FULL_OPT") != "1" and "xla_backend_optimization_level" not in flags:
-        flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+        flags += " " + " ".join(FAST_COMPILE_FLAGS)
     os.environ["XLA_FLAGS"] = flags.strip()
 sys.path.insert(0, str(ROOT))
 

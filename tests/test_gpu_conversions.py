@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from tests.conftest import FAST_COMPILE_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAG = "--xla_cpu_experimental_onednn_custom_call=true"
 TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_forced", "tests/test_quant.py",
@@ -27,14 +29,11 @@ TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_force
          "tests/test_model.py::test_mhc_coefficients_of_a_bf16_stream_are_float32_dots"]
 
 
-# conftest's fast-compile flags: dropped in the rerun, which compiles as the GPU does (full optimization). At
-# level 0 the oneDNN path rounds a layer-11 attention output differently enough (5e-4) to flip one token's
-# expert choice in the teacher-forced comparison (block output 6.5e-3 off): a near-tie, not a lost rounding.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-
-
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in _FAST_COMPILE]
+    # conftest's fast-compile flags are dropped: the rerun compiles as the GPU does (full optimization). At level 0
+    # the oneDNN path rounds a layer-11 attention output differently enough (5e-4) to flip one token's expert
+    # choice in the teacher-forced comparison (block output 6.5e-3 off): a near-tie, not a lost rounding.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS]
     env = {**os.environ, "XLA_FLAGS": " ".join([*flags, FLAG]), "DSV41_TEST_FULL_OPT": "1"}
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -24,7 +24,7 @@ import numpy as np
 from dsv41 import model, moe, nn, quant
 from dsv41.config import ModelConfig
 from dsv41.quant import Numerics
-from pallas_kernels import expert_gemm
+from pallas_kernels import expert_gemm, router
 from serving.engine import kv_pool, packed_params, programs
 from serving.engine.kv_pool import PoolLayout
 
@@ -167,11 +167,15 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     (docs/PERFORMANCE.md)."""
     gpu = jax.default_backend() == "gpu"
     site = {"mhc": mhc_backend, "router": router_backend}
+    try:
+        router.select_tiling(cfg.n_routed_experts, cfg.n_activated_experts)
+        selectable = True
+    except ValueError:
+        selectable = False
     shapes = {"mhc": f"needs dim % 128 == 0 (dim {cfg.dim})" if cfg.dim % 128 else "",
               "router": f"needs dim % 128 == 0, n_routed_experts a multiple of 64 up to 512 and at most 8 "
                         f"activated ({cfg.dim}, {cfg.n_routed_experts}, {cfg.n_activated_experts})"
-              if cfg.dim % 128 or cfg.n_routed_experts % 64 or cfg.n_routed_experts > 512
-              or cfg.n_activated_experts > 8 else ""}
+              if cfg.dim % 128 or not selectable else ""}
     if num.jdtype != jnp.bfloat16:
         shapes["mhc"] = shapes["mhc"] or f"needs bfloat16 activations (numerics dtype {num.dtype})"
     for name, be in site.items():
