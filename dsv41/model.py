@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -98,15 +99,24 @@ class Sites:
     one kernel (pallas_kernels/mhc.py, same roundings); the expand of the FFN output stays in XLA, so Engram can
     rewrite the copies before the next block.
     router: the gate GEMM, sqrt-softplus, bias, top-k and renormalisation (pallas_kernels/router.py) and the
-    experts' permutation; with an image mask the route stays in XLA (the kernel has no bias_vl)."""
+    experts' permutation; with an image mask the route stays in XLA (the kernel has no bias_vl).
+    mhc_max_tokens / router_max_tokens: calls of more tokens than this (a prefill chunk) take the XLA
+    composition, where a kernel was measured slower at that size; None: no limit."""
 
     mhc: str = "xla"
     router: str = "xla"
+    mhc_max_tokens: int | None = None
+    router_max_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("mhc", "router"):
             if getattr(self, name) not in SITE_BACKENDS:
                 raise ValueError(f"Sites.{name} must be one of {SITE_BACKENDS}, got {getattr(self, name)!r}")
+
+    def backend(self, name: str, tokens: int) -> str:
+        """Site `name`'s backend for a call of `tokens` tokens (static: the program's shape)."""
+        limit = getattr(self, f"{name}_max_tokens")
+        return "xla" if limit is not None and tokens > limit else getattr(self, name)
 
 
 def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, attn_fn,
@@ -114,7 +124,9 @@ def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfi
     """One mHC block with the delayed pre-mix: attention reads the copies through `pre_mix` (from the previous
     block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre)."""
     # named scopes label the compiled program's ops by model part (scripts/profile_step.py sums kernels by them)
-    if sites.mhc == "xla":
+    tokens = math.prod(h.shape[:-2])
+    mhc_backend = sites.backend("mhc", tokens)
+    if mhc_backend == "xla":
         with jax.named_scope("mhc"):
             a_pre, a_post, a_comb = mhc.coefficients(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg)
             x = rms_norm(mhc.collapse(h, pre_mix), p["attn_norm"], cfg.norm_eps)
@@ -129,7 +141,7 @@ def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfi
 
         def site(y, h, post, comb, pre, name, norm):
             return mhc_fused(y, h, post, comb, pre, p[f"hc_{name}_fn"], p[f"hc_{name}_scale"], p[f"hc_{name}_base"],
-                             p[norm], cfg, backend=sites.mhc)
+                             p[norm], cfg, backend=mhc_backend)
 
         with jax.named_scope("mhc"):
             _, x, a_pre, a_post, a_comb = site(None, h, None, None, pre_mix, "attn", "attn_norm")
@@ -139,7 +151,8 @@ def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfi
             h1, x, f_pre, f_post, f_comb = site(y, h, a_post, a_comb, a_pre, "ffn", "ffn_norm")
             x = x.astype(num.jdtype)
     with jax.named_scope("moe"):
-        z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True, router_backend=sites.router)
+        z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True,
+                             router_backend=sites.backend("router", tokens))
     with jax.named_scope("mhc"):
         h2 = mhc.expand(z, h1, f_post, f_comb)
     if trace is not None:

@@ -108,10 +108,10 @@ def main():
     global D, E
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--tokens", default="64,1,8,512,4096")
+    ap.add_argument("--tokens", default="64,1,8,512,2048,4096")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tie-gap", type=float, default=1e-5)
-    ap.add_argument("--budget-s", type=float, default=115.0, help="skip the remaining cases after this")
+    ap.add_argument("--budget-s", type=float, default=160.0, help="skip the remaining cases after this")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test: Mosaic GPU interpreter, small D/E")
     ap.add_argument("--d", type=int, default=D)
     ap.add_argument("--e", type=int, default=E)

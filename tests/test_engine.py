@@ -235,15 +235,22 @@ def test_engram_tables_mode_is_checked_before_loading():
 
 
 def test_auto_backends(tiny, monkeypatch):
-    """'auto' on a GPU: the mHC kernel where its shapes allow (tiny: dim 256, bf16), the router on XLA (its
-    kernels are slower at decode, docs/KERNELS_ROUTER.md); everything on XLA on a CPU."""
+    """'auto' on a GPU: the mHC and router kernels where their shapes allow, each up to its measured token limit
+    (tiny: dim 256 and bf16 take the mHC kernel; 8 experts do not take the router's); everything on XLA on a CPU."""
+    import dataclasses
+
     from serving.engine import engine as E
     cfg, params = tiny
     assert E.resolve_backends(cfg, params, "auto", "auto")[2] == model.Sites(mhc="xla", router="xla")
     monkeypatch.setattr(E.jax, "default_backend", lambda: "gpu")
     sites = E.resolve_backends(cfg, params, "auto", "auto", num=quant.REFERENCE)[2]
-    assert sites == model.Sites(mhc="pallas", router="xla")
+    assert sites == model.Sites(mhc="pallas", router="xla", mhc_max_tokens=E.SITE_KERNEL_MAX_TOKENS["mhc"])
+    assert E.resolve_backends(cfg, params, "auto", "auto", mhc_backend="pallas")[2].mhc_max_tokens is None
     assert E.resolve_backends(cfg, params, "auto", "auto", num=quant.EXACT_F32)[2].mhc == "xla"
+    wide = dataclasses.replace(cfg, n_routed_experts=64)
+    sites = E.resolve_backends(wide, params, "auto", "auto")[2]
+    assert (sites.router, sites.router_max_tokens) == ("pallas", E.SITE_KERNEL_MAX_TOKENS["router"])
+    assert E.resolve_backends(wide, params, "auto", "auto", router_backend="xla")[2].router == "xla"
 
 
 @pytest.mark.parametrize("kw, sampling, msg", [

@@ -140,6 +140,12 @@ MOE_BACKENDS = ("xla", "pallas", "interpret")
 # runs with it differed slightly where XLA's path is bit-reproducible (docs/KERNELS_EXPERT_GEMM.md, "On the H200
 # again"); the default once that is explained.
 LINEAR_BACKENDS = ("xla", "pallas", "interpret")
+# 'auto' runs a fused site as its kernel in calls of up to this many tokens and in XLA above, from the H200's
+# per-call times (2026-12-01, docs/PERFORMANCE.md, "Sixteenth session"): a block's two mHC sites took 236 us as
+# kernels against 264 in XLA at 512 tokens, 963 against 635 at a 2048-token prefill chunk; the router (Flash's
+# 384 experts) 17.2 / 18.8 / 19.4 us against 17.4 / 20.1 / 29.3 at 1 / 8 / 64 tokens, 72.9 against 70.5 at 512
+# (2048 not timed; 120 against 282 at 4096).
+SITE_KERNEL_MAX_TOKENS = {"mhc": 512, "router": 64}
 
 
 def resolve_linear_backend(params: dict, backend: str, num: Numerics) -> str:
@@ -161,10 +167,9 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
                      router_backend: str = "auto", num: Numerics = quant.REFERENCE) -> tuple[str, str, model.Sites]:
     """-> (attention backend, MoE backend, the fused per-layer sites). 'auto' -> the Mosaic GPU kernels on a GPU
     where the shapes and weight formats allow them, else XLA. An explicit 'pallas' that cannot run raises
-    EngineError saying why. The router stays opt-in ('auto' -> 'xla'): on the H200 its kernels took 82 us a call
-    at decode where XLA takes 15 (docs/KERNELS_ROUTER.md; the selection kernel was rewritten since, not yet
-    timed); the mHC kernel is 3-6x faster than XLA per site and matched it inside the engine there
-    (docs/PERFORMANCE.md)."""
+    EngineError saying why. 'auto' runs the mHC and router sites as kernels in calls of up to
+    SITE_KERNEL_MAX_TOKENS tokens (decode; the replayed tail of a prefill for the mHC sites) and in XLA in larger
+    ones, where the kernels were not faster on the H200; an explicit 'pallas' runs them at every size."""
     gpu = jax.default_backend() == "gpu"
     site = {"mhc": mhc_backend, "router": router_backend}
     try:
@@ -184,8 +189,11 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
         why = "needs a CUDA GPU" if be == "pallas" and not gpu else shapes[name] if be != "auto" else ""
         if be != "xla" and why:
             raise EngineError(f"{name}_backend={be!r} {why}; use 'xla'")
-    auto = {"mhc": "pallas" if gpu and not shapes["mhc"] else "xla", "router": "xla"}
-    sites = model.Sites(**{n: auto[n] if be == "auto" else be for n, be in site.items()})
+    auto = {n: "pallas" if gpu and not shapes[n] else "xla" for n in site}
+    chosen = {n: auto[n] if be == "auto" else be for n, be in site.items()}
+    limits = {f"{n}_max_tokens": SITE_KERNEL_MAX_TOKENS[n] for n, be in site.items()
+              if be == "auto" and chosen[n] != "xla"}
+    sites = model.Sites(**chosen, **limits)
     if attention not in ("auto", *programs.ATTENTION_BACKENDS):
         raise EngineError(f"attention_backend must be 'auto' or one of {programs.ATTENTION_BACKENDS}, "
                           f"got {attention!r}")

@@ -134,6 +134,28 @@ def test_block_with_fused_sites_matches_xla():
     np.testing.assert_allclose(np.asarray(pk), np.asarray(px), atol=1e-4)
 
 
+@pytest.mark.parametrize("tokens, kernels", [(4, True), (5, False)])
+def test_sites_above_their_token_limit_take_xla(tokens, kernels, monkeypatch):
+    """Sites(mhc_max_tokens=4): a block of 4 tokens traces its two mHC sites as kernels, one of 5 tokens (a prefill
+    chunk past the limit) the XLA composition only."""
+    from dsv41 import model, quant
+    from dsv41 import params as P
+    from dsv41.config import preset
+
+    cfg = preset("tiny")
+    lp = P.init_tree(P.layer_specs(cfg, 0), cfg, seed=0)
+    h = jnp.zeros((1, tokens, cfg.hc_mult, cfg.dim), jnp.bfloat16)
+    pre = jnp.full((1, tokens, cfg.hc_mult), 1 / cfg.hc_mult)
+    calls = []
+    monkeypatch.setattr(M, "mhc_fused", lambda *a, **kw: calls.append(kw["backend"]) or M.mhc_reference(*a[:10]))
+    sites = model.Sites(mhc="interpret", mhc_max_tokens=4)
+    jax.eval_shape(lambda h, pre, lp: model.block(h, pre, lp, 0, cfg, quant.Numerics(), lambda x: x, sites=sites),
+                   h, pre, lp)
+    assert calls == (["interpret"] * 2 if kernels else [])
+    assert model.Sites(router="pallas", router_max_tokens=64).backend("router", 65) == "xla"
+    assert model.Sites(router="pallas").backend("router", 1 << 20) == "pallas"
+
+
 def test_bad_config_rejected():
     with pytest.raises(ValueError):
         M._build_kernel(4, 4, 256, False, M.KernelConfig(dc=64), interpret=True)
