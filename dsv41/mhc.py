@@ -14,9 +14,12 @@ from dsv41 import nn, quant
 from dsv41.config import ModelConfig
 
 
-def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig):
+def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig,
+                 unroll: bool = False):
     """x [B, S, hc, D] -> pre [B, S, hc], post [B, S, hc], comb [B, S, hc, hc] (comb[i, j]: source i -> j),
-    all float32. One RMS statistic over the flattened hc*D values; comb made doubly stochastic by Sinkhorn.
+    all float32. One RMS statistic over the flattened hc*D values; comb made doubly stochastic by Sinkhorn
+    (unroll: its iterations as straight-line code, see coefficients_from_mix: the same operations, which XLA then
+    fuses differently, so results move by float32 roundings, ~1e-7 on the CPU).
 
     The 24 dot products are float32 products of x and fn. A bf16 stream is exact in bf16, so they run as
     `nn.linear_f32(fn, x)`: fn split into three exact bf16 terms, one tensor-core GEMM, every product exact (a
@@ -29,7 +32,7 @@ def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
         m = nn.linear_f32(fn.astype(jnp.float32), xb).T.reshape(*xf.shape[:-1], fn.shape[0])  # [24, T] -> [..., 24]
     else:
         m = jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return coefficients_from_mix(m * rs, scale, base, cfg)
+    return coefficients_from_mix(m * rs, scale, base, cfg, unroll)
 
 
 def coefficients_from_mix(m: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig, unroll: bool = False):

@@ -67,13 +67,14 @@ def default_config(t: int, d: int) -> KernelConfig:
 # reference (the model's code path)
 
 
-def mhc_reference(y, h, post, comb, pre_delayed, fn, scale, base, norm_w, cfg: ModelConfig):
-    """Plain jnp, the composition of dsv41.mhc functions exactly as dsv41.model.block chains them.
+def mhc_reference(y, h, post, comb, pre_delayed, fn, scale, base, norm_w, cfg: ModelConfig, unroll: bool = False):
+    """Plain jnp, the composition of dsv41.mhc functions exactly as dsv41.model.block chains them (unroll: the
+    Sinkhorn iterations unrolled, `mhc.coefficients`'s option).
 
     y [T, D] bf16 or None, h [T, hc, D] bf16, post [T, hc], comb [T, hc, hc], pre_delayed [T, hc] f32,
     fn [24, hc*D] f32, scale [3], base [24] f32, norm_w [D] -> (h1, x, pre, post, comb)."""
     h1 = h if y is None else mhc.expand(y, h, post, comb)
-    pre2, post2, comb2 = mhc.coefficients(h1, fn, scale, base, cfg)
+    pre2, post2, comb2 = mhc.coefficients(h1, fn, scale, base, cfg, unroll)
     x = rms_norm(mhc.collapse(h1, pre_delayed), norm_w, cfg.norm_eps)
     return h1, x, pre2, post2, comb2
 

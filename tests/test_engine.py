@@ -13,6 +13,10 @@ from dsv41.config import preset
 from serving.engine import kv_pool, programs
 from serving.engine.engine import Engine, EngineError, SamplingParams
 
+# one xdist worker takes this file: its engines share the same few compiled programs (make), which two workers
+# would each compile
+pytestmark = pytest.mark.xdist_group("tiny_engine")
+
 NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
 TOL = 1e-4  # max |logit| difference; logits are O(1)
 GREEDY4 = SamplingParams(max_tokens=4, ignore_eos=True)

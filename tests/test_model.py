@@ -107,6 +107,24 @@ def test_mhc_coefficients_of_a_bf16_stream_are_float32_dots(monkeypatch):
     assert m_bf16.shape == want.shape and np.abs(m_bf16 - want).max() <= bound
 
 
+def test_mhc_sinkhorn_unrolled_is_the_loop():
+    """mhc.coefficients(unroll=True) (the Sinkhorn iterations as straight-line code) gives the loop's
+    coefficients up to float32 roundings, on random mix values where Sinkhorn moves comb a lot."""
+    import jax
+
+    from dsv41 import mhc
+    cfg = preset("tiny")
+    hc, d = cfg.hc_mult, 128
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 7, hc, d)) * 3, jnp.bfloat16)
+    fn = jnp.asarray(rng.standard_normal(((2 + hc) * hc, hc * d)) * 0.3, jnp.float32)
+    scale, base = jnp.asarray([1.0, 1.0, 2.0]), jnp.asarray(rng.standard_normal((2 + hc) * hc), jnp.float32)
+    loop, flat = (jax.jit(lambda *a, u=u: mhc.coefficients(*a, cfg, unroll=u))(x, fn, scale, base)
+                  for u in (False, True))
+    for a, b in zip(loop, flat):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_index_scores_in_entry_blocks_equal_one_pass(dtype, monkeypatch):
     """Past `indexer.MAX_PRODUCT_BYTES` of [B, S, heads, G] products the entries are scored in blocks (a long

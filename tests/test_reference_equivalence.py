@@ -28,6 +28,7 @@ from tests.reference.driver import reference_available, run_reference
 pytestmark = [
     pytest.mark.reference,
     pytest.mark.skipif(not reference_available(), reason="reference env missing: bash scripts/setup_reference_env.sh"),
+    pytest.mark.xdist_group("reference"),  # one worker runs the module fixtures (our forward, the PyTorch reference)
 ]
 
 SEQ = 301

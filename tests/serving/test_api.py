@@ -24,7 +24,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(params=["fake", pytest.param("tiny", marks=pytest.mark.slow)])
+# the tiny server's tests share one xdist worker, so that its programs compile once, not once a worker
+@pytest.fixture(params=["fake", pytest.param("tiny", marks=[pytest.mark.slow,
+                                                             pytest.mark.xdist_group("tiny_server")])])
 def any_server(request):
     return request.getfixturevalue(f"{request.param}_server")
 

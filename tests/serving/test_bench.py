@@ -41,6 +41,7 @@ def test_bench_smoke(fake_server, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tiny_server")  # with the API tests' tiny server, on one worker (test_api.py)
 def test_bench_smoke_tiny(tiny_server, tmp_path):
     _check(_bench(tiny_server, tmp_path), tmp_path)
 
