@@ -28,7 +28,7 @@
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
-#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument array, small parameters packed (~6 min)
+#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument array, small parameters packed (~9 min)
 #   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
@@ -291,7 +291,8 @@ case "${1:-}" in
   packed)
     # what a decode call costs per argument array, and the decode program with the small parameters packed into a
     # few buffers (Engine(pack_params=True), serving/engine/packed_params.py) against as it is; then the engine
-    # with every kernel, packed or not, on the same prompt (GPU test) (~6 min). The engine step with and without:
+    # on the XLA path and with every kernel, packed or not, on the same prompt (GPU tests) (~9 min). The engine
+    # step with and without:
     # bench_engine.py --backends auto,auto+packed --batches 1 --skip-prefill --decode-ctx 4096
     timeout -k 10 200 $PY scripts/trace_gaps.py --backend auto --batch 1 --no-trace --host-steps 20 \
       > "$OUT/packed.txt" 2>&1
