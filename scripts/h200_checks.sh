@@ -28,7 +28,7 @@
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
-#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument array, small parameters packed (~9 min)
+#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument, small parameters packed (~6 min)
 #   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
@@ -52,16 +52,16 @@ case "${1:-}" in
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
     ;;
   engine-tests)
-    # the engine's parts with the kernels against the XLA path. First what the sixteenth session's call did not
-    # reach: the fused sites in a block and, on the GPU itself, the roundings XLA's GPU compiler used to fold
-    # (quant's formats under jit, nn.linear_f32, the mHC mix); then per layer, MoE, FP8 linears (~9 min; end to
-    # end is engine-e2e, packed parameters the packed group)
+    # the engine's parts with the kernels against the XLA path: the fused sites in a block and, on the GPU itself,
+    # the roundings XLA's GPU compiler used to fold (quant's formats under jit, nn.linear_f32, the mHC mix); then
+    # per layer, MoE, FP8 linears (~9 min; end to end is engine-e2e, packed parameters the packed group)
     timeout -k 10 250 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider \
       tests/test_engine_gpu.py::test_fused_sites_match_xla_in_a_block tests/test_model.py tests/test_quant.py \
       -k "fused_sites or gpu or linear_f32 or mhc_coeff or quant" > "$OUT/engine_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests.txt" | tail -30
-    timeout -k 10 300 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+    # (the first run takes ~90 s; each layer-by-layer case ~100 s, so this one needs the rest of the call)
+    timeout -k 10 430 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
       -k "not all_kernels_end_to_end and not packed and not fused_sites" > "$OUT/engine_tests2.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "rel\. max|per-layer|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests2.txt" | tail -30
@@ -290,17 +290,16 @@ case "${1:-}" in
     ;;
   packed)
     # what a decode call costs per argument array, and the decode program with the small parameters packed into a
-    # few buffers (Engine(pack_params=True), serving/engine/packed_params.py) against as it is; then the engine
-    # on the XLA path and with every kernel, packed or not, on the same prompt (GPU tests) (~9 min). The engine
-    # step with and without:
+    # few buffers (Engine(pack_params=True), serving/engine/packed_params.py) against as it is; then the fused site
+    # kernels' blocks packed or not (the engine cases, XLA / KV-path / MoE kernels: -k "packed_params[", ~7 min,
+    # passed in the seventeenth session) (~6 min). The engine step with and without:
     # bench_engine.py --backends auto,auto+packed --batches 1 --skip-prefill --decode-ctx 4096
     timeout -k 10 200 $PY scripts/trace_gaps.py --backend auto --batch 1 --no-trace --host-steps 20 \
       > "$OUT/packed.txt" 2>&1
     echo "trace_gaps rc=$?"; grep -E "Engine.step|passes the arguments|device program" "$OUT/packed.txt"
-    # packed or not, on the XLA path and with every kernel (4 engine runs)
-    timeout -k 10 350 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k packed \
-      > "$OUT/packed_test.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "packed parameters|PASSED|FAILED|ERROR|passed|failed" "$OUT/packed_test.txt"
+    timeout -k 10 200 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+      -k packed_params_through > "$OUT/packed_test.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "packed site kernels|PASSED|FAILED|ERROR|passed|failed" "$OUT/packed_test.txt"
     ;;
   producer)
     # decode attention's two sides apart: the producer alone (sa.producer_stream) and the consumers alone

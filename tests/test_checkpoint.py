@@ -109,7 +109,7 @@ def test_orbax_round_trip_is_exact(cfg, stored, tmp_path):
     rcfg, restored = ckpt.load_orbax(path)
     assert rcfg == cfg
     assert_trees_bit_equal(stored, restored)
-    assert isinstance(restored["layers"][4]["engram"]["embed"].weight, np.ndarray)
+    assert isinstance(restored["layers"][cfg.engram_layer_ids[-1]]["engram"]["embed"].weight, np.ndarray)
     assert_trees_bit_equal(stored, ckpt.load_checkpoint(path)[1])  # detected by load_checkpoint too
 
 
@@ -155,7 +155,8 @@ def test_release_names_dtypes_and_index(cfg, ckpt_dir):
     table = _header_table(ckpt_dir)
     D, Q, E, F = cfg.dim, cfg.q_lora_rank, cfg.n_routed_experts, cfg.moe_inter_dim
     HD = cfg.n_heads * cfg.head_dim
-    # spec §5 rows present in the tiny config (tiny layers: 2 = ratio-2 KV source, 6 = ratio-1 source, 1 = Engram)
+    # spec §5 rows present in the tiny config (tiny layers: 2 = ratio-2 KV source, 4 = ratio-1 source,
+    # 6 = reindex, 1 and 3 = Engram)
     expect = {
         "embed.weight": ("BF16", (cfg.vocab_size, D)),
         "head.weight": ("BF16", (cfg.vocab_size, D)),
@@ -175,21 +176,21 @@ def test_release_names_dtypes_and_index(cfg, ckpt_dir):
         "layers.0.attn.attn_sink": ("F32", (cfg.n_heads,)),
         "layers.2.attn.compressor.wkv.weight": ("BF16", (cfg.head_dim, D)),
         "layers.2.attn.compressor.wgate.weight": ("BF16", (cfg.head_dim, D)),
-        "layers.6.attn.compressor.wkv.weight": ("BF16", (cfg.head_dim, D)),
+        "layers.4.attn.compressor.wkv.weight": ("BF16", (cfg.head_dim, D)),
         "layers.2.attn.indexer.wq_b.scale": ("F8_E8M0", (cfg.index_n_heads * cfg.index_head_dim // 32, Q // 32)),
-        "layers.8.attn.indexer.weights_proj.weight": ("BF16", (cfg.index_n_heads, D)),
+        "layers.6.attn.indexer.weights_proj.weight": ("BF16", (cfg.index_n_heads, D)),
         "layers.2.attn.indexer.wk.weight": ("BF16", (cfg.index_head_dim, cfg.head_dim)),
         "layers.0.ffn.gate.weight": ("BF16", (E, D)),
         "layers.0.ffn.gate.bias": ("F32", (E,)),
         "layers.0.ffn.gate.bias_vl": ("F32", (E,)),
         "layers.0.ffn.experts.0.w1.weight": ("I8", (F, D // 2)),
         "layers.0.ffn.experts.0.w1.scale": ("F8_E8M0", (F, D // 32)),
-        f"layers.11.ffn.experts.{E - 1}.w2.weight": ("I8", (D, F // 2)),
-        f"layers.11.ffn.experts.{E - 1}.w2.scale": ("F8_E8M0", (D, F // 32)),
+        f"layers.{cfg.n_layers - 1}.ffn.experts.{E - 1}.w2.weight": ("I8", (D, F // 2)),
+        f"layers.{cfg.n_layers - 1}.ffn.experts.{E - 1}.w2.scale": ("F8_E8M0", (D, F // 32)),
         "layers.0.ffn.shared_experts.w2.scale": ("F8_E8M0", (D // 32, F // 32)),
         "layers.1.engram.embed.weight": ("F8_E4M3", (cfg.engram_num_embeddings[0], cfg.engram_head_dim)),
         "layers.1.engram.embed.scale": ("F8_E8M0", (cfg.engram_num_embeddings[0], cfg.engram_head_dim // 32)),
-        "layers.4.engram.wkv.weight": ("F8_E4M3", (D * 5, cfg.engram_n_cols * cfg.engram_head_dim)),
+        "layers.3.engram.wkv.weight": ("F8_E4M3", (D * 5, cfg.engram_n_cols * cfg.engram_head_dim)),
         "layers.1.engram.q_weight": ("BF16", (cfg.hc_mult, D)),
     }
     for key, want in expect.items():
@@ -317,10 +318,11 @@ def _corrupt(kind, path):
     if kind == "config n_layers":
         with open(os.path.join(path, "config.json")) as f:
             d = json.load(f)
-        d["text_config"]["num_hidden_layers"] = 11
+        last = d["text_config"]["num_hidden_layers"] - 1
+        d["text_config"]["num_hidden_layers"] = last
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(d, f)
-        return ["layers.11.", _shard_of(path, "layers.11.attn_norm.weight"), "n_layers=11"]
+        return [f"layers.{last}.", _shard_of(path, f"layers.{last}.attn_norm.weight"), f"n_layers={last}"]
     raise ValueError(kind)
 
 

@@ -14,6 +14,8 @@ step compares different inputs. FP8 activation quantization is off throughout: w
 activations across an FP8 rounding boundary (6% steps)."""
 
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,7 @@ from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
 from layer_paths import attention_diffs, fill, make_batch, zero_rows
-from serving.engine import kv_pool
+from serving.engine import kv_pool, packed_params
 from serving.engine.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -196,22 +198,49 @@ def test_engine_with_all_kernels_end_to_end(bench, replay, sites):
     assert np.all(np.isfinite(lp)) and rel[0] < E2E_TOL
 
 
-@pytest.mark.parametrize("backends", ["xla", "kernels"])
+# which backends each case of test_packed_params runs: the XLA path, and the KV-path and MoE kernels (the site
+# kernels: test_packed_params_through_the_site_kernels)
+_PACKED_CASES = {
+    "xla": dict(attention_backend="xla", moe_backend="xla", mhc_backend="xla", router_backend="xla"),
+    "attention": dict(attention_backend="auto", moe_backend="xla", mhc_backend="xla", router_backend="xla"),
+    "moe": dict(attention_backend="xla", moe_backend="auto", mhc_backend="xla", router_backend="xla"),
+}
+
+
+@pytest.mark.parametrize("backends", list(_PACKED_CASES))
 def test_packed_params(bench, backends):
-    """Engine(pack_params=True), on the XLA path and with every kernel on (fused mHC and router sites too, so that
-    packed small arrays reach Mosaic GPU kernels as operands): the first step's logits as without packing. The
-    slices are exact, but XLA fuses them into their readers, so the program's rounding changes as between two
-    programs of the same math, and the indexer's and router's discrete choices carry that on: with the kernels
-    0.0166 on the H200 (fourteenth session), 0.239 in the sixteenth (after the conversion fix and the router's
-    new selection kernel; the router and mHC kernels are bit-identical with packed operands,
-    scripts/check_site_kernels_repeat.py). The XLA path alone says whether packing or a kernel moves it."""
+    """Engine(pack_params=True), on the XLA path and with the KV-path or the MoE kernels: the first step's logits
+    as without packing. The slices are exact, but XLA fuses them into their readers, so the program's rounding may
+    change as between two programs of the same math: on the H200 (seventeenth session) 0.00175 (XLA), 0.0025
+    (attention), 0 (MoE). With the fused mHC sites the engine's logits moved by 0.238, through routing flips (next
+    test), so those kernels are checked where the flips can be told apart."""
     cfg, params = bench
     ids = list(np.random.default_rng(5).integers(3, cfg.vocab_size, 700))
-    kw = (dict(attention_backend="auto", moe_backend="auto", mhc_backend="pallas", router_backend="pallas")
-          if backends == "kernels" else
-          dict(attention_backend="xla", moe_backend="xla", mhc_backend="xla", router_backend="xla"))
+    kw = _PACKED_CASES[backends]
     _, plain = _run(cfg, params, ids, **kw)
     _, packed = _run(cfg, params, ids, pack_params=True, **kw)
     rel = float(np.abs(plain[0] - packed[0]).max() / np.abs(plain[0]).max())
     print(f"packed parameters ({backends}): rel. max logit difference at the first step {rel:.3g}")
     assert np.all(np.isfinite(packed)) and rel < 0.05
+
+
+def test_packed_params_through_the_site_kernels(bench):
+    """The bench preset's 8 blocks with the fused mHC and router sites (a stand-in attention that mixes no tokens),
+    the parameters as they are against packed, at a prefill bucket and a replayed tail
+    (scripts/check_packed_sites.py). Packing moves the mHC epilogue's float32 sums by roundings, which flip
+    near-tie routing choices (H200, seventeenth session: 1 token's experts at layer 0 of 2048 tokens, 51 tokens'
+    at layer 7), and a rerouted token's stream then differs by whole expert outputs. The tokens never rerouted
+    must agree to rounding: an operand read at the wrong place in a packed buffer moves every token."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from check_packed_sites import block_params, compare
+
+    cfg, params = bench
+    core = block_params(params)
+    packed = packed_params.pack(core)
+    for t in (2048, 128):
+        rows = compare(core, packed, t, cfg, model.Sites(mhc="pallas", router="pallas"))
+        col = lambda key: [float(f"{r[key]:.2g}") for r in rows]  # noqa: E731
+        print(f"packed site kernels, {t} tokens, per layer: stream rel. max difference on the tokens never rerouted "
+              f"{col('rel_kept')}, their pre-mix {col('pre_kept')}, tokens rerouted {col('rerouted')}")
+        assert all(r["rel_kept"] < MOE_TOL and r["pre_kept"] < 5e-3 for r in rows), rows
+        assert rows[-1]["rerouted"] < t // 10, rows
