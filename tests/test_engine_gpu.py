@@ -232,7 +232,7 @@ def test_packed_params_through_the_site_kernels(bench):
     at layer 7), and a rerouted token's stream then differs by whole expert outputs. The tokens never rerouted
     must agree to rounding: an operand read at the wrong place in a packed buffer moves every token."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    from check_packed_sites import block_params, compare
+    from check_packed_sites import block_params, compare, within_rounding
 
     cfg, params = bench
     core = block_params(params)
@@ -242,5 +242,4 @@ def test_packed_params_through_the_site_kernels(bench):
         col = lambda key: [float(f"{r[key]:.2g}") for r in rows]  # noqa: E731
         print(f"packed site kernels, {t} tokens, per layer: stream rel. max difference on the tokens never rerouted "
               f"{col('rel_kept')}, their pre-mix {col('pre_kept')}, tokens rerouted {col('rerouted')}")
-        assert all(r["rel_kept"] < MOE_TOL and r["pre_kept"] < 5e-3 for r in rows), rows
-        assert rows[-1]["rerouted"] < t // 10, rows
+        assert within_rounding(rows, t, stream_tol=MOE_TOL), rows

@@ -60,3 +60,24 @@ def test_large_and_sharded_leaves_stay_arrays():
     kinds = dict(zip(sorted(tree), (s[0] for s in packed.slots)))  # dict leaves flatten in key order
     assert kinds == {"big": "big", "replicated": "pack", "sharded": "big", "small": "pack"}
     _leaves_equal(packed_params.unpack(packed), tree)
+
+
+def test_site_check_tells_rounding_from_a_misread():
+    """scripts/check_packed_sites.py's verdict, which the GPU test of the fused site kernels packed or not relies
+    on (tests/test_engine_gpu.py): the tiny preset's blocks from a packed tree pass it, and the same with every
+    packed buffer shifted by one element (each small operand read one place off) fail it."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    from check_packed_sites import block_params, compare, within_rounding
+
+    from dsv41 import model
+
+    cfg = preset("tiny")
+    core = block_params(P.init_params(cfg, seed=0))
+    packed = packed_params.pack(core)
+    misread = packed_params.PackedParams(packed.big, tuple(jnp.roll(p, 1) for p in packed.packs), packed.treedef,
+                                         packed.slots)
+    assert within_rounding(compare(core, packed, 16, cfg, model.Sites()), 16)
+    assert not within_rounding(compare(core, misread, 16, cfg, model.Sites()), 16)
