@@ -52,8 +52,7 @@ def stack(params, h, pre, cfg, sites):
 
 def block_params(params: dict) -> dict:
     """The parameters `stack` reads: the tree without the Engram layers' parts (blocks do not run them)."""
-    core, _ = model.strip_tables(params)
-    return {**core, "layers": [{k: v for k, v in lp.items() if k != "engram"} for lp in core["layers"]]}
+    return {**params, "layers": [{k: v for k, v in lp.items() if k != "engram"} for lp in params["layers"]]}
 
 
 def compare(params, packed, tokens: int, cfg, sites) -> list[dict]:
