@@ -14,12 +14,9 @@ from dsv41 import nn, quant
 from dsv41.config import ModelConfig
 
 
-def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig,
-                 unroll: bool = False):
+def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig):
     """x [B, S, hc, D] -> pre [B, S, hc], post [B, S, hc], comb [B, S, hc, hc] (comb[i, j]: source i -> j),
-    all float32. One RMS statistic over the flattened hc*D values; comb made doubly stochastic by Sinkhorn
-    (unroll: its iterations as straight-line code, see coefficients_from_mix: the same operations, which XLA then
-    fuses differently, so results move by float32 roundings, ~1e-7 on the CPU).
+    all float32. One RMS statistic over the flattened hc*D values; comb made doubly stochastic by Sinkhorn.
 
     The 24 dot products are float32 products of x and fn. A bf16 stream is exact in bf16, so they run as
     `nn.linear_f32(fn, x)`: fn split into three exact bf16 terms, one tensor-core GEMM, every product exact (a
@@ -32,12 +29,11 @@ def coefficients(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
         m = nn.linear_f32(fn.astype(jnp.float32), xb).T.reshape(*xf.shape[:-1], fn.shape[0])  # [24, T] -> [..., 24]
     else:
         m = jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return coefficients_from_mix(m * rs, scale, base, cfg, unroll)
+    return coefficients_from_mix(m * rs, scale, base, cfg)
 
 
-def coefficients_from_mix(m: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig, unroll: bool = False):
-    """The mix values m [..., (2 + hc) * hc] (already times the RMS factor) -> pre, post, comb.
-    unroll: the Sinkhorn iterations as straight-line code (one fused GPU kernel instead of a while loop)."""
+def coefficients_from_mix(m: jax.Array, scale: jax.Array, base: jax.Array, cfg: ModelConfig):
+    """The mix values m [..., (2 + hc) * hc] (already times the RMS factor) -> pre, post, comb."""
     hc, eps = cfg.hc_mult, cfg.hc_eps
     scale, base = scale.astype(jnp.float32), base.astype(jnp.float32)
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
@@ -46,14 +42,28 @@ def coefficients_from_mix(m: jax.Array, scale: jax.Array, base: jax.Array, cfg: 
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
     comb = comb / jnp.sum(comb, axis=-1, keepdims=True) + eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    # the Sinkhorn iterations as straight-line code on a GPU, where XLA fuses them into a few kernels: as a while
+    # loop they launched ~60 small ones a site on the H200 (the XLA site at one token 64 against 19 us, at 64
+    # tokens 75 against 30, at 2048 458 against 451; docs/KERNELS_MHC.md, "Sinkhorn unrolled"). On the CPU, the
+    # loop: unrolled, the tiny engine's decode program has 83k HLO instructions instead of 22k and compiles in
+    # 14 s instead of 9, while a loop costs the CPU nothing. Same operations; results differ by float32 roundings.
+    iters = cfg.hc_sinkhorn_iters - 1
+    comb = jax.lax.platform_dependent(comb, cpu=lambda c: sinkhorn(c, iters, eps, unroll=False),
+                                      default=lambda c: sinkhorn(c, iters, eps, unroll=True))
+    return pre, post, comb
 
+
+def sinkhorn(comb: jax.Array, iters: int, eps: float, unroll: bool) -> jax.Array:
+    """`iters` row and column normalizations of comb [..., hc, hc], as a loop or as straight-line code."""
     def step(c, _):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-        return c, None
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps), None
 
-    comb, _ = jax.lax.scan(step, comb, None, length=cfg.hc_sinkhorn_iters - 1, unroll=unroll)
-    return pre, post, comb
+    if unroll:
+        for _ in range(iters):
+            comb, _ = step(comb, None)
+        return comb
+    return jax.lax.scan(step, comb, None, length=iters)[0]
 
 
 def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:

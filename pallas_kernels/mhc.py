@@ -28,8 +28,8 @@ its fn chunk [24, hc, dc] f32 once and its tokens' h [tt, hc, dc] (and y [tt, dc
 All dot products are f32 FMAs on CUDA cores (the reference uses f32 HIGHEST); only the summation order differs.
 
 Phase 2 (XLA, fuses into a couple of small kernels): sum the partials over chunks, rs = rsqrt(mean h1^2 + eps),
-mix = dots * rs, sigmoids, softmax + Sinkhorn (unrolled so XLA fuses it; the reference's lax.scan is a loop
-of tiny kernels on GPU), x = bf16(w * xc * rsqrt(mean xc^2 + eps)).
+mix = dots * rs, sigmoids, softmax + Sinkhorn (`mhc.coefficients_from_mix`, straight-line code that XLA fuses),
+x = bf16(w * xc * rsqrt(mean xc^2 + eps)).
 """
 
 from __future__ import annotations
@@ -67,14 +67,13 @@ def default_config(t: int, d: int) -> KernelConfig:
 # reference (the model's code path)
 
 
-def mhc_reference(y, h, post, comb, pre_delayed, fn, scale, base, norm_w, cfg: ModelConfig, unroll: bool = False):
-    """Plain jnp, the composition of dsv41.mhc functions exactly as dsv41.model.block chains them (unroll: the
-    Sinkhorn iterations unrolled, `mhc.coefficients`'s option).
+def mhc_reference(y, h, post, comb, pre_delayed, fn, scale, base, norm_w, cfg: ModelConfig):
+    """Plain jnp, the composition of dsv41.mhc functions exactly as dsv41.model.block chains them.
 
     y [T, D] bf16 or None, h [T, hc, D] bf16, post [T, hc], comb [T, hc, hc], pre_delayed [T, hc] f32,
     fn [24, hc*D] f32, scale [3], base [24] f32, norm_w [D] -> (h1, x, pre, post, comb)."""
     h1 = h if y is None else mhc.expand(y, h, post, comb)
-    pre2, post2, comb2 = mhc.coefficients(h1, fn, scale, base, cfg, unroll)
+    pre2, post2, comb2 = mhc.coefficients(h1, fn, scale, base, cfg)
     x = rms_norm(mhc.collapse(h1, pre_delayed), norm_w, cfg.norm_eps)
     return h1, x, pre2, post2, comb2
 
@@ -89,7 +88,7 @@ def _finish(part, xc, scale, base, norm_w, cfg: ModelConfig):
     nm = (2 + hc) * hc
     tot = jnp.sum(part[..., :nm + 2], axis=0)  # [T, 26]
     rs = jax.lax.rsqrt(tot[:, nm:nm + 1] / (hc * d) + cfg.norm_eps)
-    pre, post, comb = mhc.coefficients_from_mix(tot[:, :nm] * rs, scale, base, cfg, unroll=True)
+    pre, post, comb = mhc.coefficients_from_mix(tot[:, :nm] * rs, scale, base, cfg)
     rx = jax.lax.rsqrt(tot[:, nm + 1:nm + 2] / d + cfg.norm_eps)
     x = (norm_w.astype(jnp.float32) * (xc.astype(jnp.float32) * rx)).astype(xc.dtype)
     return x, pre, post, comb

@@ -54,11 +54,11 @@ def add_kernel_backend_args(g, default: str | None) -> None:
     g.add_argument("--mhc-backend", **opts,
                    help="mHC sites (stream coefficients, collapse, norm, expand): one fused Mosaic GPU kernel per "
                         "site or XLA (auto, the default: the kernel on a GPU with bf16 activations, in calls of up "
-                        "to 512 tokens; XLA in larger prefill chunks, where it was faster on the H200)")
+                        "to 64 tokens (decode batches); XLA in larger ones, where it was faster on the H200)")
     g.add_argument("--router-backend", **opts,
                    help="MoE router (gate GEMM, sqrt-softplus, top-k, renorm, expert permutation): the fused Mosaic "
-                        "GPU kernels or XLA (auto, the default: the kernels on a GPU in decode batches of up to 64 "
-                        "tokens, as timed on the H200; XLA in prefill chunks; docs/KERNELS_ROUTER.md)")
+                        "GPU kernels or XLA (auto, the default: the kernels on a GPU where the expert count allows "
+                        "them, at every size; docs/KERNELS_ROUTER.md)")
     g.add_argument("--linear-backend", **opts,
                    help="FP8 linears (attention projections with the grouped wo_a, shared expert, Engram) at "
                         "decode: the FP8 Mosaic GPU kernel, which reads each weight byte once, or XLA's dequantize + "

@@ -140,12 +140,13 @@ MOE_BACKENDS = ("xla", "pallas", "interpret")
 # runs with it differed slightly where XLA's path is bit-reproducible (docs/KERNELS_EXPERT_GEMM.md, "On the H200
 # again"); the default once that is explained.
 LINEAR_BACKENDS = ("xla", "pallas", "interpret")
-# 'auto' runs a fused site as its kernel in calls of up to this many tokens and in XLA above, from the H200's
-# per-call times (2026-12-01, docs/PERFORMANCE.md, "Sixteenth session"): a block's two mHC sites took 236 us as
-# kernels against 264 in XLA at 512 tokens, 963 against 635 at a 2048-token prefill chunk; the router (Flash's
-# 384 experts) 17.2 / 18.8 / 19.4 us against 17.4 / 20.1 / 29.3 at 1 / 8 / 64 tokens, 72.9 against 70.5 at 512
-# (2048 not timed; 120 against 282 at 4096).
-SITE_KERNEL_MAX_TOKENS = {"mhc": 512, "router": 64}
+# 'auto' runs a fused site as its kernel in calls of up to this many tokens (None: every size) and in XLA above,
+# from the H200's per-call times (2026-12-01, docs/PERFORMANCE.md, "Eighteenth session"): a block's two mHC sites
+# took 18.4 us of GPU time as kernels against 34.6 in XLA (Sinkhorn unrolled) at 1 token, 236 against 164 at 512;
+# at 64, 53.2 against 48.7 but in 9 launches against 19, so decode batches up to 64 keep the kernels. The router
+# (Flash's 384 experts): 17.0 / 19.3 / 72.3 / 104.8 us against 17.3 / 29.2 / 70.5 / 182.8 at 1 / 64 / 512 / 2048
+# tokens, so the kernel at every size.
+SITE_KERNEL_MAX_TOKENS = {"mhc": 64, "router": None}
 
 
 def resolve_linear_backend(params: dict, backend: str, num: Numerics) -> str:
@@ -168,8 +169,8 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     """-> (attention backend, MoE backend, the fused per-layer sites). 'auto' -> the Mosaic GPU kernels on a GPU
     where the shapes and weight formats allow them, else XLA. An explicit 'pallas' that cannot run raises
     EngineError saying why. 'auto' runs the mHC and router sites as kernels in calls of up to
-    SITE_KERNEL_MAX_TOKENS tokens (decode; the replayed tail of a prefill for the mHC sites) and in XLA in larger
-    ones, where the kernels were not faster on the H200; an explicit 'pallas' runs them at every size."""
+    SITE_KERNEL_MAX_TOKENS tokens (the mHC sites: decode batches) and in XLA in larger ones, where the kernels were
+    not faster on the H200; an explicit 'pallas' runs them at every size."""
     gpu = jax.default_backend() == "gpu"
     site = {"mhc": mhc_backend, "router": router_backend}
     try:
