@@ -45,16 +45,20 @@ def test_generate_routes_outputs_and_counts_metrics():
 
 def test_refusals_raise_in_their_own_add_only():
     async def body(aeng):
-        good = asyncio.create_task(aeng.add("ok", [0, 1, 2], SamplingParams(max_tokens=2)))
+        # 10_000 tokens of 1 ms steps: still in flight when its id comes again (with 2 tokens it could finish
+        # first on a loaded machine, and the second add was then no repeat)
+        good = asyncio.create_task(aeng.add("ok", [0, 1, 2], SamplingParams(max_tokens=10_000, ignore_eos=True)))
         with pytest.raises(EngineError, match="empty prompt"):
             await aeng.add("bad", [], SamplingParams())
         stream = await good
+        first = await stream.__anext__()
         with pytest.raises(EngineError, match="already in flight"):
             await aeng.add("ok", [0, 1], SamplingParams())
-        return [o async for o in stream]
+        stream.abort()
+        return first, stream
 
-    outs = _run(body)
-    assert outs[-1].finished
+    first, stream = _run(body)
+    assert first.request_id == "ok" and not first.finished and stream.finish_reason == "abort"
     with pytest.raises(QueueFull):
         _run(lambda aeng: aeng.add("q", [0, 1], SamplingParams()), max_waiting=0)
 
