@@ -18,6 +18,7 @@ if "jax" not in sys.modules:
         flags += " " + " ".join(FAST_COMPILE_FLAGS)
     os.environ["XLA_FLAGS"] = flags.strip()
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "scripts"))  # the benchmark scripts' tests import them by name
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

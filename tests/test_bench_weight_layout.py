@@ -1,15 +1,11 @@
 """scripts/bench_weight_layout.py: the layouts it streams hold exactly the boxes the row-major layout would give,
 and its pipeline runs in the Mosaic GPU interpreter."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import bench_weight_layout as bwl  # noqa: E402
+import bench_weight_layout as bwl
 
 
 def test_tiles_and_flat_blocks_are_the_row_major_boxes():

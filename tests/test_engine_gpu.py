@@ -14,8 +14,6 @@ step compares different inputs. FP8 activation quantization is off throughout: w
 activations across an FP8 rounding boundary (6% steps)."""
 
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -231,7 +229,6 @@ def test_packed_params_through_the_site_kernels(bench):
     near-tie routing choices (H200, seventeenth session: 1 token's experts at layer 0 of 2048 tokens, 51 tokens'
     at layer 7), and a rerouted token's stream then differs by whole expert outputs. The tokens never rerouted
     must agree to rounding: an operand read at the wrong place in a packed buffer moves every token."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
     from check_packed_sites import block_params, compare, within_rounding
 
     cfg, params = bench

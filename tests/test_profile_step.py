@@ -1,13 +1,9 @@
 """scripts/profile_step.py's mapping from kernels to model parts (the CUPTI part needs a GPU)."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import profile_step as ps  # noqa: E402
+import profile_step as ps
 
 
 def test_kernels_are_summed_by_named_scope():

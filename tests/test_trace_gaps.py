@@ -2,13 +2,11 @@
 
 import glob
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import trace_gaps as tg  # noqa: E402
+import trace_gaps as tg
 
 
 def k(name, start, dur, cid=None):
