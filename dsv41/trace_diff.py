@@ -56,22 +56,30 @@ def first_flips(a: dict, b: dict, n_layers: int, scores: ScoresFn | None = None)
             diff = (sa != sb).reshape(rows, seq, -1).any(-1)
             for row in range(rows):
                 stop = out[row].pos if row in out else seq
-                hits = np.flatnonzero(diff[row, :stop])
-                if not hits.size:
-                    continue
-                p = int(hits[0])
-                ka, kb = sa[row, p].reshape(-1), sb[row, p].reshape(-1)
-                if name == "candidates":  # a mask over positions, not ids
-                    ka, kb = np.flatnonzero(ka), np.flatnonzero(kb)
-                a_only, b_only = np.setdiff1d(ka, kb), np.setdiff1d(kb, ka)
-                a_only, b_only = a_only[a_only >= 0], b_only[b_only >= 0]  # -1: not visible
-                s = scores(i, name, row, p)
-                spread = None
-                if s is not None:
-                    v = np.asarray(s, np.float64)[np.concatenate([a_only, b_only])]
-                    spread = float(np.ptp(v) / max(np.abs(v).max(), 1e-30))
-                out[row] = Flip(i, name, row, p, a_only, b_only, spread)
+                for p in np.flatnonzero(diff[row, :stop]):
+                    flip = _flip(i, name, row, int(p), sa[row, p], sb[row, p], scores)
+                    if flip is not None:
+                        out[row] = flip
+                        break
     return out
+
+
+def _flip(layer: int, name: str, row: int, pos: int, ka: np.ndarray, kb: np.ndarray, scores: ScoresFn) -> Flip | None:
+    """The flip at one position, or None where both runs kept the same set in another order (a top-k of scores
+    that moved by ulps may list its picks in another order; attention and the MoE use them as a set)."""
+    ka, kb = ka.reshape(-1), kb.reshape(-1)
+    if name == "candidates":  # a mask over positions, not ids
+        ka, kb = np.flatnonzero(ka), np.flatnonzero(kb)
+    a_only, b_only = np.setdiff1d(ka, kb), np.setdiff1d(kb, ka)
+    a_only, b_only = a_only[a_only >= 0], b_only[b_only >= 0]  # -1: not visible
+    if not (a_only.size or b_only.size):
+        return None
+    s = scores(layer, name, row, pos)
+    spread = None
+    if s is not None:
+        v = np.asarray(s, np.float64)[np.concatenate([a_only, b_only])]
+        spread = float(np.ptp(v) / max(np.abs(v).max(), 1e-30))
+    return Flip(layer, name, row, pos, a_only, b_only, spread)
 
 
 def compared_prefix(flips: dict[int, Flip], rows: int, seq: int) -> np.ndarray:

@@ -58,6 +58,22 @@ def _fmt(scores, ids) -> str:
     return "-" if scores is None else str([float(f"{v:.6g}") for v in np.asarray(scores, np.float64)[ids]])
 
 
+def _against_earlier(runs: list[str], traces: list[dict], i: int, n_layers: int) -> str:
+    """Is run i bit-identical to the last earlier run with the same backend (a deterministic path must be)?"""
+    same = [j for j in range(i) if runs[j] == runs[i]]
+    if not same:
+        return "-"
+    j = same[-1]
+    differing = [k for k in traces[i] if not np.array_equal(traces[i][k], traces[j][k])]
+    if not differing:
+        return f"identical to run {j}"
+    flips = trace_diff.first_flips(traces[j], traces[i], n_layers)
+    first = f"first flip {flips[0].layer}, {flips[0].name}, {flips[0].pos}" if 0 in flips else "no flip"
+    logits = rel_before(traces[j]["logits"], traces[i]["logits"], traces[i]["logits"].shape[1])
+    return (f"differs from run {j} in {len(differing)} of {len(traces[i])} arrays (first: {sorted(differing)[0]}); "
+            f"logits rel. max diff {logits:.2e}; {first}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="xla,xla,pallas,pallas",
@@ -81,8 +97,9 @@ def main():
     runs = args.runs.split(",")
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.preset} preset, runs {runs}\n")
     print("| tokens | run | first flip vs run 0 (layer, selection, position) | kept only by run 0 / only by this "
-          "run | their scores in run 0 | in this run | block outputs before it, rel. max diff | logits before it |")
-    print("|---|---|---|---|---|---|---|---|")
+          "run | their scores in run 0 | in this run | block outputs before it, rel. max diff | logits before it | "
+          "against the earlier run of its backend |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in (int(t) for t in args.tokens.split(",")):
         ids = np.random.default_rng(4).integers(3, cfg.vocab_size, (1, n)).astype(np.int32)
         traces = []
@@ -107,7 +124,8 @@ def main():
                 # (FP8 / MXFP4 keys, bf16 scores) flipped upstream
                 sa, sb = (_fmt(fn(f.layer, f.name, 0, f.pos), swapped) for fn in
                           (scores_of(ref, params, cfg), scores_of(tr, params, cfg)))
-            print(f"| {n} | {i} {be} | {where} | {kept} | {sa} | {sb} | {blocks:.2e} | {logits:.2e} |")
+            print(f"| {n} | {i} {be} | {where} | {kept} | {sa} | {sb} | {blocks:.2e} | {logits:.2e} | "
+                  f"{_against_earlier(runs, traces, i, cfg.n_layers)} |")
 
 
 if __name__ == "__main__":

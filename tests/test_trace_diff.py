@@ -48,3 +48,15 @@ def test_an_earlier_position_in_a_later_layer_wins():
     f = trace_diff.first_flips(a, b, 3, scores)[0]
     assert (f.layer, f.name, f.pos) == (2, "moe.experts", 2)
     assert f.spread == (5 - 4) / 5  # scores 5 (kept by a) and 4 (kept by b): not a tie
+
+
+def test_the_same_set_in_another_order_is_not_a_flip():
+    """A top-k whose scores moved by ulps may list the same picks in another order (the H200's bench-preset run
+    did, and the spread of no entries raised): skipped, and the row's next real difference is its flip."""
+    a, b = _traces()
+    b["layer0.topk"][1, 2] = [1, 0, -1]  # reordered only
+    b["layer2.moe.experts"][1, 3] = [5, 3]  # reordered only
+    b["layer2.moe.experts"][1, 4] = [3, 6]
+    f = trace_diff.first_flips(a, b, 3)[1]
+    assert (f.layer, f.name, f.pos, f.a_only.tolist(), f.b_only.tolist()) == (2, "moe.experts", 4, [5], [6])
+    assert set(trace_diff.first_flips(a, b, 2)) == set()
