@@ -78,7 +78,26 @@ def routed_experts(x: jax.Array, w: jax.Array, idx: jax.Array, p: dict, cfg: Mod
     if num.act_quant:
         h = quant.fp8_qdq(h)
     y = gmm(h, p["w2"]).astype(jnp.float32)
-    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[tok].add(y)
+    # each token sums its k rows by a gather: a float32 scatter-add over the T * k rows is atomics on a GPU, whose
+    # order varies run to run (the H200: two runs of the same forward differed from layer 0 on, and flipped
+    # near-tied expert choices, docs/KERNELS_EXPERT_GEMM.md)
+    return _sum_in_expert_order(y[_token_rows(order, T, k)])
+
+
+def _token_rows(order: jax.Array, T: int, k: int) -> jax.Array:
+    """int32 [T, k]: each token's rows of the expert-sorted order (order [T * k] sorts the (token, choice) slots
+    by expert), in expert order."""
+    m = order.shape[0]
+    return jnp.sort(jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32)).reshape(T, k), axis=1)
+
+
+def _sum_in_expert_order(ys: jax.Array) -> jax.Array:
+    """float32 [T, k, D] -> [T, D], added one expert after another, as a loop over experts adds them (the
+    reference; and XLA's scatter-add on a CPU, bit for bit). A reduce over k may pair them otherwise."""
+    out = ys[:, 0]
+    for j in range(1, ys.shape[1]):
+        out = out + ys[:, j]
+    return out
 
 
 def _routed_experts_fp4(x, w, order, sizes, p, cfg: ModelConfig, num: Numerics):
@@ -111,10 +130,10 @@ def _routed_experts_fp4(x, w, order, sizes, p, cfg: ModelConfig, num: Numerics):
     if num.act_quant:
         h = quant.fp8_qdq(h)
     y = expert_gemm.matmul_padded(h.astype(jnp.bfloat16), w2, sched, c2, w2.interpret)  # [t_max * tm, D]
-    slot_row = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))  # slot -> sorted row
-    rows = jnp.where(sched.valid[slot_row], sched.pos[slot_row], -1).reshape(T, k)
+    sorted_row = _token_rows(order, T, k)
+    rows = jnp.where(sched.valid[sorted_row], sched.pos[sorted_row], -1)
     ys = jnp.take(y, rows, axis=0, mode="fill", fill_value=0).astype(num.jdtype).astype(jnp.float32)
-    return ys.sum(1)
+    return _sum_in_expert_order(ys)
 
 
 def prepare_experts(params: dict, interpret: bool = False) -> dict:

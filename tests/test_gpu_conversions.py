@@ -8,7 +8,8 @@ tests could not see it. XLA's CPU pipeline runs the same pass when its oneDNN cu
 numerics tests that depend on rounding points run again here, in a subprocess with that flag: the teacher-forced
 comparison with the PyTorch reference's cache numerics (5.6% off at layer 0 with the cast pairs, bound 0.2%), the
 formats, and the float32 products of `nn.linear_f32` and the mHC mix. And statically, over the engine's
-programs: no float value passes through float8 and back (an FP8 rounding is never exact by accident).
+programs: no float value passes through float8 and back (an FP8 rounding is never exact by accident), and no
+float scatter-add, which the GPU runs as atomics in a varying order.
 """
 
 import functools
@@ -89,9 +90,25 @@ def _float8_round_trips(jaxpr, found: list) -> None:
                     _float8_round_trips(sub, found)
 
 
-def test_engine_programs_have_no_float8_cast_pairs():
+def _float_scatter_adds(jaxpr, found: list) -> None:
+    """Appends the dtype of every scatter-add of floats: atomics on a GPU, summed in an order that varies run to
+    run (integer ones, e.g. a histogram, are exact in any order)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+            found.append(str(eqn.outvars[0].aval.dtype))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    _float_scatter_adds(sub.jaxpr, found)
+                elif isinstance(sub, jcore.Jaxpr):
+                    _float_scatter_adds(sub, found)
+
+
+def test_engine_programs_have_no_float8_cast_pairs_nor_float_scatter_adds():
     """Every program kind of the engine (prefill encoder, decoder, decode) at the served numerics, traced: no
-    float8 round trip for XLA's GPU compiler to fold (the code before quant.e4m3_round had 61-133 a program)."""
+    float8 round trip for XLA's GPU compiler to fold (the code before quant.e4m3_round had 61-133 a program), and
+    no float scatter-add, which the GPU runs as atomics in a varying order (the XLA MoE's sum over each token's
+    experts was one: two runs of the same forward on the H200 differed from layer 0 on)."""
     from serving.engine.engine import Engine
 
     eng = Engine.from_preset("tiny", max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
@@ -102,6 +119,9 @@ def test_engine_programs_have_no_float8_cast_pairs():
     assert set(kinds) == {"encoder", "decoder", "decode"}, kinds
     for kind, shape in kinds.items():
         fn, args, static = eng._padding_call(*shape)
-        found = []
-        _float8_round_trips(jax.make_jaxpr(functools.partial(fn, **static))(*args).jaxpr, found)
+        jaxpr = jax.make_jaxpr(functools.partial(fn, **static))(*args).jaxpr
+        found, adds = [], []
+        _float8_round_trips(jaxpr, found)
         assert not found, (kind, len(found), found[:3])
+        _float_scatter_adds(jaxpr, adds)
+        assert not adds, (kind, adds)

@@ -9,7 +9,8 @@ keep 16 of up to 150 groups and layer 6's pool keep 4 of up to 38 blocks.
    no ties at the top-k boundary, so index sets and expert sets must be equal. Near-ties do occur (the ids
    drawn with seed 7 had two scores 1e-6 apart, relative, at layer 6's boundary: as close as the two sides'
    float32 results are to each other), so the ids are drawn where every boundary gap is >= 1e-5
-   (`test_no_index_score_ties_at_the_topk_boundary` checks that premise on our side).
+   (`test_no_index_score_ties_at_the_topk_boundary` checks that premise on our side; seed 30: >= 1.5e-4. Seed 17
+   came to 9.9e-6 once the MoE summed each token's experts by a gather instead of a scatter-add: ulps).
 2. the cache numerics on (FP8 SWA, FP4 compressed KV, MXFP4 indexer), teacher-forced: nemo gets our input to
    every block, so each block is compared on matched inputs; a block whose quantization bins flip would show.
 """
@@ -50,7 +51,7 @@ def setup(tmp_path_factory):
     params = P.init_params(cfg, seed=3)
     ck = tmp_path_factory.mktemp("ref_ckpt")
     checkpoint.save_checkpoint(params, cfg, ck, dense_dtype="float32", tokenizer_dir=BUILTIN_DIR, n_shards=2)
-    ids = np.random.default_rng(17).integers(3, cfg.vocab_size, (2, SEQ)).astype(np.int32)
+    ids = np.random.default_rng(30).integers(3, cfg.vocab_size, (2, SEQ)).astype(np.int32)
     return cfg, P.dequantize_params(params, "float32"), str(ck), ids
 
 
