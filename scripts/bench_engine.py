@@ -76,10 +76,12 @@ def timed(fn, reps=5):
 
 
 # --backends names -> (attention, routed experts, mHC site, router site, FP8 linears); 'auto' is what
-# `dsv41 serve` runs; 'fp8' = auto + the FP8 linear kernel (needs --weights release)
+# `dsv41 serve` runs (with --weights release, the FP8 linear kernel too); 'fp8' = auto + the FP8 linear kernel,
+# which fails without FP8 linears (--weights release); 'xla-linears' = auto with XLA's FP8 linears
 KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla", "xla", "xla", "xla"),
            "pallas": ("pallas", "pallas", "xla", "xla", "xla"), "all": ("pallas", "pallas", "pallas", "pallas", "xla"),
-           "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas")}
+           "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas"),
+           "xla-linears": ("auto", "auto", "auto", "auto", "xla")}
 
 
 # configuration suffixes (auto+overlap+unfused-rope): what each changes from the engine's defaults

@@ -14,7 +14,8 @@
 #   bash scripts/h200_checks.sh expert-gemm   # grouped FP4 GEMM configs at 1 / 64 tokens and 8192-token prefill
 #   bash scripts/h200_checks.sh torch         # sparse attention and expert GEMM vs PyTorch on the same GPU (~2 min)
 #   bash scripts/h200_checks.sh fp8           # FP8 linear kernel: GPU tests, then vs XLA at Flash's shapes (~4 min)
-#   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel vs without
+#   bash scripts/h200_checks.sh fp8-engine    # release weights: decode with the FP8 linear kernel (auto) vs XLA's
+#   bash scripts/h200_checks.sh fp8-e2e       # the FP8 linear kernel in the engine: per linear, end to end vs XLA
 #   bash scripts/h200_checks.sh engine-runs   # engine runs repeated, XLA vs FP8 linear kernel, logits per step
 #   bash scripts/h200_checks.sh index-scores  # prefill indexer scores: XLA float32 / bf16 products, chunk kernel
 #   bash scripts/h200_checks.sh chunk-indexer # the chunk indexer kernel's GPU tests, engine layer by layer, then
@@ -153,11 +154,14 @@ case "${1:-}" in
     timeout -k 10 100 $PY scripts/check_fp8_linear_repeat.py --reps 100 --rows 1,64,128 2>&1 | grep "^|"
     ;;
   fp8-engine)
-    timeout -k 10 330 $PY scripts/bench_engine.py --weights release --backends auto,fp8 --batches 1,64 \
+    # four engines of ~100 s each (release weights take longer to load and compile): the benchmark alone
+    timeout -k 10 540 $PY scripts/bench_engine.py --weights release --backends xla-linears,auto --batches 1,64 \
       --skip-prefill --decode-ctx 4096 > "$OUT/fp8_engine_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "decode |\| " "$OUT/fp8_engine_log.txt" | tail -10
-    timeout -k 10 200 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k fp8 \
+    ;;
+  fp8-e2e)
+    timeout -k 10 540 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py -k fp8 \
       > "$OUT/fp8_engine_tests.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "fp8 linear|engine, FP8|PASSED|FAILED|passed|failed" "$OUT/fp8_engine_tests.txt" | tail -24
@@ -377,7 +381,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill" >&2
     exit 2
     ;;
 esac

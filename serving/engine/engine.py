@@ -135,10 +135,12 @@ def _bucket(n: int, lo: int = 1) -> int:
 # experts in its layout (converted once here). 'interpret': that kernel in the interpreter (CPU tests).
 MOE_BACKENDS = ("xla", "pallas", "interpret")
 # 'xla': FP8 linears dequantized inside the step. 'pallas': decode batches through the FP8 linear kernel
-# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'xla': on the H200 the
-# kernel took 9-12% off the batch-64 decode step and nothing measurable at batch 1 (launch-bound), and two engine
-# runs with it differed slightly where XLA's path is bit-reproducible (docs/KERNELS_EXPERT_GEMM.md, "On the H200
-# again"); the default once that is explained.
+# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'pallas' on a GPU with
+# FP8 linear weights (a release checkpoint) and bf16 activations, else 'xla': on the H200 (2026-12-01, release
+# weights, bench preset) the kernel took the batch-1 decode step from 6.48 to 4.41 ms of device time, and 9-12% off
+# batch 64 (2026-11-30); alone it is bit-reproducible over 100 calls at 1 / 64 / 128 rows. Two engine runs with it
+# differed slightly where two with XLA's linears did not (docs/KERNELS_EXPERT_GEMM.md, "On the H200 again"), not
+# yet traced; 'xla' for runs that must repeat bit for bit.
 LINEAR_BACKENDS = ("xla", "pallas", "interpret")
 # 'auto' runs a fused site as its kernel in calls of up to this many tokens (None: every size) and in XLA above,
 # from the H200's per-call times (2026-12-01, docs/PERFORMANCE.md, "Eighteenth session"): a block's two mHC sites
@@ -152,13 +154,15 @@ SITE_KERNEL_MAX_TOKENS = {"mhc": 64, "router": None}
 def resolve_linear_backend(params: dict, backend: str, num: Numerics) -> str:
     if backend not in ("auto", *LINEAR_BACKENDS):
         raise EngineError(f"linear_backend must be 'auto' or one of {LINEAR_BACKENDS}, got {backend!r}")
-    if backend in ("auto", "xla"):
+    if backend == "xla":
         return "xla"
     is_fp8 = lambda w: isinstance(w, quant.Fp8Weight)
     fp8 = any(is_fp8(w) for w in jax.tree_util.tree_leaves(params["layers"], is_leaf=is_fp8))
-    why = ("needs a CUDA GPU" if backend == "pallas" and jax.default_backend() != "gpu" else
+    why = ("needs a CUDA GPU" if backend != "interpret" and jax.default_backend() != "gpu" else
            "needs FP8 linear weights (a release checkpoint, or init_params without dtype)" if not fp8 else
            f"needs bfloat16 activations (numerics dtype {num.dtype})" if num.jdtype != jnp.bfloat16 else "")
+    if backend == "auto":
+        return "xla" if why else "pallas"
     if why:
         raise EngineError(f"linear_backend={backend!r} {why}; use 'xla'")
     return backend
