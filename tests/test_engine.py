@@ -30,9 +30,10 @@ def tiny():
 
 def make(tiny, **kw):
     cfg, params = tiny
-    # one prefill width and one block-table width: every engine here shares the same few compiled programs
+    # one prefill width, one block-table width and one pool size: every engine here shares the same few compiled
+    # programs. 5 pages (320 tokens) hold every request here; two of ~170 tokens force a preemption
     base = dict(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
-                min_prefill_bucket=128, min_ctx_pages=8)
+                min_prefill_bucket=128, min_ctx_pages=8, num_pages=5)
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **{**base, **kw})
 
 
@@ -69,16 +70,21 @@ def test_short_prompts_identical_with_replay(tiny):
     assert np.abs(l_exact - l_rep).max() < TOL
 
 
-def test_packed_params_change_nothing(tiny):
-    """Engine(pack_params=True): the small parameter arrays passed as a few buffers (fewer arguments a call), the
-    same tokens and logits through the encoder, decoder and full programs (replay on, a prompt past the window)."""
+def test_packed_params_and_staged_engram_rows_change_nothing(tiny):
+    """Engine(pack_params=True): the small parameter arrays passed as a few buffers (fewer arguments a call);
+    engram_transfer='overlap': the Engram rows go to the program in pinned host memory and are copied inside it (an
+    asynchronous copy on a GPU). Neither changes the arithmetic: the same tokens and logits through the encoder,
+    decoder and decode programs (replay on, a prompt past the window). One engine with both, as the two options'
+    programs are the suite's slowest compiles."""
     ids = prompt(200, seed=4)
     t_plain, l_plain = run(make(tiny), ids)
-    eng = make(tiny, pack_params=True)
-    t_packed, l_packed = run(eng, ids)
+    eng = make(tiny, pack_params=True, engram_transfer="overlap")
     assert len(jax.tree.leaves(eng.params)) < len(jax.tree.leaves(tiny[1])) // 2
-    assert t_plain == t_packed
-    assert np.abs(l_plain - l_packed).max() < TOL
+    rows = eng._rows([], [], 1, 1)
+    assert {a.sharding.memory_kind for r in rows for a in (r.weight, r.scale)} == {"pinned_host"}
+    t_both, l_both = run(eng, ids)
+    assert t_plain == t_both
+    np.testing.assert_array_equal(l_plain, l_both)
 
 
 def test_long_prompt_replay_is_close_not_exact(tiny):
@@ -145,7 +151,7 @@ def test_program_shapes_cover_the_buckets(tiny):
 
 
 def test_concurrent_requests_and_back_pressure(tiny):
-    eng = make(tiny, swa_bounded_replay=False, num_pages=5)  # room for ~320 tokens: forces a preemption
+    eng = make(tiny, swa_bounded_replay=False)  # 5 pages, room for 320 tokens: forces a preemption
     a, b = prompt(180, seed=5), prompt(150, seed=6)
     eng.add_request("a", a, GREEDY4)
     eng.add_request("b", b, GREEDY4)
@@ -220,19 +226,6 @@ def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
         Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
 
 
-def test_engram_rows_staged_in_pinned_host_memory_give_the_same_tokens(tiny):
-    """engram_transfer='overlap': the rows go to the program in pinned host memory and are copied inside it
-    (an asynchronous copy on a GPU); the arithmetic is the same, so the logits are identical."""
-    ids = prompt(150, seed=5)  # two prefill chunks and decode steps: both programs read staged rows
-    t_arg, l_arg = run(make(tiny, swa_bounded_replay=False), ids)
-    eng = make(tiny, swa_bounded_replay=False, engram_transfer="overlap")
-    rows = eng._rows([], [], 1, 1)
-    assert {a.sharding.memory_kind for r in rows for a in (r.weight, r.scale)} == {"pinned_host"}
-    t_ovl, l_ovl = run(eng, ids)
-    assert t_arg == t_ovl
-    np.testing.assert_array_equal(l_arg, l_ovl)
-
-
 def test_engram_tables_mode_is_checked_before_loading():
     with pytest.raises(EngineError, match="engram_tables='disk'"):
         Engine.from_checkpoint("/nonexistent", engram_tables="disk")
@@ -240,13 +233,20 @@ def test_engram_tables_mode_is_checked_before_loading():
 
 def test_auto_backends(tiny, monkeypatch):
     """'auto' on a GPU: the mHC and router kernels where their shapes allow, each up to its measured token limit
-    (tiny: dim 256 and bf16 take the mHC kernel; 8 experts do not take the router's); everything on XLA on a CPU."""
+    (tiny: dim 256 and bf16 take the mHC kernel; 8 experts do not take the router's), the FP8 linear kernel where
+    the linears are FP8 and the activations bf16; everything on XLA on a CPU."""
     import dataclasses
 
     from serving.engine import engine as E
     cfg, params = tiny
+    release = P.init_params(cfg, seed=0)  # FP8 linears, as a checkpoint holds them
     assert E.resolve_backends(cfg, params, "auto", "auto")[2] == model.Sites(mhc="xla", router="xla")
+    assert E.resolve_linear_backend(release, "auto", quant.REFERENCE) == "xla"
     monkeypatch.setattr(E.jax, "default_backend", lambda: "gpu")
+    assert E.resolve_linear_backend(release, "auto", quant.REFERENCE) == "pallas"
+    assert E.resolve_linear_backend(release, "auto", quant.EXACT_F32) == "xla"
+    assert E.resolve_linear_backend(params, "auto", quant.REFERENCE) == "xla"  # dequantized: no FP8 linears
+    assert E.resolve_linear_backend(release, "xla", quant.REFERENCE) == "xla"
     sites = E.resolve_backends(cfg, params, "auto", "auto", num=quant.REFERENCE)[2]
     assert sites == model.Sites(mhc="pallas", router="xla", mhc_max_tokens=E.SITE_KERNEL_MAX_TOKENS["mhc"])
     assert E.resolve_backends(cfg, params, "auto", "auto", mhc_backend="pallas")[2].mhc_max_tokens is None
