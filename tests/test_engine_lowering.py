@@ -41,25 +41,19 @@ def _sampling(B):
 
 
 def test_decode_lowers_for_cuda(bench):
-    """Every kernel of the decode step, the indexers' top-k threshold kernel too
-    (`KernelOptions(indexer_topk="kernel")`: in the program with the option; the FP8 test below lowers the
-    default and finds it absent)."""
+    """Every kernel of the decode step with the options off their defaults: the indexers' top-k threshold kernel
+    (`KernelOptions(indexer_topk="kernel")`: in the program with the option) and q / o rotated in XLA around the
+    attention kernel (`fuse_rope=False`). The FP8 test below lowers the defaults (RoPE inside the kernel: several
+    key splits, the output's rotation in the XLA combine; XLA's top-k) and finds the threshold kernel absent."""
     cfg, core, pool = bench
     B = 2
     hlo = programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
                                   backend="pallas", sites=ALL_SITES,
-                                  opts=programs.KernelOptions(indexer_topk="kernel")).lower(
+                                  opts=programs.KernelOptions(indexer_topk="kernel", fuse_rope=False)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "topk_threshold" in hlo
     with pytest.raises(ValueError, match="indexer_topk"):
         programs.KernelOptions(indexer_topk="sort")
-
-
-def test_prefill_chunk_lowers_for_cuda(bench):
-    """A 2048-token chunk: 12288 expert rows (the GEMM's prefill tiles), 2048 attention kernel rows."""
-    cfg, core, pool = bench
-    programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
-                               backend="pallas", sites=ALL_SITES).lower(lowering_platforms=("cuda",))
 
 
 def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
@@ -74,21 +68,6 @@ def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
                                   backend="pallas", sites=model.Sites(mhc="pallas")).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "topk_threshold" not in hlo  # the default top-k is XLA's (the threshold kernel: an option)
-
-
-@pytest.mark.parametrize("program", ["decode", "prefill"])
-def test_unfused_rope_lowers_for_cuda(bench, program):
-    """`KernelOptions(fuse_rope=False)`: q rotated before the attention kernel and its output after it, in XLA
-    (the other tests lower the default, the RoPE inside the kernel: decode with several key splits, the
-    output's rotation in the XLA combine; a prefill chunk with one split, in the kernel's epilogue)."""
-    cfg, core, pool = bench
-    opts = programs.KernelOptions(fuse_rope=False)
-    if program == "decode":
-        programs.run_full.trace(core, pool, _batch(cfg, 2, 1, 8), _sampling(2), cfg=cfg, num=quant.REFERENCE,
-                                backend="pallas", sites=ALL_SITES, opts=opts).lower(lowering_platforms=("cuda",))
-    else:
-        programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
-                                   backend="pallas", sites=ALL_SITES, opts=opts).lower(lowering_platforms=("cuda",))
 
 
 def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
@@ -107,11 +86,12 @@ def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
     assert "annotate_device_placement" not in on_device  # rows already on the device: no copy
 
 
-def test_prefill_indexer_kernel_lowers_for_cuda(bench):
-    """`KernelOptions(prefill_indexer_kernel=True)` (the default): a 2048-token chunk's encoder indexers through
-    the chunk kernel (`indexer_chunk`: the keys dequantized once, two groups of 8 queries x 32 heads sharing each
-    key tile); the program has the kernel with the option and not without (the option is part of the programs'
-    cache key)."""
+def test_prefill_chunk_lowers_for_cuda(bench):
+    """A 2048-token chunk: 12288 expert rows (the GEMM's prefill tiles), 2048 attention kernel rows. With the
+    defaults (`KernelOptions()`) the encoder's indexers run through the chunk kernel (`indexer_chunk`: the keys
+    dequantized once, two groups of 8 queries x 32 heads sharing each key tile) and the RoPE inside the attention
+    kernel's epilogue (one split); with both options off, neither: the indexers in XLA, q / o rotated in XLA (the
+    options are part of the programs' cache key)."""
     cfg, core, pool = bench
 
     def lowered(opts):
@@ -120,5 +100,4 @@ def test_prefill_indexer_kernel_lowers_for_cuda(bench):
             lowering_platforms=("cuda",)).as_text()
 
     assert "indexer_chunk" in lowered(programs.KernelOptions())
-    assert "indexer_chunk" not in lowered(programs.KernelOptions(prefill_indexer_kernel=False))
-
+    assert "indexer_chunk" not in lowered(programs.KernelOptions(prefill_indexer_kernel=False, fuse_rope=False))
