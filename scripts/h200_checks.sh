@@ -226,7 +226,7 @@ case "${1:-}" in
   flips)
     # which selection (indexer top-k, candidates, experts) first differs between runs with and without the FP8
     # linear kernel, and between two kernel runs: a tie, a quantization bin upstream, or a kernel fault
-    timeout -k 10 560 $PY scripts/trace_flips.py --runs xla,xla,pallas,pallas --tokens 128,300 \
+    timeout -k 10 560 $PY scripts/trace_flips.py --runs xla,xla,pallas,pallas --tokens 128,64 \
       > "$OUT/flips.txt" 2>&1
     echo "trace_flips rc=$?"
     grep -E "^\|" "$OUT/flips.txt"

@@ -6,9 +6,11 @@ kernel, and two runs with the kernel differing from each other. This runs the fu
 `dsv41.trace_diff`: the first discrete choice that differs (indexer top-k, candidate blocks, routed experts),
 whether its scores tie, and how far the block outputs and logits had moved before it. A prompt of 128 tokens
 runs every linear at 128 rows, the replay program's trimmed batch, where the kernel splits K with float32
-partials; 300 tokens is the engine comparison's prompt.
+partials; 64 tokens, a decode batch's rows. Longer prompts run every linear on XLA (the kernel takes up to
+`fp8_linear.MAX_ROWS` rows). Each run is also compared with the earlier run of its backend: a deterministic path
+repeats bit for bit.
 
-    PYTHONPATH=. python3 scripts/trace_flips.py --runs xla,xla,pallas,pallas --tokens 128,300
+    PYTHONPATH=. python3 scripts/trace_flips.py --runs xla,xla,pallas,pallas --tokens 128,64
     PYTHONPATH=. python3 scripts/trace_flips.py --preset tiny --runs xla,interpret --tokens 64   # CPU
 """
 
@@ -79,7 +81,7 @@ def main():
     ap.add_argument("--runs", default="xla,xla,pallas,pallas",
                     help="linear backend of each run: xla, pallas (the FP8 linear kernel), interpret (its "
                          "interpreter, CPU)")
-    ap.add_argument("--tokens", default="128,300", help="prompt lengths (one batch row each)")
+    ap.add_argument("--tokens", default="128,64", help="prompt lengths (one batch row each)")
     ap.add_argument("--preset", default="bench")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
