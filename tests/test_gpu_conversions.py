@@ -82,12 +82,8 @@ def _float8_round_trips(jaxpr, found: list) -> None:
             if (len(types) >= 3 and all(jnp.issubdtype(t, jnp.floating) for t in types)
                     and any(jnp.finfo(t).bits == 8 for t in types[1:-1])):
                 found.append(tuple(str(t) for t in types))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    _float8_round_trips(sub.jaxpr, found)
-                elif isinstance(sub, jcore.Jaxpr):
-                    _float8_round_trips(sub, found)
+        for sub in _sub_jaxprs(eqn):
+            _float8_round_trips(sub, found)
 
 
 def _float_scatter_adds(jaxpr, found: list) -> None:
@@ -96,12 +92,18 @@ def _float_scatter_adds(jaxpr, found: list) -> None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
             found.append(str(eqn.outvars[0].aval.dtype))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    _float_scatter_adds(sub.jaxpr, found)
-                elif isinstance(sub, jcore.Jaxpr):
-                    _float_scatter_adds(sub, found)
+        for sub in _sub_jaxprs(eqn):
+            _float_scatter_adds(sub, found)
+
+
+def _sub_jaxprs(eqn):
+    """The jaxprs an equation holds (a pjit's, a loop's body, a cond's branches)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(sub, jcore.ClosedJaxpr):
+                yield sub.jaxpr
+            elif isinstance(sub, jcore.Jaxpr):
+                yield sub
 
 
 def test_engine_programs_have_no_float8_cast_pairs_nor_float_scatter_adds():
