@@ -206,8 +206,9 @@ def main():
     ap.add_argument("--backends", default="xla",
                     help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
                          "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
-                         "auto (the engine's defaults, as `dsv41 serve` runs), fp8 (auto + the FP8 linear kernel; "
-                         "needs --weights release); suffixes change one option each: "
+                         "auto (the engine's defaults, as `dsv41 serve` runs: with --weights release the FP8 linear "
+                         "kernel too), fp8 (auto + the FP8 linear kernel; needs --weights release), xla-linears "
+                         "(auto with XLA's FP8 linears); suffixes change one option each: "
                          + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
