@@ -28,6 +28,7 @@
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
+#   bash scripts/h200_checks.sh stages        # the expert GEMM at 1 / 64 tokens with 4 to 10 pipeline stages
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
 #   bash scripts/h200_checks.sh packed        # a decode call's cost per argument, small parameters packed (~6 min)
 #   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
@@ -198,10 +199,11 @@ case "${1:-}" in
     ;;
   gaps)
     # where the batch-1 step's idle half sits (before Mosaic GPU calls, between small fusions, a few stalls),
-    # and whether the GPU waits on the host's launches; batch 64 for contrast. The .xplane.pb comes back under
+    # and whether the GPU waits on the host's launches; batch 64 for contrast (GAPS_BATCHES=1 GAPS_BACKEND=
+    # auto+overlap: the step with Engram's overlapped copy). The .xplane.pb comes back under
     # $OUT/gaps*/trace: `python3 scripts/trace_gaps.py --trace FILE` analyses it again on any machine
     for b in ${GAPS_BATCHES:-1 64}; do
-      timeout -k 10 240 $PY scripts/trace_gaps.py --backend auto --batch $b --out "$OUT/gaps$b" \
+      timeout -k 10 240 $PY scripts/trace_gaps.py --backend ${GAPS_BACKEND:-auto} --batch $b --out "$OUT/gaps$b" \
         > "$OUT/gaps$b.txt" 2>&1
       echo "trace_gaps batch $b rc=$?"
       grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/gaps$b.txt" | head -60
@@ -270,6 +272,17 @@ case "${1:-}" in
     timeout -k 10 250 $PY scripts/bench_engine.py --prefill-backends auto+xla-indexer,auto --lengths 16384 \
       --replay on --backends "" > "$OUT/kv_pre.txt" 2>&1
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto" "$OUT/kv_pre.txt"
+    ;;
+  stages)
+    # the expert GEMM at one token with deeper pipelines. Batch 1 streams 75 MB (w1/w3) at ~2.2 TB/s against ~3.2
+    # at 64 tokens, and with 216 work items on 132 SMs the second wave's 84 SMs each stream no faster than in the
+    # first: as if an SM's rate were capped by its 4 stages (~84 KB in flight) rather than by HBM. 5 and 10 stages
+    # chain w1/w3's 20 K steps, 9 chains w2's 9 (the others run unchained there); each case checked against the
+    # reference (~3 min)
+    JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 timeout -k 5 -s INT 200 $PY scripts/bench_expert_gemm.py --rot 4 \
+      --decode-tokens 1,64 --skip-prefill --decode-configs 8x256x4co,8x256x5co,8x256x10co,8x256x3co,8x256x9co \
+      --skip-baselines --no-mgpu --no-torch --budget-s 180 --out "$OUT/stages" > "$OUT/stages.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/stages.txt" | grep -E "kernel|FAIL"
     ;;
   halves)
     # (run as `owed` in the fourteenth session) the expert GEMM's K halves (KernelConfig.overlap: the second half
@@ -381,7 +394,7 @@ case "${1:-}" in
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill|stages" >&2
     exit 2
     ;;
 esac

@@ -42,7 +42,7 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_engine import KERNELS, device_params, fake_decode_state, make_engine, with_fp4_experts  # noqa: E402
+from bench_engine import device_params, fake_decode_state, kernels_of, make_engine, with_fp4_experts  # noqa: E402
 from profile_step import kind_of  # noqa: E402
 
 from dsv41.config import preset  # noqa: E402
@@ -287,7 +287,8 @@ def packed_program(eng, b, s, n: int, max_bytes: list[float]) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
+    ap.add_argument("--backend", default="auto",
+                    help="a bench_engine.py configuration: auto, xla, ..., with its +suffixes (auto+overlap)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=6)
@@ -307,6 +308,7 @@ def main():
                          "autotuning with CUDA_ERROR_ILLEGAL_INSTRUCTION)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
+    kernels_of(args.backend)  # an unknown configuration stops here, before any work
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     path = args.trace
     if not path:
@@ -314,7 +316,7 @@ def main():
             sys.exit("trace_gaps.py runs the engine on a GPU (or give --trace FILE)")
         cfg = preset("bench")
         params = device_params(cfg)
-        if KERNELS[args.backend][1] != "xla":
+        if kernels_of(args.backend)[1] != "xla":
             params = with_fp4_experts(params)
         eng = make_engine(cfg, params, True, -(-(args.decode_ctx + 256) // 64) * 64, args.batch, args.backend)
         fake_decode_state(eng, args.batch, args.decode_ctx)

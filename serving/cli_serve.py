@@ -39,7 +39,8 @@ def add_engram_args(g, default_transfer: str | None) -> None:
     g.add_argument("--engram-transfer", choices=["argument", "overlap"], default=default_transfer,
                    help="how a step's Engram rows reach the GPU: with the step's other arguments, before it "
                         "starts (argument, the default), or staged in pinned host memory and copied by the step "
-                        "while the layers before each Engram layer run (overlap; opt-in until timed on the H200)")
+                        "while the layers before each Engram layer run (overlap; opt-in: on the H200 it took a batch-1 "
+                        "step from 4.5 to 5.1 ms of device time, docs/PERFORMANCE.md)")
 
 
 def add_kernel_backend_args(g, default: str | None) -> None:
@@ -63,9 +64,8 @@ def add_kernel_backend_args(g, default: str | None) -> None:
                    help="FP8 linears (attention projections with the grouped wo_a, shared expert, Engram) at "
                         "decode: the FP8 Mosaic GPU kernel, which reads each weight byte once, or XLA's dequantize + "
                         "GEMM (auto, the default: the kernel on a GPU with FP8 linears (a release checkpoint) and "
-                        "bf16 activations; it took the batch-1 decode step on the H200 from 6.5 to 4.4 ms. xla for "
-                        "runs that must repeat bit for bit: two engine runs with the kernel differed slightly; "
-                        "docs/KERNELS_EXPERT_GEMM.md)")
+                        "bf16 activations; it took the batch-1 decode step on the H200 from 6.5 to 4.4 ms. Either "
+                        "repeats bit for bit; they differ from each other by rounding: docs/PERFORMANCE.md)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

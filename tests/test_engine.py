@@ -5,6 +5,7 @@ so differences are summation order only (bf16 runs diverge chaotically through F
 import jax
 import numpy as np
 import pytest
+import tiny_engine
 
 from dsv41 import model, quant
 from dsv41 import params as P
@@ -12,29 +13,24 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import kv_pool, programs
 from serving.engine.engine import Engine, EngineError, SamplingParams
+from tiny_engine import NUM
 
-# one xdist worker takes this file: its engines share the same few compiled programs (make), which two workers
-# would each compile
-pytestmark = pytest.mark.xdist_group("tiny_engine")
+# one xdist worker takes this file (and the other tests that run a tiny engine): its engines share the same few
+# compiled programs, which two workers would each compile
+pytestmark = pytest.mark.xdist_group(tiny_engine.GROUP)
 
-NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
 TOL = 1e-4  # max |logit| difference; logits are O(1)
 GREEDY4 = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = preset("tiny")
-    return cfg, P.dequantize_params(P.init_params(cfg, seed=0), "float32")
+    return tiny_engine.tiny()
 
 
 def make(tiny, **kw):
-    cfg, params = tiny
-    # one prefill width, one block-table width and one pool size: every engine here shares the same few compiled
-    # programs. 5 pages (320 tokens) hold every request here; two of ~170 tokens force a preemption
-    base = dict(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
-                min_prefill_bucket=128, min_ctx_pages=8, num_pages=5)
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **{**base, **kw})
+    """The shared tiny engine (`tiny_engine.make`, whose parameters are the `tiny` fixture's) with `kw` changed."""
+    return tiny_engine.make(**kw)
 
 
 def run(eng, prompt, sampling=GREEDY4, **kw):
@@ -148,6 +144,19 @@ def test_program_shapes_cover_the_buckets(tiny):
     assert [s for s in shapes if s[0] == "decode"] == [("decode", B, 1, c) for B in (1, 2, 4) for c in ctx]
     exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_ctx_pages=8).program_shapes()
     assert exact == [("full", 1, 128, 8), ("decode", 1, 1, 8), ("decode", 2, 1, 8)]
+
+
+def test_warmup_leaves_nothing_to_compile(tiny):
+    """After `Engine.warmup()` a request compiles nothing: two prefill chunks, the replay decoder and decode steps
+    call the programs warm-up ran, with the same argument signatures (a jitted call compiles per shape and per
+    committed / uncommitted argument: warm-up's all-padding arguments must be what a step passes)."""
+    eng = make(tiny)
+    eng.warmup()
+    progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
+    before = [p._cache_size() for p in progs]
+    toks, _ = run(eng, prompt(200, seed=8))
+    assert len(toks) == 4
+    assert [p._cache_size() for p in progs] == before
 
 
 def test_concurrent_requests_and_back_pressure(tiny):

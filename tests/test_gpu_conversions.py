@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from tests.conftest import FAST_COMPILE_FLAGS
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAG = "--xla_cpu_experimental_onednn_custom_call=true"
 TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_forced", "tests/test_quant.py",
@@ -31,12 +29,12 @@ TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_force
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    # conftest's fast-compile flags are dropped: the rerun compiles as the GPU does (full optimization). At level 0
-    # the oneDNN path rounded a layer-11 attention output (the tiny preset had 12 layers then) differently enough
-    # (5e-4) to flip one token's expert choice in the teacher-forced comparison (block output 6.5e-3 off): a
-    # near-tie, not a lost rounding.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE_FLAGS]
-    env = {**os.environ, "XLA_FLAGS": " ".join([*flags, FLAG]), "DSV41_TEST_FULL_OPT": "1"}
+    # conftest's fast-compile flags stay (the GPU compiles at full optimization, but the pass under test runs at
+    # either level: test_the_flag_simplifies_cast_pairs checks it here). When the tiny preset had 12 layers, level
+    # 0 rounded a layer-11 attention output differently enough (5e-4) to flip a near-tied expert choice in the
+    # teacher-forced comparison, so the rerun compiled at full optimization (~20 s more); with 8 layers and the
+    # reference's ids of seed 30 it passes at both.
+    env = {**os.environ, "XLA_FLAGS": " ".join([*os.environ.get("XLA_FLAGS", "").split(), FLAG])}
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -5,6 +5,8 @@ import os
 
 import jax
 import jax.numpy as jnp
+import pytest
+import tiny_engine
 
 import trace_gaps as tg
 
@@ -68,16 +70,15 @@ def test_reads_a_profile_and_its_step_marks(tmp_path):
     assert all(a < b for a, b in windows) and windows[0][1] <= windows[1][0]
 
 
+@pytest.mark.xdist_group(tiny_engine.GROUP)
 def test_host_profile_of_engine_steps(capsys):
-    """The engine-step half of the script on the tiny preset (the XLA path on the CPU)."""
-    from bench_engine import fake_decode_state, make_engine
+    """The engine-step half of the script on the tiny preset (the XLA path on the CPU), with the engine tests'
+    engine: its decode program is theirs, compiled once on their worker."""
+    from bench_engine import fake_decode_state
 
-    from dsv41 import params as P
-    from dsv41.config import preset
     from serving.engine import programs
 
-    cfg = preset("tiny")
-    eng = make_engine(cfg, P.init_params(cfg, seed=0), True, 512, 1, "xla")
+    eng = tiny_engine.make()
     fake_decode_state(eng, 1, 200)
     eng.step()
     b, s = eng.decode_inputs(list(eng.running.values()))

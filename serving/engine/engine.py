@@ -138,9 +138,11 @@ MOE_BACKENDS = ("xla", "pallas", "interpret")
 # (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'pallas' on a GPU with
 # FP8 linear weights (a release checkpoint) and bf16 activations, else 'xla': on the H200 (2026-12-01, release
 # weights, bench preset) the kernel took the batch-1 decode step from 6.48 to 4.41 ms of device time, and 9-12% off
-# batch 64 (2026-11-30); alone it is bit-reproducible over 100 calls at 1 / 64 / 128 rows. Two engine runs with it
-# differed slightly where two with XLA's linears did not (docs/KERNELS_EXPERT_GEMM.md, "On the H200 again"), not
-# yet traced; 'xla' for runs that must repeat bit for bit.
+# batch 64 (2026-11-30; 9.13 -> 8.38 ms in 2026-12-01/02's calls). Engine runs repeat bit for bit with either (H200,
+# 2026-12-02, compare_engine_runs.py: two runs each, identical logits at every step; the seventh session's two
+# kernel runs differed, on code since changed in its K slices and the MoE's sums). The two backends differ by the
+# kernel's rounding (0.0055 of the logits at the prefill), which flips a near-tied expert choice a few steps on
+# (docs/PERFORMANCE.md, "Twentieth session").
 LINEAR_BACKENDS = ("xla", "pallas", "interpret")
 # 'auto' runs a fused site as its kernel in calls of up to this many tokens (None: every size) and in XLA above,
 # from the H200's per-call times (2026-12-01, docs/PERFORMANCE.md, "Eighteenth session"): a block's two mHC sites
@@ -626,9 +628,11 @@ class Engine:
         if kind == "encoder":
             return programs.run_encoder, (self.params, self.pool, b), static
         if kind == "decoder":
-            W, hc = self.cfg.window_size, self.cfg.hc_mult
-            h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype)
-            pre = jnp.zeros((1, W, hc), jnp.float32)
+            W, hc, on = self.cfg.window_size, self.cfg.hc_mult, self.pool.ring_lo.sharding
+            # committed like the step's, which come out of the encoder: a program compiles once per committed /
+            # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
+            h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype, device=on)
+            pre = jnp.zeros((1, W, hc), jnp.float32, device=on)
             return programs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
         return programs.run_full, (self.params, self.pool, b, samp), static
 

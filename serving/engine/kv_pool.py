@@ -77,6 +77,14 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
 
 
 def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:
+    """The pool in zeros, committed to `sharding` (default: the default device).
+
+    Committed even on one device: the engine's programs return the pool committed, and a program compiles once
+    per committed / uncommitted signature of its arguments. Allocated uncommitted, the pool made each program's
+    first call differ from all later ones: every prefill program compiled twice, and the program that warm-up
+    ran first compiled again at the first request (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)."""
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
     def z(s):
         return jnp.zeros(s.shape, s.dtype, device=sharding)
 

@@ -3,7 +3,7 @@
 - `fake_server`: the HTTP stack over FakeEngine (scripted replies, fault injection, millisecond steps): the fast
   protocol tests.
 - `tiny_server`: the HTTP stack over the real `Engine.from_preset("tiny")`, shared by the whole session so its
-  programs compile once; its shapes are kept few (one prefill width, one block-table width, max_num_seqs 4)
+  programs compile once; its shapes are kept few (one prefill width, one block-table width, max_num_seqs 2)
   because every new prefill length bucket / batch bucket / context-page bucket costs a CPU compile of several
   seconds, and the tests that use it are one xdist group (one worker). The persistent JAX compilation cache
   makes later runs faster.
@@ -32,9 +32,10 @@ REPLIES = {
     "SAY_STOP": "alpha beta STOP gamma delta",
 }
 
-# one prefill width (the 128-token chunk) and one block-table width (all 16 pages of 1024 tokens): every request
-# shape reuses the same few compiled programs (a CPU compile of one is several seconds; a padded tiny step is not)
-TINY_ENGINE_KW = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128, min_prefill_bucket=128,
+# one prefill width (the 128-token chunk), one block-table width (all 16 pages of 1024 tokens) and two decode
+# widths (1 and 2 sequences): every request shape reuses the same few compiled programs (a CPU compile of one is
+# ~10 s; a padded tiny step is not)
+TINY_ENGINE_KW = dict(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128, min_prefill_bucket=128,
                       min_ctx_pages=16)
 
 

@@ -1,0 +1,35 @@
+"""The tiny preset's engine as the engine tests build it, shared by every test file that runs one on the CPU.
+
+The engine's programs are module-level jits: two engines with the same config, numerics, kernels and shapes
+share their compiled programs inside one process. A CPU compile of one is ~10 s, so the tests that build an
+engine take it from here and sit in one xdist group (`GROUP`, one worker) instead of each compiling its own."""
+
+from __future__ import annotations
+
+import functools
+
+from dsv41 import model, quant
+from dsv41 import params as P
+from dsv41 import tokenizer as T
+from dsv41.config import preset
+from serving.engine.engine import Engine
+
+GROUP = "tiny_engine"
+# float32 activations with the serving formats' KV numerics: engine against model differ by summation order only
+NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
+# one prefill width, one block-table width and one pool size. 5 pages (320 tokens) hold every request of the
+# engine tests; two of ~170 tokens force a preemption
+BASE = dict(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
+            min_prefill_bucket=128, min_ctx_pages=8, num_pages=5)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny():
+    """(config, float32 parameters with the Engram tables), seed 0."""
+    cfg = preset("tiny")
+    return cfg, P.dequantize_params(P.init_params(cfg, seed=0), "float32")
+
+
+def make(**kw) -> Engine:
+    cfg, params = tiny()
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **{**BASE, **kw})
