@@ -19,16 +19,21 @@ taken transposed from shared memory as the B operand (N = tm, as small as 8: dec
 padded token rows). The result is y^T per tile; it is stored transposed through shared memory into a
 padded output [T_max * tm, N] (one tm-row slot per tile), and rows are gathered back at the end.
 
-Kernel weight layout (`PreparedFp4`): per group of 32 inputs (16 bytes) the nibbles are permuted so that
-the 32-bit word c (bytes 4c..4c+3) holds exactly what lane c of a row quad needs for the A-fragment, in the
-order the decoder wants: nibble n of word c is input 8*(n % 4) + 2*c + n // 4. Scales are transposed to
-[E, K/32, N] so a (groups x rows) tile is one TMA box, and each holds the bf16 exponent field of the
-multiplier the decoder needs, e = s + 126 (0 for s = 0, which UE8M0 decoding flushes to 0), so that the
-decoder builds the bf16x2 multiplier with one integer multiply instead of an add, a compare, a select and
-two shifts per word. Decode of one word q (8 values) and its scale byte e, for j in 0..3:
-  m     = e * 0x00800080                                                      (bf16x2 (2^(s-1), 2^(s-1)))
-  out_j = ((q << (12 - 4j)) & 0x80008000) | ((q << (6 - 4j)) & 0x01C001C0)   (bf16x2 = e2m1 * 2^-126)
-  a_j   = out_j * m                                                           (mul.rn.bf16x2)
+Kernel weight layout (`PreparedFp4`): per group of 32 inputs (16 bytes) the values are permuted so that
+the 32-bit word c (bytes 4c..4c+3) holds exactly what lane c of a row quad needs for the A-fragment: its
+value n is input 8*(n % 4) + 2*c + n // 4, and A register j of the word holds values j (low bf16) and j + 4
+(high). Within the word the 32 bits are not 8 nibbles: each value's sign and e2m1 bits sit where one shift
+and one mask (two of each for register 3) move them into a bf16x2 (`FP4_DECODE`, `_FP4_BIT_POS`), which is
+9-10 integer operations a word instead of 15-16 for nibbles, and the decode is what holds the kernel below
+HBM bandwidth at decode (twenty-first session: the kernel without it, 72% / 95% of HBM at 1 / 64 tokens
+against 53% / 74%). Scales are transposed to [E, K/32, N] so a (groups x rows) tile is one TMA box, and each
+holds the bf16 exponent field of the multiplier the decoder needs, e = s + 126 (0 for s = 0, which UE8M0
+decoding flushes to 0), so that the decoder builds the bf16x2 multiplier with one integer multiply. Decode of
+one word q (8 values) and its scale byte e, for j in 0..3:
+  m     = e * 0x00800080                                       (bf16x2 (2^(s-1), 2^(s-1)))
+  out_j = OR over (r, mask) in FP4_DECODE[j] of rotl(q, r) & mask    (bf16x2 = e2m1 * 2^-126: sign at bits
+          15 / 31, the e2m1 exponent and mantissa bits at 8..6 / 24..22)
+  a_j   = out_j * m                                            (mul.rn.bf16x2)
 which is exact; it needs UE8M0 scale bytes <= 128 (|w| <= 12; real checkpoints are far below), which
 `prepare_fp4_experts` checks when the scales are concrete.
 """
@@ -61,6 +66,72 @@ def kernel_scale_bytes(s: jax.Array, bias: int) -> jax.Array:
 def ue8m0_from_kernel(e: jax.Array, bias: int) -> jax.Array:
     s = e.astype(jnp.int32)
     return jnp.where(s == 0, 0, s - bias).astype(jnp.uint8)
+
+
+# How the decoder builds A register j of a kernel word: the OR of (the word rotated left by r) & mask. Three
+# registers need one shift-and-mask each (their bits are stored where the shift puts them: 4 / 10 positions
+# below the bf16 places, or at them); no fourth shift of one mask tiles the remaining 8 bits, so register 3
+# takes two (left 6, right 2). `_FP4_PTX` is this table written out; its test runs it on prepared words.
+FP4_DECODE = (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),),
+              ((6, 0x80C080C0), (30, 0x01000100)))
+_BF16_BIT = {3: 15, 2: 8, 1: 7, 0: 6}  # e2m1 code bit (sign, e1, e0, m) -> its place in a bf16 (e2m1 * 2^-126)
+
+
+def _fp4_bit_positions() -> np.ndarray:
+    """int [8 values, 4 code bits] -> the bit of the kernel word that holds it (from FP4_DECODE)."""
+    pos = np.full((8, 4), -1)
+    for j, parts in enumerate(FP4_DECODE):
+        for r, mask in parts:
+            for t in range(32):
+                if mask >> t & 1:
+                    value = j + 4 * (t >= 16)  # low bf16: value j; high: value j + 4
+                    bit = {v: b for b, v in _BF16_BIT.items()}[t % 16]
+                    pos[value, bit] = (t - r) % 32
+    assert sorted(pos.ravel()) == list(range(32)), pos  # every bit of the word holds exactly one code bit
+    return pos
+
+
+_FP4_BIT_POS = _fp4_bit_positions()
+
+
+def _words(b: jax.Array) -> jax.Array:
+    """uint8 [..., 4n] -> uint32 [..., n] (little-endian, as the GPU reads them)."""
+    return jax.lax.bitcast_convert_type(b.astype(jnp.uint8).reshape(*b.shape[:-1], -1, 4), jnp.uint32)
+
+
+def _bytes(w: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:-1], -1)
+
+
+def _bit_moves(src: np.ndarray, dst: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Bits src[i] -> dst[i] of a uint32 as (source mask, left shift) per distinct shift (8 here, not 32)."""
+    moves: dict[int, int] = {}
+    for a, b in zip(src.ravel().tolist(), dst.ravel().tolist()):
+        moves[b - a] = moves.get(b - a, 0) | (1 << a)
+    return tuple((mask, shift) for shift, mask in sorted(moves.items()))
+
+
+_NIBBLE_BITS = np.arange(32).reshape(8, 4)  # value n's code bit k in nibble n
+_TO_KERNEL_BITS = _bit_moves(_NIBBLE_BITS, _FP4_BIT_POS)
+_FROM_KERNEL_BITS = _bit_moves(_FP4_BIT_POS, _NIBBLE_BITS)
+
+
+def _move_bits(b: jax.Array, moves: tuple[tuple[int, int], ...]) -> jax.Array:
+    w = _words(b)
+    out = jnp.zeros_like(w)
+    for mask, shift in moves:
+        part = w & jnp.uint32(mask)
+        out |= (part << shift) if shift >= 0 else (part >> -shift)
+    return _bytes(out)
+
+
+def _nibbles_to_kernel_bits(b: jax.Array) -> jax.Array:
+    """uint8 [..., K/2] with value n of each word in nibble n -> the kernel words' bit layout (`_FP4_BIT_POS`)."""
+    return _move_bits(b, _TO_KERNEL_BITS)
+
+
+def _kernel_bits_to_nibbles(b: jax.Array) -> jax.Array:
+    return _move_bits(b, _FROM_KERNEL_BITS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -99,9 +170,9 @@ def grouped_fp4_matmul_xla(x: jax.Array, w: Fp4Weight, group_sizes: jax.Array) -
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PreparedFp4:
-    """Routed-expert FP4 weight in the kernel layout: `weight` uint8 [E, N, K/2] (nibbles permuted within
-    each 32-input group, see the module doc), `scale_t` uint8 [E, K/32, N] (UE8M0 bytes + SCALE_BIAS,
-    transposed; see the module doc).
+    """Routed-expert FP4 weight in the kernel layout: `weight` uint8 [E, N, K/2] (values permuted within
+    each 32-input group and their bits placed for the decoder), `scale_t` uint8 [E, K/32, N] (UE8M0 bytes +
+    SCALE_BIAS, transposed); see the module doc.
     `interpret` (static): the model runs the kernel in the Mosaic GPU interpreter (CPU tests)."""
 
     weight: jax.Array
@@ -128,6 +199,11 @@ def _perm_from_kernel(codes: jax.Array) -> jax.Array:
     return c.reshape(*lead, k)
 
 
+@jax.jit  # one fused pass over the experts' bytes at load time, not a dozen full-size temporaries
+def _to_kernel_weight(packed: jax.Array) -> jax.Array:
+    return _nibbles_to_kernel_bits(pack_nibbles(_perm_to_kernel(unpack_nibbles(packed))))
+
+
 def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = False) -> PreparedFp4:
     """Fp4Weight [E, N, K] -> PreparedFp4 (do this once, when the weights are loaded)."""
     if isinstance(w, PreparedFp4):
@@ -139,8 +215,8 @@ def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = Fals
         smax = int(jnp.max(w.scale))
         if smax > MAX_SCALE_BYTE:
             raise ValueError(f"UE8M0 scale byte {smax} > {MAX_SCALE_BYTE}: |w| > 12 is outside the kernel's range")
-    packed = pack_nibbles(_perm_to_kernel(unpack_nibbles(w.weight)))
-    return PreparedFp4(packed, jnp.swapaxes(kernel_scale_bytes(w.scale, SCALE_BIAS), -1, -2), interpret)
+    scale_t = jnp.swapaxes(kernel_scale_bytes(w.scale, SCALE_BIAS), -1, -2)
+    return PreparedFp4(_to_kernel_weight(w.weight), scale_t, interpret)
 
 
 def concat_out_features(*ws: PreparedFp4) -> PreparedFp4:
@@ -154,7 +230,7 @@ def concat_out_features(*ws: PreparedFp4) -> PreparedFp4:
 
 
 def unprepare_fp4_experts(p: PreparedFp4) -> Fp4Weight:
-    return Fp4Weight(pack_nibbles(_perm_from_kernel(unpack_nibbles(p.weight))),
+    return Fp4Weight(pack_nibbles(_perm_from_kernel(unpack_nibbles(_kernel_bits_to_nibbles(p.weight)))),
                      jnp.swapaxes(ue8m0_from_kernel(p.scale_t, SCALE_BIAS), -1, -2))
 
 
@@ -256,6 +332,11 @@ class KernelConfig:
     # decode of a step and its multiply run one after the other within a warpgroup. `default_config` turns it
     # on where it was faster on the H200 (the 8- and 64-row tiles). Needs tk % 128 == 0.
     overlap: bool = False
+    # Timing only (`scripts/bench_expert_gemm.py`, config flag 'n'; wrong results): the weights' words go to
+    # wgmma as they are, without the register decode or the scale loads, so that a step's time with and without
+    # the decode's integer work says which holds a step when HBM does not (one token: 216 items stream in 17 us
+    # with no compute, the kernel takes 33; twenty-first session). GPU only.
+    skip_decode: bool = False
 
     @property
     def tn(self) -> int:
@@ -267,11 +348,11 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
 
     Up to 64 rows an expert on average (decode; a prefill chunk over many experts) the weights are the bytes
     that matter: 256-input steps and every SM's work items chained into one TMA stream, which needs the stages
-    to divide the K steps (4 for w1/w3: 20 steps of 256; 3 for w2: 9). Decode (m <= 512) takes tiles of 8 rows;
-    on the H200 (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from 665 to 612 us and w1/w3
-    from 1195-1255 to 1115-1221 us. A prefill chunk with few rows an expert takes tiles of 64: Flash's 384
-    experts at a 2048-token chunk (32 rows an expert) took 2235 / 1136 us (w1/w3 / w2) against 3341 / 1765 with
-    the 128-row tiles (thirteenth session, docs/PERFORMANCE.md). Beyond 64 rows an expert the GEMM is
+    to divide the K steps (4 for w1/w3: 20 steps of 256; 3 for w2: 9, at decode 9). Decode (m <= 512) takes
+    tiles of 8 rows; on the H200 (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from 665 to
+    612 us and w1/w3 from 1195-1255 to 1115-1221 us. A prefill chunk with few rows an expert takes tiles of 64:
+    Flash's 384 experts at a 2048-token chunk (32 rows an expert) took 2235 / 1136 us (w1/w3 / w2) against 3341
+    / 1765 with the 128-row tiles (thirteenth session, docs/PERFORMANCE.md). Beyond 64 rows an expert the GEMM is
     compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the matmul rate).
 
     The 8- and 64-row tiles decode and multiply each step in two halves (`overlap`): on the H200 (2026-12-01,
@@ -283,6 +364,10 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
     stages = 3 if steps % 4 and steps % 3 == 0 else 4
     overlap = tk % 128 == 0
     if m <= 512:
+        # 8-row tiles are small enough for 9 stages: w2 at Flash's K (9 steps) chained through 9 took 498.0 /
+        # 16.8 us at 64 / 1 tokens against 515.3 / 17.0 with 3 (twenty-first session); w1/w3's 20 steps were
+        # slower with 5 or 10 stages than with 4
+        stages = 9 if steps == 9 else stages
         return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=overlap)
     if m <= 64 * e:
         return KernelConfig(tm=64, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=overlap)
@@ -292,7 +377,7 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
 def _dequant_tile_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
     """Model of the register decode for interpret mode: packed kernel-layout bytes [64, tk/2] and kernel-layout
     scale bytes [tk/32, 64] -> bf16 [64, tk] in natural input order."""
-    codes = _perm_from_kernel(unpack_nibbles(wb.astype(jnp.uint8))).astype(jnp.uint16)
+    codes = _perm_from_kernel(unpack_nibbles(_kernel_bits_to_nibbles(wb))).astype(jnp.uint16)
     mag = codes & 7  # e2m1 without a table constant (kernels may not close over arrays); CPU flushes the
     # subnormal e2m1 * 2^-126 form the GPU decoder uses, so build normal bf16 bits for mag >= 2 instead
     big = jax.lax.bitcast_convert_type((mag << 6) + 0x3F00, jnp.bfloat16).astype(jnp.float32)
@@ -319,20 +404,17 @@ def _dequant_tile8_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
     return v.reshape(q.shape[0], -1).astype(jnp.bfloat16)
 
 
-# One 32-bit word of kernel-layout nibbles ($4) and its scale byte ($5, SCALE_BIAS added) -> 4 bf16x2
-# A-fragment registers (the module doc's formula). e * 0x00800080 = (e << 7) | (e << 23): e <= 254 keeps
-# e << 7 inside its 16-bit half, so both halves are the bf16 2^(e-127).
+# One kernel word ($4) and its scale byte ($5, SCALE_BIAS added) -> 4 bf16x2 A-fragment registers: FP4_DECODE
+# written out (module doc). e * 0x00800080 = (e << 7) | (e << 23): e <= 254 keeps e << 7 inside its 16-bit
+# half, so both halves are the bf16 2^(e-127).
 _FP4_PTX = """{
-        .reg .b32 a<4>, b<4>, m;
+        .reg .b32 a0, a1, a2, a3, t1, t2, t3, t4, m;
         mul.lo.u32 m, $5, 0x00800080;
-        shl.b32 a0, $4, 12;  shl.b32 b0, $4, 6;
-        shl.b32 a1, $4, 8;   shl.b32 b1, $4, 2;
-        shl.b32 a2, $4, 4;   shr.b32 b2, $4, 2;
-        mov.b32 a3, $4;      shr.b32 b3, $4, 6;
-        and.b32 a0, a0, 0x80008000;  and.b32 b0, b0, 0x01C001C0;  or.b32 a0, a0, b0;
-        and.b32 a1, a1, 0x80008000;  and.b32 b1, b1, 0x01C001C0;  or.b32 a1, a1, b1;
-        and.b32 a2, a2, 0x80008000;  and.b32 b2, b2, 0x01C001C0;  or.b32 a2, a2, b2;
-        and.b32 a3, a3, 0x80008000;  and.b32 b3, b3, 0x01C001C0;  or.b32 a3, a3, b3;
+        and.b32 a0, $4, 0x81C081C0;
+        shl.b32 t1, $4, 4;             and.b32 a1, t1, 0x81C081C0;
+        shf.l.wrap.b32 t2, $4, $4, 10; and.b32 a2, t2, 0x81C081C0;
+        shl.b32 t3, $4, 6;             and.b32 t3, t3, 0x80C080C0;
+        shr.b32 t4, $4, 2;             and.b32 t4, t4, 0x01000100;   or.b32 a3, t3, t4;
         mul.rn.bf16x2 $0, a0, m;
         mul.rn.bf16x2 $1, a1, m;
         mul.rn.bf16x2 $2, a2, m;
@@ -357,10 +439,11 @@ _FP8_PTX = """{
         }"""
 
 
-def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None = None):
+def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None = None, skip: bool = False):
     """inline_mgpu: kernel-layout bytes (smem, [64, tk/2] FP4 or [64, tk] FP8, tiled+swizzled) and scale bytes
     (smem [tk/32, 64]) -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand. half 0 / 1:
-    only the first / second tk/2 inputs, bf16 [64, tk/2] (`KernelConfig.overlap`)."""
+    only the first / second tk/2 inputs, bf16 [64, tk/2] (`KernelConfig.overlap`). skip: each word stands for
+    its own A registers, undecoded (`KernelConfig.skip_decode`, timing only)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -405,6 +488,12 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
             assert idx[0] == 0 and all(v == 0 for i, v in enumerate(idx) if i not in (1, 4))
             if not g_lo <= g < g_hi:
                 continue
+            if skip:
+                for j in range(n_out):
+                    ridx = list(idx)
+                    ridx[1] = n_out * (g - g_lo) + j
+                    regs[tuple(ridx)] = mu.bitcast(reg, bf16x2)
+                continue
             key = (g // 2 if fp8 else g, rh)  # FP4: one 16-byte group is 32 inputs; FP8: 16, so two share one
             if key not in scales:
                 row = arith.index_cast(index, arith.addi(row0, c32(8 * rh)))
@@ -436,6 +525,10 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     tkp, gs = (tk if fmt == "fp8" else tk // 2), tk // 32
     if tm % 8 or tm > 256:
         raise ValueError(f"tm={tm} must be a multiple of 8 and <= 256")
+    if not 1 <= nwg <= 3:
+        # 4 compute warpgroups hung the H200 twice (tk 128 with 8 stages, tk 256 with 4: docs/KERNELS_EXPERT_GEMM.md)
+        # and a hung kernel ignores signals: refuse it rather than lock up the GPU
+        raise ValueError(f"num_wgs={nwg}: the kernel runs 1 to 3 compute warpgroups")
     if tk % 64:
         raise ValueError(f"tk={tk} must be a multiple of 64")
     if cfg.overlap and tk % 128:
@@ -462,7 +555,10 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     else:
         o_shape, o_transforms = (nwg, tm, 64), (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     halves = (0, 1) if cfg.overlap else (None,)  # the K parts of a step decoded and multiplied in turn
-    dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h) for h in halves}
+    if cfg.skip_decode and interpret:
+        raise ValueError("skip_decode times the GPU kernel without its decode; the interpreter has no decode to skip")
+    dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h, cfg.skip_decode)
+                                      for h in halves}
     dequant_model = _dequant_tile8_jnp if fmt == "fp8" else _dequant_tile_jnp
     # The interpreter's wgmma takes A only from shared memory.
     a_smem_mode = cfg.a_smem or interpret

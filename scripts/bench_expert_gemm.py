@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -70,7 +71,7 @@ def label(cfg):
         return cfg or ""
     return (f"tm{cfg.tm} tk{cfg.tk} wg{cfg.num_wgs} st{cfg.stages}" + (" chain" if cfg.chain else "")
             + (f" ks{cfg.ksplit}" if cfg.ksplit > 1 else "") + (" A-in-smem" if cfg.a_smem else "")
-            + (" overlap" if cfg.overlap else ""))
+            + (" overlap" if cfg.overlap else "") + (" NO-DECODE" if cfg.skip_decode else ""))
 
 
 def elapsed():
@@ -456,8 +457,9 @@ def main():
                                               "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
     ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
     ap.add_argument("--prefill-configs", default="",
-                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o] (c: chained, o: "
-                         "decode and multiply in two halves of K, KernelConfig.overlap), e.g. 128x128x4,64x256x4co")
+                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][n][wW] (c: chained, o: "
+                         "decode and multiply in two halves of K, KernelConfig.overlap; n: no decode, timing only, "
+                         "its check fails; wW: W compute warpgroups, default 2), e.g. 128x128x4,64x256x4co")
     ap.add_argument("--decode-configs", default="", help="decode configs to time instead of the default, as "
                                                          "--prefill-configs")
     args = ap.parse_args()
@@ -489,13 +491,17 @@ def main():
 
 
 def parse_configs(spec):
-    """'TMxTKxSTAGES[c][o],...' -> [KernelConfig] (2 compute warpgroups; c: chained, o: overlap), or None."""
+    """'TMxTKxSTAGES[c][o][n][wW],...' -> [KernelConfig], or None. c: chained, o: overlap, n: no decode (timing
+    only: KernelConfig.skip_decode), wW: W compute warpgroups (default 2)."""
     out = []
     for item in filter(None, spec.split(",")):
         tm, tk, st = item.split("x")
-        flags = st.lstrip("0123456789")
-        out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=2, stages=int(st[:len(st) - len(flags)]),
-                                   chain="c" in flags, overlap="o" in flags))
+        m = re.fullmatch(r"(\d+)([con]*)(?:w(\d))?", st)
+        if m is None:
+            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][n][wW], e.g. 8x256x4co or 8x256x4cow3")
+        flags = m.group(2)
+        out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=int(m.group(3) or 2), stages=int(m.group(1)),
+                                   chain="c" in flags, overlap="o" in flags, skip_decode="n" in flags))
     return out or None
 
 

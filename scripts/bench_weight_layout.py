@@ -24,7 +24,15 @@ is the difference is what the hinted plain loads (`--ldg 2x8,2x8:256,4x8:256`) m
 
     PYTHONPATH=. python3 scripts/bench_weight_layout.py [--gib 1.5] [--stages 4,8] [--box-bytes 128,64]
                                                         [--box-rows 128] [--ldg 1x4,2x4,2x8,4x8]
+    PYTHONPATH=. python3 scripts/bench_weight_layout.py --items 33,66,99,132,198,216,264 [--stages 4,8]
     PYTHONPATH=. python3 scripts/bench_weight_layout.py --tiny    # CPU: the interpreter, toy sizes
+
+`--items` asks another question: does one CTA's stream have a rate of its own? The expert GEMM at one token has
+216 items of [128 rows, 2560 B] for 132 SMs, and its 84 second-wave SMs stream no faster than when all 132 are
+busy (~24 GB/s each: docs/KERNELS_EXPERT_GEMM.md, "Twentieth session"), and deeper pipelines did not change that
+(twenty-first). This times (CUPTI, the kernel alone, fresh bytes each call) one grid of that many items, a CTA an
+item: if a CTA's rate is capped, 33 to 132 items take the same time and the total grows with the count; if HBM is
+the cap, the time grows with the bytes.
 """
 
 from __future__ import annotations
@@ -161,6 +169,45 @@ def median_ms(fn, arg, reps: int) -> float:
     return statistics.median(ts)
 
 
+def cupti_us(fn, args: list, reps: int) -> float:
+    """Median CUPTI time (us) of fn's one kernel, called on args[i % len(args)] (fresh bytes past the L2)."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    jax.block_until_ready(fn(args[0]))
+    ext._cupti_init()
+    try:
+        outs = [fn(args[i % len(args)]) for i in range(reps)]
+        jax.block_until_ready(outs)
+    finally:
+        timings = ext._cupti_get_timings(True)
+    if not timings or len(timings) != reps:
+        raise RuntimeError(f"expected {reps} kernel timings, got {len(timings or [])}")
+    return statistics.median(ms for _, ms in timings) * 1e3
+
+
+def item_sweep(counts: list[int], kb: int, rows: int, box: int, stages: list[int], reps: int) -> None:
+    """One grid of n items (a CTA each) per count: time, total rate and each CTA's rate."""
+    per_item = rows * kb
+    n_max = max(counts)
+    # 16 copies: even 16 grids of the smallest count (16 x 33 x 327 KB = 173 MB) are far past the 50 MB L2
+    copies = [jax.random.bits(jax.random.key(c), (n_max * rows, kb), jnp.uint8) for c in range(16)]
+    print(f"{'items':>6} {'waves':>6} {'stages':>6} {'us':>8} {'TB/s':>6} {'GB/s a CTA':>11}  "
+          f"(items of [{rows} rows, {kb} B], {box}-byte boxes)")
+    for n in counts:
+        args = [c[: n * rows] for c in copies]
+        for st in stages:
+            fn, shape = stream_kernel("rows", n, rows, kb, box, st, False)
+            assert args[0].shape == shape
+            us = cupti_us(fn, args, reps)
+            print(f"{n:>6} {n / _num_sms():>6.2f} {st:>6} {us:8.2f} {n * per_item / us / 1e6:6.2f} "
+                  f"{per_item / us / 1e3:11.1f}", flush=True)
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 132))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.5, help="bytes streamed per call (well past the 50 MB L2)")
@@ -170,10 +217,15 @@ def main():
     ap.add_argument("--box-rows", default="128", help="rows of a box and of a work item (the kernel's: 128)")
     ap.add_argument("--ldg", default="", help="also the plain-load stream: warpgroups x loads in flight a "
                                               "thread[:L2 prefetch bytes], e.g. 1x4,2x4,4x8,2x8:256 (GPU only)")
+    ap.add_argument("--items", default="", help="instead: grids of these many items (CUPTI; GPU only)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.items:
+        item_sweep([int(n) for n in args.items.split(",")], args.k_bytes, int(args.box_rows.split(",")[0]),
+                   int(args.box_bytes.split(",")[0]), [int(s) for s in args.stages.split(",")], max(args.reps, 40))
+        return
     interpret = args.tiny
     kb = 256 if args.tiny else args.k_bytes
     max_rows = max(map(int, args.box_rows.split(",")))

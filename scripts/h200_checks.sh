@@ -34,6 +34,9 @@
 #   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
+#   bash scripts/h200_checks.sh decoder       # the FP4 decoder's new bit layout: GPU tests, engine MoE, times (~5 min)
+#   bash scripts/h200_checks.sh consumer      # the expert GEMM at one token: without its decode, 3 warpgroups
+#   bash scripts/h200_checks.sh items         # one CTA's TMA stream: grids of 33-264 one-token items (~2 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
 #   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
 #   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
@@ -365,6 +368,43 @@ case "${1:-}" in
     timeout -k 10 150 $PY scripts/bench_weight_layout.py --box-rows 128 --box-bytes 128 --stages 4 \
       --ldg 2x8,2x8:128,2x8:256,4x8:256,1x8:256 > "$OUT/loads_log.txt" 2>&1
     echo "bench_weight_layout rc=$?"; grep -vE "^20[0-9-]+ [0-9:,]+ (Unable|WARNING)" "$OUT/loads_log.txt" | tail -12
+    ;;
+  decoder)
+    # the kernel words' bit layout of the twenty-first session (9-10 integer operations a word of 8 weights
+    # instead of 15-16; checked on the CPU by the PTX emulator, not yet run on the GPU): the kernel's GPU tests
+    # at every config, the MoE through it inside the engine, then the `consumer` times, to compare with that
+    # session's 33.1 / 24.4 us (one token, default / no decode) and 949.2 / 738.2 us (64 tokens) (~6 min)
+    timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_expert_gemm.py > "$OUT/eg_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/eg_tests.txt" | tail -12
+    timeout -k 10 150 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+      -k moe_kernel > "$OUT/moe_test.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/moe_test.txt" | tail -6
+    OUT="$OUT" bash "$0" consumer
+    ;;
+  consumer)
+    # what holds a one-token step of the expert GEMM (216 items stream in 17 us with no compute, `items`; the
+    # kernel takes 33): the default, the same without the register decode (timing only, KernelConfig.skip_decode:
+    # its check fails by design), 3 compute warpgroups, 128-input steps at 8 stages; then 64 tokens, default and no
+    # decode. Ran in the twenty-first session with 4 warpgroups too, which hung (now refused) (~4 min)
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 5 -s INT 170 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1 --skip-prefill \
+      --decode-configs 8x256x4co,8x256x4con,8x128x8co,8x256x4cow3 --skip-baselines --no-mgpu \
+      --no-torch --budget-s 150 --out "$OUT/consumer1" > "$OUT/consumer1.txt" 2>&1
+    echo "bench_expert_gemm T=1 rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/consumer1.txt" | grep -E "kernel|FAIL"
+    timeout -k 5 -s INT 110 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 64 --skip-prefill \
+      --decode-configs 8x256x4co,8x256x4con --skip-baselines --no-mgpu --no-torch --budget-s 90 \
+      --out "$OUT/consumer64" > "$OUT/consumer64.txt" 2>&1
+    echo "bench_expert_gemm T=64 rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/consumer64.txt" | grep -E "kernel|FAIL"
+    ;;
+  items)
+    # does one CTA's stream have a rate of its own, below HBM's? Grids of 33 to 264 items of the one-token expert
+    # GEMM's size ([128 rows, 2560 B], 128-byte boxes), a CTA an item, no compute, CUPTI: equal times up to 132
+    # items mean each CTA is capped (the one-token GEMM then needs its items balanced over the SMs, not deeper
+    # pipelines); 264 items against 132 say whether two CTAs on one SM stream faster than one (~2 min)
+    timeout -k 10 200 $PY scripts/bench_weight_layout.py --items 33,66,99,132,165,198,216,264 --stages 2,4,8 \
+      > "$OUT/items_log.txt" 2>&1
+    echo "bench_weight_layout rc=$?"; grep -vE "^20[0-9-]+ [0-9:,]+ (Unable|WARNING)" "$OUT/items_log.txt" | tail -30
     ;;
   layout)
     # does the expert weights' row-major layout (a box = 128 pieces of 128 bytes) cap the expert GEMM below HBM

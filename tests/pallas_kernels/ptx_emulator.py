@@ -1,9 +1,10 @@
 """Runs the straight-line inline-PTX blocks of our decoders on numpy uint32 arrays, so CPU tests check the PTX
 text the GPU runs (the Mosaic GPU interpreter cannot run `inline_mgpu`).
 
-Covers the instructions those blocks use: mov / shl / shr / and / or .b32, mul.lo.u32, prmt.b32 (default mode)
-and mul.rn.bf16x2 (each half rounded to nearest even, subnormals kept, as sm_90 does). Anything else raises, so
-a decoder that starts using another instruction fails its test until the emulator learns it.
+Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shf.l.wrap.b32, mul.lo.u32,
+prmt.b32 (default mode) and mul.rn.bf16x2 (each half rounded to nearest even, subnormals kept, as sm_90 does).
+Anything else raises, so a decoder that starts using another instruction fails its test until the emulator
+learns it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def run(ptx: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
             r = a[0] << a[1]
         elif op == "shr.b32":
             r = a[0] >> a[1]
+        elif op == "shf.l.wrap.b32":  # funnel shift of {a[1]:a[0]} left by a[2] mod 32, upper word
+            n = a[2] & np.uint64(31)
+            r = (((a[1] << np.uint64(32)) | a[0]) << n) >> np.uint64(32)
         elif op == "and.b32":
             r = a[0] & a[1]
         elif op == "or.b32":

@@ -92,12 +92,16 @@ def test_register_decoders_emulated_bit_exact():
     from dsv41.quant import ue8m0_decode
 
     rng = np.random.default_rng(11)
-    # FP4: out_j holds nibbles j (low half) and j + 4 (high half) of the word
+    # FP4: out_j holds values j (low half) and j + 4 (high half) of the word; the PTX reads the kernel words,
+    # i.e. the 8 values' bits as `prepare_fp4_experts` places them, here from 8 nibbles each
     words = np.concatenate([rng.integers(0, 2**32, 4000, dtype=np.uint64),
                             np.arange(16, dtype=np.uint64) * 0x11111111]).astype(np.uint32)
+    kernel_words = np.asarray(eg._nibbles_to_kernel_bits(jnp.asarray(words.view(np.uint8)))).view(np.uint32)
+    assert (np.asarray(eg._kernel_bits_to_nibbles(jnp.asarray(kernel_words.view(np.uint8)))).view(np.uint32)
+            == words).all()
     s = np.concatenate([rng.integers(0, eg.MAX_SCALE_BYTE + 1, 4000), np.arange(16) * 8]).astype(np.uint8)
     e = np.asarray(eg.kernel_scale_bytes(jnp.asarray(s), eg.SCALE_BIAS)).astype(np.uint32)
-    outs = ptx_emulator.run(eg._FP4_PTX, {4: words, 5: e}, 4)
+    outs = ptx_emulator.run(eg._FP4_PTX, {4: kernel_words, 5: e}, 4)
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     scale = np.asarray(ue8m0_decode(jnp.asarray(s)))
     for j, o in enumerate(outs):
@@ -223,6 +227,12 @@ def test_config_validation():
     with pytest.raises(ValueError, match="ksplit"):
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=64, num_wgs=1, ksplit=2))  # 3 k-steps in 2 slices
+    with pytest.raises(ValueError, match="num_wgs=4"):  # hung the H200: refused
+        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
+                              config=C(tm=8, tk=64, num_wgs=4))
+    with pytest.raises(ValueError, match="skip_decode"):  # a GPU timing variant: no decode to skip here
+        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
+                              config=C(tm=8, tk=64, num_wgs=1, skip_decode=True))
 
 
 @pytest.mark.parametrize("n,k,cfg", [(4608, 5120, C(tm=8, tk=128, num_wgs=2, stages=4, chain=True, ksplit=5)),
