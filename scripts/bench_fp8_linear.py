@@ -4,15 +4,18 @@ For every linear the model runs through `nn.linear` with an FP8 weight (release 
 the kernel checked against the float32 reference, then timed against XLA's path (dequantize + dot, what the
 engine runs with `--linear-backend xla`), XLA's dot on a bf16 copy of the weight, and the roofline (the bytes
 the kernel must read / measured HBM bandwidth). Times are CUPTI kernel sums per call (no dispatch), over
-enough weight copies that they do not stay in the 50 MB L2.
+enough weight copies that they do not stay in the 50 MB L2. `--skip-decode` also times the kernel with its
+words going to wgmma undecoded (`KernelConfig.skip_decode`, wrong results): what the FP8 decode's integer work
+costs, as it cost the FP4 expert GEMM 22-26% (twenty-first session).
 
-    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR]
+    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR] [--skip-decode]
     PYTHONPATH=. python3 scripts/bench_fp8_linear.py --tiny     # CPU: the interpreter at toy shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -77,6 +80,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--skip-decode", action="store_true", help="also time the kernel without its decode (GPU)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     gpu = jax.default_backend() == "gpu"
@@ -109,22 +113,29 @@ def main():
             rel = float(np.linalg.norm(yf - ref) / np.linalg.norm(ref))
             ok = bool(np.isfinite(yf).all()) and rel < 5e-3
             t_k = timer(kern, [(x, p) for p in pws], reps)
+            t_nd = float("nan")
+            if args.skip_decode and gpu:
+                tm, splits = max(8, -(-m // 8) * 8), pws[0].splits
+                nd = dataclasses.replace(f8._config(tm, k // f8.TK // splits, splits), skip_decode=True)
+                t_nd = timer(jax.jit(lambda x, w, c=nd: f8.fp8_linear(x, w, c)), [(x, p) for p in pws], reps)
             t_x = timer(xla, [(x, w) for w in ws], reps) if gpu else float("nan")
             t_b = timer(dot, [(x, b) for b in bfs], reps) if gpu else float("nan")
             roof = (n * k * (1 + 1 / 32) + m * k * 2 + m * n * 2) / hbm * 1e3
             r = {"linear": name, "N": n, "K": k, "rows": m, "splits": pws[0].splits, "check": ok,
-                 "rel": rel, "kernel_ms": t_k, "xla_ms": t_x, "bf16_ms": t_b, "roofline_ms": roof}
+                 "rel": rel, "kernel_ms": t_k, "no_decode_ms": t_nd, "xla_ms": t_x, "bf16_ms": t_b, "roofline_ms": roof}
             results.append(r)
             log.info("%s", json.dumps(r))
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; HBM "
           f"{hbm / 1e12:.2f} TB/s (XLA f32 scale, read + write); times: {'CUPTI kernel sums' if gpu else 'wall'}"
           f" per call, us\n")
-    print("| linear | N x K | rows | K splits | check | kernel | XLA dequantize + dot | XLA dot, bf16 weight | "
-          "roofline | kernel of roofline | vs XLA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    nd = args.skip_decode and gpu
+    print("| linear | N x K | rows | K splits | check | kernel |" + (" kernel, no decode |" if nd else "")
+          + " XLA dequantize + dot | XLA dot, bf16 weight | roofline | kernel of roofline | vs XLA |")
+    print("|---|---|---|---|---|---|" + ("---|" if nd else "") + "---|---|---|---|---|")
     for r in results:
         print(f"| {r['linear']} | {r['N']} x {r['K']} | {r['rows']} | {r['splits']} | "
               f"{'PASS' if r['check'] else 'FAIL'} {r['rel']:.1e} | {r['kernel_ms'] * 1e3:.1f} | "
+              + (f"{r['no_decode_ms'] * 1e3:.1f} | " if nd else "") +
               f"{r['xla_ms'] * 1e3:.1f} | {r['bf16_ms'] * 1e3:.1f} | {r['roofline_ms'] * 1e3:.1f} | "
               f"{100 * r['roofline_ms'] / r['kernel_ms']:.0f}% | {r['xla_ms'] / r['kernel_ms']:.1f}x |")
     if args.out:

@@ -34,7 +34,8 @@
 #   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
-#   bash scripts/h200_checks.sh decoder       # the FP4 decoder's new bit layout: GPU tests, engine MoE, times (~5 min)
+#   bash scripts/h200_checks.sh decoder       # the FP4 decoder's new bit layout: GPU tests, engine MoE, times;
+#                                             # the FP8 linear without its decode (~8 min)
 #   bash scripts/h200_checks.sh consumer      # the expert GEMM at one token: without its decode, 3 warpgroups
 #   bash scripts/h200_checks.sh items         # one CTA's TMA stream: grids of 33-264 one-token items (~2 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
@@ -373,7 +374,7 @@ case "${1:-}" in
     # the kernel words' bit layout of the twenty-first session (9-10 integer operations a word of 8 weights
     # instead of 15-16; checked on the CPU by the PTX emulator, not yet run on the GPU): the kernel's GPU tests
     # at every config, the MoE through it inside the engine, then the `consumer` times, to compare with that
-    # session's 33.1 / 24.4 us (one token, default / no decode) and 949.2 / 738.2 us (64 tokens) (~6 min)
+    # session's 33.1 / 24.4 us (one token, default / no decode) and 949.2 / 738.2 us (64 tokens) (~7 min)
     timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
       tests/pallas_kernels/test_expert_gemm.py > "$OUT/eg_tests.txt" 2>&1
     echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/eg_tests.txt" | tail -12
@@ -381,6 +382,11 @@ case "${1:-}" in
       -k moe_kernel > "$OUT/moe_test.txt" 2>&1
     echo "pytest rc=$?"; grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/moe_test.txt" | tail -6
     OUT="$OUT" bash "$0" consumer
+    # and whether the FP8 linear kernel's decode holds it too (the same kernel with e4m3 words; wrong results
+    # in the no-decode column by design)
+    timeout -k 10 120 $PY scripts/bench_fp8_linear.py --rows 1,64 --only attn.wq_b,attn.wo_b,engram.wkv \
+      --skip-decode --out "$OUT/fp8" > "$OUT/fp8_nodecode.txt" 2>&1
+    echo "bench_fp8_linear rc=$?"; grep -E "^\|" "$OUT/fp8_nodecode.txt"
     ;;
   consumer)
     # what holds a one-token step of the expert GEMM (216 items stream in 17 us with no compute, `items`; the
