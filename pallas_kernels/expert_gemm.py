@@ -74,7 +74,7 @@ def ue8m0_from_kernel(e: jax.Array, bias: int) -> jax.Array:
 # takes two (left 6, right 2). `_FP4_PTX` is this table written out; its test runs it on prepared words.
 FP4_DECODE = (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),),
               ((6, 0x80C080C0), (30, 0x01000100)))
-_BF16_BIT = {3: 15, 2: 8, 1: 7, 0: 6}  # e2m1 code bit (sign, e1, e0, m) -> its place in a bf16 (e2m1 * 2^-126)
+_CODE_BIT = {15: 3, 8: 2, 7: 1, 6: 0}  # bit of a bf16 (e2m1 * 2^-126) -> the e2m1 code bit (sign, e1, e0, m) it holds
 
 
 def _fp4_bit_positions() -> np.ndarray:
@@ -85,8 +85,7 @@ def _fp4_bit_positions() -> np.ndarray:
             for t in range(32):
                 if mask >> t & 1:
                     value = j + 4 * (t >= 16)  # low bf16: value j; high: value j + 4
-                    bit = {v: b for b, v in _BF16_BIT.items()}[t % 16]
-                    pos[value, bit] = (t - r) % 32
+                    pos[value, _CODE_BIT[t % 16]] = (t - r) % 32
     assert sorted(pos.ravel()) == list(range(32)), pos  # every bit of the word holds exactly one code bit
     return pos
 

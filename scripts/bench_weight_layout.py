@@ -171,23 +171,19 @@ def median_ms(fn, arg, reps: int) -> float:
 
 def cupti_us(fn, args: list, reps: int) -> float:
     """Median CUPTI time (us) of fn's one kernel, called on args[i % len(args)] (fresh bytes past the L2)."""
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    from profile_step import cupti_kernels
 
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
     jax.block_until_ready(fn(args[0]))
-    ext._cupti_init()
-    try:
-        outs = [fn(args[i % len(args)]) for i in range(reps)]
-        jax.block_until_ready(outs)
-    finally:
-        timings = ext._cupti_get_timings(True)
-    if not timings or len(timings) != reps:
-        raise RuntimeError(f"expected {reps} kernel timings, got {len(timings or [])}")
+    timings = cupti_kernels(lambda: jax.block_until_ready([fn(args[i % len(args)]) for i in range(reps)]))
+    if len(timings) != reps:
+        raise RuntimeError(f"expected {reps} kernel timings, got {len(timings)}")
     return statistics.median(ms for _, ms in timings) * 1e3
 
 
 def item_sweep(counts: list[int], kb: int, rows: int, box: int, stages: list[int], reps: int) -> None:
     """One grid of n items (a CTA each) per count: time, total rate and each CTA's rate."""
+    from pallas_kernels.expert_gemm import _num_sms
+
     per_item = rows * kb
     n_max = max(counts)
     # 16 copies: even 16 grids of the smallest count (16 x 33 x 327 KB = 173 MB) are far past the 50 MB L2
@@ -202,10 +198,6 @@ def item_sweep(counts: list[int], kb: int, rows: int, box: int, stages: list[int
             us = cupti_us(fn, args, reps)
             print(f"{n:>6} {n / _num_sms():>6.2f} {st:>6} {us:8.2f} {n * per_item / us / 1e6:6.2f} "
                   f"{per_item / us / 1e3:11.1f}", flush=True)
-
-
-def _num_sms() -> int:
-    return int(getattr(jax.devices()[0], "core_count", 132))
 
 
 def main():
