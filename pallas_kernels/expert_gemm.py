@@ -24,12 +24,13 @@ the 32-bit word c (bytes 4c..4c+3) holds exactly what lane c of a row quad needs
 value n is input 8*(n % 4) + 2*c + n // 4, and A register j of the word holds values j (low bf16) and j + 4
 (high). Within the word the 32 bits are not 8 nibbles: each value's sign and e2m1 bits sit where one shift
 and one mask (two of each for register 3) move them into a bf16x2 (`FP4_DECODE`, `_FP4_BIT_POS`), which is
-9-10 integer operations a word instead of 15-16 for nibbles, and the decode is what holds the kernel below
-HBM bandwidth at decode (twenty-first session: the kernel without it, 72% / 95% of HBM at 1 / 64 tokens
-against 53% / 74%). Scales are transposed to [E, K/32, N] so a (groups x rows) tile is one TMA box, and each
-holds the bf16 exponent field of the multiplier the decoder needs, e = s + 126 (0 for s = 0, which UE8M0
-decoding flushes to 0), so that the decoder builds the bf16x2 multiplier with one integer multiply. Decode of
-one word q (8 values) and its scale byte e, for j in 0..3:
+9-10 integer operations a word instead of 15-16 for nibbles: the decode is what held the kernel below HBM
+bandwidth at decode (twenty-first session: without it 24.4 / 738 us at 1 / 64 tokens against 33.1 / 949), and
+with this layout the kernel took 27.9 / 793 us on the H200 (twenty-second session). Scales are transposed to
+[E, K/32, N] so a (groups x rows) tile is one TMA box, and each holds the bf16 exponent field of the multiplier
+the decoder needs, e = s + 126 (0 for s = 0, which UE8M0 decoding flushes to 0), so that the decoder builds the
+bf16x2 multiplier with one integer multiply. Decode of one word q (8 values) and its scale byte e, for j in
+0..3:
   m     = e * 0x00800080                                       (bf16x2 (2^(s-1), 2^(s-1)))
   out_j = OR over (r, mask) in FP4_DECODE[j] of rotl(q, r) & mask    (bf16x2 = e2m1 * 2^-126: sign at bits
           15 / 31, the e2m1 exponent and mantissa bits at 8..6 / 24..22)
@@ -75,22 +76,29 @@ def ue8m0_from_kernel(e: jax.Array, bias: int) -> jax.Array:
 FP4_DECODE = (((0, 0x81C081C0),), ((4, 0x81C081C0),), ((10, 0x81C081C0),),
               ((6, 0x80C080C0), (30, 0x01000100)))
 _CODE_BIT = {15: 3, 8: 2, 7: 1, 6: 0}  # bit of a bf16 (e2m1 * 2^-126) -> the e2m1 code bit (sign, e1, e0, m) it holds
+# FP8 (`fp8_linear`): a word holds 4 e4m3 values, A register j values 2j (low bf16) and 2j + 1 (high). Register 0
+# is the word masked, its bits stored in place; the other 16 bits cannot be one shift of that mask (its runs of
+# 7 and 1 bits against the remaining runs of 4), so register 1 takes two (left 4, right 4). `_FP8_PTX` writes it.
+FP8_DECODE = (((0, 0x87F087F0),), ((4, 0x80F080F0), (28, 0x07000700)))
+_CODE_BIT8 = {15: 7, **{t: t - 4 for t in range(4, 11)}}  # bf16 bit (e4m3 * 2^-120) -> e4m3 bit (sign, e3..m0)
 
 
-def _fp4_bit_positions() -> np.ndarray:
-    """int [8 values, 4 code bits] -> the bit of the kernel word that holds it (from FP4_DECODE)."""
-    pos = np.full((8, 4), -1)
-    for j, parts in enumerate(FP4_DECODE):
+def _bit_positions(table, code_bit: dict[int, int], value_of) -> np.ndarray:
+    """int [values, code bits] -> the bit of the kernel word that holds it (from a decode table: register j's bit
+    t comes from bit t - r of the word; value_of(j, high half) names the value a bf16 half holds)."""
+    n_values = 2 * len(table)
+    pos = np.full((n_values, 32 // n_values), -1)
+    for j, parts in enumerate(table):
         for r, mask in parts:
             for t in range(32):
                 if mask >> t & 1:
-                    value = j + 4 * (t >= 16)  # low bf16: value j; high: value j + 4
-                    pos[value, _CODE_BIT[t % 16]] = (t - r) % 32
+                    pos[value_of(j, t >= 16), code_bit[t % 16]] = (t - r) % 32
     assert sorted(pos.ravel()) == list(range(32)), pos  # every bit of the word holds exactly one code bit
     return pos
 
 
-_FP4_BIT_POS = _fp4_bit_positions()
+_FP4_BIT_POS = _bit_positions(FP4_DECODE, _CODE_BIT, lambda j, high: j + 4 * high)
+_FP8_BIT_POS = _bit_positions(FP8_DECODE, _CODE_BIT8, lambda j, high: 2 * j + high)
 
 
 def _words(b: jax.Array) -> jax.Array:
@@ -113,6 +121,9 @@ def _bit_moves(src: np.ndarray, dst: np.ndarray) -> tuple[tuple[int, int], ...]:
 _NIBBLE_BITS = np.arange(32).reshape(8, 4)  # value n's code bit k in nibble n
 _TO_KERNEL_BITS = _bit_moves(_NIBBLE_BITS, _FP4_BIT_POS)
 _FROM_KERNEL_BITS = _bit_moves(_FP4_BIT_POS, _NIBBLE_BITS)
+_BYTE_BITS = np.arange(32).reshape(4, 8)  # value i's bit k in byte i
+_TO_KERNEL_BITS8 = _bit_moves(_BYTE_BITS, _FP8_BIT_POS)
+_FROM_KERNEL_BITS8 = _bit_moves(_FP8_BIT_POS, _BYTE_BITS)
 
 
 def _move_bits(b: jax.Array, moves: tuple[tuple[int, int], ...]) -> jax.Array:
@@ -131,6 +142,16 @@ def _nibbles_to_kernel_bits(b: jax.Array) -> jax.Array:
 
 def _kernel_bits_to_nibbles(b: jax.Array) -> jax.Array:
     return _move_bits(b, _FROM_KERNEL_BITS)
+
+
+def fp8_bytes_to_kernel_bits(b: jax.Array) -> jax.Array:
+    """uint8 [..., K] e4m3 bytes, value i of each word in byte i -> the FP8 kernel words' bit layout
+    (`_FP8_BIT_POS`)."""
+    return _move_bits(b, _TO_KERNEL_BITS8)
+
+
+def fp8_kernel_bits_to_bytes(b: jax.Array) -> jax.Array:
+    return _move_bits(b, _FROM_KERNEL_BITS8)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,6 +384,9 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
     stages = 3 if steps % 4 and steps % 3 == 0 else 4
     overlap = tk % 128 == 0
     if m <= 512:
+        # No K slices at one token, although its 216 w1/w3 items are 1.64 waves: with 4 to 10 slices the kernel
+        # took 27.3-33.8 us against 28.1 without (twenty-second session, H200), the partials' stores and the
+        # shorter chains costing what the even waves save.
         # 8-row tiles are small enough for 9 stages: w2 at Flash's K (9 steps) chained through 9 took 498.0 /
         # 16.8 us at 64 / 1 tokens against 515.3 / 17.0 with 3 (twenty-first session); w1/w3's 20 steps were
         # slower with 5 or 10 stages than with 4
@@ -397,7 +421,8 @@ def _perm8_from_kernel(b: jax.Array) -> jax.Array:
 def _dequant_tile8_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
     """Model of the FP8 register decode for interpret mode: kernel-layout e4m3 bytes [64, tk] and kernel-layout
     scale bytes (FP8_SCALE_BIAS) [tk/32, 64] -> bf16 [64, tk] in natural input order."""
-    q = jax.lax.bitcast_convert_type(_perm8_from_kernel(wb.astype(jnp.uint8)), jnp.float8_e4m3fn).astype(jnp.float32)
+    raw = _perm8_from_kernel(fp8_kernel_bits_to_bytes(wb.astype(jnp.uint8)))
+    q = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn).astype(jnp.float32)
     sc = ue8m0_decode(ue8m0_from_kernel(sb, FP8_SCALE_BIAS)).T  # [64, tk/32]
     v = q.reshape(q.shape[0], -1, 32) * sc[:, :, None]
     return v.reshape(q.shape[0], -1).astype(jnp.bfloat16)
@@ -420,19 +445,16 @@ _FP4_PTX = """{
         mul.rn.bf16x2 $3, a3, m;
         }"""
 
-# FP8: word c holds inputs (2c, 2c+1, 8+2c, 9+2c) of its 16; prmt moves bytes 0,1 (then 2,3) to the high
-# byte of each bf16 half; sign stays at bit 15 and exponent|mantissa shift down 4 to bits 4..10:
-# bf16 bits = e4m3 * 2^-120 (subnormals too), then * 2^(s-7) (mul.rn.bf16x2, exact), built from the scale
-# byte ($3, FP8_SCALE_BIAS added) as in the FP4 decoder.
+# FP8: word c holds inputs (2c, 2c+1, 8+2c, 9+2c) of its 16, their bits where FP8_DECODE puts them: each
+# value's sign at bit 15 (31) of its bf16 half and exponent|mantissa at bits 4..10 (20..26), which is
+# e4m3 * 2^-120 exactly (subnormals too), then * 2^(s-7) (mul.rn.bf16x2, exact), the multiplier built from the
+# scale byte ($3, FP8_SCALE_BIAS added) as in the FP4 decoder. 6 integer operations a word (10 with bytes).
 _FP8_PTX = """{
-        .reg .b32 z, p0, p1, t0, t1, m;
-        mov.b32 z, 0;
+        .reg .b32 p0, p1, t0, t1, m;
         mul.lo.u32 m, $3, 0x00800080;
-        prmt.b32 p0, $2, z, 0x1404;  prmt.b32 p1, $2, z, 0x3424;
-        shr.b32 t0, p0, 4;           shr.b32 t1, p1, 4;
-        and.b32 p0, p0, 0x80008000;  and.b32 p1, p1, 0x80008000;
-        and.b32 t0, t0, 0x07F007F0;  and.b32 t1, t1, 0x07F007F0;
-        or.b32 p0, p0, t0;           or.b32 p1, p1, t1;
+        and.b32 p0, $2, 0x87F087F0;
+        shl.b32 t0, $2, 4;           and.b32 t0, t0, 0x80F080F0;
+        shr.b32 t1, $2, 4;           and.b32 t1, t1, 0x07000700;   or.b32 p1, t0, t1;
         mul.rn.bf16x2 $0, p0, m;
         mul.rn.bf16x2 $1, p1, m;
         }"""

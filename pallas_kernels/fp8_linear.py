@@ -8,13 +8,15 @@ written, 2 read again per weight), which made the release's FP8 linears slower t
 expert GEMM's Mosaic GPU kernel (`expert_gemm._build_kernel`, weights as the wgmma M operand, tokens as N)
 with an FP8 decoder in registers instead of the FP4 one, as a single group.
 
-Kernel layout (`PreparedFp8`): within every 16 inputs the bytes are reordered so that 32-bit word c holds
-inputs (2c, 2c+1, 8+2c, 9+2c): the two bf16x2 A-fragment registers lane c needs. The decoder moves each byte to
-the high byte of a bf16 half (`prmt`), keeps the sign at bit 15 and shifts exponent|mantissa down to bits
-4..10, which is e4m3 * 2^-120 exactly (subnormals included), then multiplies by 2^(s-7) (`mul.rn.bf16x2`,
-exact). Scales: the block's UE8M0 byte for every row, transposed to [K/32, N] (a TMA box per tile; 1/32 of
-the weight bytes), stored as the bf16 exponent field of 2^(s-7), s + 120 (`expert_gemm.FP8_SCALE_BIAS`; 0
-stays 0), so the decoder builds its multiplier with one integer multiply. Limits: N % 128 == 0, K % 128 == 0,
+Kernel layout (`PreparedFp8`): within every 16 inputs the values are reordered so that 32-bit word c holds
+inputs (2c, 2c+1, 8+2c, 9+2c): the two bf16x2 A-fragment registers lane c needs. Within the word the bits are
+not 4 bytes: each value's sign and exponent|mantissa sit where a mask (register 0) or two shifts and masks
+(register 1) put them in a bf16 half, sign at bit 15 and exponent|mantissa at bits 4..10, which is e4m3 *
+2^-120 exactly (subnormals included) (`expert_gemm.FP8_DECODE`: 6 integer operations a word instead of 10 from
+bytes); the decoder then multiplies by 2^(s-7) (`mul.rn.bf16x2`, exact). Scales: the block's UE8M0 byte for
+every row, transposed to [K/32, N] (a TMA box per tile; 1/32 of the weight bytes), stored as the bf16 exponent
+field of 2^(s-7), s + 120 (`expert_gemm.FP8_SCALE_BIAS`; 0 stays 0), so the decoder builds its multiplier with
+one integer multiply. Limits: N % 128 == 0, K % 128 == 0,
 scale bytes <= MAX_SCALE_BYTE.
 
 Split K: a kernel work item is 128 output rows over all of K, so a linear with few rows (wq_a: N=1280, 10
@@ -113,11 +115,11 @@ def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True
     raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8).reshape(g, n, k)
     rows = jnp.repeat(w.scale.reshape(g, -1, k // 32), 32, axis=1)[:, :n]  # the block's byte for every row
     scale_t = jnp.swapaxes(eg.kernel_scale_bytes(rows, eg.FP8_SCALE_BIAS), 1, 2)
-    return PreparedFp8(_perm_to_kernel(raw), scale_t, s_, interpret)
+    return PreparedFp8(eg.fp8_bytes_to_kernel_bits(_perm_to_kernel(raw)), scale_t, s_, interpret)
 
 
 def unprepare_fp8_linear(p: PreparedFp8) -> Fp8Weight:
-    raw = eg._perm8_from_kernel(p.weight)
+    raw = eg._perm8_from_kernel(eg.fp8_kernel_bits_to_bytes(p.weight))
     s_rows = eg.ue8m0_from_kernel(p.scale_t, eg.FP8_SCALE_BIAS)
     rows = jnp.swapaxes(s_rows, 1, 2)[:, ::32]  # [G, N/32, K/32]: a block's rows share its byte
     w = Fp8Weight(jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn), rows)

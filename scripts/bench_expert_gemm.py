@@ -296,7 +296,10 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
     sets = [(x, gs) for x, gs, _ in routs]
     configs = list(configs)
     for cfg in configs:
-        if str(cfg) in FAILED:
+        if (mat, str(cfg)) in FAILED:
+            continue
+        if k % cfg.tk or n % cfg.tn or (k // cfg.tk) % cfg.ksplit:
+            log(f"skip {kind} {mat} [{label(cfg)}]: does not fit N={n}, K={k}")
             continue
         if elapsed() > args.budget_s:
             log("budget reached, skipping", kind, mat, cfg)
@@ -325,7 +328,7 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
             traceback.print_exc()
             ROWS.append({"kind": kind, "mat": mat, "tokens": tokens, "path": "pallas", "cfg": label(cfg), "ok": False,
                              "note": f"{type(ex).__name__}: {str(ex)[:300]}"})
-            FAILED.add(str(cfg))
+            FAILED.add((mat, str(cfg)))
             if not cfg.a_smem and dataclasses.replace(cfg, a_smem=True) not in configs:
                 configs.append(dataclasses.replace(cfg, a_smem=True))  # fall back: decoded tile via smem
             if args.stop_on_fail and len(FAILED) >= 2:
@@ -457,9 +460,10 @@ def main():
                                               "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
     ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
     ap.add_argument("--prefill-configs", default="",
-                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][n][wW] (c: chained, o: "
-                         "decode and multiply in two halves of K, KernelConfig.overlap; n: no decode, timing only, "
-                         "its check fails; wW: W compute warpgroups, default 2), e.g. 128x128x4,64x256x4co")
+                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][n][wW][kK] (c: chained, "
+                         "o: decode and multiply in two halves of K, KernelConfig.overlap; n: no decode, timing "
+                         "only, its check fails; wW: W compute warpgroups, default 2; kK: K slices, "
+                         "KernelConfig.ksplit), e.g. 128x128x4,64x256x4co,8x256x4cok5")
     ap.add_argument("--decode-configs", default="", help="decode configs to time instead of the default, as "
                                                          "--prefill-configs")
     args = ap.parse_args()
@@ -491,17 +495,20 @@ def main():
 
 
 def parse_configs(spec):
-    """'TMxTKxSTAGES[c][o][n][wW],...' -> [KernelConfig], or None. c: chained, o: overlap, n: no decode (timing
-    only: KernelConfig.skip_decode), wW: W compute warpgroups (default 2)."""
+    """'TMxTKxSTAGES[c][o][n][wW][kK],...' -> [KernelConfig], or None. c: chained, o: overlap, n: no decode
+    (timing only: KernelConfig.skip_decode), wW: W compute warpgroups (default 2), kK: K slices (ksplit). A config
+    that does not fit a weight's N or K is skipped for that weight."""
     out = []
     for item in filter(None, spec.split(",")):
         tm, tk, st = item.split("x")
-        m = re.fullmatch(r"(\d+)([con]*)(?:w(\d))?", st)
+        m = re.fullmatch(r"(\d+)([con]*)(?:w(\d))?(?:k(\d+))?", st)
         if m is None:
-            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][n][wW], e.g. 8x256x4co or 8x256x4cow3")
+            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][n][wW][kK], e.g. 8x256x4co, 8x256x4cow3 "
+                             "or 8x256x4cok5")
         flags = m.group(2)
         out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=int(m.group(3) or 2), stages=int(m.group(1)),
-                                   chain="c" in flags, overlap="o" in flags, skip_decode="n" in flags))
+                                   chain="c" in flags, overlap="o" in flags, skip_decode="n" in flags,
+                                   ksplit=int(m.group(4) or 1)))
     return out or None
 
 

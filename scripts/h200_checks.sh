@@ -27,6 +27,8 @@
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
+#   bash scripts/h200_checks.sh decoder8      # the FP8 linear kernel's bit layout: GPU tests, with and without decode
+#   bash scripts/h200_checks.sh ksplit        # the expert GEMM's K slices at one token; defaults at 1/8/64 (~4 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
 #   bash scripts/h200_checks.sh stages        # the expert GEMM at 1 / 64 tokens with 4 to 10 pipeline stages
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
@@ -82,8 +84,10 @@ case "${1:-}" in
     ;;
   engine)
     # decode only (the prefill table, replay on vs off, is in docs/PERFORMANCE.md already): 6 engines to compile,
-    # ~50 s each on the XLA path and ~90-125 s with the kernels (9, with `pallas`, took more than a call)
-    timeout -k 10 560 $PY scripts/bench_engine.py --backends xla,auto --batches 1,8,64 --skip-prefill \
+    # ~50 s each on the XLA path and ~90-125 s with the kernels (9, with `pallas`, took more than a call);
+    # ENGINE_BATCHES / ENGINE_TIMEOUT: fewer batches to share a call with another group
+    timeout -k 10 "${ENGINE_TIMEOUT:-560}" $PY scripts/bench_engine.py --backends xla,auto \
+      --batches "${ENGINE_BATCHES:-1,8,64}" --skip-prefill \
       --decode-ctx 4096 > "$OUT/engine_log.txt" 2>&1
     echo "bench_engine rc=$?"
     grep -E "decode |prefill |\| " "$OUT/engine_log.txt" | tail -30
@@ -388,6 +392,18 @@ case "${1:-}" in
       --skip-decode --out "$OUT/fp8" > "$OUT/fp8_nodecode.txt" 2>&1
     echo "bench_fp8_linear rc=$?"; grep -E "^\|" "$OUT/fp8_nodecode.txt"
     ;;
+  decoder8)
+    # the FP8 linear kernel's words in the twenty-second session's bit layout (6 integer operations a word of 4
+    # weights instead of 10; checked on the CPU by the PTX emulator): its GPU tests, then its times with and
+    # without the decode, to compare with the twenty-first session's (attn.wq_b 18.1 / 15.8 us, attn.wo_b 24.4 /
+    # 19.0, engram.wkv 58.7 / 48.3 at one row) (~3 min)
+    timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu tests/pallas_kernels/test_fp8_linear.py \
+      > "$OUT/fp8_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/fp8_tests.txt" | tail -10
+    timeout -k 10 120 $PY scripts/bench_fp8_linear.py --rows 1,64 --only attn.wq_b,attn.wo_b,engram.wkv \
+      --skip-decode --out "$OUT/fp8" > "$OUT/fp8_nodecode.txt" 2>&1
+    echo "bench_fp8_linear rc=$?"; grep -E "^\|" "$OUT/fp8_nodecode.txt"
+    ;;
   consumer)
     # what holds a one-token step of the expert GEMM (216 items stream in 17 us with no compute, `items`; the
     # kernel takes 33): the default, the same without the register decode (timing only, KernelConfig.skip_decode:
@@ -402,6 +418,22 @@ case "${1:-}" in
       --decode-configs 8x256x4co,8x256x4con --skip-baselines --no-mgpu --no-torch --budget-s 90 \
       --out "$OUT/consumer64" > "$OUT/consumer64.txt" 2>&1
     echo "bench_expert_gemm T=64 rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/consumer64.txt" | grep -E "kernel|FAIL"
+    ;;
+  ksplit)
+    # one token's uneven waves (w1/w3: 216 items on 132 SMs, 2 on 84 of them): K slices even them (ks5: 1080
+    # pieces of 4 steps, 8-9 an SM = 1.8 items' time instead of 2; ks10: 1.7), at the price of float32 partials
+    # summed outside; timed again now that the decode is cheaper (the eleventh session's were wall clock).
+    # Then the defaults at 1 / 8 / 64 tokens, the one-token call broken down by kernel (~4 min)
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 5 -s INT 200 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1 --skip-prefill \
+      --decode-configs 8x256x4co,8x256x4cok5,8x256x5cok4,8x256x2cok10,8x128x4cok5,8x256x5cok2,8x256x9co,8x256x3cok3,8x256x1cok9 \
+      --skip-baselines --no-mgpu --no-torch --budget-s 180 --out "$OUT/ksplit1" > "$OUT/ksplit1.txt" 2>&1
+    echo "bench_expert_gemm ksplit T=1 rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/ksplit1.txt" | grep -E "pallas|FAIL"
+    timeout -k 5 -s INT 150 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1,8,64 --skip-prefill \
+      --breakdown --skip-baselines --no-mgpu --no-torch --budget-s 130 --out "$OUT/defaults" \
+      > "$OUT/defaults.txt" 2>&1
+    echo "bench_expert_gemm defaults rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/defaults.txt" | grep -E "pallas|FAIL"
+    grep -A12 "whole call" "$OUT/defaults.txt" | head -40
     ;;
   items)
     # does one CTA's stream have a rate of its own, below HBM's? Grids of 33 to 264 items of the one-token expert

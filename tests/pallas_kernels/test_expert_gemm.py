@@ -110,10 +110,12 @@ def test_register_decoders_emulated_bit_exact():
             want = (e2m1[(words >> (4 * nib)) & 15] * scale).astype(ml_dtypes.bfloat16).astype(np.float32)
             np.testing.assert_array_equal(got[:, half], want)
             np.testing.assert_array_equal(np.signbit(got[:, half]), np.signbit(want))
-    # FP8: out_0 holds bytes 0 (low) and 1 (high), out_1 bytes 2 and 3; e4m3 NaN bytes excluded
+    # FP8: out_0 holds values 0 (low) and 1 (high), out_1 values 2 and 3, from the kernel words (the 4 e4m3
+    # bytes' bits as `fp8_linear.prepare_fp8_linear` places them); e4m3 NaN bytes excluded
     codes = np.concatenate([np.arange(256), rng.integers(0, 256, 4 * 4000 - 256)]).astype(np.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x7E
-    words8 = codes.view(np.uint32)
+    words8 = np.asarray(eg.fp8_bytes_to_kernel_bits(jnp.asarray(codes))).view(np.uint32)
+    assert (np.asarray(eg.fp8_kernel_bits_to_bytes(jnp.asarray(words8.view(np.uint8)))) == codes).all()
     s8 = rng.integers(0, 135, words8.shape[0]).astype(np.uint8)
     e8 = np.asarray(eg.kernel_scale_bytes(jnp.asarray(s8), eg.FP8_SCALE_BIAS)).astype(np.uint32)
     outs8 = ptx_emulator.run(eg._FP8_PTX, {2: words8, 3: e8}, 2)
