@@ -352,6 +352,10 @@ class KernelConfig:
     # decode of a step and its multiply run one after the other within a warpgroup. `default_config` turns it
     # on where it was faster on the H200 (the 8- and 64-row tiles). Needs tk % 128 == 0.
     overlap: bool = False
+    # With `overlap`: each K half of a step multiplies into an accumulator of its own, summed before the store.
+    # One accumulator chains a step's tk/16 wgmma instructions one after another (each waits for the previous
+    # sum); two give two independent chains of half the length.
+    two_accs: bool = False
     # Timing only (`scripts/bench_expert_gemm.py`, config flag 'n'; wrong results): the weights' words go to
     # wgmma as they are, without the register decode or the scale loads, so that a step's time with and without
     # the decode's integer work says which holds a step when HBM does not (one token: 216 items stream in 17 us
@@ -554,6 +558,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         raise ValueError(f"tk={tk} must be a multiple of 64")
     if cfg.overlap and tk % 128:
         raise ValueError(f"overlap decodes halves of tk={tk}: tk must be a multiple of 128")
+    if cfg.two_accs and not cfg.overlap:
+        raise ValueError("two_accs gives each K half of a step its accumulator: it needs overlap=True")
     if k % tk or n % tn:
         raise ValueError(f"K={k} must be a multiple of tk={tk} and N={n} of tn={tn}")
     ks = cfg.ksplit
@@ -630,10 +636,13 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                 row0 = pl.multiple_of(tr_gmem[t], 8)  # tile_schedule: on a multiple of 8 (TMA tiles of 8 rows)
 
                 def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, tm), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        y = acc_ref[...].astype(out_dtype)  # [64 weight rows, tm tokens] = y^T
+                    accs = {f"acc{i}": plgpu.ACC((64, tm), jnp.float32) for i in range(1 + cfg.two_accs)}
+
+                    @functools.partial(pl.run_scoped, **accs)
+                    def _acc(**acc_refs):
+                        refs = tuple(acc_refs[f"acc{i}"] for i in range(len(acc_refs)))
+                        eval_pipeline(refs)
+                        y = functools.reduce(jnp.add, [r[...] for r in refs]).astype(out_dtype)  # [64 rows, tm] = y^T
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         if out_t:
                             o_smem.at[wg][...] = y
@@ -644,7 +653,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
-                def mma_body(_, x_smem, w_smem, s_smem, acc_ref):
+                def mma_body(_, x_smem, w_smem, s_smem, acc_refs):
                     w_wg = w_smem.at[pl.ds(wg * 64, 64)]
                     s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
                     a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None
@@ -657,9 +666,10 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                             plgpu.commit_smem()
                             a = a_smem.at[wg, :, ks]
                         # no wait between the halves: the second half decodes while the first multiplies
-                        plgpu.wgmma(acc_ref, a, x_smem.at[:, ks].transpose((1, 0)))
+                        plgpu.wgmma(acc_refs[h or 0] if cfg.two_accs else acc_refs[0], a,
+                                    x_smem.at[:, ks].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
-                    return acc_ref
+                    return acc_refs
 
                 refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(sp * kp, kp)],
                         w_gmem.at[ex, pl.ds(nb * tn, tn), pl.ds(sp * (kp * tkp // tk), kp * tkp // tk)],

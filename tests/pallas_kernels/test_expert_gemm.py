@@ -191,6 +191,8 @@ INTERP_CASES = [
     # each step's tile decoded and multiplied in two halves of K (KernelConfig.overlap), chained and not
     (40, 256, 128, [5, 0, 17, 3, 15], C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, overlap=True)),
     (24, 512, 128, [0, 9, 0, 15, 0], C(tm=16, tk=256, num_wgs=1, stages=2, overlap=True)),
+    # an accumulator for each half (KernelConfig.two_accs), chained
+    (40, 256, 128, [5, 0, 17, 3, 15], C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, overlap=True, two_accs=True)),
 ]
 
 
@@ -232,6 +234,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_wgs=4"):  # hung the H200: refused
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=64, num_wgs=4))
+    with pytest.raises(ValueError, match="two_accs"):  # an accumulator a K half: needs the halves
+        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
+                              config=C(tm=8, tk=64, num_wgs=1, two_accs=True))
     with pytest.raises(ValueError, match="skip_decode"):  # a GPU timing variant: no decode to skip here
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=64, num_wgs=1, skip_decode=True))
@@ -250,6 +255,7 @@ def test_ksplit_lowers_for_cuda(n, k, cfg):
 
 
 @pytest.mark.parametrize("m,cfg", [(6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
+                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, two_accs=True)),
                                    (12288, C(tm=64, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
                                    (12288, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True))])
 def test_overlap_lowers_for_cuda(m, cfg):
@@ -289,6 +295,7 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                    (1536, C(tm=64, tk=256, num_wgs=2, stages=2, chain=True)),
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, overlap=True)),
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True)),
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, two_accs=True)),
                                    (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2))])
 def test_kernel_gpu(m, cfg):
     rng = np.random.default_rng(7)
