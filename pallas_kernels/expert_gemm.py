@@ -641,7 +641,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                     @functools.partial(pl.run_scoped, **accs)
                     def _acc(**acc_refs):
                         refs = tuple(acc_refs[f"acc{i}"] for i in range(len(acc_refs)))
-                        eval_pipeline(refs)
+                        eval_pipeline(refs if cfg.two_accs else refs[0])
                         y = functools.reduce(jnp.add, [r[...] for r in refs]).astype(out_dtype)  # [64 rows, tm] = y^T
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         if out_t:
@@ -653,7 +653,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
-                def mma_body(_, x_smem, w_smem, s_smem, acc_refs):
+                def mma_body(_, x_smem, w_smem, s_smem, acc):  # acc: a ref, or one a K half (two_accs)
                     w_wg = w_smem.at[pl.ds(wg * 64, 64)]
                     s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
                     a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None
@@ -666,10 +666,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                             plgpu.commit_smem()
                             a = a_smem.at[wg, :, ks]
                         # no wait between the halves: the second half decodes while the first multiplies
-                        plgpu.wgmma(acc_refs[h or 0] if cfg.two_accs else acc_refs[0], a,
-                                    x_smem.at[:, ks].transpose((1, 0)))
+                        plgpu.wgmma(acc[h] if cfg.two_accs else acc, a, x_smem.at[:, ks].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
-                    return acc_refs
+                    return acc
 
                 refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(sp * kp, kp)],
                         w_gmem.at[ex, pl.ds(nb * tn, tn), pl.ds(sp * (kp * tkp // tk), kp * tkp // tk)],
