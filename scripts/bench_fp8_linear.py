@@ -6,9 +6,11 @@ engine runs with `--linear-backend xla`), XLA's dot on a bf16 copy of the weight
 the kernel must read / measured HBM bandwidth). Times are CUPTI kernel sums per call (no dispatch), over
 enough weight copies that they do not stay in the 50 MB L2. `--skip-decode` also times the kernel with its
 words going to wgmma undecoded (`KernelConfig.skip_decode`, wrong results): what the FP8 decode's integer work
-costs, as it cost the FP4 expert GEMM 22-26% (twenty-first session).
+costs, as it cost the FP4 expert GEMM 22-26% (twenty-first session). `--variants halves,accs` also times (and
+checks) the kernel decoding and multiplying each step in two halves of K (`KernelConfig.overlap`), and that with
+an accumulator for each half (`two_accs`), which the expert GEMM's decode uses.
 
-    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR] [--skip-decode]
+    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR] [--skip-decode] [--variants halves,accs]
     PYTHONPATH=. python3 scripts/bench_fp8_linear.py --tiny     # CPU: the interpreter at toy shapes
 """
 
@@ -41,6 +43,8 @@ log = logging.getLogger("bench_fp8_linear")
 SHAPES = {"attn.wq_a": (1280, 5120), "attn.wq_b": (32768, 1280), "attn.wkv": (512, 5120),
           "attn.wo_b": (5120, 8192), "indexer.wq_b": (4096, 1280), "shared.w1 (w3 alike)": (2304, 5120),
           "shared.w2": (5120, 2304), "engram.wkv": (25600, 6144)}
+# --variants: KernelConfig fields changed from fp8_linear's own config
+VARIANTS = {"halves": {"overlap": True}, "accs": {"overlap": True, "two_accs": True}}
 
 
 def random_fp8(key, n, k):
@@ -81,6 +85,8 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--skip-decode", action="store_true", help="also time the kernel without its decode (GPU)")
+    ap.add_argument("--variants", default="", help="also time these configs, checked: halves (K halves, "
+                                                    "KernelConfig.overlap), accs (K halves, an accumulator each)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     gpu = jax.default_backend() == "gpu"
@@ -118,31 +124,45 @@ def main():
                 tm, splits = max(8, -(-m // 8) * 8), pws[0].splits
                 nd = dataclasses.replace(f8._config(tm, k // f8.TK // splits, splits), skip_decode=True)
                 t_nd = timer(jax.jit(lambda x, w, c=nd: f8.fp8_linear(x, w, c)), [(x, p) for p in pws], reps)
+            variants = {}
+            tm, splits = max(8, -(-m // 8) * 8), pws[0].splits
+            for v in filter(None, args.variants.split(",")):
+                cfg = dataclasses.replace(f8._config(tm, k // f8.TK // splits, splits), **VARIANTS[v])
+                f = jax.jit(lambda x, w, c=cfg: f8.fp8_linear(x, w, c))
+                yv = np.asarray(f(x, pws[0]).astype(jnp.float32), np.float64)
+                rv = float(np.linalg.norm(yv - ref) / np.linalg.norm(ref))
+                variants[v] = {"ms": timer(f, [(x, p) for p in pws], reps), "rel": rv,
+                               "check": bool(np.isfinite(yv).all()) and rv < 5e-3}
             t_x = timer(xla, [(x, w) for w in ws], reps) if gpu else float("nan")
             t_b = timer(dot, [(x, b) for b in bfs], reps) if gpu else float("nan")
             roof = (n * k * (1 + 1 / 32) + m * k * 2 + m * n * 2) / hbm * 1e3
             r = {"linear": name, "N": n, "K": k, "rows": m, "splits": pws[0].splits, "check": ok,
-                 "rel": rel, "kernel_ms": t_k, "no_decode_ms": t_nd, "xla_ms": t_x, "bf16_ms": t_b, "roofline_ms": roof}
+                 "rel": rel, "kernel_ms": t_k, "no_decode_ms": t_nd, "xla_ms": t_x, "bf16_ms": t_b, "roofline_ms": roof,
+                 "variants": variants}
             results.append(r)
             log.info("%s", json.dumps(r))
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; HBM "
           f"{hbm / 1e12:.2f} TB/s (XLA f32 scale, read + write); times: {'CUPTI kernel sums' if gpu else 'wall'}"
           f" per call, us\n")
     nd = args.skip_decode and gpu
+    vs = list(filter(None, args.variants.split(",")))
     print("| linear | N x K | rows | K splits | check | kernel |" + (" kernel, no decode |" if nd else "")
+          + "".join(f" kernel, {v} (check) |" for v in vs)
           + " XLA dequantize + dot | XLA dot, bf16 weight | roofline | kernel of roofline | vs XLA |")
-    print("|---|---|---|---|---|---|" + ("---|" if nd else "") + "---|---|---|---|---|")
+    print("|---|---|---|---|---|---|" + ("---|" if nd else "") + "---|" * len(vs) + "---|---|---|---|---|")
     for r in results:
         print(f"| {r['linear']} | {r['N']} x {r['K']} | {r['rows']} | {r['splits']} | "
               f"{'PASS' if r['check'] else 'FAIL'} {r['rel']:.1e} | {r['kernel_ms'] * 1e3:.1f} | "
-              + (f"{r['no_decode_ms'] * 1e3:.1f} | " if nd else "") +
+              + (f"{r['no_decode_ms'] * 1e3:.1f} | " if nd else "")
+              + "".join(f"{r['variants'][v]['ms'] * 1e3:.1f} ({'PASS' if r['variants'][v]['check'] else 'FAIL'}) | "
+                        for v in vs) +
               f"{r['xla_ms'] * 1e3:.1f} | {r['bf16_ms'] * 1e3:.1f} | {r['roofline_ms'] * 1e3:.1f} | "
               f"{100 * r['roofline_ms'] / r['kernel_ms']:.0f}% | {r['xla_ms'] / r['kernel_ms']:.1f}x |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_fp8_linear.json"), "w") as fh:
             json.dump({"hbm": hbm, "results": results}, fh, indent=1)
-    sys.exit(0 if all(r["check"] for r in results) else 1)
+    sys.exit(0 if all(r["check"] and all(v["check"] for v in r["variants"].values()) for r in results) else 1)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh decoder8      # the FP8 linear kernel's bit layout: GPU tests, with and without decode
-#   bash scripts/h200_checks.sh accs          # the expert GEMM with an accumulator a K half, 1 and 64 tokens (~2 min)
+#   bash scripts/h200_checks.sh accs          # expert GEMM and FP8 linear with an accumulator a K half (~5 min)
 #   bash scripts/h200_checks.sh ksplit        # the expert GEMM's K slices at one token; defaults at 1/8/64 (~4 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
 #   bash scripts/h200_checks.sh stages        # the expert GEMM at 1 / 64 tokens with 4 to 10 pipeline stages
@@ -424,8 +424,8 @@ case "${1:-}" in
     ;;
   accs)
     # an accumulator for each K half of a step (KernelConfig.two_accs): is one token held by a step's chain of
-    # tk/16 dependent wgmma instructions (the kernel without its decode still takes ~1000 cycles a step on an SM
-    # whose stream alone needs ~500)? Its GPU test, then 1 and 64 tokens against the defaults (~2 min)
+    # tk/16 dependent wgmma instructions (the kernel without its decode still takes ~1100 cycles a step on an SM
+    # whose stream alone needs ~550)? Its GPU test, then 1 and 64 tokens against the defaults (~5 min)
     export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
     timeout -k 10 100 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
       tests/pallas_kernels/test_expert_gemm.py -k "test_kernel_gpu and 384-cfg8" > "$OUT/accs_test.txt" 2>&1
@@ -434,6 +434,10 @@ case "${1:-}" in
       --decode-configs 8x256x4co,8x256x4coa,8x256x9co,8x256x9coa --skip-baselines --no-mgpu --no-torch \
       --budget-s 130 --out "$OUT/accs" > "$OUT/accs.txt" 2>&1
     echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/accs.txt" | grep -E "kernel|FAIL"
+    # the FP8 linear kernel (one accumulator, no K halves today) with K halves, and with an accumulator each
+    timeout -k 10 150 $PY scripts/bench_fp8_linear.py --rows 1,64 --only attn.wq_b,attn.wo_b,engram.wkv \
+      --variants halves,accs --out "$OUT/fp8" > "$OUT/fp8_accs.txt" 2>&1
+    echo "bench_fp8_linear rc=$?"; grep -E "^\|" "$OUT/fp8_accs.txt"
     ;;
   ksplit)
     # one token's uneven waves (w1/w3: 216 items on 132 SMs, 2 on 84 of them): K slices even them (ks5: 1080
