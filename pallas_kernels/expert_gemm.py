@@ -653,7 +653,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
-                def mma_body(_, x_smem, w_smem, s_smem, acc):  # acc: a ref, or one a K half (two_accs)
+                def mma_body(_, x_smem, w_smem, s_smem, acc):  # acc: one ref, or one for each K half (two_accs)
                     w_wg = w_smem.at[pl.ds(wg * 64, 64)]
                     s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
                     a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None

@@ -16,8 +16,7 @@ not 4 bytes: each value's sign and exponent|mantissa sit where a mask (register 
 bytes); the decoder then multiplies by 2^(s-7) (`mul.rn.bf16x2`, exact). Scales: the block's UE8M0 byte for
 every row, transposed to [K/32, N] (a TMA box per tile; 1/32 of the weight bytes), stored as the bf16 exponent
 field of 2^(s-7), s + 120 (`expert_gemm.FP8_SCALE_BIAS`; 0 stays 0), so the decoder builds its multiplier with
-one integer multiply. Limits: N % 128 == 0, K % 128 == 0,
-scale bytes <= MAX_SCALE_BYTE.
+one integer multiply. Limits: N % 128 == 0, K % 128 == 0, scale bytes <= MAX_SCALE_BYTE.
 
 Split K: a kernel work item is 128 output rows over all of K, so a linear with few rows (wq_a: N=1280, 10
 items) would leave most of the 132 SMs idle. The kernel cuts K into S slices, each a work item of its own

@@ -461,11 +461,11 @@ def main():
                                               "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
     ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
     ap.add_argument("--prefill-configs", default="",
-                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][a][n][wW][kK] (c: chained, "
-                         "o: decode and multiply in two halves of K, KernelConfig.overlap; a: with o, an accumulator a half, "
-                         "KernelConfig.two_accs; n: no decode, timing "
-                         "only, its check fails; wW: W compute warpgroups, default 2; kK: K slices, "
-                         "KernelConfig.ksplit), e.g. 128x128x4,64x256x4co,8x256x4cok5")
+                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][a][n][wW][kK] (c: "
+                         "chained; o: decode and multiply in two halves of K, KernelConfig.overlap; a: with o, an "
+                         "accumulator for each half, KernelConfig.two_accs; n: no decode, timing only, its check "
+                         "fails; wW: W compute warpgroups, default 2; kK: K slices, KernelConfig.ksplit), e.g. "
+                         "128x128x4,64x256x4co,8x256x4cok5")
     ap.add_argument("--decode-configs", default="", help="decode configs to time instead of the default, as "
                                                          "--prefill-configs")
     args = ap.parse_args()
@@ -511,8 +511,7 @@ def parse_configs(spec):
         flags = m.group(2)
         out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=int(m.group(3) or 2), stages=int(m.group(1)),
                                    chain="c" in flags, overlap="o" in flags, two_accs="a" in flags,
-                                   skip_decode="n" in flags,
-                                   ksplit=int(m.group(4) or 1)))
+                                   skip_decode="n" in flags, ksplit=int(m.group(4) or 1)))
     return out or None
 
 

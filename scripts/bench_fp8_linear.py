@@ -10,7 +10,8 @@ costs, as it cost the FP4 expert GEMM 22-26% (twenty-first session). `--variants
 checks) the kernel decoding and multiplying each step in two halves of K (`KernelConfig.overlap`), and that with
 an accumulator for each half (`two_accs`), which the expert GEMM's decode uses.
 
-    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR] [--skip-decode] [--variants halves,accs]
+    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR] [--skip-decode]
+                                                     [--variants halves,accs]
     PYTHONPATH=. python3 scripts/bench_fp8_linear.py --tiny     # CPU: the interpreter at toy shapes
 """
 
@@ -120,14 +121,14 @@ def main():
             ok = bool(np.isfinite(yf).all()) and rel < 5e-3
             t_k = timer(kern, [(x, p) for p in pws], reps)
             t_nd = float("nan")
+            tm, splits = max(8, -(-m // 8) * 8), pws[0].splits
+            own = f8._config(tm, k // f8.TK // splits, splits)  # what fp8_linear runs
             if args.skip_decode and gpu:
-                tm, splits = max(8, -(-m // 8) * 8), pws[0].splits
-                nd = dataclasses.replace(f8._config(tm, k // f8.TK // splits, splits), skip_decode=True)
+                nd = dataclasses.replace(own, skip_decode=True)
                 t_nd = timer(jax.jit(lambda x, w, c=nd: f8.fp8_linear(x, w, c)), [(x, p) for p in pws], reps)
             variants = {}
-            tm, splits = max(8, -(-m // 8) * 8), pws[0].splits
             for v in filter(None, args.variants.split(",")):
-                cfg = dataclasses.replace(f8._config(tm, k // f8.TK // splits, splits), **VARIANTS[v])
+                cfg = dataclasses.replace(own, **VARIANTS[v])
                 f = jax.jit(lambda x, w, c=cfg: f8.fp8_linear(x, w, c))
                 yv = np.asarray(f(x, pws[0]).astype(jnp.float32), np.float64)
                 rv = float(np.linalg.norm(yv - ref) / np.linalg.norm(ref))
