@@ -7,8 +7,8 @@ the kernel must read / measured HBM bandwidth). Times are CUPTI kernel sums per 
 enough weight copies that they do not stay in the 50 MB L2. `--skip-decode` also times the kernel with its
 words going to wgmma undecoded (`KernelConfig.skip_decode`, wrong results): what the FP8 decode's integer work
 costs, as it cost the FP4 expert GEMM 22-26% (twenty-first session). `--variants halves,accs` also times (and
-checks) the kernel decoding and multiplying each step in two halves of K (`KernelConfig.overlap`), and that with
-an accumulator for each half (`two_accs`), which the expert GEMM's decode uses.
+checks) the kernel decoding and multiplying each step in two halves of K (`KernelConfig.overlap`, which the
+expert GEMM's decode configs use), and that with an accumulator for each half (`two_accs`).
 
     PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR] [--skip-decode]
                                                      [--variants halves,accs]
