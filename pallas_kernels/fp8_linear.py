@@ -96,6 +96,11 @@ def _perm_to_kernel(b: jax.Array) -> jax.Array:
     return jnp.moveaxis(c, -3, -2).reshape(*lead, k)  # (c, u, v): byte 4c + 2u + v
 
 
+@jax.jit  # one fused pass over the weight's bytes at load time, not a dozen full-size temporaries
+def _to_kernel_weight(raw: jax.Array) -> jax.Array:
+    return eg.fp8_bytes_to_kernel_bits(_perm_to_kernel(raw))
+
+
 def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True,
                        num_splits: int | None = None) -> PreparedFp8:
     """Fp8Weight [N, K] or [G, N, K] -> PreparedFp8 (once, at load). num_splits: K slices (default `splits`)."""
@@ -114,7 +119,7 @@ def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True
     raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8).reshape(g, n, k)
     rows = jnp.repeat(w.scale.reshape(g, -1, k // 32), 32, axis=1)[:, :n]  # the block's byte for every row
     scale_t = jnp.swapaxes(eg.kernel_scale_bytes(rows, eg.FP8_SCALE_BIAS), 1, 2)
-    return PreparedFp8(eg.fp8_bytes_to_kernel_bits(_perm_to_kernel(raw)), scale_t, s_, interpret)
+    return PreparedFp8(_to_kernel_weight(raw), scale_t, s_, interpret)
 
 
 def unprepare_fp8_linear(p: PreparedFp8) -> Fp8Weight:
