@@ -42,9 +42,8 @@ def _leave_reruns_to_the_gpu_conversion_test(config, items):
     numerics tests in its `TESTS` in a subprocess under XLA's float-conversion simplification (the GPU pipeline's
     pass) and fails if one of them fails or is skipped. When it is collected and will run, the plain runs of those
     tests here are the same assertions once more (~50 s of the CPU suite, the teacher-forced reference comparison
-    most of it): they are deselected, and run in that subprocess instead. Without it (e.g.
-    `pytest tests/test_quant.py`, or `-k` leaving it out) they run here as usual. On a GPU the rerun is the CPU
-    pass's stand-in, so nothing is left out there."""
+    most of it): they are skipped here, with a reason that names the rerun, and run in its subprocess instead.
+    Without it (e.g. `pytest tests/test_quant.py`, or `-k` leaving it out) they run here as usual."""
     if jax.default_backend() == "gpu":
         return
     rerun = [i for i in items if i.name == "test_numerics_tests_pass_with_gpu_conversion_simplification"
@@ -52,19 +51,13 @@ def _leave_reruns_to_the_gpu_conversion_test(config, items):
     if not rerun:
         return
     covered = tuple(rerun[0].module.TESTS)
+    skip = pytest.mark.skip(reason="runs (same assertions, GPU conversion pipeline) in the subprocess of "
+                                   "tests/test_gpu_conversions.py::test_numerics_tests_pass_with_gpu_conversion_"
+                                   "simplification")
 
     def base(item):  # the node id without an xdist group suffix or parameters
         return item.nodeid.split("@", 1)[0].split("[", 1)[0]
 
-    left = [i for i in items if any(base(i) == t or base(i).startswith(t + "::") for t in covered)]
-    if left:
-        config.hook.pytest_deselected(items=left)
-        items[:] = [i for i in items if i not in left]
-        config._dsv41_rerun_only = len(left)
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    n = getattr(config, "_dsv41_rerun_only", 0)
-    if n:
-        terminalreporter.write_line(f"{n} numerics tests deselected here: they run in "
-                                    "tests/test_gpu_conversions.py's rerun under the GPU conversion pipeline")
+    for item in items:
+        if any(base(item) == t or base(item).startswith(t + "::") for t in covered):
+            item.add_marker(skip)
