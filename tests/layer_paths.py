@@ -45,31 +45,41 @@ def attention_diffs(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, bac
     """-> [n_layers] float: per layer, max |y_backend - y_xla| over the valid tokens / max |y_xla|, both from the
     same stream and pool (the run continues on the XLA path's output and pool). opts: the kernel path's
     options."""
+    return attention_diffs_each(core, pool, b, cfg, num, backend, [opts])[0]
+
+
+def attention_diffs_each(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, backend: str,
+                         opts_list) -> list[np.ndarray]:
+    """`attention_diffs` for each of several kernel-path options, in one program: each option's kernel path
+    reads the same stream and pool (the XLA path's), so the results are those of one call per option, while the
+    XLA path and the rest of the model are traced and compiled once (a CPU compile of the tiny preset's program
+    is ~15 s). -> one [n_layers] array per option."""
 
     @jax.jit
     def both_paths(core, pool, b):  # params as an argument: a closure would embed them in the program
         h, pre = model.embed(core, b.tokens, cfg, num)
         freqs = model.freqs_for(cfg)
-        shared = {"xla": {}, backend: {}}
+        shared_xla, shared_k = {}, [{} for _ in opts_list]
         valid = (jnp.arange(b.tokens.shape[1])[None] < b.n_valid[:, None])[..., None]  # [B, T, 1]
-        diffs = []
+        diffs = [[] for _ in opts_list]
         for i, lp in enumerate(core["layers"]):
             if i in cfg.engram_layer_ids:
                 h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
 
             def attn_fn(x, lp=lp, i=i):
                 nonlocal pool
-                # the kernel path's pool is dropped after its attention, which read its own writes of this step
-                # (the decode token's ring row); the XLA path's pool carries the run
-                y_k, _ = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared[backend], freqs[i],
-                                                   "full", backend, opts)
-                y, pool = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared["xla"], freqs[i],
+                # the kernel paths' pools are dropped after their attention, which read their own writes of this
+                # step (the decode token's ring row); the XLA path's pool carries the run
+                y_ks = [programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared_k[j], freqs[i],
+                                                  "full", backend, opts)[0] for j, opts in enumerate(opts_list)]
+                y, pool = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared_xla, freqs[i],
                                                     "full", "xla")
-                yf, kf = y.astype(jnp.float32), y_k.astype(jnp.float32)
-                diffs.append(jnp.max(jnp.abs(yf - kf) * valid) / jnp.max(jnp.abs(yf) * valid))
+                yf = y.astype(jnp.float32)
+                for d, y_k in zip(diffs, y_ks):
+                    d.append(jnp.max(jnp.abs(yf - y_k.astype(jnp.float32)) * valid) / jnp.max(jnp.abs(yf) * valid))
                 return y
 
             h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn)
-        return jnp.stack(diffs)
+        return [jnp.stack(d) for d in diffs]
 
-    return np.asarray(both_paths(core, pool, b))
+    return [np.asarray(d) for d in both_paths(core, pool, b)]

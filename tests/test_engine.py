@@ -103,12 +103,14 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
-# the defaults, and every option at its other setting in one run (the suite's time: ~25 s a run on CI)
-@pytest.mark.parametrize("opts", [programs.KernelOptions(),
-                                  programs.KernelOptions(fuse_rope=False, prefill_indexer_kernel=False,
-                                                         indexer_topk="kernel")],
-                         ids=["default", "unfused-rope+xla-indexer+kernel-topk"])
-def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opts):
+# the defaults, and every option at its other setting (the suite's time: ~25 s a program on CI, so both settings'
+# kernel paths share one program a phase with the XLA path: layer_paths.attention_diffs_each)
+KERNEL_OPTIONS = {"default": programs.KernelOptions(),
+                  "unfused-rope+xla-indexer+kernel-topk": programs.KernelOptions(
+                      fuse_rope=False, prefill_indexer_kernel=False, indexer_topk="kernel")}
+
+
+def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
     """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
     reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; with each
@@ -116,7 +118,7 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opts):
     prefill chunk's indexer through the scoring kernel or XLA, the top-k by XLA or, through its reference, the
     threshold kernel). The kernels against those references:
     tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
-    from layer_paths import attention_diffs, fill, make_batch, zero_rows
+    from layer_paths import attention_diffs_each, fill, make_batch, zero_rows
 
     cfg, params = tiny
     core, _ = model.strip_tables(params)
@@ -125,12 +127,14 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny, opts):
     bt = np.arange(B * ctx).reshape(B, ctx)
     tokens = np.asarray([prompt(T, seed=20), prompt(T, seed=21)], np.int32)
     pool = fill(core, pool, make_batch(tokens, 0, [T, T], [0, 1], bt, zero_rows(cfg, B, T)), cfg, NUM)
-    worst = {
-        "prefill": attention_diffs(core, pool, make_batch(tokens[:, ::-1].copy(), T, [T, 77], [0, 1], bt,
-                                                          zero_rows(cfg, B, T)), cfg, NUM, "reference", opts),
-        "decode": attention_diffs(core, pool, make_batch(tokens[:, :1].copy(), 2 * T, [1, 1], [0, 1], bt,
-                                                         zero_rows(cfg, B, 1)), cfg, NUM, "reference", opts),
+    opts = list(KERNEL_OPTIONS.values())
+    per_phase = {
+        "prefill": attention_diffs_each(core, pool, make_batch(tokens[:, ::-1].copy(), T, [T, 77], [0, 1], bt,
+                                                               zero_rows(cfg, B, T)), cfg, NUM, "reference", opts),
+        "decode": attention_diffs_each(core, pool, make_batch(tokens[:, :1].copy(), 2 * T, [1, 1], [0, 1], bt,
+                                                              zero_rows(cfg, B, 1)), cfg, NUM, "reference", opts),
     }
+    worst = {(name, phase): d for phase, ds in per_phase.items() for name, d in zip(KERNEL_OPTIONS, ds)}
     assert max(float(d.max()) for d in worst.values()) < 1e-5, worst
 
 

@@ -14,6 +14,8 @@ from dsv41.config import preset
 from serving.engine import kv_pool, programs
 
 SD = jax.ShapeDtypeStruct
+# the decode programs are lowered once (module fixtures) and read by several tests: one worker takes the file
+pytestmark = pytest.mark.xdist_group("engine_lowering")
 ALL_SITES = model.Sites(mhc="pallas", router="pallas")
 
 
@@ -40,50 +42,60 @@ def _sampling(B):
                              SD((B, 2), jnp.uint32))
 
 
-def test_decode_lowers_for_cuda(bench):
-    """Every kernel of the decode step with the options off their defaults: the indexers' top-k threshold kernel
-    (`KernelOptions(indexer_topk="kernel")`: in the program with the option) and q / o rotated in XLA around the
-    attention kernel (`fuse_rope=False`). The FP8 test below lowers the defaults (RoPE inside the kernel: several
-    key splits, the output's rotation in the XLA combine; XLA's top-k) and finds the threshold kernel absent."""
+@pytest.fixture(scope="module")
+def decode_hlo(bench):
+    """The decode step of test_decode_lowers_for_cuda, lowered once for the tests that read it: its Engram rows
+    pinned-host arguments (engram_transfer="overlap")."""
     cfg, core, pool = bench
     B = 2
-    hlo = programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
-                                  backend="pallas", sites=ALL_SITES,
-                                  opts=programs.KernelOptions(indexer_topk="kernel", fuse_rope=False)).lower(
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    return programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8, pinned), _sampling(B), cfg=cfg,
+                                   num=quant.REFERENCE, backend="pallas", sites=ALL_SITES,
+                                   opts=programs.KernelOptions(indexer_topk="kernel", fuse_rope=False)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "topk_threshold" in hlo
-    with pytest.raises(ValueError, match="indexer_topk"):
-        programs.KernelOptions(indexer_topk="sort")
 
 
-def test_decode_with_fp8_linear_kernel_lowers_for_cuda(bench):
-    """`--linear-backend pallas`: the FP8 linears (attention projections, shared expert, Engram) through the FP8
-    linear kernel, each with its own K split, at 64 decode rows."""
+@pytest.fixture(scope="module")
+def decode_fp8_hlo(bench):
+    """The decode step of test_decode_with_fp8_linear_kernel_lowers_for_cuda (Engram rows on the device), lowered
+    once for the tests that read it."""
     from dsv41 import nn
 
     cfg, core, pool = bench
     B = 64
     core = jax.eval_shape(lambda c: nn.prepare_linears(c, cfg), core)
-    hlo = programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
-                                  backend="pallas", sites=model.Sites(mhc="pallas")).lower(
+    return programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
+                                   backend="pallas", sites=model.Sites(mhc="pallas")).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "topk_threshold" not in hlo  # the default top-k is XLA's (the threshold kernel: an option)
 
 
-def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench):
+def test_decode_lowers_for_cuda(decode_hlo):
+    """Every kernel of the decode step with the options off their defaults: the indexers' top-k threshold kernel
+    (`KernelOptions(indexer_topk="kernel")`: in the program with the option) and q / o rotated in XLA around the
+    attention kernel (`fuse_rope=False`). The FP8 test below lowers the defaults (RoPE inside the kernel: several
+    key splits, the output's rotation in the XLA combine; XLA's top-k) and finds the threshold kernel absent."""
+    assert "topk_threshold" in decode_hlo
+    with pytest.raises(ValueError, match="indexer_topk"):
+        programs.KernelOptions(indexer_topk="sort")
+
+
+def test_decode_with_fp8_linear_kernel_lowers_for_cuda(decode_fp8_hlo):
+    """`--linear-backend pallas`: the FP8 linears (attention projections, shared expert, Engram) through the FP8
+    linear kernel, each with its own K split, at 64 decode rows."""
+    assert "topk_threshold" not in decode_fp8_hlo  # the default top-k is XLA's (the threshold kernel: an option)
+
+
+def test_engram_rows_in_pinned_host_memory_are_copied_inside_the_program(bench, decode_hlo, decode_fp8_hlo):
     """Engine(engram_transfer="overlap"): the rows are pinned-host arguments and the program moves them to the
     device itself (annotate_device_placement, which XLA's host-offload passes turn into an asynchronous copy:
-    copy-start, copy-done before the Engram layer), one per row array."""
-    cfg, core, pool = bench
-    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    hlo = programs.run_full.trace(core, pool, _batch(cfg, 4, 1, 8, pinned), _sampling(4), cfg=cfg,
-                                  num=quant.REFERENCE).lower(lowering_platforms=("cuda",)).as_text()
+    copy-start, copy-done before the Engram layer), one per row array. Read from the decode programs lowered
+    above (with the kernels: a separate lowering of the XLA path's program cost ~10 s of CPU time and checked the
+    same placement code, `programs.run_full`'s, which is the same for every backend)."""
+    cfg = bench[0]
     n_arrays = 2 * len(cfg.engram_layer_ids)
-    assert hlo.count('mhlo.memory_kind = "pinned_host"') == n_arrays
-    assert hlo.count("annotate_device_placement") == n_arrays
-    on_device = programs.run_full.trace(core, pool, _batch(cfg, 4, 1, 8), _sampling(4), cfg=cfg,
-                                        num=quant.REFERENCE).lower(lowering_platforms=("cuda",)).as_text()
-    assert "annotate_device_placement" not in on_device  # rows already on the device: no copy
+    assert decode_hlo.count('mhlo.memory_kind = "pinned_host"') == n_arrays
+    assert decode_hlo.count("annotate_device_placement") == n_arrays
+    assert "annotate_device_placement" not in decode_fp8_hlo  # rows already on the device: no copy
 
 
 def test_prefill_chunk_lowers_for_cuda(bench):

@@ -23,23 +23,32 @@ def test_public_api_shapes(tiny):
     assert isinstance(cfg, ModelConfig)
 
 
-def test_causal_across_the_window_float32(tiny):
-    """Row i depends only on tokens <= i: a 150-token prefix equals the first rows of a 301-token run."""
+@pytest.fixture(scope="module")
+def exact150(tiny):
+    """(float32 parameters, 301 ids, the logits of their first 150 under quant.EXACT_F32): one forward program
+    (a CPU compile of several seconds) for the two tests below, which share an xdist group so that it runs once."""
     cfg, params = tiny
     pf = P.dequantize_params(params, "float32")
     ids = np.random.default_rng(1).integers(3, cfg.vocab_size, (1, 301)).astype(np.int32)
+    return pf, ids, np.asarray(forward(pf, cfg, ids[:, :150], quant.EXACT_F32))
+
+
+@pytest.mark.xdist_group("model_exact150")
+def test_causal_across_the_window_float32(tiny, exact150):
+    """Row i depends only on tokens <= i: a 150-token prefix equals the first rows of a 301-token run."""
+    cfg, _ = tiny
+    pf, ids, part = exact150
     full = np.asarray(forward(pf, cfg, ids, quant.EXACT_F32))
-    part = np.asarray(forward(pf, cfg, ids[:, :150], quant.EXACT_F32))
     np.testing.assert_allclose(part, full[:, :150], rtol=0, atol=2e-5)
     assert np.abs(full[:, 150:] - full[:, 149:-1]).max() > 1e-2  # and later rows do change
 
 
-def test_numerics_switches_matter(tiny):
-    cfg, params = tiny
-    ids = np.random.default_rng(2).integers(3, cfg.vocab_size, (1, 40)).astype(np.int32)
-    pf = P.dequantize_params(params, "float32")
-    exact = np.asarray(forward(pf, cfg, ids, quant.EXACT_F32))
-    kvq = np.asarray(forward(pf, cfg, ids, quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")))
+@pytest.mark.xdist_group("model_exact150")
+def test_numerics_switches_matter(tiny, exact150):
+    cfg, _ = tiny
+    pf, ids, exact = exact150
+    kvq = np.asarray(forward(pf, cfg, ids[:, :150], quant.Numerics(act_quant=False, bf16_probs=False,
+                                                                   dtype="float32")))
     assert 1e-4 < np.abs(exact - kvq).max()
 
 
