@@ -96,6 +96,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--max-num-batched-tokens (equal to it: one prefill program, more padding)")
     g.add_argument("--min-block-table-pages", dest="min_ctx_pages", type=int,
                    help="smallest padded block table, in pages (max-model-len / block-size: one width)")
+    g.add_argument("--min-decode-bucket", type=int,
+                   help="smallest padded decode batch; batches pad to it times powers of two up to "
+                        "--max-num-seqs (equal to it: one decode program per block-table width)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before listening, so no request waits for a compile "
                         "(default: on with a GPU, off on CPU; fewer buckets = shorter warm-up)")
@@ -117,7 +120,8 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "engram_transfer": "--engram-transfer",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
-                 "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages"}
+                 "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages",
+                 "min_decode_bucket": "--min-decode-bucket"}
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:

@@ -140,20 +140,25 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
 
 def test_program_shapes_cover_the_buckets(tiny):
     """What warm-up compiles: every prefill chunk bucket x block-table bucket, and every decode batch bucket."""
-    eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_ctx_pages=4)
+    eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_ctx_pages=4,
+               min_decode_bucket=1)
     shapes = eng.program_shapes()
     ctx = [4, 8]  # 512 tokens / 64 per page = 8 pages at most
     assert [s for s in shapes if s[0] == "encoder"] == [("encoder", 1, T, c) for T in (32, 64, 128) for c in ctx]
     assert [s for s in shapes if s[0] == "decoder"] == [("decoder", 1, 1, c) for c in ctx]
     assert [s for s in shapes if s[0] == "decode"] == [("decode", B, 1, c) for B in (1, 2, 4) for c in ctx]
-    exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_ctx_pages=8).program_shapes()
-    assert exact == [("full", 1, 128, 8), ("decode", 1, 1, 8), ("decode", 2, 1, 8)]
+    exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_ctx_pages=8, min_decode_bucket=1)
+    assert exact.program_shapes() == [("full", 1, 128, 8), ("decode", 1, 1, 8), ("decode", 2, 1, 8)]
+    # min_decode_bucket: a lone sequence's decode step pads to that many rows, one program fewer
+    assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_ctx_pages=8,
+                min_decode_bucket=2).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
 
 
 def test_warmup_leaves_nothing_to_compile(tiny):
     """After `Engine.warmup()` a request compiles nothing: two prefill chunks, the replay decoder and decode steps
     call the programs warm-up ran, with the same argument signatures (a jitted call compiles per shape and per
-    committed / uncommitted argument: warm-up's all-padding arguments must be what a step passes)."""
+    committed / uncommitted argument: warm-up's all-padding arguments must be what a step passes). The lone
+    request's decode steps pad to the tests' min_decode_bucket of 2 rows, the only decode width warm-up ran."""
     eng = make(tiny)
     eng.warmup()
     progs = (programs.run_full, programs.run_encoder, programs.run_decoder)

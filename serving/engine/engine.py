@@ -317,7 +317,7 @@ class Engine:
                  num_pages: int | None = None, swa_bounded_replay: bool = True,
                  enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
-                 min_ctx_pages: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
+                 min_ctx_pages: int = 1, min_decode_bucket: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
                  mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
                  engram_transfer: str = "argument", pack_params: bool = False,
                  kernel_options: programs.KernelOptions = programs.KernelOptions()):
@@ -348,9 +348,13 @@ class Engine:
         self.chunk = max_num_batched_tokens
         pages_per_seq = -(-self.max_model_len // page_tokens)
         # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, block tables to a power of
-        # two >= min_ctx_pages; fewer buckets mean fewer compiles, bigger ones more padding
+        # two >= min_ctx_pages, decode batches to min_decode_bucket times a power of two (at most the bucket of
+        # max_num_seqs); fewer buckets mean fewer compiles, bigger ones more padding
+        if min(min_prefill_bucket, min_ctx_pages, min_decode_bucket) < 1:
+            raise EngineError("min_prefill_bucket, min_ctx_pages and min_decode_bucket must be >= 1")
         self.max_pages_per_seq = pages_per_seq
         self.min_prefill_bucket, self.min_ctx_pages = min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
+        self.min_decode_bucket = min(min_decode_bucket, _bucket(max_num_seqs))
         num_pages = num_pages or max_num_seqs * pages_per_seq
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs)
         self.pool = kv_pool.allocate(cfg, self.layout)
@@ -577,7 +581,7 @@ class Engine:
 
     def decode_inputs(self, reqs: list[_Request]) -> tuple[programs.Batch, programs.Sampling]:
         """The host side of a decode step: each row's last token, padded to the batch bucket (benches time it)."""
-        B = _bucket(len(reqs))
+        B = _bucket(len(reqs), self.min_decode_bucket)
         return (self._batch(reqs, [[r.last_token] for r in reqs], [r.num_tokens - 1 for r in reqs], 1, B),
                 self._sampling(reqs, B))
 
@@ -598,8 +602,8 @@ class Engine:
 
     def program_shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
-        buckets. Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages = the longest sequence's pages)
-        mean fewer programs and more padding."""
+        buckets. Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages = the longest sequence's pages,
+        min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
 
         def ladder(lo: int, hi: int) -> list[int]:
             out, b = [], lo
@@ -614,7 +618,8 @@ class Engine:
         shapes = [(prefill, 1, T, c) for T in chunks for c in ctxs]
         if self.replay:
             shapes += [("decoder", 1, 1, c) for c in ctxs]
-        shapes += [("decode", B, 1, c) for B in ladder(1, _bucket(self.layout.num_slots)) for c in ctxs]
+        decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
+        shapes += [("decode", B, 1, c) for B in ladder(self.min_decode_bucket, decode_top) for c in ctxs]
         return shapes
 
     def _padding_call(self, kind: str, B: int, T: int, ctx: int):

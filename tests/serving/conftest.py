@@ -32,11 +32,11 @@ REPLIES = {
     "SAY_STOP": "alpha beta STOP gamma delta",
 }
 
-# one prefill width (the 128-token chunk), one block-table width (all 16 pages of 1024 tokens) and two decode
-# widths (1 and 2 sequences): every request shape reuses the same few compiled programs (a CPU compile of one is
-# ~10 s; a padded tiny step is not)
+# one prefill width (the 128-token chunk), one block-table width (all 16 pages of 1024 tokens) and one decode
+# width (2 rows; one sequence pads to it): every request shape reuses the same few compiled programs (a CPU
+# compile of one is ~10 s; a padded tiny step is not)
 TINY_ENGINE_KW = dict(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128, min_prefill_bucket=128,
-                      min_ctx_pages=16)
+                      min_ctx_pages=16, min_decode_bucket=2)
 
 
 @pytest.fixture(scope="session")
