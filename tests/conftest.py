@@ -34,18 +34,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip_gpu)
-    _leave_reruns_to_the_gpu_conversion_test(config, items)
+    if not on_gpu:
+        _leave_reruns_to_the_gpu_conversion_test(items)
 
 
-def _leave_reruns_to_the_gpu_conversion_test(config, items):
+def _leave_reruns_to_the_gpu_conversion_test(items):
     """tests/test_gpu_conversions.py::test_numerics_tests_pass_with_gpu_conversion_simplification reruns the
     numerics tests in its `TESTS` in a subprocess under XLA's float-conversion simplification (the GPU pipeline's
     pass) and fails if one of them fails or is skipped. When it is collected and will run, the plain runs of those
     tests here are the same assertions once more (~50 s of the CPU suite, the teacher-forced reference comparison
     most of it): they are skipped here, with a reason that names the rerun, and run in its subprocess instead.
     Without it (e.g. `pytest tests/test_quant.py`, or `-k` leaving it out) they run here as usual."""
-    if jax.default_backend() == "gpu":
-        return
     rerun = [i for i in items if i.name == "test_numerics_tests_pass_with_gpu_conversion_simplification"
              and i.path.name == "test_gpu_conversions.py" and not i.get_closest_marker("skip")]
     if not rerun:

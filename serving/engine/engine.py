@@ -317,8 +317,9 @@ class Engine:
                  num_pages: int | None = None, swa_bounded_replay: bool = True,
                  enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
                  numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
-                 min_ctx_pages: int = 1, min_decode_bucket: int = 1, attention_backend: str = "auto", moe_backend: str = "auto",
-                 mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
+                 min_ctx_pages: int = 1, min_decode_bucket: int = 1, attention_backend: str = "auto",
+                 moe_backend: str = "auto", mhc_backend: str = "auto", router_backend: str = "auto",
+                 linear_backend: str = "auto",
                  engram_transfer: str = "argument", pack_params: bool = False,
                  kernel_options: programs.KernelOptions = programs.KernelOptions()):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
