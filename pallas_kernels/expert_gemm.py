@@ -371,13 +371,14 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
     """The config for m rows over e experts (N = n, K = k).
 
     Up to 64 rows an expert on average (decode; a prefill chunk over many experts) the weights are the bytes
-    that matter: 256-input steps and every SM's work items chained into one TMA stream, which needs the stages
-    to divide the K steps (4 for w1/w3: 20 steps of 256; 3 for w2: 9, at decode 9). Decode (m <= 512) takes
-    tiles of 8 rows; on the H200 (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from 665 to
-    612 us and w1/w3 from 1195-1255 to 1115-1221 us. A prefill chunk with few rows an expert takes tiles of 64:
-    Flash's 384 experts at a 2048-token chunk (32 rows an expert) took 2235 / 1136 us (w1/w3 / w2) against 3341
-    / 1765 with the 128-row tiles (thirteenth session, docs/PERFORMANCE.md). Beyond 64 rows an expert the GEMM is
-    compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the matmul rate).
+    that matter: every SM's work items chained into one TMA stream, which needs the stages to divide the K
+    steps. Decode (m <= 512) takes tiles of 8 rows and the longest steps whose stages chain them and fit shared
+    memory (`_decode_steps`); on the H200 (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from
+    665 to 612 us and w1/w3 from 1195-1255 to 1115-1221 us. A prefill chunk with few rows an expert takes tiles
+    of 64 and 256-input steps: Flash's 384 experts at a 2048-token chunk (32 rows an expert) took 2235 / 1136 us
+    (w1/w3 / w2) against 3341 / 1765 with the 128-row tiles (thirteenth session, docs/PERFORMANCE.md). Beyond 64
+    rows an expert the GEMM is compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the
+    matmul rate).
 
     The 8- and 64-row tiles decode and multiply each step in two halves (`overlap`): on the H200 (2026-12-01,
     fourteenth session) w1/w3 / w2 took 33.6 / 17.1 us at one token against 35.1 / 17.7, 2223 / 1144 us at a
@@ -391,14 +392,30 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
         # No K slices at one token, although its 216 w1/w3 items are 1.64 waves: with 4 to 10 slices the kernel
         # took 27.3-33.8 us against 28.1 without (twenty-second session, H200), the partials' stores and the
         # shorter chains costing what the even waves save.
-        # 8-row tiles are small enough for 9 stages: w2 at Flash's K (9 steps) chained through 9 took 498.0 /
-        # 16.8 us at 64 / 1 tokens against 515.3 / 17.0 with 3 (twenty-first session); w1/w3's 20 steps were
-        # slower with 5 or 10 stages than with 4
-        stages = 9 if steps == 9 else stages
-        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=overlap)
+        tk, stages = _decode_steps(m, k, tk, stages)
+        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=tk % 128 == 0)
     if m <= 64 * e:
         return KernelConfig(tm=64, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=overlap)
     return KernelConfig(tm=128, tk=128, num_wgs=2, stages=4)
+
+
+def _decode_steps(m: int, k: int, tk: int, stages: int) -> tuple[int, int]:
+    """(tk, stages) of the 8-row decode tiles: the longest steps (fewer barrier round trips a byte) whose count
+    the stages divide, within shared memory (a stage of 768 inputs is 65 KB: 3 fit, of 512 inputs 43 KB: 5).
+
+    On the H200 (twenty-third session, `h200_checks.sh longsteps`, CUPTI, PASS against the reference): w2 (K
+    2304) in 3 steps of 768 took 13.8 / 78.0 / 373.4 us at 1 / 8 / 64 tokens against 14.8 / 88.7 / 425.9 in 9
+    steps of 256 through 9 stages; w1/w3 (K 5120) in 10 steps of 512 through 5 stages 158.5 / 756.1 us at 8 /
+    64 tokens against 162.4 / 805.6 in 20 of 256 through 4, but 28.8 at one token against 28.0: one token's
+    rows (6 with top-6) keep the 256-input steps."""
+    if k % 768 == 0 and (k // 768) % 3 == 0:
+        return 768, 3
+    if m > 8 and k % 512 == 0 and (k // 512) % 5 == 0:
+        return 512, 5
+    # 8-row tiles are small enough for 9 stages: w2 at Flash's K (9 steps) chained through 9 took 498.0 / 16.8
+    # us at 64 / 1 tokens against 515.3 / 17.0 with 3 (twenty-first session); w1/w3's 20 steps were slower with
+    # 5 or 10 stages than with 4
+    return tk, 9 if k // tk == 9 else stages
 
 
 def _dequant_tile_jnp(wb: jax.Array, sb: jax.Array) -> jax.Array:
@@ -556,6 +573,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         raise ValueError(f"num_wgs={nwg}: the kernel runs 1 to 3 compute warpgroups")
     if tk % 64:
         raise ValueError(f"tk={tk} must be a multiple of 64")
+    if tkp > 128 and tkp % 128:
+        # the weight tile's rows are tiled and swizzled in 128-byte units (a trace-time assertion otherwise)
+        raise ValueError(f"tk={tk}: a step's {tkp} weight bytes a row must be a multiple of 128 past 128")
     if cfg.overlap and tk % 128:
         raise ValueError(f"overlap decodes halves of tk={tk}: tk must be a multiple of 128")
     if cfg.two_accs and not cfg.overlap:

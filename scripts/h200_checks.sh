@@ -28,6 +28,8 @@
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh decoder8      # the FP8 linear kernel's bit layout: GPU tests, with and without decode
+#   bash scripts/h200_checks.sh steps         # the expert GEMM at 1 / 64 tokens with 384-768-input steps (~4 min)
+#   bash scripts/h200_checks.sh longsteps     # the decode defaults' longer steps: GPU tests, engine MoE, 1/8/64 tokens
 #   bash scripts/h200_checks.sh accs          # expert GEMM and FP8 linear with an accumulator a K half (~5 min)
 #   bash scripts/h200_checks.sh ksplit        # the expert GEMM's K slices at one token; defaults at 1/8/64 (~4 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
@@ -421,6 +423,33 @@ case "${1:-}" in
       --decode-configs 8x256x4co,8x256x4con --skip-baselines --no-mgpu --no-torch --budget-s 90 \
       --out "$OUT/consumer64" > "$OUT/consumer64.txt" 2>&1
     echo "bench_expert_gemm T=64 rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/consumer64.txt" | grep -E "kernel|FAIL"
+    ;;
+  steps)
+    # fewer, longer pipeline steps: the one-token kernel without its decode still takes ~0.6 us a 256-input step
+    # where the stream needs ~0.3, and an accumulator per K half did not move it (twenty-third session); if the
+    # cost is per step (barriers, the wait, the slot hand-back), 512 inputs a step halve it for w1/w3 (10
+    # steps: 2 or 5 stages chain them), 384 / 768 for w2 (6 / 3 steps). Checked against the reference (~4 min)
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 5 -s INT 230 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1,64 --skip-prefill \
+      --decode-configs 8x256x4co,8x512x2co,8x512x5co,8x256x9co,8x384x3co,8x384x6co,8x768x3co --skip-baselines \
+      --no-mgpu --no-torch --budget-s 210 --out "$OUT/steps" > "$OUT/steps.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/steps.txt" | grep -E "kernel|FAIL"
+    grep -E "FAIL|skip|rror" "$OUT/steps.txt" | head -10
+    ;;
+  longsteps)
+    # the decode defaults after `steps` (w2 in 3 steps of 768, w1/w3 in 10 of 512 past one token): their GPU
+    # tests, the MoE through them in the engine, then 1 / 8 / 64 tokens against the 256-input steps (~5 min)
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 10 100 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_expert_gemm.py -k "test_kernel_gpu and (2560 or 2304)" > "$OUT/ls_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/ls_tests.txt" | tail -4
+    timeout -k 10 120 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+      -k moe_kernel > "$OUT/ls_moe.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/ls_moe.txt" | tail -6
+    timeout -k 5 -s INT 200 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1,8,64 --skip-prefill \
+      --decode-configs 8x256x4co,8x512x5co,8x256x9co,8x768x3co --skip-baselines --no-mgpu --no-torch \
+      --budget-s 180 --out "$OUT/longsteps" > "$OUT/longsteps.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/longsteps.txt" | grep -E "kernel|FAIL"
     ;;
   accs)
     # an accumulator for each K half of a step (KernelConfig.two_accs): is one token held by a step's chain of

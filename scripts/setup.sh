@@ -15,4 +15,8 @@ fi
   || { echo "dsv41 did not install into .venv" >&2; exit 1; }
 if [ "${1:-}" = "--test" ]; then
   bash scripts/setup_reference_env.sh
+  # the tests' probe of the reference (an import of torch and nemo, ~7 s) once here, remembered for every test
+  # process (tests/reference/driver.py: reference_available)
+  .venv/bin/python -c "from tests.reference.driver import reference_available as ok; assert ok()" \
+    || { echo "the reference env does not import nemo's deepseek_v41: rerun scripts/setup_reference_env.sh" >&2; exit 1; }
 fi

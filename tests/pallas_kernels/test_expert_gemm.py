@@ -234,6 +234,10 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_wgs=4"):  # hung the H200: refused
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=64, num_wgs=4))
+    w384 = _random_weights_bytes(np.random.default_rng(6), 1, 64, 384)
+    with pytest.raises(ValueError, match="multiple of 128"):  # 192 bytes a row: no 128-byte swizzle (the H200's
+        eg.grouped_fp4_matmul(jnp.zeros((8, 384), jnp.bfloat16), w384, jnp.array([8], jnp.int32),  # assertion)
+                              backend="interpret", config=C(tm=8, tk=384, num_wgs=1))
     with pytest.raises(ValueError, match="two_accs"):  # an accumulator a K half: needs the halves
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=64, num_wgs=1, two_accs=True))
@@ -256,6 +260,7 @@ def test_ksplit_lowers_for_cuda(n, k, cfg):
 
 @pytest.mark.parametrize("m,cfg", [(6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
                                    (6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, two_accs=True)),
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, overlap=True)),
                                    (12288, C(tm=64, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
                                    (12288, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True))])
 def test_overlap_lowers_for_cuda(m, cfg):
@@ -280,6 +285,11 @@ def test_default_configs_at_flash_shapes():
             if tm < 128:
                 assert cfg.chain and (k // cfg.tk) % cfg.stages == 0 and cfg.stages >= 3, (k, cfg)
             assert cfg.overlap == (tm < 128), cfg
+    # decode's longest steps (faster at 64 tokens on the H200): w2 in 3 of 768 at any batch, w1/w3 in 10 of 512
+    # past one token's 6 rows (at one token 256 inputs a step were faster)
+    assert [(c.tk, c.stages) for c in (eg.default_config(m, n, k, 384) for m in (6, 48, 384)
+                                       for n, k in [(4608, 5120), (5120, 2304)])] == \
+        [(256, 4), (768, 3), (512, 5), (768, 3), (512, 5), (768, 3)]
 
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -287,19 +297,22 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m,cfg", [(48, C(tm=8, tk=256, num_wgs=2, stages=4)),
-                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4)),
-                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True)),
-                                   (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True)),
-                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True)),
-                                   (1536, C(tm=64, tk=256, num_wgs=2, stages=2, chain=True)),
-                                   (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, overlap=True)),
-                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True)),
-                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, two_accs=True)),
-                                   (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2))])
-def test_kernel_gpu(m, cfg):
+@pytest.mark.parametrize("m,cfg,k", [(48, C(tm=8, tk=256, num_wgs=2, stages=4), 512),
+                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4), 512),
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True), 512),
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True), 512),
+                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True), 512),
+                                   (1536, C(tm=64, tk=256, num_wgs=2, stages=2, chain=True), 512),
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, overlap=True), 512),
+                                   (1536, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True), 512),
+                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True,
+                                            two_accs=True), 512),
+                                   (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2), 512),
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, overlap=True), 2560),
+                                   (48, C(tm=8, tk=768, num_wgs=2, stages=3, chain=True, overlap=True), 2304)])
+def test_kernel_gpu(m, cfg, k):
     rng = np.random.default_rng(7)
-    e, n, k = 16, 256, 512
+    e, n = 16, 256
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = _random_weights_bytes(rng, e, n, k)
     gs = np.bincount(rng.integers(0, e, m - 3), minlength=e)

@@ -9,6 +9,8 @@ bit-exactly by the numpy emulation test below and on the GPU (gpu tests and
 scripts/bench_sparse_attention.py).
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,24 @@ gpu = pytest.mark.gpu
 skip_no_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
+def _one_program(f, args, kw):
+  """f(*args, **kw) as one jitted program: array arguments traced, the rest static. Eagerly, the wrappers'
+  and references' array preparation is dozens of small programs, each an XLA compile (~40 ms on the CPU):
+  half of this file's time."""
+  arrays = {n: v for n, v in kw.items() if isinstance(v, (jax.Array, np.ndarray))}
+  static = {n: v for n, v in kw.items() if n not in arrays}
+  return jax.jit(lambda a, ka: f(*a, **ka, **static))(args, arrays)
+
+
+def attend(*args, **kw):
+  return _one_program(sa.sparse_attention, args, kw)
+
+
+def reference(*args, **kw):
+  return _one_program(sa.sparse_attention_reference, args, kw)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5), static_argnames=("p", "pages_per_seq", "ragged"))
 def make_inputs(seed, b, h, d, w, k, p=16, pages_per_seq=4, ragged=True):
   ks = jax.random.split(jax.random.key(seed), 10)
   q = jax.random.normal(ks[0], (b, h, d)).astype(jnp.bfloat16)
@@ -115,7 +135,7 @@ def test_swizzle_offsets_are_a_permutation():
 def test_reference_matches_dense_numpy():
   args = make_inputs(3, 2, 4, 128, 16, 24)
   q, swa_q, swa_s, swa_valid, topk, page_table, kvp, kvs, sink = args
-  out = sa.sparse_attention_reference(*args, out_dtype=jnp.float32)
+  out = reference(*args, out_dtype=jnp.float32)
   qn = np.asarray(q, np.float64)
   swa = np.asarray(sa.dequant_swa_fp8(swa_q, swa_s), np.float64)
   allkv = np.asarray(sa.dequant_kv_fp4(kvp, kvs), np.float64)     # [pages, P, D]
@@ -154,9 +174,8 @@ def test_reference_rope_roundtrip():
 def test_kernel_interpret_matches_reference(b, h, w, k, splits, mode):
   d = 128
   args = make_inputs(10 + b + k, b, h, d, w, k)
-  ref = sa.sparse_attention_reference(*args, out_dtype=jnp.float32)
-  out = sa.sparse_attention(*args, backend="interpret", num_splits=splits,
-                            config=sa.KernelConfig(qk_mode=mode))
+  ref = reference(*args, out_dtype=jnp.float32)
+  out = attend(*args, backend="interpret", num_splits=splits, config=sa.KernelConfig(qk_mode=mode))
   assert out.shape == (b, h, d) and out.dtype == jnp.bfloat16
   out = np.asarray(out, np.float32)
   assert np.all(np.isfinite(out))
@@ -173,8 +192,7 @@ def test_kernel_interpret_consumers_alone_read_no_keys():
   for seed in (1, 2):
     args = list(make_inputs(seed, 2, 16, 128, 16, 40, ragged=False))
     args[0] = make_inputs(1, 2, 16, 128, 16, 40, ragged=False)[0]  # the same queries
-    outs.append(np.asarray(sa.sparse_attention(*args, backend="interpret", num_splits=1, config=cfg),
-                           np.float32))
+    outs.append(np.asarray(attend(*args, backend="interpret", num_splits=1, config=cfg), np.float32))
   np.testing.assert_array_equal(outs[0], outs[1])
 
 
@@ -184,23 +202,24 @@ def test_kernel_interpret_rope_precomputed_rows_three_splits():
   ang = jax.random.uniform(jax.random.key(2), (b, 32)) * 6
   kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True,
             rope_output=True)
-  ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
+  ref = reference(*args, **kw, out_dtype=jnp.float32)
   rows = sa.compressed_rows(args[4], args[5], args[6].shape[1])
-  out = sa.sparse_attention(*args, backend="interpret", rows=rows, num_splits=3, **kw)
+  out = attend(*args, backend="interpret", rows=rows, num_splits=3, **kw)
   assert rel_l2(out, ref) < 1e-2
   # count-style swa_valid gives the same as the equivalent mask
   cnt = jnp.array([5])
   a2 = list(args)
   a2[3] = cnt
-  r2 = sa.sparse_attention(*a2, backend="xla")
+  r2 = attend(*a2, backend="xla")
   a2[3] = jnp.arange(w)[None] < cnt[:, None]
-  np.testing.assert_array_equal(r2, sa.sparse_attention(*a2, backend="xla"))
+  np.testing.assert_array_equal(r2, attend(*a2, backend="xla"))
 
 
 def unfused_and_fused_rope(args, kw, backend, splits, mode):
   """The kernel's outputs (float32) with q / o rotated around it in XLA, then inside it (fuse_rope)."""
-  return [np.asarray(sa.sparse_attention(*args, backend=backend, num_splits=splits, **kw,
-                                         config=sa.KernelConfig(qk_mode=mode, fuse_rope=fuse)), np.float32)
+  run = attend if backend == "interpret" else sa.sparse_attention  # the GPU tests call it as run on the H200
+  return [np.asarray(run(*args, backend=backend, num_splits=splits, **kw,
+                         config=sa.KernelConfig(qk_mode=mode, fuse_rope=fuse)), np.float32)
           for fuse in (False, True)]
 
 
@@ -212,19 +231,20 @@ def test_kernel_interpret_fused_rope_equals_xla_rope(d, splits, mode):
   args = make_inputs(30 + d + splits, b, h, d, w, k, ragged=False)
   ang = jax.random.uniform(jax.random.key(d + splits), (b, 32)) * 6
   kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True)
-  ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
+  ref = reference(*args, **kw, out_dtype=jnp.float32)
   outs = unfused_and_fused_rope(args, kw, "interpret", splits, mode)
   assert rel_l2(outs[1], ref) < 1e-2
   np.testing.assert_array_equal(outs[1], outs[0])
   # only the query rotated (the output left as it is), and a wrong rotation is caught
   q_only = dict(kw, rope_output=False)
-  ref_q = sa.sparse_attention_reference(*args, **q_only, out_dtype=jnp.float32)
-  got = sa.sparse_attention(*args, backend="interpret", num_splits=splits, **q_only,
-                            config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
+  ref_q = reference(*args, **q_only, out_dtype=jnp.float32)
+  got = attend(*args, backend="interpret", num_splits=splits, **q_only,
+               config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
   assert rel_l2(got, ref_q) < 1e-2
-  bad = sa.sparse_attention(*args, backend="interpret", num_splits=splits, **dict(q_only, rope_sin=-kw["rope_sin"]),
-                            config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
-  assert rel_l2(bad, ref_q) > 0.1
+  if d == 128 and splits == 1:  # once: the check itself can fail
+    bad = attend(*args, backend="interpret", num_splits=splits, **dict(q_only, rope_sin=-kw["rope_sin"]),
+                 config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
+    assert rel_l2(bad, ref_q) > 0.1
 
 
 def test_rope_tables():
@@ -250,13 +270,12 @@ def test_kernel_interpret_flat_window_rows():
   rows = rows.at[2].set(-1)
   flat_q, flat_s = swa_q.reshape(n, d), swa_s.reshape(n, d // 32)
   flat = (q, flat_q, flat_s, None, topk, page_table, kvp, kvs, sink)
-  ref = sa.sparse_attention_reference(*flat, swa_rows=rows, out_dtype=jnp.float32)
-  out = sa.sparse_attention(*flat, backend="interpret", swa_rows=rows, num_splits=1)
+  ref = reference(*flat, swa_rows=rows, out_dtype=jnp.float32)
+  out = attend(*flat, backend="interpret", swa_rows=rows, num_splits=1)
   assert rel_l2(out, ref) < 1e-2
   # the same windows copied per row (decode form) give the same reference
   copy_q, copy_s = flat_q[jnp.maximum(rows, 0)], flat_s[jnp.maximum(rows, 0)]
-  ref2 = sa.sparse_attention_reference(q, copy_q, copy_s, rows >= 0, topk, page_table, kvp, kvs, sink,
-                                       out_dtype=jnp.float32)
+  ref2 = reference(q, copy_q, copy_s, rows >= 0, topk, page_table, kvp, kvs, sink, out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(ref), np.asarray(ref2), rtol=1e-6, atol=1e-6)
 
 
@@ -340,8 +359,7 @@ def test_kernel_lowers_for_cuda_at_flash_shapes():
 def test_kernel_gpu_flash_shapes(b, splits, mode):
   args = make_inputs(20 + b, b, 64, 512, 128, 512, p=64, pages_per_seq=16)
   ref = sa.sparse_attention_reference(*args, out_dtype=jnp.float32)
-  out = sa.sparse_attention(*args, backend="pallas", num_splits=splits,
-                            config=sa.KernelConfig(qk_mode=mode))
+  out = sa.sparse_attention(*args, backend="pallas", num_splits=splits, config=sa.KernelConfig(qk_mode=mode))
   out = np.asarray(out, np.float32)
   assert np.all(np.isfinite(out))
   assert rel_l2(out, ref) < 1e-2
