@@ -72,6 +72,9 @@ def test_site_check_tells_rounding_from_a_misread():
 
     cfg = preset("tiny")
     core = block_params(P.init_params(cfg, seed=0))
+    # three blocks (the stack's attention is a stand-in, so the layers differ only in their MoE and mHC
+    # parameters): a misread moves every token from the first block on, and three compile in a third of eight's time
+    core = {**core, "layers": core["layers"][:3]}
     packed = packed_params.pack(core)
     misread = packed_params.PackedParams(packed.big, tuple(jnp.roll(p, 1) for p in packed.packs), packed.treedef,
                                          packed.slots)

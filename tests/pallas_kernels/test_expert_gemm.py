@@ -3,6 +3,8 @@ the Mosaic GPU interpreter (CPU). GPU-only tests run the compiled kernel (marked
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,8 +205,9 @@ def test_kernel_interpret(m, k, n, gs, cfg):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = _random_weights_bytes(rng, e, n, k)
     gsj = jnp.asarray(gs, jnp.int32)
-    y = eg.grouped_fp4_matmul(x, eg.prepare_fp4_experts(w), gsj, backend="interpret", config=cfg)
-    y = np.asarray(y.astype(jnp.float32))
+    # one program (the schedule and row gathers around the kernel would be dozens of small eager compiles)
+    run = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="interpret", config=cfg))
+    y = np.asarray(run(x, eg.prepare_fp4_experts(w), gsj).astype(jnp.float32))
     ref = _np_reference(x, w, gsj)
     assert np.isfinite(y).all()
     assert (y[sum(gs):] == 0).all()
