@@ -89,6 +89,9 @@ def main():
     ap.add_argument("--variants", default="", help="also time these configs, checked: halves (K halves, "
                                                     "KernelConfig.overlap), accs (K halves, an accumulator each)")
     args = ap.parse_args()
+    unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS)
+    if unknown:
+        ap.error(f"--variants {','.join(sorted(unknown))}: choose from {','.join(VARIANTS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     gpu = jax.default_backend() == "gpu"
     if not gpu and not args.tiny:

@@ -89,9 +89,12 @@ def reference_available() -> bool:
         return False
     if probe.returncode != 0:
         return False
-    tmp = stamp_file.with_suffix(f".{os.getpid()}")
-    tmp.write_text(stamp)
-    tmp.replace(stamp_file)  # atomic: two workers may probe at once
+    try:
+        tmp = stamp_file.with_suffix(f".{os.getpid()}")
+        tmp.write_text(stamp)
+        tmp.replace(stamp_file)  # atomic: two workers may probe at once
+    except OSError:  # a read-only environment: the probe is only not remembered
+        pass
     return True
 
 
