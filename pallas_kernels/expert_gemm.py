@@ -361,6 +361,11 @@ class KernelConfig:
     # the decode's integer work says which holds a step when HBM does not (one token: 216 items stream in 17 us
     # with no compute, the kernel takes 33; twenty-first session). GPU only.
     skip_decode: bool = False
+    # Diagnostics (`scripts/trace_expert_gemm.py`): each call writes a per-warpgroup timeline into this directory
+    # (Mosaic GPU's on-device profiler, a Perfetto JSON file a call): the kernel's named regions (cta, item, step,
+    # decode, wait, store) with the SM clock, each CTA's start by the global timer. GPU only; the regions cost a
+    # shared-memory store each, and the trace buffer `TRACE_RANGES` ranges of shared memory a warpgroup.
+    trace_dir: str = ""
 
     @property
     def tn(self) -> int:
@@ -552,6 +557,9 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
     return dequant
 
 
+TRACE_RANGES = 384  # named ranges a warpgroup's trace holds (KernelConfig.trace_dir); later ones are dropped
+
+
 @functools.lru_cache(maxsize=None)
 def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig, interpret: bool,
                   fmt: str = "fp4", out_dtype=jnp.bfloat16):
@@ -602,6 +610,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     else:
         o_shape, o_transforms = (nwg, tm, 64), (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     halves = (0, 1) if cfg.overlap else (None,)  # the K parts of a step decoded and multiplied in turn
+    if cfg.trace_dir and interpret:
+        raise ValueError("trace_dir records the GPU kernel's timeline; the interpreter has none")
     if cfg.skip_decode and interpret:
         raise ValueError("skip_decode times the GPU kernel without its decode; the interpreter has no decode to skip")
     dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h, cfg.skip_decode)
@@ -613,7 +623,11 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     if a_smem_mode:
         scratch["a_smem"] = plgpu.SMEM((nwg, 64, tk), jnp.bfloat16, transforms=x_transforms)
 
-    def kernel(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+    def kernel(*refs, **scratch_refs):
+        with jax.named_scope("cta"):  # named regions are only recorded with cfg.trace_dir
+            kernel_body(*refs, **scratch_refs)
+
+    def kernel_body(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         def get_pipeline(body, compute_context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 body,
@@ -661,33 +675,41 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                     @functools.partial(pl.run_scoped, **accs)
                     def _acc(**acc_refs):
                         refs = tuple(acc_refs[f"acc{i}"] for i in range(len(acc_refs)))
-                        eval_pipeline(refs if cfg.two_accs else refs[0])
-                        y = functools.reduce(jnp.add, [r[...] for r in refs]).astype(out_dtype)  # [64 rows, tm] = y^T
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        if out_t:
-                            o_smem.at[wg][...] = y
-                            dst = o_gmem.at[pl.ds(sp * n + nb * tn + wg * 64, 64), pl.ds(t * tm, tm)]
-                        else:
-                            o_smem.at[wg].transpose((1, 0))[...] = y
-                            dst = o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+                        with jax.named_scope("item"):
+                            eval_pipeline(refs if cfg.two_accs else refs[0])
+                        with jax.named_scope("store"):
+                            y = functools.reduce(jnp.add, [r[...] for r in refs]).astype(out_dtype)  # [64, tm] = y^T
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            if out_t:
+                                o_smem.at[wg][...] = y
+                                dst = o_gmem.at[pl.ds(sp * n + nb * tn + wg * 64, 64), pl.ds(t * tm, tm)]
+                            else:
+                                o_smem.at[wg].transpose((1, 0))[...] = y
+                                dst = o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
-                def mma_body(_, x_smem, w_smem, s_smem, acc):  # acc: one ref, or one for each K half (two_accs)
+                def mma_body(*args):
+                    with jax.named_scope("step"):
+                        return step(*args)
+
+                def step(_, x_smem, w_smem, s_smem, acc):  # acc: one ref, or one for each K half (two_accs)
                     w_wg = w_smem.at[pl.ds(wg * 64, 64)]
                     s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
                     a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None
                     for h in halves:
                         lo, width = (0, tk) if h is None else (h * (tk // 2), tk // 2)
                         ks = pl.ds(lo, width)
-                        a = a_full[:, lo:lo + width] if interpret else dequant[h](w_wg, s_wg)
+                        with jax.named_scope("decode"):
+                            a = a_full[:, lo:lo + width] if interpret else dequant[h](w_wg, s_wg)
                         if a_smem_mode:
                             a_smem.at[wg, :, ks][...] = a
                             plgpu.commit_smem()
                             a = a_smem.at[wg, :, ks]
                         # no wait between the halves: the second half decodes while the first multiplies
                         plgpu.wgmma(acc[h] if cfg.two_accs else acc, a, x_smem.at[:, ks].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+                    with jax.named_scope("wait"):
+                        plgpu.wgmma_wait(0)
                     return acc
 
                 refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(sp * kp, kp)],
@@ -723,7 +745,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         num_threads=nwg + 1,
         thread_name="wg",
         kernel_name="fp8_linear" if fmt == "fp8" else "expert_gemm_fp4",
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=plgpu.CompilerParams(
+            **(dict(profile_space=TRACE_RANGES, profile_dir=cfg.trace_dir, profile_bounds_check=True)
+               if cfg.trace_dir else {})),
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     ))

@@ -30,6 +30,7 @@
 #   bash scripts/h200_checks.sh decoder8      # the FP8 linear kernel's bit layout: GPU tests, with and without decode
 #   bash scripts/h200_checks.sh steps         # the expert GEMM at 1 / 64 tokens with 384-768-input steps (~4 min)
 #   bash scripts/h200_checks.sh longsteps     # the decode defaults' longer steps: GPU tests, engine MoE, 1/8/64 tokens
+#   bash scripts/h200_checks.sh trace         # the expert GEMM's timeline SM by SM at 1 / 8 / 64 tokens (~3 min)
 #   bash scripts/h200_checks.sh accs          # expert GEMM and FP8 linear with an accumulator a K half (~5 min)
 #   bash scripts/h200_checks.sh ksplit        # the expert GEMM's K slices at one token; defaults at 1/8/64 (~4 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
@@ -450,6 +451,18 @@ case "${1:-}" in
       --decode-configs 8x256x4co,8x512x5co,8x256x9co,8x768x3co --skip-baselines --no-mgpu --no-torch \
       --budget-s 180 --out "$OUT/longsteps" > "$OUT/longsteps.txt" 2>&1
     echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/longsteps.txt" | grep -E "kernel|FAIL"
+    ;;
+  trace)
+    # the expert GEMM's timeline SM by SM (scripts/trace_expert_gemm.py: Mosaic GPU's on-device trace): the
+    # decode defaults with and without their decode at 1 / 8 / 64 tokens, then one token with 64-row items
+    # (one compute warpgroup: 432 w1/w3 items, 3.3 waves) (~3 min)
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 10 150 $PY scripts/trace_expert_gemm.py --tokens 1,8,64 --nodecode --out "$OUT/trace" \
+      > "$OUT/trace.txt" 2>&1
+    echo "trace_expert_gemm rc=$?"; grep -vE "^\[|^$" "$OUT/trace.txt" | tail -70
+    timeout -k 10 90 $PY scripts/trace_expert_gemm.py --tokens 1 --configs 8x256x5cow1,8x256x10cow1,8x768x3cow1 \
+      --out "$OUT/trace_wg1" > "$OUT/trace_wg1.txt" 2>&1
+    echo "trace_expert_gemm rc=$?"; grep -vE "^\[|^$" "$OUT/trace_wg1.txt" | tail -30
     ;;
   accs)
     # an accumulator for each K half of a step (KernelConfig.two_accs): is one token held by a step's chain of
