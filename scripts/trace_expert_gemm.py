@@ -179,7 +179,7 @@ def main():
                     call_t, _, _ = beg.kernel_only(x, pw, gs, dataclasses.replace(cfg, trace_dir=d))
                     for _ in range(3):
                         jax.block_until_ready(call_t(*a))
-                    time.sleep(0.5)  # the dump is a host callback
+                    jax.effects_barrier()  # the dump is a host callback
                     files = sorted(glob.glob(os.path.join(d, "*-trace.json")))
                     with open(files[-1]) as fh:
                         trace = json.load(fh)
