@@ -557,7 +557,9 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
     return dequant
 
 
-TRACE_RANGES = 384  # named ranges a warpgroup's trace holds (KernelConfig.trace_dir); later ones are dropped
+# Named ranges a warpgroup's trace holds (KernelConfig.trace_dir); later ones are dropped. 12 KB of shared memory
+# for 3 warpgroups: w1/w3's 5 stages of 512 inputs (215 KB) did not fit with 384 (H200, twenty-fourth session).
+TRACE_RANGES = 256
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,10 +32,11 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+TRACE_RANGES = 256  # pallas_kernels.expert_gemm.TRACE_RANGES (not imported: --parse runs without jax)
 
 
 def regions(trace: dict) -> dict[int, dict]:
@@ -71,15 +72,19 @@ def per_cta(tr: dict[int, dict], traces_per_block: int, wg: int = 0) -> list[dic
         if not cta or not steps:
             continue
         c0 = cta[0][1]
-        gaps, seams = [], []
+        gaps, seams, tails, heads = [], [], [], []
         for it_i, it in enumerate(items):
             its = [s for s in steps if it[1] <= s[1] <= it[2]]
             gaps += [b[1] - a[2] for a, b in zip(its, its[1:])]
+            if its:
+                tails.append(it[2] - its[-1][2])  # last step's end -> the item's pipeline returns
+                heads.append(its[0][1] - it[1])  # the item's pipeline starts -> its first step
             if it_i + 1 < len(items):
                 nxt = [s for s in steps if items[it_i + 1][1] <= s[1] <= items[it_i + 1][2]]
                 if its and nxt:
                     seams.append(nxt[0][1] - its[-1][2])
         dec = by("decode")
+        med0 = lambda v: statistics.median(v) if v else 0.0
         ctas.append(dict(
             sm=t["sm"], start_ns=t["start_ns"], items=len(items), steps=len(steps),
             fill=steps[0][1] - c0, cta=cta[0][2] - c0,
@@ -89,7 +94,12 @@ def per_cta(tr: dict[int, dict], traces_per_block: int, wg: int = 0) -> list[dic
             gap=statistics.median(gaps) if gaps else 0.0,
             seam=statistics.median(seams) if seams else 0.0,
             store=statistics.median(s[2] - s[1] for s in by("store")) if by("store") else 0.0,
-            truncated=len(regs) >= 384 - 2))
+            # the fill split: the CTA's start -> its first item's pipeline (set-up, the schedule's loads), and
+            # that pipeline's start -> its first step (the first stage's data); tail / head: an item's pipeline
+            # around its steps (their sum plus the store and the loop between them is the seam)
+            setup=items[0][1] - c0 if items else 0.0, head0=heads[0] if heads else 0.0,
+            tail=med0(tails), head=med0(heads[1:]),
+            truncated=len(regs) >= TRACE_RANGES - 1, regs=regs if len(ctas) < 4 else None))
     return ctas
 
 
@@ -102,8 +112,9 @@ def summarise(ctas: list[dict], ghz: float) -> list[dict]:
         starts = [(c["start_ns"] - t0) / 1e3 for c in g]
         ends = [(c["start_ns"] - t0) / 1e3 + c["cta"] / ghz / 1e3 for c in g]
         rows.append(dict(items=n_items, ctas=len(g), steps=med("steps"), start_med=statistics.median(starts),
-                         start_max=max(starts), fill=med("fill"), step=med("step"), decode=med("decode"),
-                         wait=med("wait"), gap=med("gap"), seam=med("seam"), store=med("store"), cta=med("cta"),
+                         start_max=max(starts), fill=med("fill"), setup=med("setup"), head0=med("head0"),
+                         step=med("step"), decode=med("decode"), wait=med("wait"), gap=med("gap"),
+                         seam=med("seam"), tail=med("tail"), head=med("head"), store=med("store"), cta=med("cta"),
                          end_med=statistics.median(ends), end_max=max(ends),
                          truncated=sum(c["truncated"] for c in g)))
     return rows
@@ -111,13 +122,15 @@ def summarise(ctas: list[dict], ghz: float) -> list[dict]:
 
 def print_rows(title: str, rows: list[dict], ghz: float):
     print(f"\n{title}")
-    hdr = (f"{'items':>5}{'ctas':>5}{'steps':>6}{'start us':>10}{'(max)':>7}{'fill cyc':>9}{'step':>7}{'decode':>7}"
-           f"{'wait':>6}{'gap':>6}{'seam':>6}{'store':>6}{'cta cyc':>9}{'end us':>8}{'(max)':>7}")
+    hdr = (f"{'items':>5}{'ctas':>5}{'steps':>6}{'start us':>10}{'(max)':>7}{'fill cyc':>9}{'=setup':>7}{'+head':>6}"
+           f"{'step':>6}{'decode':>7}{'wait':>5}{'gap':>5}{'seam':>6}{'tail':>5}{'store':>6}{'head':>5}"
+           f"{'cta cyc':>8}{'end us':>8}{'(max)':>7}")
     print(hdr)
     for r in rows:
         print(f"{r['items']:>5}{r['ctas']:>5}{r['steps']:>6.0f}{r['start_med']:>10.2f}{r['start_max']:>7.2f}"
-              f"{r['fill']:>9.0f}{r['step']:>7.0f}{r['decode']:>7.0f}{r['wait']:>6.0f}{r['gap']:>6.0f}"
-              f"{r['seam']:>6.0f}{r['store']:>6.0f}{r['cta']:>9.0f}{r['end_med']:>8.2f}{r['end_max']:>7.2f}"
+              f"{r['fill']:>9.0f}{r['setup']:>7.0f}{r['head0']:>6.0f}{r['step']:>6.0f}{r['decode']:>7.0f}"
+              f"{r['wait']:>5.0f}{r['gap']:>5.0f}{r['seam']:>6.0f}{r['tail']:>5.0f}{r['store']:>6.0f}{r['head']:>5.0f}"
+              f"{r['cta']:>8.0f}{r['end_med']:>8.2f}{r['end_max']:>7.2f}"
               + (f"  ({r['truncated']} truncated)" if r["truncated"] else ""))
 
 
