@@ -366,6 +366,13 @@ class KernelConfig:
     # decode, wait, store) with the SM clock, each CTA's start by the global timer. GPU only; the regions cost a
     # shared-memory store each, and the trace buffer `TRACE_RANGES` ranges of shared memory a warpgroup.
     trace_dir: str = ""
+    # Stream-K (decode tiles, tm 8): each SM takes a contiguous range of the call's (work item, K step) sequence
+    # through one pipeline over a dynamic number of steps, its accumulator zeroed at an item's first step and
+    # stored at its last, instead of whole items dealt round robin. At one token w1/w3's 216 items on 132 SMs
+    # give 84 SMs two and 48 one, and the compute (not HBM) sets each SM's pace (twenty-fourth session's trace):
+    # even ranges cut the busiest SMs' steps from 40 to 33. A range is at least one item long, so an item spans
+    # at most two SMs; its two halves are float32 partials (2 an SM) that `run_kernel` sums, one bf16 rounding.
+    stream: bool = False
 
     @property
     def tn(self) -> int:
@@ -557,6 +564,36 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
     return dequant
 
 
+def stream_range(live_tiles, sm, steps_a_tile: int, k_iters: int, num_sms: int):
+    """Stream-K (`KernelConfig.stream`): SM sm's range [lo, hi) of the call's (item, K step) sequence, items
+    t-major. Ranges are at least one item (k_iters steps) long, so an item spans at most two SMs."""
+    total = live_tiles * steps_a_tile
+    per_sm = jnp.maximum((total + num_sms - 1) // num_sms, k_iters)
+    lo = jnp.minimum(sm * per_sm, total)
+    return lo, jnp.minimum(lo + per_sm, total)
+
+
+def _stream_fixup(y: jax.Array, part: jax.Array, live_tiles: jax.Array, n_blocks: int, k_iters: int,
+                  num_sms: int, tm: int) -> jax.Array:
+    """y bf16 [t_max * tm, N] of a stream-K call, with the items split between two SMs replaced by the sum of
+    their float32 partials (part [SMs * 2 * tn, tm] = y^T per SM: slot 0 the end of an item begun on the SM
+    before, slot 1 the beginning of one that ends on the next), rounded once. A gather and a select that XLA
+    fuses with y's consumer; no scatter."""
+    t_max = y.shape[0] // tm
+    n = y.shape[1]
+    tn = n // n_blocks
+    total = live_tiles[0] * (n_blocks * k_iters)
+    per_sm = jnp.maximum((total + num_sms - 1) // num_sms, k_iters)
+    j = jnp.arange(t_max * n_blocks)
+    first, last = j * k_iters // per_sm, ((j + 1) * k_iters - 1) // per_sm  # the SMs of its first / last step
+    split = (first != last) & (j < live_tiles[0] * n_blocks)
+    part = part.reshape(num_sms, 2, tn, tm)
+    summed = part[first, 1] + part[jnp.minimum(last, num_sms - 1), 0]  # [items, tn, tm]
+    tiles = y.reshape(t_max, tm, n_blocks, tn).transpose(0, 2, 1, 3).reshape(t_max * n_blocks, tm, tn)
+    tiles = jnp.where(split[:, None, None], summed.transpose(0, 2, 1).astype(y.dtype), tiles)
+    return tiles.reshape(t_max, n_blocks, tm, tn).transpose(0, 2, 1, 3).reshape(t_max * tm, n)
+
+
 # Named ranges a warpgroup's trace holds (KernelConfig.trace_dir); later ones are dropped. 12 KB of shared memory
 # for 3 warpgroups: w1/w3's 5 stages of 512 inputs (215 KB) did not fit with 384 (H200, twenty-fourth session).
 TRACE_RANGES = 256
@@ -612,6 +649,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     else:
         o_shape, o_transforms = (nwg, tm, 64), (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     halves = (0, 1) if cfg.overlap else (None,)  # the K parts of a step decoded and multiplied in turn
+    if cfg.stream and (tm != 8 or ks != 1 or cfg.two_accs or out_dtype != jnp.bfloat16):
+        raise ValueError("stream runs 8-row decode tiles with whole K and one accumulator: tm=8, ksplit=1, "
+                         "two_accs=False")
     if cfg.trace_dir and interpret:
         raise ValueError("trace_dir records the GPU kernel's timeline; the interpreter has none")
     if cfg.skip_decode and interpret:
@@ -625,9 +665,116 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     if a_smem_mode:
         scratch["a_smem"] = plgpu.SMEM((nwg, 64, tk), jnp.bfloat16, transforms=x_transforms)
 
+    def multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem):
+        """One pipeline step of warpgroup wg: decode its 64 weight rows of the stage and multiply them into acc (one
+        ref, or one for each K half with two_accs), then wait for the tensor cores."""
+        w_wg = w_smem.at[pl.ds(wg * 64, 64)]
+        s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
+        a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None
+        for h in halves:
+            lo, width = (0, tk) if h is None else (h * (tk // 2), tk // 2)
+            ks = pl.ds(lo, width)
+            with jax.named_scope("decode"):
+                a = a_full[:, lo:lo + width] if interpret else dequant[h](w_wg, s_wg)
+            if a_smem_mode:
+                a_smem.at[wg, :, ks][...] = a
+                plgpu.commit_smem()
+                a = a_smem.at[wg, :, ks]
+            # no wait between the halves: the second half decodes while the first multiplies
+            plgpu.wgmma(acc[h] if cfg.two_accs else acc, a, x_smem.at[:, ks].transpose((1, 0)))
+        with jax.named_scope("wait"):
+            plgpu.wgmma_wait(0)
+
     def kernel(*refs, **scratch_refs):
         with jax.named_scope("cta"):  # named regions are only recorded with cfg.trace_dir
-            kernel_body(*refs, **scratch_refs)
+            (stream_body if cfg.stream else kernel_body)(*refs, **scratch_refs)
+
+    num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
+
+    def stream_body(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, p_gmem, o_smem, p_smem,
+                    a_smem=None):
+        # w_gmem [E * N, K/2 or K] and s_gmem [E * K/32, N]: the weights flattened over experts (`run_kernel`), so
+        # that a block index names an expert's rows
+        sm, wg = jax.lax.axis_index("sm"), jax.lax.axis_index("wg")
+        lo, hi = stream_range(nl_gmem[0], sm, n_blocks * k_iters, k_iters, num_sms)
+
+        def at(i):  # pipeline step i of this SM -> (item, K step, tile, N block)
+            g = lo + i
+            item = g // k_iters
+            return item, g % k_iters, item // n_blocks, item % n_blocks
+
+        def x_block(i):
+            _, kk, t, _ = at(i)
+            return tr_gmem[t] // tm, kk  # tile rows start on a multiple of 8 = tm
+
+        def w_block(i):
+            _, kk, t, nb = at(i)
+            return te_gmem[t] * n_blocks + nb, kk
+
+        def s_block(i):
+            _, kk, t, nb = at(i)
+            return te_gmem[t] * k_iters + kk, nb
+
+        def step(idx, x_smem, w_smem, s_smem, acc):  # acc: the running sum, a value [64 rows, tm] = y^T
+            (i,) = idx
+            item, kk, t, nb = at(i)
+            with jax.named_scope("step"):
+                # each step multiplies into a fresh accumulator added to the running sum, a value carried from step
+                # to step: zeroing one accumulator between items (`acc_ref[...] = 0`, or `pl.run_state` over
+                # `ACC.init`) does not run in the interpreter
+                @functools.partial(pl.run_scoped, ref=plgpu.ACC((64, tm), jnp.float32))
+                def y_step(ref):
+                    multiply_step(wg, x_smem, w_smem, s_smem, ref, a_smem)
+                    return ref[...]
+
+                y = acc + y_step
+            item_done = kk == k_iters - 1
+            range_done = i == hi - lo - 1
+            whole = item * k_iters >= lo
+
+            @pl.when(item_done & whole)
+            def _store():
+                with jax.named_scope("store"):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem.at[wg].transpose((1, 0))[...] = y.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)])
+
+            @pl.when((item_done & ~whole) | (range_done & ~item_done))
+            def _store_partial():  # slot 0: the item began on the SM before; slot 1: it ends on the next
+                with jax.named_scope("store"):
+                    slot = jnp.where(item_done, 0, 1)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    p_smem.at[wg][...] = y
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(p_smem.at[wg], p_gmem.at[pl.ds(((sm * 2 + slot) * nwg + wg) * 64, 64)])
+
+            return y * jnp.where(item_done, 0.0, 1.0)  # the next step starts the next item from zero
+
+        def compute_context(eval_pipeline):
+            with jax.named_scope("item"):
+                eval_pipeline(jnp.zeros((64, tm), jnp.float32))
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(hi - lo,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tm, tk), x_block, transforms=x_transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((tn, tkp), w_block, transforms=w_transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((gs, tn), s_block, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=nwg,
+            max_concurrent_steps=cfg.stages,
+            compute_context=compute_context,
+        )
+
+        @pl.when(hi > lo)
+        def _run():
+            pipeline(x_gmem, w_gmem, s_gmem)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def kernel_body(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         def get_pipeline(body, compute_context, state=None):
@@ -691,27 +838,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
-                def mma_body(*args):
+                def mma_body(_, x_smem, w_smem, s_smem, acc):
                     with jax.named_scope("step"):
-                        return step(*args)
-
-                def step(_, x_smem, w_smem, s_smem, acc):  # acc: one ref, or one for each K half (two_accs)
-                    w_wg = w_smem.at[pl.ds(wg * 64, 64)]
-                    s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
-                    a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None
-                    for h in halves:
-                        lo, width = (0, tk) if h is None else (h * (tk // 2), tk // 2)
-                        ks = pl.ds(lo, width)
-                        with jax.named_scope("decode"):
-                            a = a_full[:, lo:lo + width] if interpret else dequant[h](w_wg, s_wg)
-                        if a_smem_mode:
-                            a_smem.at[wg, :, ks][...] = a
-                            plgpu.commit_smem()
-                            a = a_smem.at[wg, :, ks]
-                        # no wait between the halves: the second half decodes while the first multiplies
-                        plgpu.wgmma(acc[h] if cfg.two_accs else acc, a, x_smem.at[:, ks].transpose((1, 0)))
-                    with jax.named_scope("wait"):
-                        plgpu.wgmma_wait(0)
+                        multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem)
                     return acc
 
                 refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(sp * kp, kp)],
@@ -736,12 +865,16 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
     # jit-wrapped and cached: the model is unrolled over its layers, and a program lowers a jitted kernel once
     # however many layers call it (scripts/time_lowering.py: 8.8 s instead of 38.6 s)
+    out_type = jax.ShapeDtypeStruct((ks * n, t_max * tm) if out_t else (t_max * tm, n), out_dtype)
+    if cfg.stream:  # y, and the float32 partials y^T [SMs x 2 slots x tn, tm] of the items split between SMs
+        out_type = (out_type, jax.ShapeDtypeStruct((num_sms * 2 * tn, tm), jnp.float32))
+        scratch["p_smem"] = plgpu.SMEM((nwg, 64, tm), jnp.float32,
+                                       transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
     return jax.jit(plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((ks * n, t_max * tm) if out_t else (t_max * tm, n), out_dtype),
+        out_type=out_type,
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=nwg + 1,
@@ -793,6 +926,10 @@ def run_kernel(live, tile_expert, tile_row, x, weight, scale_t, *, e: int, t_max
     m, k = x.shape
     n = weight.shape[1]
     args = (live, tile_expert, tile_row, x.astype(jnp.bfloat16), weight, scale_t)
+    if cfg.stream:
+        y, part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(
+            *args[:4], weight.reshape(e * n, -1), scale_t.reshape(-1, n))
+        return _stream_fixup(y, part, live, n // cfg.tn, k // cfg.tk, 2 if interpret else _num_sms(), cfg.tm)
     if cfg.ksplit == 1:
         return _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(*args)
     part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt, out_dtype=jnp.float32)(*args)

@@ -72,7 +72,7 @@ def label(cfg):
     return (f"tm{cfg.tm} tk{cfg.tk} wg{cfg.num_wgs} st{cfg.stages}" + (" chain" if cfg.chain else "")
             + (f" ks{cfg.ksplit}" if cfg.ksplit > 1 else "") + (" A-in-smem" if cfg.a_smem else "")
             + (" overlap" if cfg.overlap else "") + (" 2acc" if cfg.two_accs else "")
-            + (" NO-DECODE" if cfg.skip_decode else ""))
+            + (" NO-DECODE" if cfg.skip_decode else "") + (" stream-K" if cfg.stream else ""))
 
 
 def elapsed():
@@ -461,10 +461,11 @@ def main():
                                               "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
     ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
     ap.add_argument("--prefill-configs", default="",
-                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][a][n][wW][kK] (c: "
+                    help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][a][n][s][wW][kK] (c: "
                          "chained; o: decode and multiply in two halves of K, KernelConfig.overlap; a: with o, an "
                          "accumulator for each half, KernelConfig.two_accs; n: no decode, timing only, its check "
-                         "fails; wW: W compute warpgroups, default 2; kK: K slices, KernelConfig.ksplit), e.g. "
+                         "fails; s: stream-K, KernelConfig.stream; wW: W compute warpgroups, default 2; kK: K slices, "
+                         "KernelConfig.ksplit), e.g. "
                          "128x128x4,64x256x4co,8x256x4cok5")
     ap.add_argument("--decode-configs", default="", help="decode configs to time instead of the default, as "
                                                          "--prefill-configs")
@@ -497,21 +498,22 @@ def main():
 
 
 def parse_configs(spec):
-    """'TMxTKxSTAGES[c][o][a][n][wW][kK],...' -> [KernelConfig], or None. c: chained, o: overlap, a: an
-    accumulator for each K half (two_accs, with o), n: no decode (timing only: KernelConfig.skip_decode), wW: W
+    """'TMxTKxSTAGES[c][o][a][n][s][wW][kK],...' -> [KernelConfig], or None. c: chained, o: overlap, a: an
+    accumulator for each K half (two_accs, with o), n: no decode (timing only: KernelConfig.skip_decode), s:
+    stream-K (KernelConfig.stream), wW: W
     compute warpgroups (default 2), kK: K slices (ksplit). A config that does not fit a weight's N or K is
     skipped for that weight."""
     out = []
     for item in filter(None, spec.split(",")):
         tm, tk, st = item.split("x")
-        m = re.fullmatch(r"(\d+)([coan]*)(?:w(\d))?(?:k(\d+))?", st)
+        m = re.fullmatch(r"(\d+)([coans]*)(?:w(\d))?(?:k(\d+))?", st)
         if m is None:
-            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][a][n][wW][kK], e.g. 8x256x4co, 8x256x4cow3 "
+            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][a][n][s][wW][kK], e.g. 8x256x4co, 8x256x4cow3 "
                              "or 8x256x4cok5")
         flags = m.group(2)
         out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=int(m.group(3) or 2), stages=int(m.group(1)),
                                    chain="c" in flags, overlap="o" in flags, two_accs="a" in flags,
-                                   skip_decode="n" in flags, ksplit=int(m.group(4) or 1)))
+                                   skip_decode="n" in flags, stream="s" in flags, ksplit=int(m.group(4) or 1)))
     return out or None
 
 

@@ -195,6 +195,10 @@ INTERP_CASES = [
     (24, 512, 128, [0, 9, 0, 15, 0], C(tm=16, tk=256, num_wgs=1, stages=2, overlap=True)),
     # an accumulator for each half (KernelConfig.two_accs), chained
     (40, 256, 128, [5, 0, 17, 3, 15], C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, overlap=True, two_accs=True)),
+    # stream-K: the 2 SMs' ranges of (item, K step); odd item counts (3 and 21 items of 4 and 3 steps) split an
+    # item between them (float32 partials summed outside); two halves of K a step in the first
+    (20, 256, 128, [7, 0, 11], C(tm=8, tk=128, num_wgs=2, stages=2, overlap=True, stream=True)),
+    (40, 192, 192, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, stream=True)),
 ]
 
 
@@ -214,6 +218,21 @@ def test_kernel_interpret(m, k, n, gs, cfg):
     assert _rel(y, ref) < 5e-3
     for r in range(sum(gs)):  # row by row: a misplaced row fails even if the norm passes
         assert np.abs(y[r] - ref[r]).max() <= 2e-2 * np.abs(ref[r]).max() + 1e-6, r
+
+
+def test_stream_ranges_split_each_item_at_most_once():
+    """Stream-K ranges: contiguous, covering the call's steps, each at least an item long, so that an item spans
+    at most two SMs (the fix-up sums two partials); the fix-up's split items are those a range boundary cuts."""
+    for live, steps_a_tile, k_iters, sms in [(3, 4, 4, 2), (216, 20, 20, 132), (1, 20, 20, 132), (7, 9, 3, 2)]:
+        r = [tuple(int(v) for v in eg.stream_range(jnp.int32(live), sm, steps_a_tile, k_iters, sms))
+             for sm in range(sms)]
+        total = live * steps_a_tile
+        assert r[0][0] == 0 and r[-1][1] == total and all(a[1] == b[0] for a, b in zip(r, r[1:]))
+        assert all(hi - lo >= k_iters for lo, hi in r if hi < total)
+        cut = {hi // k_iters for lo, hi in r if 0 < hi < total and hi % k_iters}
+        for item in range(total // k_iters):
+            owners = {sm for sm, (lo, hi) in enumerate(r) if lo < (item + 1) * k_iters and hi > item * k_iters}
+            assert len(owners) == (2 if item in cut else 1), (live, item, owners)
 
 
 def test_kernel_interpret_all_groups_empty():
@@ -265,7 +284,9 @@ def test_ksplit_lowers_for_cuda(n, k, cfg):
                                    (6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, two_accs=True)),
                                    (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, overlap=True)),
                                    (12288, C(tm=64, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
-                                   (12288, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True))])
+                                   (12288, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True)),
+                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, overlap=True, stream=True)),
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True))])
 def test_overlap_lowers_for_cuda(m, cfg):
     """Each step's tile decoded and multiplied in two halves of K (register A halves, two wgmmas, one wait) at
     Flash's fused w1/w3 shape, through the Mosaic GPU lowering for sm_90a (decode, a 2048-token chunk over 384
@@ -312,7 +333,9 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                             two_accs=True), 512),
                                    (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2), 512),
                                    (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, overlap=True), 2560),
-                                   (48, C(tm=8, tk=768, num_wgs=2, stages=3, chain=True, overlap=True), 2304)])
+                                   (48, C(tm=8, tk=768, num_wgs=2, stages=3, chain=True, overlap=True), 2304),
+                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, overlap=True, stream=True), 5120),
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True), 2560)])
 def test_kernel_gpu(m, cfg, k):
     rng = np.random.default_rng(7)
     e, n = 16, 256
