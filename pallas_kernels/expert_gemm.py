@@ -372,6 +372,8 @@ class KernelConfig:
     # give 84 SMs two and 48 one, and the compute (not HBM) sets each SM's pace (twenty-fourth session's trace):
     # even ranges cut the busiest SMs' steps from 40 to 33. A range is at least one item long, so an item spans
     # at most two SMs; its two halves are float32 partials (2 an SM) that `run_kernel` sums, one bf16 rounding.
+    # On the H200 (twenty-fourth session) correct and, as built, slower: w1/w3 at one token 31.6 us with the
+    # partials' sum against 27.6 chained (docs/KERNELS_EXPERT_GEMM.md). Off by default.
     stream: bool = False
 
     @property
