@@ -367,7 +367,7 @@ class KernelConfig:
     # shared-memory store each, and the trace buffer `TRACE_RANGES` ranges of shared memory a warpgroup.
     trace_dir: str = ""
     # Stream-K (decode tiles, tm 8): each SM takes a contiguous range of the call's (work item, K step) sequence
-    # through one pipeline over a dynamic number of steps, its accumulator zeroed at an item's first step and
+    # through one pipeline over a dynamic number of steps, its running sum restarted at an item's first step and
     # stored at its last, instead of whole items dealt round robin. At one token w1/w3's 216 items on 132 SMs
     # give 84 SMs two and 48 one, and the compute (not HBM) sets each SM's pace (twenty-fourth session's trace):
     # even ranges cut the busiest SMs' steps from 40 to 33. A range is at least one item long, so an item spans
@@ -566,13 +566,17 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
     return dequant
 
 
+def _stream_steps_an_sm(total, k_iters: int, num_sms: int):
+    # at least one item, so that an item spans at most two SMs
+    return jnp.maximum((total + num_sms - 1) // num_sms, k_iters)
+
+
 def stream_range(live_tiles, sm, steps_a_tile: int, k_iters: int, num_sms: int):
     """Stream-K (`KernelConfig.stream`): SM sm's range [lo, hi) of the call's (item, K step) sequence, items
     t-major. Ranges are at least one item (k_iters steps) long, so an item spans at most two SMs."""
     total = live_tiles * steps_a_tile
-    per_sm = jnp.maximum((total + num_sms - 1) // num_sms, k_iters)
-    lo = jnp.minimum(sm * per_sm, total)
-    return lo, jnp.minimum(lo + per_sm, total)
+    lo = jnp.minimum(sm * _stream_steps_an_sm(total, k_iters, num_sms), total)
+    return lo, jnp.minimum(lo + _stream_steps_an_sm(total, k_iters, num_sms), total)
 
 
 def _stream_fixup(y: jax.Array, part: jax.Array, live_tiles: jax.Array, n_blocks: int, k_iters: int,
@@ -584,8 +588,7 @@ def _stream_fixup(y: jax.Array, part: jax.Array, live_tiles: jax.Array, n_blocks
     t_max = y.shape[0] // tm
     n = y.shape[1]
     tn = n // n_blocks
-    total = live_tiles[0] * (n_blocks * k_iters)
-    per_sm = jnp.maximum((total + num_sms - 1) // num_sms, k_iters)
+    per_sm = _stream_steps_an_sm(live_tiles[0] * (n_blocks * k_iters), k_iters, num_sms)
     j = jnp.arange(t_max * n_blocks)
     first, last = j * k_iters // per_sm, ((j + 1) * k_iters - 1) // per_sm  # the SMs of its first / last step
     split = (first != last) & (j < live_tiles[0] * n_blocks)
