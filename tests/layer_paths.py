@@ -8,6 +8,8 @@ layer's own error."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -49,12 +51,19 @@ def attention_diffs(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, bac
 
 
 def attention_diffs_each(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, backend: str,
-                         opts_list) -> list[np.ndarray]:
+                         opts_list, with_pool: bool = False):
     """`attention_diffs` for each of several kernel-path options, in one program: each option's kernel path
     reads the same stream and pool (the XLA path's), so the results are those of one call per option, while the
     XLA path and the rest of the model are traced and compiled once (a CPU compile of the tiny preset's program
-    is ~15 s). -> one [n_layers] array per option."""
+    is ~15 s). -> one [n_layers] array per option; with_pool: (those, the pool the XLA path wrote), so that a
+    chunk can fill the pool for the next through the same program (one compile fewer than `fill`'s)."""
+    diffs, new_pool = _both_paths(cfg, num, backend, tuple(opts_list), with_pool)(core, pool, b)
+    diffs = [np.asarray(d) for d in diffs]
+    return (diffs, new_pool) if with_pool else diffs
 
+
+@functools.cache  # one jitted program per setting: a second chunk of the same shapes reuses its compile
+def _both_paths(cfg, num, backend: str, opts_list: tuple, with_pool: bool):
     @jax.jit
     def both_paths(core, pool, b):  # params as an argument: a closure would embed them in the program
         h, pre = model.embed(core, b.tokens, cfg, num)
@@ -80,6 +89,6 @@ def attention_diffs_each(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num
                 return y
 
             h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn)
-        return [jnp.stack(d) for d in diffs]
+        return [jnp.stack(d) for d in diffs], (pool if with_pool else None)
 
-    return [np.asarray(d) for d in both_paths(core, pool, b)]
+    return both_paths

@@ -1,4 +1,9 @@
-"""Radix-select top-k (dsv41/topk.py) against lax.top_k: the same positions, ties to the lower position."""
+"""Radix-select top-k (dsv41/topk.py) against lax.top_k: the same positions, ties to the lower position.
+
+Each test's selections run as jitted programs: eagerly, radix select's passes are dozens of small programs, each
+an XLA compile (~40 ms on the CPU)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +14,10 @@ from dsv41 import topk
 
 
 def _lax_positions(x, k):
-    return np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1)
+    return np.sort(np.asarray(_lax_top_k(x, k)), axis=-1)
+
+
+_lax_top_k = jax.jit(lambda x, k: jax.lax.top_k(x, k)[1], static_argnums=1)
 
 
 @pytest.mark.parametrize("shape, k, levels", [
@@ -39,9 +47,14 @@ def test_placement_takes_the_lowest_ties(n):
     rng = np.random.default_rng(n)
     x = jnp.asarray(np.round(rng.standard_normal((2, n)) * 2), jnp.float32)  # five or so values: ties everywhere
     k = n // 3
-    keys = topk.order_keys(x)
-    got = topk.positions_from_threshold(keys, topk.kth_largest_key(keys, k), k)
+    got = _placed(x, k)
     np.testing.assert_array_equal(np.asarray(got), _lax_positions(x, k))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _placed(x, k):
+    keys = topk.order_keys(x)
+    return topk.positions_from_threshold(keys, topk.kth_largest_key(keys, k), k)
 
 
 def test_order_keys_preserve_order():
@@ -62,9 +75,10 @@ def test_indexer_topk_entries_same_with_either_method():
     g = np.where(np.arange(N)[None, None] < visible, np.arange(N)[None, None], -1).repeat(S, 1)
     s = np.where(g >= 0, s, -np.inf)
     sj, gj = jnp.asarray(s), jnp.asarray(g, jnp.int32)
-    want = il.topk_entries(sj, gj, k, method="lax")
-    for variant in topk.RADIX_VARIANTS:
-        np.testing.assert_array_equal(np.asarray(il.topk_entries(sj, gj, k, method=variant)), np.asarray(want))
+    want, *got = jax.jit(lambda s, g: [il.topk_entries(s, g, k, method=m) for m in ("lax", *topk.RADIX_VARIANTS)])(
+        sj, gj)
+    for variant, ids in zip(topk.RADIX_VARIANTS, got):
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want), err_msg=variant)
     assert (np.asarray(want)[1, :, 40:] == -1).all() and (np.asarray(want)[2] == -1).all()
 
 
@@ -74,10 +88,12 @@ def test_auto_method_takes_radix_from_64_rows(monkeypatch):
     calls = []
     real = topk.top_k_positions
     monkeypatch.setattr(il.topk, "top_k_positions", lambda x, k, *a: calls.append(x.shape) or real(x, k, *a))
+    both = jax.jit(lambda s: (il.topk_entries(s, jnp.arange(100, dtype=jnp.int32), 10),
+                              il.topk_entries(s, jnp.arange(100), 10, "lax")))  # traced once a shape: one call
     for rows in (il.RADIX_MIN_ROWS - 1, il.RADIX_MIN_ROWS):
         s = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1, 100)), jnp.float32)
-        got = il.topk_entries(s, jnp.arange(100, dtype=jnp.int32), 10)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(il.topk_entries(s, jnp.arange(100), 10, "lax")))
+        got, want = both(s)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert calls == [(il.RADIX_MIN_ROWS, 1, 100)]
 
 
@@ -96,6 +112,8 @@ def test_auto_method_takes_the_threshold_kernel_only_where_timed(monkeypatch):
              (1, wide - 8, True, False), (1, narrow, True, False), (many, narrow - 8, True, False),
              (many + 1, wide, True, False), (1, wide, False, False)]
     for rows, width, kernel_ok, _ in cases:
-        s = jnp.zeros((rows, 1, width), jnp.float32)
-        il.topk_entries(s, jnp.arange(width, dtype=jnp.int32), 4, kernel_ok=kernel_ok)
+        # traced, not run: the choice is made while tracing, and the results are not what this test reads (run
+        # eagerly, the radix passes over these widths were ~130 small compiles)
+        jax.eval_shape(lambda s, e: il.topk_entries(s, e, 4, kernel_ok=kernel_ok),
+                       jax.ShapeDtypeStruct((rows, 1, width), jnp.float32), jax.ShapeDtypeStruct((width,), jnp.int32))
     assert calls == [(rows, 1, width) for rows, width, _, kernel in cases if kernel]

@@ -3,6 +3,8 @@ interpreter (CPU) against a float64 reference; GPU tests (marked `gpu`) run the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -22,12 +24,19 @@ def _random_fp8(rng, n, k, lo=112, hi=130):
     return Fp8Weight(jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale))
 
 
+# The kernels' calls and the XLA products as jitted programs: eagerly, their array preparation is dozens of small
+# programs, each an XLA compile (~40 ms on the CPU): most of the interpreter tests' time. (prepare_fp8_linear stays
+# eager: its scale-byte check reads concrete values.)
+_fp8_linear = jax.jit(f8.fp8_linear)
+_dequantize_f32 = jax.jit(lambda w: w.dequantize(jnp.float32))
+
+
 def _ref64(x, w):
-    return np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
+    return np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(_dequantize_f32(w), np.float64).T
 
 
 def _rel(a, b):
-    a = np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+    a = np.asarray(a).astype(np.float64)  # bf16 / f32 -> f64: exact
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
@@ -36,19 +45,26 @@ def test_prepare_roundtrip_and_decode_model():
     w = _random_fp8(rng, 128, 512)
     p = f8.prepare_fp8_linear(w, num_splits=num_splits)
     assert p.weight.shape == (1, 128, 512) and p.shape == (128, 512) and p.splits == num_splits
-    back = f8.unprepare_fp8_linear(p)
+    back = jax.jit(f8.unprepare_fp8_linear)(p)
     assert (np.asarray(back.weight).view(np.uint8) == np.asarray(w.weight).view(np.uint8)).all()
     assert (np.asarray(back.scale) == np.asarray(w.scale)).all()
     # the interpreter's model of the register decoder, tile by tile, equals dequantize in bf16
-    dense = np.asarray(w.dequantize(jnp.float32))
+    dense = np.asarray(_dequantize_f32(w))
+    tiles = _decoded_tiles(p.weight, p.scale_t)
     for r0 in (0, 64):
         for k0 in range(0, 512, 128):
-            tile = eg._dequant_tile8_jnp(p.weight[0, r0:r0 + 64, k0:k0 + 128],
-                                         p.scale_t[0, k0 // 32:k0 // 32 + 4, r0:r0 + 64])
             want = dense[r0:r0 + 64, k0:k0 + 128]
-            np.testing.assert_array_equal(np.asarray(tile.astype(jnp.float32)),
+            np.testing.assert_array_equal(np.asarray(tiles[r0, k0]).astype(np.float32),
                                           want.astype(ml_dtypes.bfloat16).astype(np.float32))
-    assert np.asarray(p.dequantize(jnp.float32)).tobytes() == dense.tobytes()
+    assert np.asarray(_dequantize_f32(p)).tobytes() == dense.tobytes()
+
+
+@jax.jit  # one program: eagerly, each tile's slices and decode are a dozen compiles
+def _decoded_tiles(weight, scale_t):
+    """{(r0, k0): eg._dequant_tile8_jnp of the 64 x 128 tile at rows r0, inputs k0} over a [1, N, K] weight."""
+    return {(r0, k0): eg._dequant_tile8_jnp(weight[0, r0:r0 + 64, k0:k0 + 128],
+                                            scale_t[0, k0 // 32:k0 // 32 + 4, r0:r0 + 64])
+            for r0 in range(0, weight.shape[1], 64) for k0 in range(0, weight.shape[2], 128)}
 
 
 def test_splits_give_every_sm_work():
@@ -84,22 +100,29 @@ def test_kernel_interpret(m, n, k, num_splits):
     w = _random_fp8(rng, n, k)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     p = f8.prepare_fp8_linear(w, interpret=True, num_splits=num_splits)
-    y = f8.fp8_linear(x, p)
+    y = _fp8_linear(x, p)
     assert y.shape == (m, n) and y.dtype == jnp.bfloat16
     ref = _ref64(x, w)
-    assert np.isfinite(np.asarray(y.astype(jnp.float32))).all()
+    yf = np.asarray(y).astype(np.float32)
+    assert np.isfinite(yf).all()
     assert _rel(y, ref) < 5e-3
     for r in range(m):  # row by row: a misplaced row fails even if the norm passes
-        assert np.abs(np.asarray(y[r].astype(jnp.float32)) - ref[r]).max() <= 2e-2 * np.abs(ref[r]).max() + 1e-6
+        assert np.abs(yf[r] - ref[r]).max() <= 2e-2 * np.abs(ref[r]).max() + 1e-6
     _assert_matches_xla(x, w, y)
 
 
 def _assert_matches_xla(x, w, y):
     """y equals XLA's dequantize + dot up to the order of the float32 sums: one bf16 step where that order
     crosses a rounding boundary (K-slice partials in bf16, the first version, were 0.3-0.6% of the max off)."""
+    xla = np.asarray(_xla_product(x, w)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(y).astype(np.float32), xla, rtol=2.0**-7, atol=1e-4 * np.abs(xla).max())
+
+
+@jax.jit
+def _xla_product(x, w):
+    """XLA's dequantize + dot, rounded to bf16 (the f32 view taken outside: a cast pair under jit may be folded)."""
     xla = jnp.einsum("mk,nk->mn", x, w.dequantize(jnp.bfloat16), preferred_element_type=jnp.float32)
-    xla = np.asarray(xla.astype(jnp.bfloat16).astype(jnp.float32))
-    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), xla, rtol=2.0**-7, atol=1e-4 * np.abs(xla).max())
+    return xla.astype(jnp.bfloat16)
 
 
 @pytest.mark.parametrize("g,n,k", [(1, 1280, 5120), (1, 32768, 1280), (8, 1024, 4096)])
@@ -175,14 +198,18 @@ def test_prepare_linears_and_linear_dispatch():
     assert not is_p(pp0["attn"]["wo_a"])  # grouped, 64 rows a group here: below the kernel's 128
     num = quant.Numerics(act_quant=False)
     rng = np.random.default_rng(3)
+    # each pair of calls as one program (eagerly: dozens of small compiles)
+    dense = jax.jit(lambda pw, w: (quant.dense(pw), quant.dense(w)))
+    both = jax.jit(lambda x, pw, w: (nn.linear(x, pw, num, fp8_input=True), nn.linear(x, w, num, fp8_input=True)))
     for name in ("wq_a", "wo_b"):
         w, pw = lp0["attn"][name], pp0["attn"][name]
-        assert np.asarray(quant.dense(pw)).tobytes() == np.asarray(quant.dense(w)).tobytes()
+        dp, dw = dense(pw, w)
+        assert np.asarray(dp).tobytes() == np.asarray(dw).tobytes()
         for rows in (3, f8.MAX_ROWS + 5):
             x = jnp.asarray(rng.standard_normal((rows, w.shape[1])), jnp.bfloat16)
-            y, ref = nn.linear(x, pw, num, fp8_input=True), nn.linear(x, w, num, fp8_input=True)
+            y, ref = both(x, pw, w)
             assert y.shape == ref.shape and y.dtype == ref.dtype
-            assert _rel(y, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
+            assert _rel(y, np.asarray(ref).astype(np.float64)) < 1e-2
 
 
 def test_grouped_wo_a_through_the_kernel():
@@ -200,13 +227,14 @@ def test_grouped_wo_a_through_the_kernel():
     assert np.asarray(quant.dense(pw, jnp.bfloat16)).reshape(g * r, kg).tobytes() == np.asarray(w).tobytes()
     assert nn._grouped_fp8(w + jnp.asarray(1e-3, jnp.bfloat16), g, interpret=True) is None  # not FP8 values
     num = quant.Numerics(act_quant=False)
+    both = jax.jit(lambda x, pw, w: (nn.grouped_linear(x, pw, num), nn.grouped_linear(x, w, num)))  # one program
     for rows in (3, f8.MAX_ROWS + 5):
         x = jnp.asarray(rng.standard_normal((rows, g, kg)), jnp.bfloat16)
-        y, ref = nn.grouped_linear(x, pw, num), nn.grouped_linear(x, w, num)
+        y, ref = both(x, pw, w)
         assert y.shape == ref.shape == (rows, g, r) and y.dtype == ref.dtype
         _assert_matches_xla_rows(y, ref)
 
 
 def _assert_matches_xla_rows(y, ref):
-    ref = np.asarray(ref.astype(jnp.float32))
-    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=2.0**-7, atol=1e-4 * np.abs(ref).max())
+    ref = np.asarray(ref).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(y).astype(np.float32), ref, rtol=2.0**-7, atol=1e-4 * np.abs(ref).max())

@@ -32,6 +32,10 @@ def run(q, w, k, nvis, **kw):
     return jax.jit(functools.partial(ic.chunk_scores, interpret=True, **kw))(q, w, k, nvis)
 
 
+# one program: eagerly, the reference's einsums and masks are a dozen small compiles (~40 ms each on the CPU)
+reference = jax.jit(ic.chunk_scores_reference)
+
+
 def check(out, ref, exact):
     out, ref = np.asarray(out), np.asarray(ref)
     assert not np.isnan(out).any(), "a visible score was not written"
@@ -56,7 +60,7 @@ def test_kernel_matches_reference(B, S, IH, ID, G, splits, exact):
     nvis = jnp.asarray(nvis)
     out = run(q, w, k, nvis, num_splits=splits)
     assert out.shape == (B, S, G)
-    check(out, ic.chunk_scores_reference(q, w, k, nvis), exact)
+    check(out, reference(q, w, k, nvis), exact)
 
 
 def test_causal_chunk_skips_tiles_no_query_sees():
@@ -67,7 +71,7 @@ def test_causal_chunk_skips_tiles_no_query_sees():
     q, w, k, _ = inputs(5, B, S, IH, ID, G, exact=True)
     nvis = jnp.asarray([np.arange(S) * 5 // 2, np.zeros(S), np.full(S, 65)], jnp.int32)
     out = run(q, w, k, nvis, num_splits=2)
-    check(out, ic.chunk_scores_reference(q, w, k, nvis), True)
+    check(out, reference(q, w, k, nvis), True)
     assert np.isneginf(np.asarray(out)[1]).all()
 
 
@@ -102,4 +106,4 @@ def test_gpu_flash(S, G, exact):
     else:
         nvis = jnp.asarray(jnp.arange(S)[None] * G // S, jnp.int32)
     out = jax.jit(ic.chunk_scores)(q, w, k, nvis)
-    check(out, jax.jit(ic.chunk_scores_reference)(q, w, k, nvis), exact)
+    check(out, reference(q, w, k, nvis), exact)

@@ -5,6 +5,7 @@ GPU-only tests run the compiled kernels (marked `gpu`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,16 @@ from pallas_kernels import router as R
 
 RC = R.RouteConfig()  # Flash: k=6, route_scale 1.5, renormalised
 SMALL = R.KernelConfig(tm=8, tk=64, splits=2, num_wgs=2, stages=2)  # interpret: D=128 in 2 splits of 64
+
+
+# Each test's kernel call and reference run as jitted programs: eagerly, their array preparation and
+# post-processing are dozens of small programs, each an XLA compile (~40 ms on the CPU): most of this file's time.
+_reference = jax.jit(R.route_reference, static_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _route_interpret(x, w, bias, rc, config):
+    return R.route_pallas(x, w, bias, rc, config, interpret=True)
 
 
 def _cfg(k=6, e=384):
@@ -36,7 +47,7 @@ def _check_against_reference(out, x, w, bias, rc=RC, tie_gap=0.0):
     """ids identical (rows whose reference top-(k+1) keys are closer than tie_gap excepted), weights close,
     order and group sizes identical when all ids are."""
     wts, ids, order, sizes = (np.asarray(a) for a in out)
-    rw, rids, rorder, rsizes = (np.asarray(a) for a in R.route_reference(x, {"weight": w, "bias": bias}, rc))
+    rw, rids, rorder, rsizes = (np.asarray(a) for a in _reference(x, {"weight": w, "bias": bias}, rc))
     t = x.shape[0]
     assert wts.shape == (t, rc.k) and ids.shape == (t, rc.k) and order.shape == (t * rc.k,)
     bad = (ids != rids).any(axis=1)
@@ -60,7 +71,7 @@ def test_reference_matches_moe_route():
     x, w, bias = _data(0, 37, 256, 384)
     cfg = _cfg()
     gate = {"weight": w, "bias": bias, "bias_vl": bias}
-    out = R.route_fused(x, gate, cfg, backend="xla")
+    out = jax.jit(lambda x, gate: R.route_fused(x, gate, cfg, backend="xla"))(x, gate)
     _check_against_reference(out, x, w, bias)
 
 
@@ -68,8 +79,7 @@ def test_reference_matches_moe_route():
 def test_permutation_count_equals_argsort(t, e, k):
     rng = np.random.default_rng(t)
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
-    o1, s1 = R.permutation(ids, e, "argsort")
-    o2, s2 = R.permutation(ids, e, "count")
+    (o1, s1), (o2, s2) = jax.jit(lambda ids: [R.permutation(ids, e, m) for m in ("argsort", "count")])(ids)
     assert (np.asarray(o1) == np.asarray(o2)).all() and (np.asarray(s1) == np.asarray(s2)).all()
     assert int(np.asarray(s2).sum()) == t * k
 
@@ -81,7 +91,7 @@ def test_kernel_interpret_matches_reference(t):
     warpgroup are covered by the ties test with T=3.)"""
     d, e = 64, 128
     x, w, bias = _data(10 + t, t, d, e)
-    out = R.route_pallas(x, w, bias, RC, dataclasses.replace(SMALL, splits=1), interpret=True)
+    out = _route_interpret(x, w, bias, RC, dataclasses.replace(SMALL, splits=1))
     _check_against_reference(out, x, w, bias)
 
 
@@ -97,7 +107,7 @@ def test_kernel_interpret_exact_ties_go_to_lower_id():
     bias[[3, 40, 200, 9, 130, 131]] = 10.0  # make the six tied experts the top-6
     w = jnp.asarray(w, jnp.bfloat16)
     bias = jnp.asarray(bias)
-    out = R.route_pallas(x, w, bias, RC, dataclasses.replace(SMALL, num_wgs=1), interpret=True)  # decode WGs
+    out = _route_interpret(x, w, bias, RC, dataclasses.replace(SMALL, num_wgs=1))  # decode WGs
     ids = np.asarray(out[1])
     assert sorted(ids[0].tolist()) == [3, 9, 40, 130, 131, 200]
     _check_against_reference(out, x, w, bias)
@@ -108,16 +118,22 @@ def test_kernel_interpret_exact_ties_go_to_lower_id():
 
 
 def _select_interpret(logits, bias, rc=RC):
-    """The selection kernel alone in the interpreter: logits f32 [T, E] -> (weights [T, k], ids [T, k])."""
+    """The selection kernel alone in the interpreter: logits f32 [T, E] -> (weights [T, k], ids [T, k]) as
+    numpy arrays, and select_reference's (weights, ids) on the same logits."""
+    return [np.asarray(a) for a in _select_and_reference(logits, bias, rc)]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _select_and_reference(logits, bias, rc):
     t, e = logits.shape
     r, tb = R.select_tiling(e, rc.k)
     tp = -(-t // tb) * tb
     lg = R.select_rows(jnp.pad(logits, ((0, tp - t), (0, 0))).T, r, tb)
-    w_t, i_t = jax.jit(R._select_kernel(tp, e, rc, True))(lg, bias.reshape(r, 64))
+    w_t, i_t = R._select_kernel(tp, e, rc, True)(lg, bias.reshape(r, 64))
     assert w_t.shape == (tp // tb, rc.k, 64)
-    w = np.asarray(jnp.swapaxes(w_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t])
-    ids = np.asarray(jnp.swapaxes(i_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t])
-    return w, ids
+    w = jnp.swapaxes(w_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t]
+    ids = jnp.swapaxes(i_t[:, :, :tb], 1, 2).reshape(-1, rc.k)[:t]
+    return (w, ids, *R.select_reference(jnp.sqrt(jax.nn.softplus(logits)), bias, rc))
 
 
 @pytest.mark.parametrize("t,e", [(11, 384), (5, 320), (70, 64), (9, 512)])
@@ -128,10 +144,9 @@ def test_select_kernel_interpret_matches_reference(t, e):
     rng = np.random.default_rng(1000 + t + e)
     logits = jnp.asarray(rng.standard_normal((t, e)) * 1.4, jnp.float32)
     bias = jnp.asarray(rng.permutation(e) * 2e-3, jnp.float32)
-    w, ids = _select_interpret(logits, bias)
-    rw, rids = R.select_reference(jnp.sqrt(jax.nn.softplus(logits)), bias, RC)
-    np.testing.assert_array_equal(ids, np.asarray(rids))
-    np.testing.assert_allclose(w, np.asarray(rw), rtol=2e-5, atol=1e-6)
+    w, ids, rw, rids = _select_interpret(logits, bias)
+    np.testing.assert_array_equal(ids, rids)
+    np.testing.assert_allclose(w, rw, rtol=2e-5, atol=1e-6)
 
 
 def test_select_kernel_interpret_top_k_within_one_row_or_spread():
@@ -145,9 +160,8 @@ def test_select_kernel_interpret_top_k_within_one_row_or_spread():
     logits[1, [5, 100, 130, 250, 300, 383]] = 9.0 - np.arange(k)  # one a row, descending
     logits[2, [200, 9, 130, 131, 3, 40]] = 7.0  # six equal keys: ids ascending is the order
     bias = jnp.zeros((e,), jnp.float32)
-    w, ids = _select_interpret(jnp.asarray(logits), bias)
-    _, rids = R.select_reference(jnp.sqrt(jax.nn.softplus(jnp.asarray(logits))), bias, RC)
-    np.testing.assert_array_equal(ids, np.asarray(rids))
+    w, ids, _, rids = _select_interpret(jnp.asarray(logits), bias)
+    np.testing.assert_array_equal(ids, rids)
     assert ids[0].tolist() == list(range(70 + k - 1, 69, -1))
     assert ids[1].tolist() == [5, 100, 130, 250, 300, 383]
     assert ids[2].tolist() == [3, 9, 40, 130, 131, 200]
@@ -161,8 +175,11 @@ def test_image_mask_falls_back_to_xla():
     mask = jnp.asarray([True, False, True, False])
     from dsv41 import moe
 
-    rw, rids = moe.route(x, gate, cfg, mask)
-    w_, ids, _, _ = R.route_fused(x, gate, cfg, backend="interpret", image_mask=mask)
+    @jax.jit  # one program (see _reference)
+    def both(x, gate, mask):
+        return moe.route(x, gate, cfg, mask), R.route_fused(x, gate, cfg, backend="interpret", image_mask=mask)
+
+    (rw, rids), (w_, ids, _, _) = both(x, gate, mask)
     assert (np.asarray(ids) == np.asarray(rids)).all() and (np.asarray(w_) == np.asarray(rw)).all()
 
 

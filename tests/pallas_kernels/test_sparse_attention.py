@@ -69,23 +69,27 @@ def rel_l2(a, b):
 
 # ----------------------------------------------------------------- formats
 def test_quantizers_roundtrip_and_decoders():
-  x = jax.random.normal(jax.random.key(1), (4, 256)) * 3
-  packed, scale = sa.quantize_kv_fp4(x)
+  x, packed, scale, y, dec, dec_arith, y_f8, swa, ue8m0 = _quantizer_outputs()
   assert packed.shape == (4, 128) and packed.dtype == jnp.uint8
   assert scale.shape == (4, 16) and scale.dtype == jnp.uint8
-  y = sa.dequant_kv_fp4(packed, scale)
   assert rel_l2(y, x) < 0.15                          # 4-bit quantization error
   # Both e2m1 decoders agree on every byte.
-  allb = jnp.arange(256, dtype=jnp.uint8)
-  np.testing.assert_array_equal(sa.decode_e2m1_packed(allb),
-                                sa.decode_e2m1_packed(allb, arithmetic=True))
+  np.testing.assert_array_equal(dec, dec_arith)
   # float8 scale input is accepted as well as its uint8 bits.
+  np.testing.assert_array_equal(y_f8, y)
+  assert rel_l2(swa, x) < 0.05
+  np.testing.assert_array_equal(ue8m0, np.array([1.0, 2.0, 2.0 ** -126], np.float32))
+
+
+@jax.jit  # one program: eagerly, the quantizers and decoders are ~100 small compiles (~40 ms each on the CPU)
+def _quantizer_outputs():
+  x = jax.random.normal(jax.random.key(1), (4, 256)) * 3
+  packed, scale = sa.quantize_kv_fp4(x)
+  allb = jnp.arange(256, dtype=jnp.uint8)
   sf8 = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
-  np.testing.assert_array_equal(sa.dequant_kv_fp4(packed, sf8), y)
-  q, s = sa.quantize_swa_fp8(x)
-  assert rel_l2(sa.dequant_swa_fp8(q, s), x) < 0.05
-  np.testing.assert_array_equal(sa.decode_ue8m0(jnp.array([127, 128, 1], jnp.uint8)),
-                                np.array([1.0, 2.0, 2.0 ** -126], np.float32))
+  return (x, packed, scale, sa.dequant_kv_fp4(packed, scale), sa.decode_e2m1_packed(allb),
+          sa.decode_e2m1_packed(allb, arithmetic=True), sa.dequant_kv_fp4(packed, sf8),
+          sa.dequant_swa_fp8(*sa.quantize_swa_fp8(x)), sa.decode_ue8m0(jnp.array([127, 128, 1], jnp.uint8)))
 
 
 def _prmt(a, b, sel):

@@ -25,7 +25,24 @@ def scores(seed, shape):
 
 
 def lax_positions(x, k):
-    return np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1)
+    return np.sort(np.asarray(_lax_positions(x, k)), axis=-1)
+
+
+# The references (and the kernels' calls) as jitted programs: eagerly, the radix reference's passes and the
+# wrappers' array preparation are dozens of small programs, each an XLA compile (~40 ms on the CPU).
+_lax_positions = jax.jit(lambda x, k: jax.lax.top_k(x, k)[1], static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def keys_and_reference(x, k):
+    """-> (topk.order_keys(x), the reference's k-th largest key of each row)."""
+    keys = topk.order_keys(x)
+    return keys, topk.kth_largest_key(keys, k)
+
+
+def kernel(f, *args, **kw):
+    """f(*args, interpret=True, **kw) (a topk_select function) as one jitted program, kw static."""
+    return jax.jit(functools.partial(f, interpret=True, **kw))(*args)
 
 
 @pytest.mark.parametrize("bf16_values", [False, True], ids=["32-passes", "bf16-16-passes"])
@@ -37,10 +54,10 @@ def lax_positions(x, k):
 ])
 def test_threshold_and_positions_match_the_references(shape, k, bf16_values):
     x = scores(shape[-1] + k, shape)
-    keys = topk.order_keys(x)
-    t = jax.jit(functools.partial(ts.kth_largest_key, k=k, bf16_values=bf16_values, interpret=True))(keys)
-    np.testing.assert_array_equal(np.asarray(t), np.asarray(topk.kth_largest_key(keys, k)))
-    pos = jax.jit(functools.partial(ts.top_k_positions, k=k, bf16_values=bf16_values, interpret=True))(x)
+    keys, ref = keys_and_reference(x, k)
+    t = kernel(ts.kth_largest_key, keys, k=k, bf16_values=bf16_values)
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(ref))
+    pos = kernel(ts.top_k_positions, x, k=k, bf16_values=bf16_values)
     np.testing.assert_array_equal(np.asarray(pos), lax_positions(x, k))
 
 
@@ -49,25 +66,26 @@ def test_float32_scores_need_all_32_passes():
     promise bf16_values matters, and the 32-pass mode cut short fails here (the bf16 data above cannot show
     it)."""
     x = jnp.asarray([[1.0, 1.0 + 2 ** -20, 1.0 + 2 ** -19, 0.5]], jnp.float32)
-    np.testing.assert_array_equal(np.asarray(ts.top_k_positions(x, 1, interpret=True)), [[2]])
-    keys = topk.order_keys(x)
-    assert int(ts.kth_largest_key(keys, 1, interpret=True)[0]) == int(keys[0, 2])
+    np.testing.assert_array_equal(np.asarray(kernel(ts.top_k_positions, x, k=1)), [[2]])
+    keys = np.asarray(keys_and_reference(x, 1)[0])
+    assert int(kernel(ts.kth_largest_key, keys, k=1)[0]) == int(keys[0, 2])
     # (the thresholds, not the positions: placed from a wrong threshold, the positions can be right by chance)
-    assert int(ts.kth_largest_key(keys, 1, bf16_values=True, interpret=True)[0]) != int(keys[0, 2])
+    assert int(kernel(ts.kth_largest_key, keys, k=1, bf16_values=True)[0]) != int(keys[0, 2])
 
 
 def test_a_row_of_equal_scores_takes_the_lowest_positions():
     x = jnp.zeros((2, 300), jnp.float32).at[1, 7].set(1.0)
-    pos = np.asarray(ts.top_k_positions(x, 5, interpret=True))
+    pos = np.asarray(kernel(ts.top_k_positions, x, k=5))
     np.testing.assert_array_equal(pos, [[0, 1, 2, 3, 4], [0, 1, 2, 3, 7]])
 
 
 def test_topk_entries_through_the_kernel_equals_lax():
     """The indexer's selection (entry ids ascending, -1 padded) with method='kernel' and with lax.top_k."""
     s = scores(3, (2, 3, 1000))
-    g = jnp.where(jnp.isfinite(s), jnp.arange(1000, dtype=jnp.int32), -1)
-    got = il.topk_entries(s, g, 64, "kernel", interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(il.topk_entries(s, g, 64, "lax")))
+    g = np.where(np.isfinite(np.asarray(s)), np.arange(1000, dtype=np.int32), -1)
+    got = kernel(il.topk_entries, s, g, k=64, method="kernel")
+    want = jax.jit(functools.partial(il.topk_entries, k=64, method="lax"))(s, g)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("n,k", [(3000, 300), (40000, 30), (1500, 1000)])
@@ -77,9 +95,9 @@ def test_rows_longer_than_shared_memory_go_by_segments(monkeypatch, n, k):
     XLA's select where segmenting would not shrink the row (2 x 1000 >= 1500)."""
     monkeypatch.setattr(ts, "MAX_KEYS", 1024)
     x = scores(n + k, (2, n))
-    keys = topk.order_keys(x)
-    t = jax.jit(functools.partial(ts.kth_largest_key, k=k, bf16_values=True, interpret=True))(keys)
-    np.testing.assert_array_equal(np.asarray(t), np.asarray(topk.kth_largest_key(keys, k)))
+    keys, ref = keys_and_reference(x, k)
+    t = kernel(ts.kth_largest_key, keys, k=k, bf16_values=True)
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(ref))
 
 
 def test_limits():
