@@ -85,17 +85,13 @@ def per_cta(tr: dict[int, dict], traces_per_block: int, wg: int = 0) -> list[dic
                 nxt = [s for s in steps if items[it_i + 1][1] <= s[1] <= items[it_i + 1][2]]
                 if its and nxt:
                     seams.append(nxt[0][1] - its[-1][2])
-        dec = by("decode")
         med0 = lambda v: statistics.median(v) if v else 0.0
+        lengths = lambda name: [r[2] - r[1] for r in by(name)]
         ctas.append(dict(
             sm=t["sm"], start_ns=t["start_ns"], items=len(items), steps=len(steps),
-            fill=steps[0][1] - c0, cta=cta[0][2] - c0,
-            step=statistics.median(s[2] - s[1] for s in steps),
-            decode=sum(d[2] - d[1] for d in dec) / max(len(steps), 1),
-            wait=statistics.median(w[2] - w[1] for w in by("wait")) if by("wait") else 0.0,
-            gap=statistics.median(gaps) if gaps else 0.0,
-            seam=statistics.median(seams) if seams else 0.0,
-            store=statistics.median(s[2] - s[1] for s in by("store")) if by("store") else 0.0,
+            fill=steps[0][1] - c0, cta=cta[0][2] - c0, step=med0(lengths("step")),
+            decode=sum(lengths("decode")) / len(steps),  # a step's decode regions together (one a K half)
+            wait=med0(lengths("wait")), gap=med0(gaps), seam=med0(seams), store=med0(lengths("store")),
             # the fill split: the CTA's start -> its first item's pipeline (set-up, the schedule's loads), and
             # that pipeline's start -> its first step (the first stage's data); tail / head: an item's pipeline
             # around its steps (their sum plus the store and the loop between them is the seam)
