@@ -61,6 +61,13 @@ def make_inputs(seed, b, h, d, w, k, p=16, pages_per_seq=4, ragged=True):
   return q, swa_q, swa_s, swa_valid, topk, page_table, kvp, kvs, sink
 
 
+@functools.partial(jax.jit, static_argnums=1)  # the seed traced: one compile a shape
+def _rope_angles(seed, b):
+  """(cos, sin) of random angles in [0, 6) for b rows of 32 pairs, as one program."""
+  ang = jax.random.uniform(jax.random.key(seed), (b, 32)) * 6
+  return jnp.cos(ang), jnp.sin(ang)
+
+
 def rel_l2(a, b):
   a = np.asarray(a, np.float32)
   b = np.asarray(b, np.float32)
@@ -111,7 +118,10 @@ def test_fp4_ptx_bit_logic_emulated():
   rng = np.random.default_rng(0)
   words = list(rng.integers(0, 2 ** 32, 300, dtype=np.uint64)) + [
       int.from_bytes(bytes([v, v, v, v]), "little") for v in range(256)]
-  for w in words:
+  # every word decoded in one call (a call per word: ~550 eager dispatches of its ops)
+  wants = np.asarray(sa.decode_e2m1_packed(jnp.asarray(np.array(
+      [np.frombuffer(int(w).to_bytes(4, "little"), np.uint8) for w in words]))))
+  for w, want in zip(words, wants):
     w = int(w)
     sa_, sb = w & 0x7777, (w >> 16) & 0x7777
     ha, la = _prmt(0x3F3F3F00, 0x40404040, sa_), _prmt(0xC0800000, 0xC0804000, sa_)
@@ -123,8 +133,6 @@ def test_fp4_ptx_bit_logic_emulated():
             _prmt(lb, hb, 0x5140), _prmt(lb, hb, 0x7362)]
     halves = np.array([[r & 0xFFFF, r >> 16] for r in regs], np.uint16).reshape(-1)
     got = halves.view(ml_dtypes.bfloat16).astype(np.float32)
-    want = np.asarray(sa.decode_e2m1_packed(
-        jnp.asarray(np.frombuffer(w.to_bytes(4, "little"), np.uint8))))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
@@ -141,8 +149,10 @@ def test_reference_matches_dense_numpy():
   q, swa_q, swa_s, swa_valid, topk, page_table, kvp, kvs, sink = args
   out = reference(*args, out_dtype=jnp.float32)
   qn = np.asarray(q, np.float64)
-  swa = np.asarray(sa.dequant_swa_fp8(swa_q, swa_s), np.float64)
-  allkv = np.asarray(sa.dequant_kv_fp4(kvp, kvs), np.float64)     # [pages, P, D]
+  swa = np.asarray(jax.jit(sa.dequant_swa_fp8)(swa_q, swa_s), np.float64)
+  allkv = np.asarray(jax.jit(sa.dequant_kv_fp4)(kvp, kvs), np.float64)     # [pages, P, D]
+  # numpy copies: indexed element by element below (eagerly, each index of a jax.Array is a small program)
+  swa_valid, topk, page_table, sink = map(np.asarray, (swa_valid, topk, page_table, sink))
   p = kvp.shape[1]
   for b in range(q.shape[0]):
     keys = [swa[b, j] for j in range(swa.shape[1]) if swa_valid[b, j]]
@@ -162,12 +172,18 @@ def test_reference_matches_dense_numpy():
 
 
 def test_reference_rope_roundtrip():
+  x, y, z = _rope_roundtrip()
+  np.testing.assert_allclose(y[..., :64], x[..., :64])
+  np.testing.assert_allclose(z, x, atol=1e-5)
+
+
+@jax.jit  # one program (eagerly, a compile an op)
+def _rope_roundtrip():
   x = jax.random.normal(jax.random.key(0), (2, 4, 128))
   ang = jax.random.uniform(jax.random.key(1), (2, 32)) * 6
   y = sa.apply_rope_tail(x, jnp.cos(ang), jnp.sin(ang))
-  np.testing.assert_allclose(y[..., :64], x[..., :64])
   z = sa.apply_rope_tail(y, jnp.cos(ang), jnp.sin(ang), inverse=True)
-  np.testing.assert_allclose(z, x, atol=1e-5)
+  return x, y, z
 
 
 # ----------------------------------------------------------------- kernel (interpret)
@@ -203,9 +219,7 @@ def test_kernel_interpret_consumers_alone_read_no_keys():
 def test_kernel_interpret_rope_precomputed_rows_three_splits():
   b, h, d, w, k = 1, 8, 128, 72, 20      # 2 ring tiles (padded) + 1 pool tile
   args = make_inputs(5, b, h, d, w, k, ragged=False)
-  ang = jax.random.uniform(jax.random.key(2), (b, 32)) * 6
-  kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True,
-            rope_output=True)
+  kw = dict(zip(("rope_cos", "rope_sin"), _rope_angles(2, b)), rope_query=True, rope_output=True)
   ref = reference(*args, **kw, out_dtype=jnp.float32)
   rows = sa.compressed_rows(args[4], args[5], args[6].shape[1])
   out = attend(*args, backend="interpret", rows=rows, num_splits=3, **kw)
@@ -233,8 +247,7 @@ def test_kernel_interpret_fused_rope_equals_xla_rope(d, splits, mode):
   split, in the XLA combine with more) gives the same bits as rotating q and o in XLA around the kernel."""
   b, h, w, k = 2, 16, 24, 70
   args = make_inputs(30 + d + splits, b, h, d, w, k, ragged=False)
-  ang = jax.random.uniform(jax.random.key(d + splits), (b, 32)) * 6
-  kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True)
+  kw = dict(zip(("rope_cos", "rope_sin"), _rope_angles(d + splits, b)), rope_query=True, rope_output=True)
   ref = reference(*args, **kw, out_dtype=jnp.float32)
   outs = unfused_and_fused_rope(args, kw, "interpret", splits, mode)
   assert rel_l2(outs[1], ref) < 1e-2
@@ -285,22 +298,36 @@ def test_kernel_interpret_flat_window_rows():
 
 def _quantized_pool(fmt, key, r, d, scale=5.0):
   """r random rows quantized as the pool stores them (FP4 compressed KV or FP8 SWA ring) -> (src, scale,
-  tile_of); tile_of(rows) -> the bf16 tile and the bias a producer must write for those pool rows (-1: none)."""
+  tile_of); tile_of(rows) -> the bf16 tile and the bias a producer must write for those pool rows (-1: none).
+  Each part one jitted program: eagerly, the quantizer and the expected tile are dozens of small compiles (~40 ms
+  each on the CPU)."""
+  src, sc = _pool(fmt, key, r, d, scale)
+  return src, sc, functools.partial(_tile_of, fmt, src, sc)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
+def _pool(fmt, key, r, d, scale):
   x = jax.random.normal(key, (r, d)) * scale
-  src, sc = sa.quantize_kv_fp4(x) if fmt == "fp4" else sa.quantize_swa_fp8(x)
+  return sa.quantize_kv_fp4(x) if fmt == "fp4" else sa.quantize_swa_fp8(x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _tile_of(fmt, src, sc, rows):
   deq = sa.dequant_kv_fp4 if fmt == "fp4" else sa.dequant_swa_fp8
+  g = jnp.maximum(rows, 0)
+  tile = jnp.where((rows >= 0)[..., None], deq(src[g], sc[g]), 0).astype(jnp.bfloat16)
+  return tile, jnp.where(rows >= 0, 0.0, -jnp.inf)
 
-  def tile_of(rows):
-    g = jnp.maximum(rows, 0)
-    tile = jnp.where((rows >= 0)[..., None], deq(src[g], sc[g]), 0).astype(jnp.bfloat16)
-    return tile, jnp.where(rows >= 0, 0.0, -jnp.inf)
 
-  return src, sc, tile_of
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _pool_rows(key, shape, hi, hole):
+  """Random pool rows in [0, hi) of `shape`, -1 at index `hole` (one program)."""
+  return jax.random.randint(key, shape, 0, hi).astype(jnp.int32).at[hole].set(-1)
 
 
 def test_dequant_probe_interpret_exact():
   key = jax.random.key(4)
-  rows = jax.random.randint(key, (sa.TILE,), 0, 50).astype(jnp.int32).at[7].set(-1)
+  rows = _pool_rows(key, (sa.TILE,), 50, 7)
   kvp, kvs, tile_of = _quantized_pool("fp4", key, 50, 128, scale=1.0)
   out, bias = sa.dequant_probe("fp4", kvp, kvs, rows, interpret=True)
   want, want_bias = tile_of(rows)
@@ -311,7 +338,7 @@ def test_dequant_probe_interpret_exact():
 def test_producer_stream_interpret_last_tile_exact():
   """The producer-alone timing kernel dequantizes every CTA's tiles in turn; its last tile is exact."""
   key = jax.random.key(5)
-  rows = jax.random.randint(key, (2, 3, sa.TILE), 0, 70).astype(jnp.int32).at[1, 2, 5].set(-1)
+  rows = _pool_rows(key, (2, 3, sa.TILE), 70, (1, 2, 5))
   kvp, kvs, tile_of = _quantized_pool("fp4", key, 70, 128, scale=1.0)
   out, bias = sa.producer_stream("fp4", kvp, kvs, rows, interpret=True)
   want, want_bias = tile_of(rows[:, -1])  # each CTA's last tile
@@ -377,8 +404,7 @@ def test_kernel_gpu_fused_rope(splits, mode):
   """The in-kernel RoPE (register pair swap, shared-memory rewrite of the query chunk) against XLA's."""
   b = 3
   args = make_inputs(40 + splits, b, 64, 512, 128, 512, p=64, pages_per_seq=16)
-  ang = jax.random.uniform(jax.random.key(splits), (b, 32)) * 6
-  kw = dict(rope_cos=jnp.cos(ang), rope_sin=jnp.sin(ang), rope_query=True, rope_output=True)
+  kw = dict(zip(("rope_cos", "rope_sin"), _rope_angles(splits, b)), rope_query=True, rope_output=True)
   ref = sa.sparse_attention_reference(*args, **kw, out_dtype=jnp.float32)
   outs = unfused_and_fused_rope(args, kw, "pallas", splits, mode)
   assert rel_l2(outs[1], ref) < 1e-2
@@ -391,7 +417,7 @@ def test_kernel_gpu_fused_rope(splits, mode):
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_producer_stream_gpu_exact(fmt):
   key = jax.random.key(13)
-  rows = jax.random.randint(key, (4, 3, sa.TILE), 0, 500).astype(jnp.int32).at[2, 2, 9].set(-1)
+  rows = _pool_rows(key, (4, 3, sa.TILE), 500, (2, 2, 9))
   src, sc, tile_of = _quantized_pool(fmt, key, 500, 512)
   out, bias = sa.producer_stream(fmt, src, sc, rows)
   want, want_bias = tile_of(rows[:, -1])  # each CTA's last tile
@@ -404,7 +430,7 @@ def test_producer_stream_gpu_exact(fmt):
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_dequant_probe_gpu_exact(fmt):
   key = jax.random.key(9)
-  rows = jax.random.randint(key, (sa.TILE,), 0, 300).astype(jnp.int32).at[3].set(-1)
+  rows = _pool_rows(key, (sa.TILE,), 300, 3)
   src, sc, tile_of = _quantized_pool(fmt, key, 300, 512)
   out, bias = sa.dequant_probe(fmt, src, sc, rows)
   want, want_bias = tile_of(rows)
