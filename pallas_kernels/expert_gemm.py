@@ -575,8 +575,9 @@ def stream_range(live_tiles, sm, steps_a_tile: int, k_iters: int, num_sms: int):
     """Stream-K (`KernelConfig.stream`): SM sm's range [lo, hi) of the call's (item, K step) sequence, items
     t-major. Ranges are at least one item (k_iters steps) long, so an item spans at most two SMs."""
     total = live_tiles * steps_a_tile
-    lo = jnp.minimum(sm * _stream_steps_an_sm(total, k_iters, num_sms), total)
-    return lo, jnp.minimum(lo + _stream_steps_an_sm(total, k_iters, num_sms), total)
+    per_sm = _stream_steps_an_sm(total, k_iters, num_sms)
+    lo = jnp.minimum(sm * per_sm, total)
+    return lo, jnp.minimum(lo + per_sm, total)
 
 
 def _stream_fixup(y: jax.Array, part: jax.Array, live_tiles: jax.Array, n_blocks: int, k_iters: int,
@@ -694,7 +695,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         with jax.named_scope("cta"):  # named regions are only recorded with cfg.trace_dir
             (stream_body if cfg.stream else kernel_body)(*refs, **scratch_refs)
 
-    num_sms = 2 if interpret else _num_sms()  # the interpreter simulates every block: keep it small
+    num_sms = _kernel_sms(interpret)
 
     def stream_body(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, p_gmem, o_smem, p_smem,
                     a_smem=None):
@@ -893,6 +894,11 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     ))
 
 
+def _kernel_sms(interpret: bool) -> int:
+    """The kernel's grid: one CTA an SM; 2 in the interpreter, which simulates every block."""
+    return 2 if interpret else _num_sms()
+
+
 def _num_sms() -> int:
     d = jax.devices()[0]
     return int(getattr(d, "core_count", 132)) if d.platform == "gpu" else 132
@@ -934,7 +940,7 @@ def run_kernel(live, tile_expert, tile_row, x, weight, scale_t, *, e: int, t_max
     if cfg.stream:
         y, part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(
             *args[:4], weight.reshape(e * n, -1), scale_t.reshape(-1, n))
-        return _stream_fixup(y, part, live, n // cfg.tn, k // cfg.tk, 2 if interpret else _num_sms(), cfg.tm)
+        return _stream_fixup(y, part, live, n // cfg.tn, k // cfg.tk, _kernel_sms(interpret), cfg.tm)
     if cfg.ksplit == 1:
         return _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(*args)
     part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt, out_dtype=jnp.float32)(*args)

@@ -238,10 +238,11 @@ def kernel_only(x, pw, gs, cfg):
     e = pw.weight.shape[0]
     t_max = eg.max_tiles(m, e, cfg.tm)
     te, tr, src, _, _ = eg.tile_schedule(gs, m, cfg.tm, t_max)
-    call = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET,
-                            out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
     if cfg.stream:  # the kernel takes the weights flattened over experts, and its split items' partials are summed
         call = functools.partial(eg.run_kernel, e=e, t_max=t_max, cfg=cfg, interpret=INTERPRET)
+    else:
+        call = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET,
+                                out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
     return jax.jit(call), (eg.live_tile_count(te), te, tr), src
 
 

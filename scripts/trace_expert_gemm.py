@@ -36,9 +36,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-TRACE_RANGES = 256  # pallas_kernels.expert_gemm.TRACE_RANGES (not imported: --parse runs without jax)
+from pallas_kernels.expert_gemm import TRACE_RANGES  # noqa: E402
 
 
 def regions(trace: dict) -> dict[int, dict]:
@@ -212,7 +210,8 @@ def main():
     for r in results:
         rows = summarise(r["ctas"], ghz)
         r["rows"] = rows
-        print_rows(f"{r['name']}  (CUPTI {r['cupti_us']:.1f} us untraced, {r['experts']} experts)", rows, ghz)
+        cupti = "no CUPTI time" if r["cupti_us"] is None else f"CUPTI {r['cupti_us']:.1f} us untraced"
+        print_rows(f"{r['name']}  ({cupti}, {r['experts']} experts)", rows, ghz)
     if args.out:
         with open(os.path.join(args.out, "trace_expert_gemm.json"), "w") as fh:
             json.dump({"ghz": ghz, "results": results, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
