@@ -20,6 +20,11 @@ from tiny_engine import NUM
 pytestmark = pytest.mark.xdist_group(tiny_engine.GROUP)
 
 TOL = 1e-4  # max |logit| difference; logits are O(1)
+# The engine against the full-sequence model (`model.forward`): on an AVX-512 CPU (AMD EPYC, 2026-12-02) under
+# the suite's XLA -O0 the full-sequence program alone moves: its layer-4 attention output is 1.3e-3 from the same
+# layer jitted by itself on the same input (and from the program at -O3, which the engine matches to 3e-6), 3.9e-4
+# on the logits. Not yet traced to one op; a wrong position or mask moves logits by O(0.1).
+TOL_FORWARD = 1e-3
 GREEDY4 = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
@@ -54,7 +59,7 @@ def test_exact_engine_equals_forward(tiny):
     ids = prompt(200)  # two prefill chunks, past the window, an odd decode position completes a ratio-2 group
     toks, logits = run(eng, ids)
     full = np.asarray(model.forward(params, cfg, np.asarray([ids + toks[:-1]]), NUM))[0, len(ids) - 1:]
-    assert np.abs(logits - full).max() < TOL
+    assert np.abs(logits - full).max() < TOL_FORWARD
     assert toks == list(full.argmax(-1))
 
 
