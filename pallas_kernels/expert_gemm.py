@@ -328,6 +328,24 @@ def live_tile_count(tile_expert: jax.Array) -> jax.Array:
     return jnp.sum(tile_expert >= 0, dtype=jnp.int32).reshape(1)
 
 
+def _sched_pad(t_max: int) -> int:
+    return pl_cdiv(t_max, 4) * 4  # the packed schedule's parts on 16-byte boundaries (a bulk copy's unit)
+
+
+def pack_schedule(tile_expert: jax.Array, tile_row: jax.Array) -> jax.Array:
+    """The kernel's schedule as one int32 array [4 + 2 * t_pad] (t_pad = t_max rounded up to 4): the live tile
+    count, 3 zeros, each tile's expert (-1 past the live ones), each tile's first row. The kernel copies it into
+    shared memory with one bulk copy at its start, and its loop (chained items) and its producer (stream-K, every
+    step) read a tile's expert and row there instead of from global memory. On the H200 (twenty-fifth session)
+    this moved neither the calls' times nor the ~1045-cycle seam between chained items: the seam's wait is not
+    the schedule's global reads, as the twenty-fourth session had guessed."""
+    t_max = tile_expert.shape[0]
+    pad = _sched_pad(t_max) - t_max
+    return jnp.concatenate([live_tile_count(tile_expert), jnp.zeros((3,), jnp.int32),
+                            jnp.pad(tile_expert.astype(jnp.int32), (0, pad), constant_values=-1),
+                            jnp.pad(tile_row.astype(jnp.int32), (0, pad))])
+
+
 # ---------------------------------------------------------------------------------------------------
 # the Mosaic GPU kernel
 
@@ -372,8 +390,11 @@ class KernelConfig:
     # give 84 SMs two and 48 one, and the compute (not HBM) sets each SM's pace (twenty-fourth session's trace):
     # even ranges cut the busiest SMs' steps from 40 to 33. A range is at least one item long, so an item spans
     # at most two SMs; its two halves are float32 partials (2 an SM) that `run_kernel` sums, one bf16 rounding.
-    # On the H200 (twenty-fourth session) correct and, as built, slower: w1/w3 at one token 31.6 us with the
-    # partials' sum against 27.6 chained (docs/KERNELS_EXPERT_GEMM.md). Off by default.
+    # On the H200 (twenty-fifth session's trace) the kernel is faster where the items are uneven: w1/w3 at one
+    # token 26.9-27.2 us against 28.4-28.7 chained, its SMs ending together at ~25 us (30 chained); but the
+    # partials' sum is XLA kernels of its own (it does not fuse with SwiGLU), so a whole MoE layer's routed experts
+    # take 89.9 against 89.4 us at one token and 127.4 against 122.8 at two (docs/KERNELS_EXPERT_GEMM.md). Off by
+    # default: it pays once the sum is done in the kernel.
     stream: bool = False
 
     @property
@@ -667,7 +688,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     dequant_model = _dequant_tile8_jnp if fmt == "fp8" else _dequant_tile_jnp
     # The interpreter's wgmma takes A only from shared memory.
     a_smem_mode = cfg.a_smem or interpret
-    scratch = {"o_smem": plgpu.SMEM(o_shape, out_dtype, transforms=o_transforms)}
+    t_pad = _sched_pad(t_max)
+    scratch = {"o_smem": plgpu.SMEM(o_shape, out_dtype, transforms=o_transforms),
+               "sched_smem": plgpu.SMEM((4 + 2 * t_pad,), jnp.int32), "sched_bar": plgpu.Barrier(num_arrivals=1)}
     if a_smem_mode:
         scratch["a_smem"] = plgpu.SMEM((nwg, 64, tk), jnp.bfloat16, transforms=x_transforms)
 
@@ -691,18 +714,25 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         with jax.named_scope("wait"):
             plgpu.wgmma_wait(0)
 
-    def kernel(*refs, **scratch_refs):
+    def kernel(sched_gmem, *refs, sched_smem, sched_bar, **scratch_refs):
         with jax.named_scope("cta"):  # named regions are only recorded with cfg.trace_dir
-            (stream_body if cfg.stream else kernel_body)(*refs, **scratch_refs)
+            @pl.when(jax.lax.axis_index("wg") == 0)
+            def _copy():
+                # the whole array: a bulk copy (a tiled TMA box takes at most 256 entries)
+                plgpu.copy_gmem_to_smem(sched_gmem, sched_smem, sched_bar,
+                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+            plgpu.barrier_wait(sched_bar)
+            sched = _Sched(sched_smem, t_pad)
+            (stream_body if cfg.stream else kernel_body)(sched, *refs, **scratch_refs)
 
     num_sms = _kernel_sms(interpret)
 
-    def stream_body(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, p_gmem, o_smem, p_smem,
-                    a_smem=None):
+    def stream_body(sched, x_gmem, w_gmem, s_gmem, o_gmem, p_gmem, o_smem, p_smem, a_smem=None):
         # w_gmem [E * N, K/2 or K] and s_gmem [E * K/32, N]: the weights flattened over experts (`run_kernel`), so
         # that a block index names an expert's rows
         sm, wg = jax.lax.axis_index("sm"), jax.lax.axis_index("wg")
-        lo, hi = stream_range(nl_gmem[0], sm, n_blocks * k_iters, k_iters, num_sms)
+        lo, hi = stream_range(sched.live(), sm, n_blocks * k_iters, k_iters, num_sms)
 
         def at(i):  # pipeline step i of this SM -> (item, K step, tile, N block)
             g = lo + i
@@ -711,15 +741,15 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
         def x_block(i):
             _, kk, t, _ = at(i)
-            return tr_gmem[t] // tm, kk  # tile rows start on a multiple of 8 = tm
+            return sched.row(t) // tm, kk  # tile rows start on a multiple of 8 = tm
 
         def w_block(i):
             _, kk, t, nb = at(i)
-            return te_gmem[t] * n_blocks + nb, kk
+            return sched.expert(t) * n_blocks + nb, kk
 
         def s_block(i):
             _, kk, t, nb = at(i)
-            return te_gmem[t] * k_iters + kk, nb
+            return sched.expert(t) * k_iters + kk, nb
 
         def step(idx, x_smem, w_smem, s_smem, acc):  # acc: the running sum, a value [64 rows, tm] = y^T
             (i,) = idx
@@ -782,7 +812,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def kernel_body(nl_gmem, te_gmem, tr_gmem, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
+    def kernel_body(sched, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         def get_pipeline(body, compute_context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 body,
@@ -815,14 +845,14 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
             wg = jax.lax.axis_index("wg")
 
             # Live tiles come first in the schedule: loop over exactly the live (tile, N-block, K-slice) items.
-            @plgpu.nd_loop((nl_gmem[0] * n_blocks * ks,), collective_axes="sm")
+            @plgpu.nd_loop((sched.live() * n_blocks * ks,), collective_axes="sm")
             def _loop(info):
                 (lin,) = info.index
                 t = lin // (n_blocks * ks)
                 nb = lin % (n_blocks * ks) // ks
                 sp = lin % ks
-                ex = te_gmem[t]
-                row0 = pl.multiple_of(tr_gmem[t], 8)  # tile_schedule: on a multiple of 8 (TMA tiles of 8 rows)
+                ex = sched.expert(t)
+                row0 = pl.multiple_of(sched.row(t), 8)  # tile_schedule: on a multiple of 8 (TMA tiles of 8 rows)
 
                 def compute_context(eval_pipeline):
                     accs = {f"acc{i}": plgpu.ACC((64, tm), jnp.float32) for i in range(1 + cfg.two_accs)}
@@ -894,6 +924,22 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     ))
 
 
+class _Sched(NamedTuple):
+    """The kernel's view of `pack_schedule`'s array, copied into shared memory."""
+
+    ref: object  # int32 [4 + 2 * t_pad] in shared memory
+    t_pad: int
+
+    def live(self):
+        return self.ref[0]
+
+    def expert(self, t):
+        return self.ref[4 + t]
+
+    def row(self, t):
+        return self.ref[4 + self.t_pad + t]
+
+
 def _kernel_sms(interpret: bool) -> int:
     """The kernel's grid: one CTA an SM; 2 in the interpreter, which simulates every block."""
     return 2 if interpret else _num_sms()
@@ -924,23 +970,23 @@ def matmul_padded(xp: jax.Array, w: PreparedFp4, sched: TileSchedule, cfg: Kerne
     layout [t_max * tm, N] (sorted row r at `sched.pos[r]`; rows of no sorted row are unspecified). For callers
     that keep their rows in these layouts between GEMMs (`dsv41.moe`) instead of gathering each call's rows
     back."""
-    return run_kernel(live_tile_count(sched.tile_expert), sched.tile_expert, sched.tile_row, xp, w.weight,
-                      w.scale_t, e=w.weight.shape[0], t_max=sched.t_max, cfg=cfg, interpret=interpret)
+    return run_kernel(pack_schedule(sched.tile_expert, sched.tile_row), xp, w.weight, w.scale_t,
+                      e=w.weight.shape[0], t_max=sched.t_max, cfg=cfg, interpret=interpret)
 
 
-def run_kernel(live, tile_expert, tile_row, x, weight, scale_t, *, e: int, t_max: int, cfg: KernelConfig,
-               interpret: bool, fmt: str = "fp4") -> jax.Array:
-    """The kernel over a tile schedule (x in its row layout, tile rows on multiples of 8: `tile_schedule`) -> bf16
-    [t_max * tm, N] (rows of dead tiles unwritten). With K slices (cfg.ksplit > 1) the kernel writes float32
-    partials y^T [ksplit * N, t_max * tm], summed here and rounded once (the sum fuses into the caller's
-    gather)."""
+def run_kernel(sched, x, weight, scale_t, *, e: int, t_max: int, cfg: KernelConfig, interpret: bool,
+               fmt: str = "fp4") -> jax.Array:
+    """The kernel over a tile schedule (`pack_schedule`; x in its row layout, tile rows on multiples of 8:
+    `tile_schedule`) -> bf16 [t_max * tm, N] (rows of dead tiles unwritten). With K slices (cfg.ksplit > 1) the
+    kernel writes float32 partials y^T [ksplit * N, t_max * tm], summed here and rounded once (the sum fuses into
+    the caller's gather)."""
     m, k = x.shape
     n = weight.shape[1]
-    args = (live, tile_expert, tile_row, x.astype(jnp.bfloat16), weight, scale_t)
+    args = (sched, x.astype(jnp.bfloat16), weight, scale_t)
     if cfg.stream:
         y, part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(
-            *args[:4], weight.reshape(e * n, -1), scale_t.reshape(-1, n))
-        return _stream_fixup(y, part, live, n // cfg.tn, k // cfg.tk, _kernel_sms(interpret), cfg.tm)
+            *args[:2], weight.reshape(e * n, -1), scale_t.reshape(-1, n))
+        return _stream_fixup(y, part, sched[:1], n // cfg.tn, k // cfg.tk, _kernel_sms(interpret), cfg.tm)
     if cfg.ksplit == 1:
         return _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(*args)
     part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt, out_dtype=jnp.float32)(*args)

@@ -162,7 +162,7 @@ def fp8_grouped_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | N
     xs = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, tm - m), (0, 0))).reshape(g * tm, k)
     cfg = config or _config(tm, k // TK // w.splits, w.splits)
     tiles = jnp.arange(g, dtype=jnp.int32)  # tile t: group t's rows, from row t * tm
-    y = eg.run_kernel(jnp.full((1,), g, jnp.int32), tiles, tiles * tm, xs, w.weight, w.scale_t, e=g, t_max=g, cfg=cfg,
+    y = eg.run_kernel(eg.pack_schedule(tiles, tiles * tm), xs, w.weight, w.scale_t, e=g, t_max=g, cfg=cfg,
                       interpret=w.interpret, fmt="fp8")
     return y.reshape(g, tm, n)[:, :m]
 
