@@ -238,12 +238,15 @@ def kernel_only(x, pw, gs, cfg):
     e = pw.weight.shape[0]
     t_max = eg.max_tiles(m, e, cfg.tm)
     te, tr, src, _, _ = eg.tile_schedule(gs, m, cfg.tm, t_max)
-    if cfg.stream:  # the kernel takes the weights flattened over experts, and its split items' partials are summed
-        call = functools.partial(eg.run_kernel, e=e, t_max=t_max, cfg=cfg, interpret=INTERPRET)
+    n = pw.weight.shape[1]
+    kern = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], n, e, t_max, cfg, INTERPRET,
+                            out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
+    if cfg.stream:  # the weights flattened over experts (free reshapes); without the split items' sum (the whole
+        # call's row times it, fused with the rows' gather)
+        call = lambda sched, x, w, s: kern(sched, x, w.reshape(e * n, -1), s.reshape(-1, n))  # noqa: E731
     else:
-        call = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], pw.weight.shape[1], e, t_max, cfg, INTERPRET,
-                                out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
-    return jax.jit(call), (eg.live_tile_count(te), te, tr), src
+        call = kern
+    return jax.jit(call), (eg.pack_schedule(te, tr),), src
 
 
 def torch_grouped_mm(x, wbf16, gs, ref):
@@ -378,11 +381,19 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
             log(f"FAILED ragged_dot_mgpu {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
 
 
-def run_moe_case(tokens, e, weights, ceil):
+def run_moe_case(tokens, e, weights, ceil, stream=False):
     """The routed experts of one MoE layer as the engine runs them (`dsv41.moe.routed_experts` with the experts
     prepared for the kernel: w13 and w2, random top-6 routing, the served numerics): the CUPTI time of all its
     kernels against the two GEMM kernels' own, i.e. what the rows' gathers, SwiGLU and the sum over each token's
-    experts cost around them."""
+    experts cost around them. stream=True: `default_config`'s decode configs (8-row tiles) with stream-K, the
+    partials' sum in XLA around the kernel (the A/B of `--moe-stream`)."""
+    if stream:
+        dc = eg.default_config
+        eg.default_config = lambda *a: (lambda c: dataclasses.replace(c, stream=c.tm == 8))(dc(*a))
+        try:
+            return run_moe_case(tokens, e, weights, ceil)
+        finally:
+            eg.default_config = dc
     from dsv41 import moe, quant
     from dsv41.config import preset
 
@@ -409,11 +420,13 @@ def run_moe_case(tokens, e, weights, ceil):
     bd = kernel_breakdown(fn, (x, w, idx, p))
     total, count, parts = bd
     gemm = sum(us for name, us in parts if "expert_gemm" in name)
+    c13 = eg.default_config(m, n13, d, e)
     row = {"kind": "moe", "mat": "w13+w2", "tokens": tokens, "M": m, "path": "routed_experts", "us": total,
+           "w13_cfg": label(c13),
            "gemm_us": gemm, "TFLOPs": flops / total / 1e6, "finite": finite, "kernels": count, "parts": parts}
     MOE_ROWS.append(row)
-    print(f"moe T={tokens}: {total:.1f} us of {count} kernels, of it the two GEMM kernels {gemm:.1f} us "
-          f"({100 * gemm / total:.0f}%); {row['TFLOPs']:.1f} TFLOP/s = {100 * row['TFLOPs'] / ceil['mm_TFLOPs']:.0f}% "
+    print(f"moe T={tokens} (w13 {label(c13)}): {total:.1f} us of {count} kernels, of it the two GEMM kernels "
+          f"{gemm:.1f} us ({100 * gemm / total:.0f}%); {row['TFLOPs']:.1f} TFLOP/s = {100 * row['TFLOPs'] / ceil['mm_TFLOPs']:.0f}% "
           f"of the matmul rate (the GEMMs alone {100 * flops / gemm / 1e6 / ceil['mm_TFLOPs']:.0f}%), "
           f"finite={finite}")
     print_breakdown(f"moe T={tokens} routed experts", bd)
@@ -460,6 +473,8 @@ def main():
     ap.add_argument("--no-cupti", action="store_true", help="wall clock only (no CUPTI kernel timing)")
     ap.add_argument("--tiny", action="store_true", help="CPU: whole script at toy shapes, interpreter")
     ap.add_argument("--breakdown", action="store_true", help="print each kernel of the whole call (CUPTI)")
+    ap.add_argument("--moe-stream", action="store_true", help="with --moe: also each case with stream-K in "
+                    "default_config's decode configs")
     ap.add_argument("--moe", default="", help="token counts at which to time a whole MoE layer's routed experts "
                                               "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
     ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
@@ -568,6 +583,8 @@ def _cases(args, ceil):
             log("budget reached, skipping moe", tokens)
             continue
         run_moe_case(tokens, e, weights, ceil)
+        if args.moe_stream:
+            run_moe_case(tokens, e, weights, ceil, stream=True)
     if args.only_moe:
         return
     pre = [int(t) for t in args.prefill_tokens.split(",") if t]

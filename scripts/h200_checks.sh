@@ -31,6 +31,8 @@
 #   bash scripts/h200_checks.sh steps         # the expert GEMM at 1 / 64 tokens with 384-768-input steps (~4 min)
 #   bash scripts/h200_checks.sh longsteps     # the decode defaults' longer steps: GPU tests, engine MoE, 1/8/64 tokens
 #   bash scripts/h200_checks.sh trace         # the expert GEMM's timeline SM by SM at 1 / 8 / 64 tokens (~3 min)
+#   bash scripts/h200_checks.sh stream        # stream-K against the chained items at 1-2 tokens: trace, SM clock
+#                                             # under load, kernel and whole MoE layer (~4 min)
 #   bash scripts/h200_checks.sh accs          # expert GEMM and FP8 linear with an accumulator a K half (~5 min)
 #   bash scripts/h200_checks.sh ksplit        # the expert GEMM's K slices at one token; defaults at 1/8/64 (~4 min)
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
@@ -463,6 +465,23 @@ case "${1:-}" in
     timeout -k 10 90 $PY scripts/trace_expert_gemm.py --tokens 1 --configs 8x256x5cow1,8x256x10cow1,8x768x3cow1 \
       --out "$OUT/trace_wg1" > "$OUT/trace_wg1.txt" 2>&1
     echo "trace_expert_gemm rc=$?"; grep -vE "^\[|^$" "$OUT/trace_wg1.txt" | tail -30
+    ;;
+  stream)
+    # stream-K (KernelConfig.stream) against the chained default at one token: its GPU tests, the trace with the
+    # SM clock sampled under back-to-back calls, then the kernel alone and a whole MoE layer with and without it
+    # (the split items' partials summed by XLA around the kernel) (~4 min)
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 10 120 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu tests/pallas_kernels/test_expert_gemm.py \
+      -k "cfg12 or cfg13" > "$OUT/stream_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/stream_tests.txt" | tail -4
+    timeout -k 10 170 $PY scripts/trace_expert_gemm.py --tokens 1 --mats w13 --configs 8x256x4co,8x256x4os,8x512x5os \
+      --hold-s 1.5 --out "$OUT/trace" > "$OUT/trace.txt" 2>&1
+    echo "trace_expert_gemm rc=$?"; grep -vE "^\[|^$|[Ww]arn" "$OUT/trace.txt" | tail -20
+    rm -rf "$OUT/trace/traces"
+    timeout -k 10 -s INT 200 $PY scripts/bench_expert_gemm.py --out "$OUT/eg" --decode-tokens 1,2 \
+      --decode-configs 8x256x4co,8x256x4os,8x512x5co,8x512x5os,8x768x3co --skip-prefill --skip-baselines --no-torch \
+      --no-mgpu --moe 1,2 --moe-stream --rot 4 --budget-s 170 > "$OUT/eg.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; grep -E "^moe T=|FAIL" "$OUT/eg.txt"; sed -n '/ceilings measured/,$p' "$OUT/eg.txt"
     ;;
   accs)
     # an accumulator for each K half of a step (KernelConfig.two_accs): is one token held by a step's chain of

@@ -17,7 +17,9 @@ Cycles are the SM clock (%clock); us converts them at --clock-ghz (default: nvid
 the runs, or the maximum clock if the GPU has already dropped to idle). The regions cost a shared-memory store
 each, which the profiler's dump takes out of each warpgroup's timeline by its own estimate (~9 cycles an event
 on the H200): the traced call is still ~8% slower than the CUPTI time printed beside it, and a warpgroup with
-few events (the TMA warpgroup) keeps its uncorrected, later timeline.
+few events (the TMA warpgroup) keeps its uncorrected, later timeline. `--hold-s S` also runs each case untraced
+back to back for S seconds while nvidia-smi samples the SM clock, power and throttle reasons (the H200 held 1980
+MHz with no reason under one-token calls, twenty-fifth session: the cycles convert at the maximum clock).
 """
 
 from __future__ import annotations
@@ -140,6 +142,26 @@ def sm_clock_ghz() -> float | None:
         return None
 
 
+def hold(call, a, seconds: float) -> dict:
+    """Run call(*a) back to back for `seconds` while nvidia-smi samples every 20 ms -> the samples' medians."""
+    import jax
+
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                            "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.2)
+    t0, n = time.time(), 0
+    while time.time() - t0 < seconds:
+        for _ in range(50):
+            out = call(*a)
+            n += 1
+        jax.block_until_ready(out)
+    smi.terminate()
+    lines = [ln.split(",") for ln in smi.communicate()[0].splitlines() if ln.count(",") == 2]
+    lines = lines[len(lines) // 4:]  # the load's samples, past nvidia-smi's start
+    med = lambda i: statistics.median(float(ln[i]) for ln in lines) if lines else float("nan")
+    return {"calls": n, "mhz": med(0), "watts": med(1), "reasons": sorted({ln[2].strip() for ln in lines})}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
@@ -149,6 +171,8 @@ def main():
                                                    "default_config's); a config that does not fit a weight is skipped")
     ap.add_argument("--nodecode", action="store_true", help="also each config without its decode (timing only)")
     ap.add_argument("--clock-ghz", type=float, default=0.0)
+    ap.add_argument("--hold-s", type=float, default=0.0, help="also run each case untraced back to back for this "
+                    "long while nvidia-smi samples the SM clock and power (is the clock lower under load?)")
     ap.add_argument("--parse", default="", help="summarise this trace file (no GPU)")
     ap.add_argument("--compute-wgs", type=int, default=2, help="with --parse: the kernel's compute warpgroups")
     args = ap.parse_args()
@@ -191,6 +215,7 @@ def main():
                     for _ in range(3):
                         jax.block_until_ready(call_t(*a))
                     jax.effects_barrier()  # the dump is a host callback
+                    clocks = hold(call, a, args.hold_s) if args.hold_s else None
                     files = sorted(glob.glob(os.path.join(d, "*-trace.json")))
                     with open(files[-1]) as fh:
                         trace = json.load(fh)
@@ -200,7 +225,7 @@ def main():
                         shutil.copy(files[-1], os.path.join(args.out, "traces",
                                                             name.replace(" ", "_").replace("=", "") + ".json"))
                     results.append(dict(name=name, cupti_us=None if cupti is None else cupti * 1e6,
-                                        experts=uniq, ctas=ctas))
+                                        experts=uniq, ctas=ctas, clocks=clocks))
                     beg.log(f"{name}: CUPTI {cupti * 1e6 if cupti else float('nan'):.1f} us, {len(ctas)} CTAs traced")
                 except Exception as ex:  # noqa: BLE001
                     beg.log(f"{name}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
@@ -211,6 +236,9 @@ def main():
         rows = summarise(r["ctas"], ghz)
         r["rows"] = rows
         cupti = "no CUPTI time" if r["cupti_us"] is None else f"CUPTI {r['cupti_us']:.1f} us untraced"
+        if r.get("clocks"):
+            cupti += (f"; held {r['clocks']['calls']} calls: SM clock {r['clocks']['mhz']} MHz, "
+                      f"{r['clocks']['watts']} W, throttle reasons {r['clocks']['reasons']}")
         print_rows(f"{r['name']}  ({cupti}, {r['experts']} experts)", rows, ghz)
     if args.out:
         with open(os.path.join(args.out, "trace_expert_gemm.json"), "w") as fh:
