@@ -158,14 +158,6 @@ def fp8_kernel_bits_to_bytes(b: jax.Array) -> jax.Array:
 # reference and XLA paths
 
 
-def _row_expert(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """Expert id of each row and a mask of rows inside some group."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    r = jnp.arange(m, dtype=jnp.int32)
-    e = jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32)
-    return jnp.minimum(e, group_sizes.shape[0] - 1), r < ends[-1]
-
-
 def expert_gemm_reference(x: jax.Array, w: Fp4Weight, group_sizes: jax.Array) -> jax.Array:
     """float32 throughout: y[r] = x[r] @ dequant(W[e_r])^T, rows past sum(group_sizes) are 0.
 
@@ -302,24 +294,29 @@ def tile_schedule(group_sizes: jax.Array, m: int, tm: int, t_max: int) -> TileSc
     feeds it to a second GEMM with the same schedule (w1/w3 -> w2: `dsv41.moe`) regathers it into the padded row
     layout by `pos[src]` and calls `matmul_padded` again."""
     gs = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(gs)
-    starts = ends - gs
+    e = gs.shape[0]
     gp = (gs + 7) // 8 * 8  # an expert's rows in the padded layout
-    pstarts = jnp.cumsum(gp) - gp
     n = (gs + tm - 1) // tm  # tiles of each expert
-    cum = jnp.cumsum(n)
-    base = cum - n
+    # the three running sums as one (a decode call's schedule is a few small kernels; each costs a launch)
+    ends, pends, cum = jnp.cumsum(jnp.stack([gs, gp, n]), axis=1)
+    starts, pstarts, base = ends - gs, pends - gp, cum - n
+    search = lambda bounds, v: jnp.minimum(  # noqa: E731
+        jnp.searchsorted(bounds, v, side="right", method="compare_all").astype(jnp.int32), e - 1)
     t = jnp.arange(t_max, dtype=jnp.int32)
-    te = jnp.minimum(jnp.searchsorted(cum, t, side="right", method="compare_all").astype(jnp.int32), gs.shape[0] - 1)
+    te = search(cum, t)
     live = t < cum[-1]
     tile_expert = jnp.where(live, te, -1).astype(jnp.int32)
     tile_row = jnp.where(live, pstarts[te] + (t - base[te]) * tm, 0).astype(jnp.int32)
-    re, valid = _row_expert(gs, m)
     r = jnp.arange(m, dtype=jnp.int32)
+    re, valid = search(ends, r), r < ends[-1]
     off = r - starts[re]
     pos = (base[re] + off // tm) * tm + off % tm
-    mp = padded_rows(m, gs.shape[0])
-    src = jnp.full((mp,), m, jnp.int32).at[jnp.where(valid, pstarts[re] + off, mp)].set(r, mode="drop")
+    # each padded row's sorted row by a search over the padded starts (a gather; a scatter of the rows is a
+    # kernel of its own)
+    p = jnp.arange(padded_rows(m, e), dtype=jnp.int32)
+    pe = search(pends, p)
+    poff = p - pstarts[pe]
+    src = jnp.where((p < pends[-1]) & (poff < gs[pe]), starts[pe] + poff, m).astype(jnp.int32)
     return TileSchedule(tile_expert, tile_row, src, jnp.where(valid, pos, 0), valid)
 
 
