@@ -618,9 +618,11 @@ def _stream_fixup(y: jax.Array, part: jax.Array, live_tiles: jax.Array, n_blocks
     return tiles.reshape(t_max, n_blocks, tm, tn).transpose(0, 2, 1, 3).reshape(t_max * tm, n)
 
 
-# Named ranges a warpgroup's trace holds (KernelConfig.trace_dir); later ones are dropped. 12 KB of shared memory
-# for 3 warpgroups: w1/w3's 5 stages of 512 inputs (215 KB) did not fit with 384 (H200, twenty-fourth session).
-TRACE_RANGES = 256
+# Named ranges a warpgroup's trace holds (KernelConfig.trace_dir); later ones are dropped. 9 KB of shared memory
+# for 3 warpgroups: w1/w3's 5 stages of 512 inputs (212 KB) did not fit with 384 (H200, twenty-fourth session), and
+# at 64 tokens their schedule in shared memory (`pack_schedule`, 3.5 KB) leaves less than 256's 12 KB. A
+# one-token call records ~165 (2 items of 20 steps, 4 ranges a step); longer calls are cut.
+TRACE_RANGES = 192
 
 
 @functools.lru_cache(maxsize=None)
