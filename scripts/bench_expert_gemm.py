@@ -242,7 +242,7 @@ def kernel_only(x, pw, gs, cfg):
     kern = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], n, e, t_max, cfg, INTERPRET,
                             out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
     if cfg.stream:  # the weights flattened over experts (free reshapes); without the split items' sum (the whole
-        # call's row times it, fused with the rows' gather)
+        # call's row times it: XLA kernels of its own)
         call = lambda sched, x, w, s: kern(sched, x, w.reshape(e * n, -1), s.reshape(-1, n))  # noqa: E731
     else:
         call = kern
@@ -426,8 +426,8 @@ def run_moe_case(tokens, e, weights, ceil, stream=False):
            "gemm_us": gemm, "TFLOPs": flops / total / 1e6, "finite": finite, "kernels": count, "parts": parts}
     MOE_ROWS.append(row)
     print(f"moe T={tokens} (w13 {label(c13)}): {total:.1f} us of {count} kernels, of it the two GEMM kernels "
-          f"{gemm:.1f} us ({100 * gemm / total:.0f}%); {row['TFLOPs']:.1f} TFLOP/s = {100 * row['TFLOPs'] / ceil['mm_TFLOPs']:.0f}% "
-          f"of the matmul rate (the GEMMs alone {100 * flops / gemm / 1e6 / ceil['mm_TFLOPs']:.0f}%), "
+          f"{gemm:.1f} us ({100 * gemm / total:.0f}%); {row['TFLOPs']:.1f} TFLOP/s = "
+          f"{100 * row['TFLOPs'] / ceil['mm_TFLOPs']:.0f}% of the matmul rate (the GEMMs alone {100 * flops / gemm / 1e6 / ceil['mm_TFLOPs']:.0f}%), "
           f"finite={finite}")
     print_breakdown(f"moe T={tokens} routed experts", bd)
 
