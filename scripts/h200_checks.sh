@@ -27,6 +27,7 @@
 #   bash scripts/h200_checks.sh kv-flags      # programs.KernelOptions: kernels' GPU tests, engine layer by layer
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
+#   bash scripts/h200_checks.sh decode-variants # FP4 decode instruction variants; PDL on 8 MoE layers (~5 min)
 #   bash scripts/h200_checks.sh decoder8      # the FP8 linear kernel's bit layout: GPU tests, with and without decode
 #   bash scripts/h200_checks.sh steps         # the expert GEMM at 1 / 64 tokens with 384-768-input steps (~4 min)
 #   bash scripts/h200_checks.sh longsteps     # the decode defaults' longer steps: GPU tests, engine MoE, 1/8/64 tokens
@@ -552,8 +553,14 @@ case "${1:-}" in
     echo "bench_engine rc=$?"
     grep -E "\| " "$OUT/$1_log.txt" | tail -12
     ;;
+  decode-variants)
+    # the FP4 decode's shifts written for other pipes (the same layout and results), kernel alone at 1 / 8
+    # tokens; then 8 MoE layers with and without programmatic dependent launch (~5 min)
+    timeout -k 10 480 $PY scripts/bench_decode_variants.py --moe-chain > "$OUT/decode_variants_log.txt" 2>&1
+    echo "bench_decode_variants rc=$?"; grep -vE "compile|^W1" "$OUT/decode_variants_log.txt" | tail -30
+    ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill|stages" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill|stages|decode-variants" >&2
     exit 2
     ;;
 esac

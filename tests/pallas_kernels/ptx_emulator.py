@@ -1,8 +1,9 @@
 """Runs the straight-line inline-PTX blocks of our decoders on numpy uint32 arrays, so CPU tests check the PTX
 text the GPU runs (the Mosaic GPU interpreter cannot run `inline_mgpu`).
 
-Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shf.l.wrap.b32, mul.lo.u32,
-prmt.b32 (default mode) and mul.rn.bf16x2 (each half rounded to nearest even, subnormals kept, as sm_90 does).
+Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shf.l.wrap.b32, mul.lo / mul.hi /
+mul.wide .u32, mov.b64 {lo, hi} (a 64-bit register's halves), prmt.b32 (default mode) and mul.rn.bf16x2 (each half
+rounded to nearest even, subnormals kept, as sm_90 does).
 Anything else raises, so a decoder that starts using another instruction fails its test until the emulator
 learns it.
 """
@@ -61,6 +62,12 @@ def run(ptx: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
         if not stmt or stmt.startswith(".reg"):
             continue
         op, rest = stmt.split(None, 1)
+        if op == "mov.b64" and rest.lstrip().startswith("{"):  # {lo, hi} <- a 64-bit register
+            halves, src64 = rest.split("}")
+            lo, hi = [t.strip() for t in halves.strip(" {").split(",")]
+            w = val(src64.strip(" ,"))
+            regs[lo], regs[hi] = w & _M32, w >> np.uint64(32)
+            continue
         dst, *src = [t.strip() for t in rest.split(",")]
         a = [val(t) for t in src]
         if op == "mov.b32":
@@ -78,6 +85,11 @@ def run(ptx: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
             r = a[0] | a[1]
         elif op == "mul.lo.u32":
             r = a[0] * a[1]
+        elif op == "mul.hi.u32":
+            r = (a[0] * a[1]) >> np.uint64(32)
+        elif op == "mul.wide.u32":  # the whole 64-bit product, kept unmasked below
+            regs[dst] = np.asarray(a[0] * a[1], np.uint64)
+            continue
         elif op == "prmt.b32":
             r = _prmt(*a)
         elif op == "mul.rn.bf16x2":

@@ -3,6 +3,7 @@ the Mosaic GPU interpreter (CPU). GPU-only tests run the compiled kernel (marked
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -297,6 +298,19 @@ def test_overlap_lowers_for_cuda(m, cfg):
         sd((m, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
+def test_pdl_lowers_for_cuda():
+    """`KernelConfig.pdl`: the one-token kernel at Flash's fused w1/w3 shape lowers for sm_90a with its wait for
+    the kernel before it, and is marked for a programmatic dependent launch."""
+    sd, e, n, k = jax.ShapeDtypeStruct, 384, 4608, 5120
+    w = eg.PreparedFp4(sd((e, n, k // 2), jnp.uint8), sd((e, k // 32, n), jnp.uint8))
+    texts = []
+    for pdl in (False, True):
+        cfg = dataclasses.replace(eg.default_config(6, n, k, e), pdl=pdl)
+        texts.append(jax.jit(lambda x, w, g, cfg=cfg: eg.grouped_fp4_matmul_pallas(x, w, g, cfg)).trace(
+            sd((6, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text())
+    assert [("griddepcontrol" in t, "uses_pdl" in t) for t in texts] == [(False, False), (True, True)]
+
+
 def test_default_configs_at_flash_shapes():
     """Decode and prefill chunks with few rows an expert chain every SM's items (the stages divide the K steps)
     for w1/w3 (K 5120) and w2 (K 2304): unchained, w2 took 665 us at 64 tokens on the H200 against 612 chained.
@@ -335,7 +349,9 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                    (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, overlap=True), 2560),
                                    (48, C(tm=8, tk=768, num_wgs=2, stages=3, chain=True, overlap=True), 2304),
                                    (6, C(tm=8, tk=256, num_wgs=2, stages=4, overlap=True, stream=True), 5120),
-                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True), 2560)])
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True), 2560),
+                                   (48, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, pdl=True),
+                                    512)])
 def test_kernel_gpu(m, cfg, k):
     rng = np.random.default_rng(7)
     e, n = 16, 256
