@@ -89,10 +89,9 @@ def time_variants(names, weights, e, rounds, budget_s, hbm):
                 n, k, pw = weights[mat]
                 cfg = eg.default_config(tokens * 6, n, k, e)
                 routs = B.make_routings(jax.random.key(tokens), tokens, e, 6, 4, k)
-                kf, _, _ = B.kernel_only(routs[0][0], pw, routs[0][1], cfg)
                 sets = []
-                for x, gs, _ in routs:
-                    _, sched, src = B.kernel_only(x, pw, gs, cfg)
+                for x, gs, _ in routs:  # kf: the same kernel for every routing (their shapes agree)
+                    kf, sched, src = B.kernel_only(x, pw, gs, cfg)
                     sets.append((*sched, jnp.take(x, src, axis=0, mode="fill", fill_value=0), pw.weight, pw.scale_t))
                 c, _ = B.time_calls(kf, sets)
                 gb = statistics.mean(u for _, _, u in routs) * n * (k // 2 + k // 32) / 1e9

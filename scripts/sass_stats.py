@@ -23,6 +23,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,12 @@ def sass_of(ptx: str, cuda_bin: str | None, sass_out: str | None) -> tuple[str, 
     env = dict(os.environ)
     if cuda_bin:
         env["PATH"] = cuda_bin + os.pathsep + env["PATH"]
+    if not os.path.isfile(ptx):
+        sys.exit(f"{ptx}: no such PTX file (dump one with MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=<dir>)")
+    for tool in ("ptxas", "cuobjdump", "nvdisasm"):
+        if shutil.which(tool, path=env["PATH"]) is None:
+            sys.exit(f"{tool} is not on the PATH: pass --cuda-bin with the directory of CUDA 13's ptxas, cuobjdump "
+                     f"and nvdisasm")
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
         r = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", ptx, "-o", cubin], capture_output=True, text=True,
@@ -56,7 +63,7 @@ def sass_of(ptx: str, cuda_bin: str | None, sass_out: str | None) -> tuple[str, 
             sys.exit(f"ptxas failed on {ptx}:\n{r.stderr[-2000:]}")
         s = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True, env=env)
         if s.returncode:
-            sys.exit(f"cuobjdump failed (it runs nvdisasm, which must be on the PATH):\n{s.stderr[-2000:]}")
+            sys.exit(f"cuobjdump failed:\n{s.stderr[-2000:]}")
     if sass_out:
         with open(sass_out, "w") as fh:
             fh.write(s.stdout)
