@@ -399,6 +399,17 @@ class KernelConfig:
     # routed experts in one program took the same wall time with it as without (1 token 75.6-77.8 against
     # 75.5-77.1 us a layer, 8 tokens 218.6-223.1 against 219.6-222.3). Off by default. GPU only.
     pdl: bool = False
+    # Multiply with warp-level `mma.sync` (m16n8k16, `plgpu.mma`) instead of wgmma, into this many accumulators
+    # (0: wgmma). At 8-row tiles a step's wgmma are 16 m64n8k16 instructions a warpgroup, and a step without its
+    # decode still took 781 cycles on the H200 (twenty-fourth session's trace): wgmma's cost an instruction barely
+    # shrinks with N, and its asynchrony (a fence before, a wait after) keeps a step's multiply and the next
+    # step's decode apart. `mma.sync` takes the decoded registers as they are (the A-fragment layout is the same),
+    # sums in registers carried from step to step, and is ordered by the register scoreboard alone, so the warp
+    # schedulers interleave the multiply with the integer decode. x's B fragments are loaded from the stage's tile
+    # (`ldmatrix`). A step's tk/16 instructions are dealt round robin over the accumulators, each a dependent chain
+    # (with one, the 16 of a 256-input step ran one after another: twenty-seventh session's SASS). Excludes
+    # `overlap`, `two_accs` and `a_smem` (all about wgmma).
+    warp_mma: int = 0
 
     @property
     def tn(self) -> int:
@@ -431,7 +442,7 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
         # took 27.3-33.8 us against 28.1 without (twenty-second session, H200), the partials' stores and the
         # shorter chains costing what the even waves save.
         tk, stages = _decode_steps(m, k, tk, stages)
-        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=tk % 128 == 0)
+        return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True, warp_mma=4)
     if m <= 64 * e:
         return KernelConfig(tm=64, tk=tk, num_wgs=2, stages=stages, chain=True, overlap=overlap)
     return KernelConfig(tm=128, tk=128, num_wgs=2, stages=4)
@@ -519,11 +530,13 @@ _FP8_PTX = """{
         }"""
 
 
-def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None = None, skip: bool = False):
+def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None = None, skip: bool = False,
+                       mma_lhs: bool = False):
     """inline_mgpu: kernel-layout bytes (smem, [64, tk/2] FP4 or [64, tk] FP8, tiled+swizzled) and scale bytes
     (smem [tk/32, 64]) -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand. half 0 / 1:
     only the first / second tk/2 inputs, bf16 [64, tk/2] (`KernelConfig.overlap`). skip: each word stands for
-    its own A registers, undecoded (`KernelConfig.skip_decode`, timing only)."""
+    its own A registers, undecoded (`KernelConfig.skip_decode`, timing only). mma_lhs: the same registers as
+    `plgpu.mma`'s A operand (`Layout.MMA_LHS`: each thread holds the same elements, grouped by k16 block)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
@@ -539,7 +552,9 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(w_transforms), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((64, tk_out), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct(
+            (64, tk_out), jnp.bfloat16,
+            layout=plgpu.Layout.MMA_LHS(jnp.bfloat16) if mma_lhs else plgpu.Layout.WGMMA),
     )
     def dequant(ctx, w_ref, s_ref):
         del ctx
@@ -585,9 +600,43 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
                 ridx = list(idx)
                 ridx[1] = n_out * (g - g_lo) + j
                 regs[tuple(ridx)] = mu.bitcast(o, bf16x2)
+        if mma_lhs:
+            # WGMMA_LAYOUT's registers [1, tk/8 (8-input column), 1, 1, 2 (row +8), 1...] regrouped as MMA_LHS's
+            # [1, tk/16 (k16 block), 1, 2 (its 8-input half), 2 (row +8), 1...]: mma.sync's a0..a3 order
+            lhs = mgpu.MMALayouts(ir.BF16Type.get(), m_warps=4).lhs
+            lregs = np.empty(lhs.registers_shape((64, tk_out)), dtype=object)
+            for idx, r in np.ndenumerate(regs):
+                lidx = list(idx)
+                lidx[1], lidx[3] = idx[1] // 2, idx[1] % 2
+                lregs[tuple(lidx)] = r
+            return mgpu.FragmentedArray(_registers=lregs, _layout=lhs, _is_signed=None)
         return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return dequant
+
+
+def _mma_chains_mgpu(tk: int, tm: int, chains: int):
+    """inline_mgpu: (`chains` sums float32 [64, tm], A bf16 [64, tk] (MMA_LHS), B bf16 [tk, tm] (MMA_RHS)) -> the
+    sums with A @ B added, k16 block j of it into sum j % chains (`KernelConfig.warp_mma`)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    acc_layout = plgpu.Layout.MMA_ACC(jnp.bfloat16)
+    acc_type = plgpu.ShapeDtypeStruct((64, tm), jnp.float32, layout=acc_layout)
+
+    @plgpu.inline_mgpu(
+        arg_types=((acc_layout,) * chains, plgpu.Layout.MMA_LHS(jnp.bfloat16), plgpu.Layout.MMA_RHS(jnp.bfloat16)),
+        return_type=(acc_type,) * chains,
+    )
+    def mma_chains(ctx, sums, a, b):
+        del ctx
+        sums = list(sums)
+        for j in range(tk // 16):
+            ks = slice(16 * j, 16 * (j + 1))
+            sums[j % chains] = mgpu.mma(sums[j % chains], a[:, ks], b[ks, :])
+        return tuple(sums)
+
+    return mma_chains
 
 
 def _stream_steps_an_sm(total, k_iters: int, num_sms: int):
@@ -659,6 +708,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         raise ValueError(f"overlap decodes halves of tk={tk}: tk must be a multiple of 128")
     if cfg.two_accs and not cfg.overlap:
         raise ValueError("two_accs gives each K half of a step its accumulator: it needs overlap=True")
+    if cfg.warp_mma and (cfg.overlap or cfg.a_smem):
+        raise ValueError("warp_mma multiplies with synchronous mma.sync from registers: overlap, two_accs and a_smem "
+                         "(all about wgmma) do not apply; turn them off")
     if k % tk or n % tn:
         raise ValueError(f"K={k} must be a multiple of tk={tk} and N={n} of tn={tn}")
     ks = cfg.ksplit
@@ -688,11 +740,12 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         raise ValueError("trace_dir records the GPU kernel's timeline; the interpreter has none")
     if cfg.skip_decode and interpret:
         raise ValueError("skip_decode times the GPU kernel without its decode; the interpreter has no decode to skip")
-    dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h, cfg.skip_decode)
-                                      for h in halves}
+    dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h, cfg.skip_decode,
+                                                            cfg.warp_mma) for h in halves}
     dequant_model = _dequant_tile8_jnp if fmt == "fp8" else _dequant_tile_jnp
+    mma_chains = _mma_chains_mgpu(tk, tm, cfg.warp_mma) if cfg.warp_mma and not interpret else None
     # The interpreter's wgmma takes A only from shared memory.
-    a_smem_mode = cfg.a_smem or interpret
+    a_smem_mode = (cfg.a_smem or interpret) and not cfg.warp_mma
     t_pad = _sched_pad(t_max)
     scratch = {"o_smem": plgpu.SMEM(o_shape, out_dtype, transforms=o_transforms),
                "sched_smem": plgpu.SMEM((4 + 2 * t_pad,), jnp.int32), "sched_bar": plgpu.Barrier(num_arrivals=1)}
@@ -701,10 +754,18 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
     def multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem):
         """One pipeline step of warpgroup wg: decode its 64 weight rows of the stage and multiply them into acc (one
-        ref, or one for each K half with two_accs), then wait for the tensor cores."""
+        ref, or one for each K half with two_accs), then wait for the tensor cores. With warp_mma acc is a value
+        (float32 [64, tm] = y^T so far) and the new sum is returned."""
         w_wg = w_smem.at[pl.ds(wg * 64, 64)]
         s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
         a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None
+        if cfg.warp_mma:  # acc: a partial sum a chain, each float32 [64, tm]
+            if interpret:  # the interpreter has no mma.sync: the same sum as a dot
+                return (acc[0] + jnp.dot(a_full, x_smem[...].T, preferred_element_type=jnp.float32), *acc[1:])
+            with jax.named_scope("decode"):
+                a = dequant[None](w_wg, s_wg)
+            b = plgpu.load(x_smem.transpose((1, 0)), layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+            return mma_chains(acc, a, b)
         for h in halves:
             lo, width = (0, tk) if h is None else (h * (tk // 2), tk // 2)
             ks = pl.ds(lo, width)
@@ -736,6 +797,18 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
     num_sms = _kernel_sms(interpret)
 
+    def acc_zeros():
+        """The first running sum, float32 [64, tm]; with warp_mma, one a chain in mma.sync's layout."""
+        z = jnp.zeros((64, tm), jnp.float32)
+        if not cfg.warp_mma:
+            return z
+        if not interpret:
+            z = plgpu.layout_cast(z, plgpu.Layout.MMA_ACC(jnp.bfloat16))
+        return (z,) * cfg.warp_mma
+
+    def acc_sum(acc):
+        return functools.reduce(jnp.add, acc) if cfg.warp_mma else acc
+
     def stream_body(sched, x_gmem, w_gmem, s_gmem, o_gmem, p_gmem, o_smem, p_smem, a_smem=None):
         # w_gmem [E * N, K/2 or K] and s_gmem [E * K/32, N]: the weights flattened over experts (`run_kernel`), so
         # that a block index names an expert's rows
@@ -766,12 +839,16 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                 # each step multiplies into a fresh accumulator added to the running sum, a value carried from step
                 # to step: zeroing one accumulator between items (`acc_ref[...] = 0`, or `pl.run_state` over
                 # `ACC.init`) does not run in the interpreter
-                @functools.partial(pl.run_scoped, ref=plgpu.ACC((64, tm), jnp.float32))
-                def y_step(ref):
-                    multiply_step(wg, x_smem, w_smem, s_smem, ref, a_smem)
-                    return ref[...]
+                if cfg.warp_mma:
+                    sums = multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem)
+                    y = acc_sum(sums)
+                else:
+                    @functools.partial(pl.run_scoped, ref=plgpu.ACC((64, tm), jnp.float32))
+                    def y_step(ref):
+                        multiply_step(wg, x_smem, w_smem, s_smem, ref, a_smem)
+                        return ref[...]
 
-                y = acc + y_step
+                    y = acc + y_step
             item_done = kk == k_iters - 1
             range_done = i == hi - lo - 1
             whole = item * k_iters >= lo
@@ -793,11 +870,12 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(p_smem.at[wg], p_gmem.at[pl.ds(((sm * 2 + slot) * nwg + wg) * 64, 64)])
 
-            return y * jnp.where(item_done, 0.0, 1.0)  # the next step starts the next item from zero
+            keep = jnp.where(item_done, 0.0, 1.0)  # the next step starts the next item from zero
+            return tuple(v * keep for v in sums) if cfg.warp_mma else y * keep
 
         def compute_context(eval_pipeline):
             with jax.named_scope("item"):
-                eval_pipeline(jnp.zeros((64, tm), jnp.float32))
+                eval_pipeline(acc_zeros())
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
             step,
@@ -862,7 +940,25 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                 ex = sched.expert(t)
                 row0 = pl.multiple_of(sched.row(t), 8)  # tile_schedule: on a multiple of 8 (TMA tiles of 8 rows)
 
+                def store(y):  # y: float32 [64, tm] = y^T of this warpgroup's rows
+                    with jax.named_scope("store"):
+                        y = y.astype(out_dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        if out_t:
+                            o_smem.at[wg][...] = y
+                            dst = o_gmem.at[pl.ds(sp * n + nb * tn + wg * 64, 64), pl.ds(t * tm, tm)]
+                        else:
+                            o_smem.at[wg].transpose((1, 0))[...] = y
+                            dst = o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+
                 def compute_context(eval_pipeline):
+                    if cfg.warp_mma:  # the sums are values carried from step to step
+                        with jax.named_scope("item"):
+                            sums = eval_pipeline(acc_zeros())
+                        store(acc_sum(sums))
+                        return
                     accs = {f"acc{i}": plgpu.ACC((64, tm), jnp.float32) for i in range(1 + cfg.two_accs)}
 
                     @functools.partial(pl.run_scoped, **accs)
@@ -870,22 +966,12 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                         refs = tuple(acc_refs[f"acc{i}"] for i in range(len(acc_refs)))
                         with jax.named_scope("item"):
                             eval_pipeline(refs if cfg.two_accs else refs[0])
-                        with jax.named_scope("store"):
-                            y = functools.reduce(jnp.add, [r[...] for r in refs]).astype(out_dtype)  # [64, tm] = y^T
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            if out_t:
-                                o_smem.at[wg][...] = y
-                                dst = o_gmem.at[pl.ds(sp * n + nb * tn + wg * 64, 64), pl.ds(t * tm, tm)]
-                            else:
-                                o_smem.at[wg].transpose((1, 0))[...] = y
-                                dst = o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+                        store(functools.reduce(jnp.add, [r[...] for r in refs]))
 
                 def mma_body(_, x_smem, w_smem, s_smem, acc):
                     with jax.named_scope("step"):
-                        multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem)
-                    return acc
+                        out = multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem)
+                    return out if cfg.warp_mma else acc
 
                 refs = (x_gmem.at[pl.ds(row0, tm), pl.ds(sp * kp, kp)],
                         w_gmem.at[ex, pl.ds(nb * tn, tn), pl.ds(sp * (kp * tkp // tk), kp * tkp // tk)],

@@ -139,12 +139,15 @@ def fp8_linear_reference(x: jax.Array, w: Fp8Weight) -> jax.Array:
 def _config(tm: int, k_iters: int, ksplit: int) -> eg.KernelConfig:
     """Pipeline depth that fits shared memory (x tile, weight tile, scales a stage; the output tiles once: bf16
     [tm, 64], or float32 [64, tm] partials when K is split), preferring one that divides an item's steps so an
-    SM's items chain."""
+    SM's items chain. Up to 8 rows the multiply is warp-level mma.sync (`KernelConfig.warp_mma`): on the H200
+    (twenty-seventh session) attn.wo_b / engram.wkv took 19.7 / 49.3 us at one row against 20.7 / 51.5 with wgmma,
+    attn.wq_b 16.2 either way."""
     stage = tm * TK * 2 + TN * TK + TK // 32 * TN
     out = 2 * tm * 64 * (4 if ksplit > 1 else 2)
     fits = [st for st in (4, 5, 3, 2) if st * stage + out <= 200 * 1024]
     stages = next((st for st in fits if k_iters % st == 0), fits[0])
-    return eg.KernelConfig(tm=tm, tk=TK, num_wgs=2, stages=stages, chain=True, ksplit=ksplit)
+    return eg.KernelConfig(tm=tm, tk=TK, num_wgs=2, stages=stages, chain=True, ksplit=ksplit,
+                           warp_mma=4 if tm == 8 else 0)
 
 
 def fp8_grouped_linear(x: jax.Array, w: PreparedFp8, config: eg.KernelConfig | None = None) -> jax.Array:

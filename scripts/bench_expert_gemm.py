@@ -72,7 +72,8 @@ def label(cfg):
     return (f"tm{cfg.tm} tk{cfg.tk} wg{cfg.num_wgs} st{cfg.stages}" + (" chain" if cfg.chain else "")
             + (f" ks{cfg.ksplit}" if cfg.ksplit > 1 else "") + (" A-in-smem" if cfg.a_smem else "")
             + (" overlap" if cfg.overlap else "") + (" 2acc" if cfg.two_accs else "")
-            + (" NO-DECODE" if cfg.skip_decode else "") + (" stream-K" if cfg.stream else ""))
+            + (" NO-DECODE" if cfg.skip_decode else "") + (" stream-K" if cfg.stream else "")
+            + (f" mma.sync x{cfg.warp_mma}" if cfg.warp_mma else ""))
 
 
 def elapsed():
@@ -381,15 +382,21 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args, do_m
             log(f"FAILED ragged_dot_mgpu {kind} {mat}: {type(ex).__name__}: {str(ex)[:500]}")
 
 
-def run_moe_case(tokens, e, weights, ceil, stream=False):
+# --moe-variants: a change to `default_config`'s decode configs (8-row tiles) for an A/B of a whole MoE layer
+MOE_VARIANTS = {
+    "stream": {"stream": True},  # stream-K, the partials' sum in XLA around the kernel
+    "wgmma": {"warp_mma": 0, "overlap": True},  # the multiply by wgmma in two K halves (the default before warp_mma)
+}
+
+
+def run_moe_case(tokens, e, weights, ceil, variant=""):
     """The routed experts of one MoE layer as the engine runs them (`dsv41.moe.routed_experts` with the experts
     prepared for the kernel: w13 and w2, random top-6 routing, the served numerics): the CUPTI time of all its
     kernels against the two GEMM kernels' own, i.e. what the rows' gathers, SwiGLU and the sum over each token's
-    experts cost around them. stream=True: `default_config`'s decode configs (8-row tiles) with stream-K, the
-    partials' sum in XLA around the kernel (the A/B of `--moe-stream`)."""
-    if stream:
-        dc = eg.default_config
-        eg.default_config = lambda *a: (lambda c: dataclasses.replace(c, stream=c.tm == 8))(dc(*a))
+    experts cost around them. variant: a key of MOE_VARIANTS, applied to `default_config`'s decode configs."""
+    if variant:
+        dc, change = eg.default_config, MOE_VARIANTS[variant]
+        eg.default_config = lambda *a: (lambda c: dataclasses.replace(c, **change) if c.tm == 8 else c)(dc(*a))
         try:
             return run_moe_case(tokens, e, weights, ceil)
         finally:
@@ -473,8 +480,8 @@ def main():
     ap.add_argument("--no-cupti", action="store_true", help="wall clock only (no CUPTI kernel timing)")
     ap.add_argument("--tiny", action="store_true", help="CPU: whole script at toy shapes, interpreter")
     ap.add_argument("--breakdown", action="store_true", help="print each kernel of the whole call (CUPTI)")
-    ap.add_argument("--moe-stream", action="store_true", help="with --moe: also each case with stream-K in "
-                    "default_config's decode configs")
+    ap.add_argument("--moe-variants", default="", help="with --moe: also each case with these changes to "
+                    f"default_config's decode configs, from {','.join(MOE_VARIANTS)}")
     ap.add_argument("--moe", default="", help="token counts at which to time a whole MoE layer's routed experts "
                                               "(dsv41.moe, both GEMMs and what runs around them), e.g. 2048,8192")
     ap.add_argument("--only-moe", action="store_true", help="skip the GEMM cases (with --moe)")
@@ -482,7 +489,9 @@ def main():
                     help="prefill configs to time instead of the default, TMxTKxSTAGES[c][o][a][n][s][wW][kK] (c: "
                          "chained; o: decode and multiply in two halves of K, KernelConfig.overlap; a: with o, an "
                          "accumulator for each half, KernelConfig.two_accs; n: no decode, timing only, its check "
-                         "fails; s: stream-K, KernelConfig.stream; wW: W compute warpgroups, default 2; kK: K slices, "
+                         "fails; s: stream-K, KernelConfig.stream; mM: warp-level mma.sync into M accumulators, "
+                         "KernelConfig.warp_mma; wW: W "
+                         "compute warpgroups, default 2; kK: K slices, "
                          "KernelConfig.ksplit), e.g. "
                          "128x128x4,64x256x4co,8x256x4cok5")
     ap.add_argument("--decode-configs", default="", help="decode configs to time instead of the default, as "
@@ -516,22 +525,23 @@ def main():
 
 
 def parse_configs(spec):
-    """'TMxTKxSTAGES[c][o][a][n][s][wW][kK],...' -> [KernelConfig], or None. c: chained, o: overlap, a: an
+    """'TMxTKxSTAGES[c][o][a][n][s][mM][wW][kK],...' -> [KernelConfig], or None. c: chained, o: overlap, a: an
     accumulator for each K half (two_accs, with o), n: no decode (timing only: KernelConfig.skip_decode), s:
-    stream-K (KernelConfig.stream), wW: W
+    stream-K (KernelConfig.stream), mM: warp-level mma.sync into M accumulators (KernelConfig.warp_mma), wW: W
     compute warpgroups (default 2), kK: K slices (ksplit). A config that does not fit a weight's N or K is
     skipped for that weight."""
     out = []
     for item in filter(None, spec.split(",")):
         tm, tk, st = item.split("x")
-        m = re.fullmatch(r"(\d+)([coans]*)(?:w(\d))?(?:k(\d+))?", st)
+        m = re.fullmatch(r"(\d+)([coans]*)(?:m(\d))?(?:w(\d))?(?:k(\d+))?", st)
         if m is None:
-            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][a][n][s][wW][kK], e.g. 8x256x4co, 8x256x4cow3 "
+            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][a][n][s][mM][wW][kK], e.g. 8x256x4co, 8x256x4cow3 "
                              "or 8x256x4cok5")
         flags = m.group(2)
-        out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=int(m.group(3) or 2), stages=int(m.group(1)),
+        out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=int(m.group(4) or 2), stages=int(m.group(1)),
                                    chain="c" in flags, overlap="o" in flags, two_accs="a" in flags,
-                                   skip_decode="n" in flags, stream="s" in flags, ksplit=int(m.group(4) or 1)))
+                                   skip_decode="n" in flags, stream="s" in flags, warp_mma=int(m.group(3) or 0),
+                                   ksplit=int(m.group(5) or 1)))
     return out or None
 
 
@@ -583,8 +593,8 @@ def _cases(args, ceil):
             log("budget reached, skipping moe", tokens)
             continue
         run_moe_case(tokens, e, weights, ceil)
-        if args.moe_stream:
-            run_moe_case(tokens, e, weights, ceil, stream=True)
+        for v in filter(None, args.moe_variants.split(",")):
+            run_moe_case(tokens, e, weights, ceil, variant=v)
     if args.only_moe:
         return
     pre = [int(t) for t in args.prefill_tokens.split(",") if t]

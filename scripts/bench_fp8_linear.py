@@ -45,7 +45,7 @@ SHAPES = {"attn.wq_a": (1280, 5120), "attn.wq_b": (32768, 1280), "attn.wkv": (51
           "attn.wo_b": (5120, 8192), "indexer.wq_b": (4096, 1280), "shared.w1 (w3 alike)": (2304, 5120),
           "shared.w2": (5120, 2304), "engram.wkv": (25600, 6144)}
 # --variants: KernelConfig fields changed from fp8_linear's own config
-VARIANTS = {"halves": {"overlap": True}, "accs": {"overlap": True, "two_accs": True}}
+VARIANTS = {"halves": {"overlap": True}, "accs": {"overlap": True, "two_accs": True}, "mma": {"warp_mma": 4}}
 
 
 def random_fp8(key, n, k):
@@ -87,7 +87,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--skip-decode", action="store_true", help="also time the kernel without its decode (GPU)")
     ap.add_argument("--variants", default="", help="also time these configs, checked: halves (K halves, "
-                                                    "KernelConfig.overlap), accs (K halves, an accumulator each)")
+                                                    "KernelConfig.overlap), accs (K halves, an accumulator each), "
+                                                    "mma (warp-level mma.sync, 4 accumulators: KernelConfig.warp_mma)")
     args = ap.parse_args()
     unknown = set(filter(None, args.variants.split(","))) - set(VARIANTS)
     if unknown:

@@ -28,6 +28,8 @@
 #   bash scripts/h200_checks.sh kv-flags-time # programs.KernelOptions: decode RoPE fused or not, prefill indexer
 #   bash scripts/h200_checks.sh topk          # the top-k threshold kernel: GPU tests, alone, in decode (~10 min)
 #   bash scripts/h200_checks.sh decode-variants # FP4 decode instruction variants; PDL on 8 MoE layers (~5 min)
+#   bash scripts/h200_checks.sh mma           # the expert GEMM with warp-level mma.sync: GPU tests, engine MoE,
+#                                             # 1/8/64 tokens, MoE layer, FP8 linear, SASS (~9 min)
 #   bash scripts/h200_checks.sh decoder8      # the FP8 linear kernel's bit layout: GPU tests, with and without decode
 #   bash scripts/h200_checks.sh steps         # the expert GEMM at 1 / 64 tokens with 384-768-input steps (~4 min)
 #   bash scripts/h200_checks.sh longsteps     # the decode defaults' longer steps: GPU tests, engine MoE, 1/8/64 tokens
@@ -481,7 +483,7 @@ case "${1:-}" in
     rm -rf "$OUT/trace/traces"
     timeout -k 10 -s INT 200 $PY scripts/bench_expert_gemm.py --out "$OUT/eg" --decode-tokens 1,2 \
       --decode-configs 8x256x4co,8x256x4os,8x512x5co,8x512x5os,8x768x3co --skip-prefill --skip-baselines --no-torch \
-      --no-mgpu --moe 1,2 --moe-stream --rot 4 --budget-s 170 > "$OUT/eg.txt" 2>&1
+      --no-mgpu --moe 1,2 --moe-variants stream --rot 4 --budget-s 170 > "$OUT/eg.txt" 2>&1
     echo "bench_expert_gemm rc=$?"; grep -E "^moe T=|FAIL" "$OUT/eg.txt"; sed -n '/ceilings measured/,$p' "$OUT/eg.txt"
     ;;
   accs)
@@ -559,8 +561,48 @@ case "${1:-}" in
     timeout -k 10 480 $PY scripts/bench_decode_variants.py --moe-chain > "$OUT/decode_variants_log.txt" 2>&1
     echo "bench_decode_variants rc=$?"; grep -vE "compile|^W1" "$OUT/decode_variants_log.txt" | tail -30
     ;;
+  mma)
+    # warp-level mma.sync instead of wgmma (KernelConfig.warp_mma, the decode default): its GPU tests and the MoE
+    # through it in the engine; the kernel alone at 1 / 8 / 64 tokens, 1 and 4 accumulators against wgmma (CUPTI);
+    # a whole MoE layer at 1 / 2 / 8 tokens; the one-token w1/w3 kernel's registers and SASS by pipe; the FP8
+    # linear with it at 1 / 8 rows (~9 min)
+    export JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1
+    timeout -k 10 150 $PY -m pytest -q -rA --tb=short -p no:cacheprovider -m gpu \
+      tests/pallas_kernels/test_expert_gemm.py -k "test_kernel_gpu and mma" > "$OUT/mma_tests.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/mma_tests.txt" | tail -8
+    timeout -k 10 120 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
+      -k moe_kernel > "$OUT/mma_moe.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/mma_moe.txt" | tail -6
+    timeout -k 5 -s INT 170 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1,8 --skip-prefill \
+      --decode-configs 8x256x4co,8x256x4cm1,8x256x4cm4,8x256x4cm2,8x256x4sm4,8x512x5co,8x512x5cm4,8x768x3co,8x768x3cm1,8x768x3cm4 \
+      --skip-baselines --no-mgpu --no-torch --budget-s 150 --out "$OUT/mma" > "$OUT/mma.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/mma.txt" | grep -E "kernel|FAIL"
+    timeout -k 5 -s INT 130 $PY scripts/bench_expert_gemm.py --rot 2 --decode-tokens 64 --skip-prefill \
+      --decode-configs 8x512x5co,8x512x5cm4,8x768x3co,8x768x3cm4 --moe 1,2,8 --moe-variants wgmma \
+      --skip-baselines --no-mgpu --no-torch --budget-s 110 --out "$OUT/mma64" > "$OUT/mma64.txt" 2>&1
+    echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/mma64.txt" | grep -E "kernel|FAIL|moe|MoE"
+    mkdir -p "$OUT/mma_ptx"
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$OUT/mma_ptx" timeout -k 5 60 $PY - > "$OUT/mma_ptx.txt" 2>&1 <<'PYEOF'
+import jax, jax.numpy as jnp
+from pallas_kernels import expert_gemm as eg
+sd, e, n, k = jax.ShapeDtypeStruct, 384, 4608, 5120
+cfg = eg.default_config(6, n, k, e)
+print(cfg)
+w = eg.PreparedFp4(jnp.zeros((e, n, k // 2), jnp.uint8), jnp.zeros((e, k // 32, n), jnp.uint8))
+g = jnp.zeros((e,), jnp.int32).at[:6].set(1)
+jax.block_until_ready(jax.jit(lambda x, w, g: eg.grouped_fp4_matmul_pallas(x, w, g, cfg))(
+    jnp.zeros((6, k), jnp.bfloat16), w, g))
+PYEOF
+    echo "ptx dump rc=$?"; ls "$OUT/mma_ptx" | head; rm -f "$OUT"/mma_ptx/*.txt "$OUT"/mma_ptx/*.mlir
+    for f in "$OUT"/mma_ptx/*.ptx; do
+      $PY scripts/sass_stats.py "$f" --cuda-bin /usr/local/cuda/bin > "$f.stats.txt" 2>&1; head -12 "$f.stats.txt"
+    done
+    timeout -k 10 100 $PY scripts/bench_fp8_linear.py --rows 1,8 --only attn.wq_b,attn.wo_b,engram.wkv \
+      --variants mma --out "$OUT/fp8" > "$OUT/fp8_mma.txt" 2>&1
+    echo "bench_fp8_linear rc=$?"; grep -E "^\|" "$OUT/fp8_mma.txt"
+    ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill|stages|decode-variants" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill|stages|decode-variants|mma" >&2
     exit 2
     ;;
 esac

@@ -34,7 +34,7 @@ PIPES = {
             "IMNMX", "VIMNMX", "FSEL", "FSETP", "PLOP3", "P2R", "R2P", "BREV"},
     "fma": {"IMAD", "HMUL2", "HFMA2", "HADD2", "FMUL", "FFMA", "FADD", "IDP", "IMUL"},
     "lsu": {"LDS", "STS", "LDG", "STG", "LD", "ST", "LDSM", "STSM", "ATOMS", "ATOMG", "RED", "ATOM", "SHFL"},
-    "tensor": {"HGMMA", "WARPGROUP"},
+    "tensor": {"HGMMA", "HMMA", "WARPGROUP"},
     "uniform": {"UMOV", "UIADD3", "USHF", "ULEA", "ULOP3", "UISETP", "UIMAD", "USEL", "UPRMT", "R2UR", "S2UR",
                 "VOTEU", "UBMSK", "USGXT", "UFLO", "UPOPC", "ULDC"},
 }
@@ -108,7 +108,12 @@ def main():
     a = ap.parse_args()
     log, sass = sass_of(a.ptx, a.cuda_bin, a.sass_out)
     regs = re.search(r"Used (\d+) registers", log)
-    print_pipes(f"{os.path.basename(a.ptx)} ({regs.group(1) if regs else '?'} registers)", opcodes(sass))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    spilled = f", spills: {spills.group(1)} B stored, {spills.group(2)} B loaded" if spills else ""
+    print_pipes(f"{os.path.basename(a.ptx)} ({regs.group(1) if regs else '?'} registers{spilled})", opcodes(sass))
+    for line in log.splitlines():  # ptxas's own notes, e.g. wgmma serialized
+        if "warning" in line.lower() or "Performance" in line:
+            print("  ptxas:", line.strip())
     if a.region:
         print_pipes(f"region {a.region[0]!r} .. {a.region[1]!r}", opcodes(region(sass, *a.region)))
 

@@ -200,6 +200,11 @@ INTERP_CASES = [
     # item between them (float32 partials summed outside); two halves of K a step in the first
     (20, 256, 128, [7, 0, 11], C(tm=8, tk=128, num_wgs=2, stages=2, overlap=True, stream=True)),
     (40, 192, 192, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, stream=True)),
+    # warp-level mma.sync (the sums values carried from step to step; the interpreter multiplies with a dot):
+    # chained, stream-K, and 16-row tiles over 2 warpgroups unchained
+    (40, 128, 128, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, chain=True, warp_mma=1)),
+    (40, 192, 192, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, stream=True, warp_mma=4)),
+    (24, 192, 128, [0, 9, 0, 15, 0], C(tm=16, tk=64, num_wgs=2, stages=3, warp_mma=4)),
 ]
 
 
@@ -267,6 +272,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="skip_decode"):  # a GPU timing variant: no decode to skip here
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=64, num_wgs=1, skip_decode=True))
+    with pytest.raises(ValueError, match="warp_mma"):  # the halves are about wgmma's asynchrony
+        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
+                              config=C(tm=8, tk=128, num_wgs=1, overlap=True, warp_mma=4))
 
 
 @pytest.mark.parametrize("n,k,cfg", [(4608, 5120, C(tm=8, tk=128, num_wgs=2, stages=4, chain=True, ksplit=5)),
@@ -287,11 +295,15 @@ def test_ksplit_lowers_for_cuda(n, k, cfg):
                                    (12288, C(tm=64, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
                                    (12288, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True)),
                                    (6, C(tm=8, tk=256, num_wgs=2, stages=4, overlap=True, stream=True)),
-                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True))])
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True)),
+                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, warp_mma=4)),
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, warp_mma=4)),
+                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, stream=True, warp_mma=4))])
 def test_overlap_lowers_for_cuda(m, cfg):
     """Each step's tile decoded and multiplied in two halves of K (register A halves, two wgmmas, one wait) at
     Flash's fused w1/w3 shape, through the Mosaic GPU lowering for sm_90a (decode, a 2048-token chunk over 384
-    experts, the 128-row prefill tiles)."""
+    experts, the 128-row prefill tiles); and with warp-level mma.sync instead (`warp_mma`: the decoded registers
+    regrouped as its A operand, x's B fragments loaded from the swizzled stage)."""
     sd, e, n, k = jax.ShapeDtypeStruct, 384, 4608, 5120
     w = eg.PreparedFp4(sd((e, n, k // 2), jnp.uint8), sd((e, k // 32, n), jnp.uint8))
     jax.jit(lambda x, w, g: eg.grouped_fp4_matmul_pallas(x, w, g, cfg)).trace(
@@ -314,15 +326,16 @@ def test_pdl_lowers_for_cuda():
 def test_default_configs_at_flash_shapes():
     """Decode and prefill chunks with few rows an expert chain every SM's items (the stages divide the K steps)
     for w1/w3 (K 5120) and w2 (K 2304): unchained, w2 took 665 us at 64 tokens on the H200 against 612 chained.
-    w1/w3 and w2 of one MoE take the same tile rows (dsv41.moe runs both on one tile schedule). The 8- and
-    64-row tiles decode in two halves of K (faster there on the H200), the 128-row ones do not (slower there)."""
+    w1/w3 and w2 of one MoE take the same tile rows (dsv41.moe runs both on one tile schedule). The 8-row decode
+    tiles multiply with mma.sync into 4 accumulators, the 64-row tiles with wgmma in two halves of K (faster
+    there on the H200), the 128-row ones with wgmma whole (slower in halves there)."""
     for m, tm in ((6, 8), (384, 8), (2048 * 6, 64), (8192 * 6, 128)):
         cfgs = [eg.default_config(m, n, k, 384) for n, k in [(4608, 5120), (5120, 2304)]]
         assert {c.tm for c in cfgs} == {tm}, (m, cfgs)
         for (n, k), cfg in zip([(4608, 5120), (5120, 2304)], cfgs):
             if tm < 128:
                 assert cfg.chain and (k // cfg.tk) % cfg.stages == 0 and cfg.stages >= 3, (k, cfg)
-            assert cfg.overlap == (tm < 128), cfg
+            assert (cfg.warp_mma, cfg.overlap) == ((4, False) if tm == 8 else (0, tm == 64)), cfg
     # decode's longest steps (faster at 64 tokens on the H200): w2 in 3 of 768 at any batch, w1/w3 in 10 of 512
     # past one token's 6 rows (at one token 256 inputs a step were faster)
     assert [(c.tk, c.stages) for c in (eg.default_config(m, n, k, 384) for m in (6, 48, 384)
@@ -351,7 +364,21 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                    (6, C(tm=8, tk=256, num_wgs=2, stages=4, overlap=True, stream=True), 5120),
                                    (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True), 2560),
                                    (48, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, pdl=True),
-                                    512)])
+                                    512),
+                                   # warp-level mma.sync: one token's w1/w3 config, 8 and 16-row tiles, the longer
+                                   # steps of 8 tokens and of w2, stream-K
+                                   pytest.param(6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, warp_mma=4),
+                                                5120, id="mma-1token"),
+                                   pytest.param(384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, warp_mma=4),
+                                                512, id="mma-tm8"),
+                                   pytest.param(384, C(tm=16, tk=256, num_wgs=2, stages=2, chain=True,
+                                                       warp_mma=2), 512, id="mma-tm16"),
+                                   pytest.param(48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, warp_mma=4),
+                                                2560, id="mma-tk512"),
+                                   pytest.param(48, C(tm=8, tk=768, num_wgs=2, stages=3, chain=True, warp_mma=4),
+                                                2304, id="mma-tk768"),
+                                   pytest.param(6, C(tm=8, tk=256, num_wgs=2, stages=4, stream=True, warp_mma=4),
+                                                5120, id="mma-stream")])
 def test_kernel_gpu(m, cfg, k):
     rng = np.random.default_rng(7)
     e, n = 16, 256
