@@ -365,7 +365,7 @@ class KernelConfig:
     # Decode and multiply each step's tile in two halves of K: the second half's weights are decoded while the
     # tensor cores multiply the first (wgmma is asynchronous; one wait at the end of the step). Without it the
     # decode of a step and its multiply run one after the other within a warpgroup. `default_config` turns it
-    # on where it was faster on the H200 (the 8- and 64-row tiles). Needs tk % 128 == 0.
+    # on where it was faster on the H200 (the 64-row tiles; the 8-row ones take `warp_mma`). Needs tk % 128 == 0.
     overlap: bool = False
     # With `overlap`: each K half of a step multiplies into an accumulator of its own, summed before the store.
     # One accumulator chains a step's tk/16 wgmma instructions one after another (each waits for the previous
@@ -429,10 +429,11 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
     rows an expert the GEMM is compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the
     matmul rate).
 
-    The 8- and 64-row tiles decode and multiply each step in two halves (`overlap`): on the H200 (2026-12-01,
-    fourteenth session) w1/w3 / w2 took 33.6 / 17.1 us at one token against 35.1 / 17.7, 2223 / 1144 us at a
-    2048-token chunk against 2283 / 1157, and 979 / 529 us at 64 tokens against 969 / 535 (even); the 128-row
-    tiles at 8192 tokens were slower with it (w1/w3 5066 against 4938 us)."""
+    The 64-row tiles decode and multiply each step in two halves (`overlap`): on the H200 (2026-12-01, fourteenth
+    session) w1/w3 / w2 took 2223 / 1144 us at a 2048-token chunk against 2283 / 1157; the 128-row tiles at 8192
+    tokens were slower with it (w1/w3 5066 against 4938 us). The 8-row decode tiles multiply with mma.sync into 4
+    accumulators (`warp_mma`): on the H200 (twenty-seventh session) w1/w3 took 25.6 / 142.7 / 721.4 us at 1 / 8 /
+    64 tokens against 28.5 / 150.9 / 732.1 with wgmma in two halves."""
     tk = 256 if k % 256 == 0 else 128
     steps = k // tk
     stages = 3 if steps % 4 and steps % 3 == 0 else 4
@@ -711,6 +712,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     if cfg.warp_mma and (cfg.overlap or cfg.a_smem):
         raise ValueError("warp_mma multiplies with synchronous mma.sync from registers: overlap, two_accs and a_smem "
                          "(all about wgmma) do not apply; turn them off")
+    if cfg.warp_mma and tm > 16:
+        # every warp holds a step's whole x tile as B fragments (tk * tm / 64 registers a thread)
+        raise ValueError(f"warp_mma is for tiles of 8 or 16 rows (tm={tm}): take wgmma (warp_mma=0) for larger ones")
     if k % tk or n % tn:
         raise ValueError(f"K={k} must be a multiple of tk={tk} and N={n} of tn={tn}")
     ks = cfg.ksplit

@@ -5,8 +5,8 @@ y = x @ W^T, x bf16 [M, K] with M <= MAX_ROWS, W `Fp8Weight` [N, K] -> bf16 [M, 
 Why: XLA dequantizes a block-scaled FP8 weight into a bf16 copy before its GEMM reads it (1 byte read, 2
 written, 2 read again per weight), which made the release's FP8 linears slower than bf16 ones on the H200
 (docs/PERFORMANCE.md, "Release weight formats"). This path reads each weight byte once: it runs the grouped
-expert GEMM's Mosaic GPU kernel (`expert_gemm._build_kernel`, weights as the wgmma M operand, tokens as N)
-with an FP8 decoder in registers instead of the FP4 one, as a single group.
+expert GEMM's Mosaic GPU kernel (`expert_gemm._build_kernel`, weights as the wgmma M operand, tokens as N;
+warp-level mma.sync up to 8 rows) with an FP8 decoder in registers instead of the FP4 one, as a single group.
 
 Kernel layout (`PreparedFp8`): within every 16 inputs the values are reordered so that 32-bit word c holds
 inputs (2c, 2c+1, 8+2c, 9+2c): the two bf16x2 A-fragment registers lane c needs. Within the word the bits are

@@ -275,6 +275,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="warp_mma"):  # the halves are about wgmma's asynchrony
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=128, num_wgs=1, overlap=True, warp_mma=4))
+    with pytest.raises(ValueError, match="8 or 16 rows"):  # x's B fragments would not fit the registers
+        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
+                              config=C(tm=64, tk=64, num_wgs=1, warp_mma=4))
 
 
 @pytest.mark.parametrize("n,k,cfg", [(4608, 5120, C(tm=8, tk=128, num_wgs=2, stages=4, chain=True, ksplit=5)),
