@@ -758,8 +758,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
     def multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem):
         """One pipeline step of warpgroup wg: decode its 64 weight rows of the stage and multiply them into acc (one
-        ref, or one for each K half with two_accs), then wait for the tensor cores. With warp_mma acc is a value
-        (float32 [64, tm] = y^T so far) and the new sum is returned."""
+        ref, or one for each K half with two_accs), then wait for the tensor cores. With warp_mma acc is a tuple of
+        warp_mma partial sums (values, float32 [64, tm] each, together y^T so far) and the new ones are returned."""
         w_wg = w_smem.at[pl.ds(wg * 64, 64)]
         s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
         a_full = dequant_model(w_wg[...], s_wg[...]) if interpret else None

@@ -535,8 +535,8 @@ def parse_configs(spec):
         tm, tk, st = item.split("x")
         m = re.fullmatch(r"(\d+)([coans]*)(?:m(\d))?(?:w(\d))?(?:k(\d+))?", st)
         if m is None:
-            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][a][n][s][mM][wW][kK], e.g. 8x256x4co, 8x256x4cow3 "
-                             "or 8x256x4cok5")
+            raise SystemExit(f"config {item!r}: expected TMxTKxSTAGES[c][o][a][n][s][mM][wW][kK], e.g. 8x256x4co, "
+                             "8x256x4cm4, 8x256x4cow3 or 8x256x4cok5")
         flags = m.group(2)
         out.append(eg.KernelConfig(tm=int(tm), tk=int(tk), num_wgs=int(m.group(4) or 2), stages=int(m.group(1)),
                                    chain="c" in flags, overlap="o" in flags, two_accs="a" in flags,

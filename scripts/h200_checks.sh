@@ -573,9 +573,10 @@ case "${1:-}" in
     timeout -k 10 120 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
       -k moe_kernel > "$OUT/mma_moe.txt" 2>&1
     echo "pytest rc=$?"; grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/mma_moe.txt" | tail -6
+    cfgs=8x256x4co,8x256x4cm1,8x256x4cm4,8x256x4cm2,8x256x4sm4,8x512x5co,8x512x5cm4,8x768x3co,8x768x3cm1
     timeout -k 5 -s INT 170 $PY scripts/bench_expert_gemm.py --rot 4 --decode-tokens 1,8 --skip-prefill \
-      --decode-configs 8x256x4co,8x256x4cm1,8x256x4cm4,8x256x4cm2,8x256x4sm4,8x512x5co,8x512x5cm4,8x768x3co,8x768x3cm1,8x768x3cm4 \
-      --skip-baselines --no-mgpu --no-torch --budget-s 150 --out "$OUT/mma" > "$OUT/mma.txt" 2>&1
+      --decode-configs "$cfgs,8x768x3cm4" --skip-baselines --no-mgpu --no-torch --budget-s 150 --out "$OUT/mma" \
+      > "$OUT/mma.txt" 2>&1
     echo "bench_expert_gemm rc=$?"; sed -n '/ceilings measured/,$p' "$OUT/mma.txt" | grep -E "kernel|FAIL"
     timeout -k 5 -s INT 130 $PY scripts/bench_expert_gemm.py --rot 2 --decode-tokens 64 --skip-prefill \
       --decode-configs 8x512x5co,8x512x5cm4,8x768x3co,8x768x3cm4 --moe 1,2,8 --moe-variants wgmma \
@@ -593,7 +594,7 @@ g = jnp.zeros((e,), jnp.int32).at[:6].set(1)
 jax.block_until_ready(jax.jit(lambda x, w, g: eg.grouped_fp4_matmul_pallas(x, w, g, cfg))(
     jnp.zeros((6, k), jnp.bfloat16), w, g))
 PYEOF
-    echo "ptx dump rc=$?"; ls "$OUT/mma_ptx" | head; rm -f "$OUT"/mma_ptx/*.txt "$OUT"/mma_ptx/*.mlir
+    echo "ptx dump rc=$?"; ls "$OUT/mma_ptx" | head; rm -f "$OUT"/mma_ptx/*.txt "$OUT"/mma_ptx/*.mlir "$OUT"/mma_ptx/*.log
     for f in "$OUT"/mma_ptx/*.ptx; do
       $PY scripts/sass_stats.py "$f" --cuda-bin /usr/local/cuda/bin > "$f.stats.txt" 2>&1; head -12 "$f.stats.txt"
     done
