@@ -616,6 +616,10 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
     return dequant
 
 
+# `KernelConfig.warp_mma` takes token tiles up to this many rows (the GPU tests run 8 and 16)
+WARP_MMA_MAX_TM = 16
+
+
 def _mma_chains_mgpu(tk: int, tm: int, chains: int):
     """inline_mgpu: (`chains` sums float32 [64, tm], A bf16 [64, tk] (MMA_LHS), B bf16 [tk, tm] (MMA_RHS)) -> the
     sums with A @ B added, k16 block j of it into sum j % chains (`KernelConfig.warp_mma`)."""
@@ -712,7 +716,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     if cfg.warp_mma and (cfg.overlap or cfg.a_smem):
         raise ValueError("warp_mma multiplies with synchronous mma.sync from registers: overlap, two_accs and a_smem "
                          "(all about wgmma) do not apply; turn them off")
-    if cfg.warp_mma and tm > 16:
+    if cfg.warp_mma and tm > WARP_MMA_MAX_TM:
         # every warp holds a step's whole x tile as B fragments (tk * tm / 64 registers a thread)
         raise ValueError(f"warp_mma is for tiles of 8 or 16 rows (tm={tm}): take wgmma (warp_mma=0) for larger ones")
     if k % tk or n % tn:
@@ -810,8 +814,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
             z = plgpu.layout_cast(z, plgpu.Layout.MMA_ACC(jnp.bfloat16))
         return (z,) * cfg.warp_mma
 
-    def acc_sum(acc):
-        return functools.reduce(jnp.add, acc) if cfg.warp_mma else acc
+    def acc_sum(sums):  # partial sums (warp_mma's chains, two_accs' halves) -> their sum
+        return functools.reduce(jnp.add, sums)
 
     def stream_body(sched, x_gmem, w_gmem, s_gmem, o_gmem, p_gmem, o_smem, p_smem, a_smem=None):
         # w_gmem [E * N, K/2 or K] and s_gmem [E * K/32, N]: the weights flattened over experts (`run_kernel`), so
@@ -970,7 +974,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                         refs = tuple(acc_refs[f"acc{i}"] for i in range(len(acc_refs)))
                         with jax.named_scope("item"):
                             eval_pipeline(refs if cfg.two_accs else refs[0])
-                        store(functools.reduce(jnp.add, [r[...] for r in refs]))
+                        store(acc_sum([r[...] for r in refs]))
 
                 def mma_body(_, x_smem, w_smem, s_smem, acc):
                     with jax.named_scope("step"):

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import measure_hbm
 
 from dsv41.quant import Fp8Weight
+from pallas_kernels import expert_gemm as eg
 from pallas_kernels import fp8_linear as f8
 
 log = logging.getLogger("bench_fp8_linear")
@@ -135,7 +136,7 @@ def main():
             variants = {}
             for v in filter(None, args.variants.split(",")):
                 cfg = dataclasses.replace(own, **VARIANTS[v])
-                if cfg.warp_mma and tm > 16:  # refused by the kernel: x's B fragments would not fit the registers
+                if cfg.warp_mma and tm > eg.WARP_MMA_MAX_TM:  # the kernel refuses it
                     variants[v] = {"ms": float("nan"), "rel": float("nan"), "check": True}
                     continue
                 f = jax.jit(lambda x, w, c=cfg: f8.fp8_linear(x, w, c))
