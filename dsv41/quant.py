@@ -207,8 +207,14 @@ def ue8m0_encode(s: jax.Array) -> jax.Array:
 
 
 def ue8m0_decode(b: jax.Array) -> jax.Array:
-    """UE8M0 bytes -> float32 2^(b-127). Byte 0 (2^-127) is flushed to the smallest normal's exponent 0 -> 0."""
-    return jax.lax.bitcast_convert_type(b.astype(jnp.int32) << 23, jnp.float32)
+    """UE8M0 bytes [...] -> float32 [...] 2^(b-127) for every byte, as the reference reads its scales
+    (torch.float8_e8m0fnu -> float; OCP MX E8M0): byte 0 is 2^-127, a float32 subnormal (not 0), and byte 255 is
+    NaN. Both become float32 by setting the mantissa's top bit under the exponent field b (0 -> 2^-127,
+    255 -> a quiet NaN); every other byte is the exponent field alone. `ue8m0_encode` inverts it on all 256.
+    (XLA:CPU flushes subnormal operands, so there a value times 2^-127 is 0; XLA:GPU and the kernels keep it.)"""
+    b = b.astype(jnp.int32)
+    edge = jnp.where((b == 0) | (b == 255), 1 << 22, 0)
+    return jax.lax.bitcast_convert_type((b << 23) | edge, jnp.float32)
 
 
 # ---- byte records of the KV pool (spec §4 table) --------------------------------------------------------

@@ -85,15 +85,29 @@ cvt.rn.bf16x2.f32 $0, f1, f0;
 cvt.rn.bf16x2.f32 $1, f3, f2;
 }"""
 
-# A UE8M0 byte is the biased exponent of its power of two: shifted into float32's exponent field.
+# A UE8M0 byte is the biased exponent of its power of two: shifted into float32's exponent field. Bytes 0 and 255
+# also set the mantissa's top bit (quant.ue8m0_decode: 2^-127, NaN): (b + 1) & 0xFE is 0 for exactly those two,
+# and set.eq turns that into an all-ones mask.
 UE8M0_F32_PTX = """{
+.reg .b32 t;
+add.u32 t, $1, 1;
+and.b32 t, t, 0xFE;
+set.eq.u32.u32 t, t, 0;
+and.b32 t, t, 0x400000;
 shl.b32 $0, $1, 23;
+or.b32 $0, $0, t;
 }"""
 
-# The same exponent in both bf16 halves' fields (bits 7 and 23 up): one multiply, b * 0x00800080 =
-# (b << 7) | (b << 23) for b <= 255.
+# The same in both bf16 halves (exponent fields at bits 7 and 23): b * 0x00800080 = (b << 7) | (b << 23) for
+# b <= 255, and the mantissa top bits of both halves for bytes 0 and 255.
 UE8M0_BF16X2_PTX = """{
+.reg .b32 t;
+add.u32 t, $1, 1;
+and.b32 t, t, 0xFE;
+set.eq.u32.u32 t, t, 0;
+and.b32 t, t, 0x00400040;
 mul.lo.u32 $0, $1, 0x00800080;
+or.b32 $0, $0, t;
 }"""
 
 

@@ -134,3 +134,14 @@ def test_e4m3_decode_all_bytes():
                                   b.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
     np.testing.assert_array_equal(np.asarray(quant.e2m1_decode_packed(jnp.asarray(b))).reshape(256, 2),
                                   quant.E2M1_TABLE[np.stack([b & 15, b >> 4], -1)])
+
+
+def test_ue8m0_bytes_decode_as_the_reference():
+    """Every byte b is 2^(b-127) as torch.float8_e8m0fnu reads it (the PyTorch reference's scale dtype; OCP MX
+    E8M0; ml_dtypes' float8_e8m0fnu is the same format): byte 0 is 2^-127, not 0; byte 255 is NaN. The encoder
+    inverts it on all 256 bytes."""
+    b = np.arange(256, dtype=np.uint8)
+    got = np.asarray(quant.ue8m0_decode(jnp.asarray(b)))
+    np.testing.assert_array_equal(got, b.view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+    assert got[0] == 2.0**-127 and got[1] == 2.0**-126 and got[254] == 2.0**127 and np.isnan(got[255])
+    np.testing.assert_array_equal(np.asarray(quant.ue8m0_encode(jnp.asarray(got))), b)

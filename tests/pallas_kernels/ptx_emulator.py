@@ -1,8 +1,8 @@
 """Runs the straight-line inline-PTX blocks of our decoders on numpy uint32 arrays, so CPU tests check the PTX
 text the GPU runs (the Mosaic GPU interpreter cannot run `inline_mgpu`).
 
-Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shr.u32, shf.l.wrap.b32, mul.lo /
-mul.hi / mul.wide .u32, mov.b64 {lo, hi} / mov.b32 {lo, hi} (a register's halves), prmt.b32 (default mode),
+Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shr.u32, shf.l.wrap.b32, add.u32,
+set.eq.u32.u32, mul.lo / mul.hi / mul.wide .u32, mov.b64 {lo, hi} / mov.b32 {lo, hi} (a register's halves), prmt.b32 (default mode),
 mul.rn.bf16x2 (each half rounded to nearest even, subnormals kept, as sm_90 does), and the float steps of the
 e4m3 decoders: cvt.rn.f16x2.e4m3x2, cvt.f32.f16, mul.f32 (no flush), cvt.rn.bf16x2.f32 (a -> high half).
 Anything else raises, so a decoder that starts using another instruction fails its test until the emulator
@@ -94,6 +94,10 @@ def run(ptx: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
         elif op == "shf.l.wrap.b32":  # funnel shift of {a[1]:a[0]} left by a[2] mod 32, upper word
             n = a[2] & np.uint64(31)
             r = (((a[1] << np.uint64(32)) | a[0]) << n) >> np.uint64(32)
+        elif op == "add.u32":
+            r = a[0] + a[1]
+        elif op == "set.eq.u32.u32":  # all ones where equal
+            r = np.where(a[0] == a[1], _M32, np.uint64(0))
         elif op == "and.b32":
             r = a[0] & a[1]
         elif op == "or.b32":

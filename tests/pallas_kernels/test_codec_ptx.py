@@ -77,6 +77,8 @@ def test_fp4_word_twin_all_codes():
     rng = np.random.default_rng(1)
     words = np.concatenate([BYTES * 0x01010101, rng.integers(0, 2**32, 2000, dtype=np.uint64).astype(np.uint32)])
     ue = rng.integers(100, 150, words.shape).astype(np.uint32)
+    ue[:256] = 0                                                         # byte 0: the subnormal scale 2^-127
+    ue[256:512] = 1
     (ue2,) = ptx_emulator.run(codec_ptx.UE8M0_BF16X2_PTX, {1: ue}, 1)
     e4 = rng.integers(0, 0x7F, words.shape).astype(np.uint32)           # positive, finite e4m3 scales
     e42, _ = ptx_emulator.run(codec_ptx.E4M3_SCALE_PTX, {2: e4}, 2)
@@ -88,3 +90,50 @@ def test_fp4_word_twin_all_codes():
         for j, r in enumerate(out):
             for h, half in enumerate(_halves(r)):
                 np.testing.assert_array_equal(half, want[:, 2 * j + h])       # -0 included: bits
+
+
+# ---- the kernels' producers on every scale byte (the PTX on the GPU; the interpreter's jnp path on the CPU) ----
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_kernels import indexer_logits as il  # noqa: E402
+from pallas_kernels import sparse_attention as sa  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _all_byte_pool(n_rows, data_cols, scale_cols, e4m3_data):
+    """Pool rows whose scale bytes run through all 256 values (0 and 255 included) and random data bytes
+    (e4m3 NaN bytes left out: NaN x scale says nothing about the scale)."""
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, (n_rows, data_cols)).astype(np.uint8)
+    if e4m3_data:
+        data[(data & 0x7F) == 0x7F] = 0x7E
+    scale = (np.arange(n_rows * scale_cols) % 256).astype(np.uint8).reshape(n_rows, scale_cols)
+    return jnp.asarray(data), jnp.asarray(scale)
+
+
+def _bits_equal(got, want):
+    got, want = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+    nan = np.isnan(np.asarray(want.view(ml_dtypes.bfloat16), np.float32))
+    np.testing.assert_array_equal(np.isnan(got.view(ml_dtypes.bfloat16).astype(np.float32)), nan)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("interpret", [False, True] if ON_GPU else [True])
+def test_swa_producer_every_scale_byte(interpret):
+    """sparse_attention's FP8 producer (E4M3_WORD_PTX x UE8M0_F32_PTX) on scale bytes 0..255: quant.fp8_decode."""
+    src, sc = _all_byte_pool(sa.TILE, 512, 16, e4m3_data=True)                 # 64 x 16 = 1024 scale bytes
+    rows = jnp.arange(sa.TILE, dtype=jnp.int32)
+    out, _ = sa.dequant_probe("fp8", src, sc, rows, interpret=interpret)
+    _bits_equal(out, quant.fp8_decode(src, sc).astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("interpret", [False, True] if ON_GPU else [True])
+def test_index_key_producer_every_scale_byte(interpret):
+    """indexer_logits' MXFP4 producer (FP4_WORD_PTX x UE8M0_BF16X2_PTX) on scale bytes 0..255: quant.mxfp4_decode."""
+    pk, sc = _all_byte_pool(64, 64, 4, e4m3_data=False)                        # 64 entries of ID = 128
+    rows = jnp.arange(64, dtype=jnp.int32)
+    k, _ = il.dequant_probe(pk.reshape(1, 64, 64), sc.reshape(1, 64, 4), rows, interpret=interpret)
+    _bits_equal(k, quant.mxfp4_decode(pk, sc).astype(jnp.bfloat16))
