@@ -113,7 +113,7 @@ def _decode(records):
     f8 = lambda b: jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)  # noqa: E731
     return ((quant.fp8_decode(q8, s8), quant.fp8_decode(f8(q8), s8)),
             (quant.kv_fp4_decode(p4, s4), quant.kv_fp4_decode(p4, f8(s4))),
-            (quant.mxfp4_decode(pm, sm), quant.mxfp4_decode(pm, sm)))
+            (quant.mxfp4_decode(pm, sm), quant.mxfp4_decode(pm, sm)))  # UE8M0 has no float8 spelling here
 
 
 def test_pool_records_decode_to_the_qdq_values():

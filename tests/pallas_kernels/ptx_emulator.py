@@ -2,8 +2,8 @@
 text the GPU runs (the Mosaic GPU interpreter cannot run `inline_mgpu`).
 
 Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shr.u32, shf.l.wrap.b32, add.u32,
-set.eq.u32.u32, mul.lo / mul.hi / mul.wide .u32, mov.b64 {lo, hi} / mov.b32 {lo, hi} (a register's halves), prmt.b32 (default mode),
-mul.rn.bf16x2 (each half rounded to nearest even, subnormals kept, as sm_90 does), and the float steps of the
+set.eq.u32.u32, mul.lo / mul.hi / mul.wide .u32, mov.b64 {lo, hi} / mov.b32 {lo, hi} (a register's halves),
+prmt.b32 (default mode), mul.rn.bf16x2 (each half rounded to nearest even, subnormals kept, as sm_90 does), and the float steps of the
 e4m3 decoders: cvt.rn.f16x2.e4m3x2, cvt.f32.f16, mul.f32 (no flush), cvt.rn.bf16x2.f32 (a -> high half).
 Anything else raises, so a decoder that starts using another instruction fails its test until the emulator
 learns it.

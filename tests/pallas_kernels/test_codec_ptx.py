@@ -1,16 +1,23 @@
 """The in-kernel twins (pallas_kernels/codec_ptx) equal dsv41.quant bit for bit, on every byte value / code.
 
 The PTX text the GPU runs is executed by tests/pallas_kernels/ptx_emulator.py on the CPU (the Mosaic GPU
-interpreter cannot run `inline_mgpu`); on the GPU the kernels' dequant probes check the same end to end
-(test_sparse_attention / test_indexer_logits, gpu-marked)."""
+interpreter cannot run `inline_mgpu`). On the GPU the producers' dequant probes run it on every scale byte (the
+gpu-marked cases at the end; on the CPU the same tests run the interpreter's jnp path)."""
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import jax.numpy as jnp
+import pytest
 
 import ptx_emulator
 from dsv41 import quant
 from pallas_kernels import codec_ptx
+from pallas_kernels import indexer_logits as il
+from pallas_kernels import sparse_attention as sa
+
+# the kernel's PTX on the GPU; the interpreter's jnp producer everywhere
+PRODUCERS = [pytest.param(False, marks=pytest.mark.gpu, id="gpu"), pytest.param(True, id="interpret")]
 
 BYTES = np.arange(256, dtype=np.uint32)
 
@@ -58,11 +65,13 @@ def test_e4m3_scale_twin_all_bytes():
 
 
 def test_e4m3_word_twin_all_bytes():
-    """Every e4m3 byte in every position of the word, times power-of-two scales over a wide range."""
+    """Every e4m3 byte in every position of the word, times power-of-two scales over a wide range, byte 0's
+    and 255's included."""
     rng = np.random.default_rng(0)
     words = np.concatenate([BYTES * 0x01010101, rng.integers(0, 2**32, 2000, dtype=np.uint64).astype(np.uint32)])
-    scales = quant.ue8m0_decode(jnp.asarray(rng.integers(90, 160, words.shape), jnp.uint8))
-    scales = np.asarray(scales)
+    sb = rng.integers(90, 160, words.shape).astype(np.uint8)
+    sb[256:512], sb[512:768] = 0, 255                                     # 2^-127 (subnormal products) and NaN
+    scales = np.asarray(quant.ue8m0_decode(jnp.asarray(sb)))
     out = ptx_emulator.run(codec_ptx.E4M3_WORD_PTX, {2: words, 3: scales.view(np.uint32)}, 2)
     vals = np.asarray(quant.e4m3_decode(jnp.asarray(words.view(np.uint8).reshape(-1, 4))))
     want = _bf16_bits(vals * scales[:, None])                            # [n, 4]
@@ -94,14 +103,6 @@ def test_fp4_word_twin_all_codes():
 
 # ---- the kernels' producers on every scale byte (the PTX on the GPU; the interpreter's jnp path on the CPU) ----
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-
-from pallas_kernels import indexer_logits as il  # noqa: E402
-from pallas_kernels import sparse_attention as sa  # noqa: E402
-
-ON_GPU = jax.default_backend() == "gpu"
-
 
 def _all_byte_pool(n_rows, data_cols, scale_cols, e4m3_data):
     """Pool rows whose scale bytes run through all 256 values (0 and 255 included) and random data bytes
@@ -121,7 +122,7 @@ def _bits_equal(got, want):
     np.testing.assert_array_equal(got[~nan], want[~nan])
 
 
-@pytest.mark.parametrize("interpret", [False, True] if ON_GPU else [True])
+@pytest.mark.parametrize("interpret", PRODUCERS)
 def test_swa_producer_every_scale_byte(interpret):
     """sparse_attention's FP8 producer (E4M3_WORD_PTX x UE8M0_F32_PTX) on scale bytes 0..255: quant.fp8_decode."""
     src, sc = _all_byte_pool(sa.TILE, 512, 16, e4m3_data=True)                 # 64 x 16 = 1024 scale bytes
@@ -130,7 +131,7 @@ def test_swa_producer_every_scale_byte(interpret):
     _bits_equal(out, quant.fp8_decode(src, sc).astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("interpret", [False, True] if ON_GPU else [True])
+@pytest.mark.parametrize("interpret", PRODUCERS)
 def test_index_key_producer_every_scale_byte(interpret):
     """indexer_logits' MXFP4 producer (FP4_WORD_PTX x UE8M0_BF16X2_PTX) on scale bytes 0..255: quant.mxfp4_decode."""
     pk, sc = _all_byte_pool(64, 64, 4, e4m3_data=False)                        # 64 entries of ID = 128
