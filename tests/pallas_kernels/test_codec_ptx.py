@@ -4,7 +4,6 @@ The PTX text the GPU runs is executed by tests/pallas_kernels/ptx_emulator.py on
 interpreter cannot run `inline_mgpu`). On the GPU the producers' dequant probes run it on every scale byte (the
 gpu-marked cases at the end; on the CPU the same tests run the interpreter's jnp path)."""
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
