@@ -1,8 +1,11 @@
 """Number formats of V4.1: FP8 e4m3 with UE8M0 scales, MXFP4 (e2m1 + UE8M0), NVFP4-like (e2m1 + E4M3/16).
 
-Two kinds of function live here, both pure jnp (they run on host numpy arrays too):
+Three kinds of function live here, all pure jnp (they run on host numpy arrays too):
 - quantize-dequantize (`*_qdq`): the reference's QAT numerics, applied to activations and caches;
-- pack/unpack: the byte layouts of the release's weights and of the serving KV pool.
+- pack/unpack: the byte layouts of the release's weights;
+- record encode/decode (`fp8_*`, `kv_fp4_*`, `mxfp4_*` `_encode` / `_decode`): the serving KV pool's bytes.
+This is the only codec: kernels' references and interpreter paths call it, and the register-level decoders inside
+GPU kernels (pallas_kernels/codec_ptx) are tested bit for bit against it.
 Spec: shared/spec/ARCHITECTURE.md §4. Scales follow the official kernels bit for bit: a UE8M0 scale is
 2^ceil(log2(amax * (1/max))) read off the float32 bits, so ties and denormals match.
 """
@@ -204,8 +207,76 @@ def ue8m0_encode(s: jax.Array) -> jax.Array:
 
 
 def ue8m0_decode(b: jax.Array) -> jax.Array:
-    """UE8M0 bytes -> float32 2^(b-127). Byte 0 (2^-127) is flushed to the smallest normal's exponent 0 -> 0."""
-    return jax.lax.bitcast_convert_type(b.astype(jnp.int32) << 23, jnp.float32)
+    """UE8M0 bytes [...] -> float32 [...] 2^(b-127) for every byte, as the reference reads its scales
+    (torch.float8_e8m0fnu -> float; OCP MX E8M0): byte 0 is 2^-127, a float32 subnormal (not 0), and byte 255 is
+    NaN. Both become float32 by setting the mantissa's top bit under the exponent field b (0 -> 2^-127,
+    255 -> a quiet NaN); every other byte is the exponent field alone. `ue8m0_encode` inverts it on all 256.
+    (XLA:CPU flushes subnormal operands, so there a value times 2^-127 is 0; XLA:GPU and the kernels keep it.)"""
+    b = b.astype(jnp.int32)
+    edge = jnp.where((b == 0) | (b == 255), 1 << 22, 0)
+    return jax.lax.bitcast_convert_type((b << 23) | edge, jnp.float32)
+
+
+# ---- byte records of the KV pool (spec §4 table) --------------------------------------------------------
+# Each `*_encode` returns the bytes the pool stores and its `*_decode` reads them back to float32; the values are
+# those of `fp8_qdq` / `kv_fp4_qdq` / `mxfp4_qdq`. Decoders take the raw uint8 bytes or, where the byte is a
+# float8 (e4m3 values and scales), that float8 dtype too. A decode fed straight by an encode in one XLA:GPU
+# program is no rounding (the float8 convert pair is folded through the bitcasts): within a program, `*_qdq`.
+
+
+def as_bytes(x: jax.Array) -> jax.Array:
+    """A 1-byte array (uint8, float8_e4m3fn, ...) -> its uint8 bits (a bitcast, no copy)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint8:
+        return x
+    if x.dtype.itemsize != 1:
+        raise TypeError(f"expected a 1-byte dtype, got {x.dtype}")
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def e4m3_decode(b: jax.Array) -> jax.Array:
+    """e4m3 bytes (uint8 or float8_e4m3fn) [...] -> float32 [...] (exact; 0x7F / 0xFF are NaN)."""
+    return jax.lax.bitcast_convert_type(as_bytes(b), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def e2m1_decode_packed(packed: jax.Array) -> jax.Array:
+    """Packed e2m1 bytes [..., n] (element 2k in the low nibble) -> float32 values [..., 2n], scale 1."""
+    return e2m1_values(unpack_nibbles(as_bytes(packed)))
+
+
+def fp8_encode(x: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """SWA record: x [..., n] -> (e4m3 bytes uint8 [..., n], UE8M0 bytes uint8 [..., n/block])."""
+    q, s = fp8_quantize(x, block)
+    return as_bytes(q), ue8m0_encode(s)
+
+
+def fp8_decode(q: jax.Array, s: jax.Array, block: int = 32) -> jax.Array:
+    """SWA record: e4m3 bytes [..., n] + UE8M0 bytes [..., n/block] -> float32 [..., n]."""
+    return fp8_dequantize(e4m3_decode(q), ue8m0_decode(s), block)
+
+
+def kv_fp4_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Compressed main-KV record: x [..., n] -> (packed e2m1 uint8 [..., n/2], E4M3 scale bytes uint8 [..., n/16]).
+    The scales are exact e4m3 values (`fp4_scales` rounds them by arithmetic), so the cast to bytes is exact and
+    the codes were cut against the scale that is stored."""
+    packed, s = fp4_quantize(x, 16, e4m3_scales=True)
+    return packed, as_bytes(e4m3(s))
+
+
+def kv_fp4_decode(packed: jax.Array, s: jax.Array) -> jax.Array:
+    """Compressed main-KV record: packed e2m1 [..., n/2] + E4M3 scales (bytes or float8) [..., n/16] -> f32 [..., n]."""
+    return fp4_dequantize(as_bytes(packed), e4m3_decode(s), 16)
+
+
+def mxfp4_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Indexer-key record: x [..., n] -> (packed e2m1 uint8 [..., n/2], UE8M0 bytes uint8 [..., n/32])."""
+    packed, s = fp4_quantize(x, 32, e4m3_scales=False)
+    return packed, ue8m0_encode(s)
+
+
+def mxfp4_decode(packed: jax.Array, s: jax.Array) -> jax.Array:
+    """Indexer-key record: packed e2m1 [..., n/2] + UE8M0 bytes [..., n/32] -> float32 [..., n]."""
+    return fp4_dequantize(as_bytes(packed), ue8m0_decode(s), 32)
 
 
 # ---- weights in the release format ----------------------------------------------------------------------

@@ -38,12 +38,12 @@ def cos_sin(pos: jax.Array, freqs: np.ndarray) -> tuple[jax.Array, jax.Array]:
     return jnp.cos(angle), jnp.sin(angle)
 
 
-def apply_rope(x: jax.Array, pos: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
-    """Rotate the last 2*len(freqs) dims of x [..., d] at integer positions `pos` (broadcast against x's
-    leading dims: [B, S] for x [B, S, d] or [B, S, H, d] -- pass pos[..., None] for the head axis).
-    Float32 math, result in x's dtype."""
-    rd = 2 * freqs.shape[0]
-    cos, sin = cos_sin(pos, freqs)  # [..., rd/2]
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False) -> jax.Array:
+    """Rotate the last R = 2*cos.shape[-1] dims of x [..., d] as adjacent pairs (x_2i, x_2i+1) by the angles whose
+    cos, sin [..., R/2] are given (broadcast against x's leading dims). Float32 math, result in x's dtype. What
+    `apply_rope` does once the angles are known, and what a kernel's caller that was handed cos/sin calls."""
+    rd = 2 * cos.shape[-1]
+    cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
     if inverse:
         sin = -sin
     head = x[..., :-rd]
@@ -51,3 +51,11 @@ def apply_rope(x: jax.Array, pos: jax.Array, freqs: np.ndarray, inverse: bool = 
     a, b = r[..., 0], r[..., 1]
     rot = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], rd)
     return jnp.concatenate([head, rot.astype(x.dtype)], axis=-1)
+
+
+def apply_rope(x: jax.Array, pos: jax.Array, freqs: np.ndarray, inverse: bool = False) -> jax.Array:
+    """Rotate the last 2*len(freqs) dims of x [..., d] at integer positions `pos` (broadcast against x's
+    leading dims: [B, S] for x [B, S, d] or [B, S, H, d] -- pass pos[..., None] for the head axis).
+    Float32 math, result in x's dtype."""
+    cos, sin = cos_sin(pos, freqs)  # [..., rd/2]
+    return rotate(x, cos, sin, inverse)

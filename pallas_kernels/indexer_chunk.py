@@ -10,7 +10,7 @@ with the rounding steps of `dsv41.indexer.raw_scores` (`chunk_scores_reference`)
 Why a kernel beside `indexer_logits`: that one gathers and dequantizes the MXFP4 keys in its producer for at most
 256 query-heads (one decode query at Flash's 32 heads, or 8 queries of a chunk). Over a 2048-token chunk it
 repeats the gather and the dequantization for every 8 queries, and a 64K prefill ran 32% slower through it than
-through XLA on the H200 (docs/PERFORMANCE.md, 2026-12-01). XLA in turn writes the [queries, heads, entries]
+through XLA on the H200. XLA in turn writes the [queries, heads, entries]
 products of its q.k GEMM to HBM and reads them back for the ReLU, weights and head sum (8 bytes a product in
 float32, 4 in bf16), which grows with the context as the GEMM does. Here the caller dequantizes the keys once
 into a dense bf16 [B, G, ID] (bf16 holds every MXFP4 value exactly; 2 * ID bytes a key), the kernel streams them

@@ -8,7 +8,8 @@ with exactly the rounding steps of `dsv41.indexer.scores` (f32 head sum, result 
 entry is not visible to the query (g >= (q_pos+1)//ratio) or does not exist (-1 candidate block, bad page).
 
 Keys are read from the pool: `ik_packed` uint8 [pages, E, ID/2] (e2m1, element 2k in the low nibble) and
-`ik_scale` uint8 UE8M0 [pages, E, ID/32]; entry g of row b is at page block_table[b, g // E], offset g % E.
+`ik_scale` uint8 UE8M0 [pages, E, ID/32] (`quant.mxfp4_decode`; the producer's PTX is its twin in
+`codec_ptx`); entry g of row b is at page block_table[b, g // E], offset g % E.
 Two entry sources:
   * candidates: the NB blocks of 8 entries chosen by layer 20 (`cand_blocks` [B, NB] or [B, S, NB], ascending,
     -1 = none) -> NB*8 entries per query: cost flat in context length;
@@ -43,9 +44,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from dsv41 import indexer, topk
+from dsv41 import indexer, quant, topk
+from pallas_kernels import codec_ptx
 from pallas_kernels import indexer_chunk as ic
-from pallas_kernels import sparse_attention as sa
 from pallas_kernels import topk_select
 from pallas_kernels.indexer_chunk import query_group
 
@@ -118,18 +119,11 @@ def candidate_entries(cand_blocks: jax.Array, block_size: int = 8) -> jax.Array:
 
 
 def dequant_rows(ik_packed: jax.Array, ik_scale: jax.Array, rows: jax.Array) -> jax.Array:
-    """Pool rows [B, N] (-1 = none) -> f32 keys [B, N, ID] (0 for none), as programs._context_index_keys."""
+    """Pool rows [B, N] (-1 = none) -> f32 keys [B, N, ID] (0 for none), as programs._context_index_keys:
+    `quant.mxfp4_decode` of the gathered records."""
     P, E, half = ik_packed.shape
-    flat_p = ik_packed.reshape(P * E, half)
-    flat_s = ik_scale.reshape(P * E, -1)
     r = jnp.maximum(rows, 0)
-    p = flat_p[r]
-    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * half).astype(jnp.int32)
-    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2((e - 1).astype(jnp.float32)))
-    v = jnp.where((codes & 8) != 0, -mag, mag)
-    s = lax.bitcast_convert_type(flat_s[r].astype(jnp.int32) << 23, jnp.float32)   # quant.ue8m0_decode
-    k = (v.reshape(*v.shape[:-1], -1, SCALE_BLOCK) * s[..., None]).reshape(v.shape)
+    k = quant.mxfp4_decode(ik_packed.reshape(P * E, half)[r], ik_scale.reshape(P * E, -1)[r])
     return jnp.where((rows >= 0)[..., None], k, 0.0)
 
 
@@ -148,9 +142,6 @@ def entry_scores_reference(q, w, ik_packed, ik_scale, rows, dtype=jnp.bfloat16):
 # ----------------------------------------------------------------------------------------------------------------
 # GPU producer: gather + MXFP4 dequant (inline Mosaic GPU + PTX), 128 threads
 # ----------------------------------------------------------------------------------------------------------------
-
-# The e2m1 word decoder is sparse_attention.FP4_WORD_PTX (bit-exact on the H200, 2026-11-30).
-
 
 def _mgpu_dequant_fn(d: int):
     """inline_mgpu body: fill one swizzled bf16 [TILE, d] key tile + its 0/-inf bias from pool rows.
@@ -223,10 +214,9 @@ def _mgpu_dequant_fn(d: int):
         # Issue every load of the tile before the first dequant: the gather is latency-bound.
         loaded = [load_row(i) for i in range(n_iter)]
         for r, words, sc in loaded:
-            # UE8M0 byte b -> bf16x2 (2^(b-127), 2^(b-127)): bf16 bits are b << 7 (b = 0 gives 0, as ue8m0_decode).
-            s2 = arith.ori(arith.shli(sc, ci(7)), arith.shli(sc, ci(23)))
+            s2 = codec_ptx.ue8m0_bf16x2(sc)
             for j, w in enumerate(words):
-                regs = mu.inline_ptx(sa.FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
+                regs = mu.inline_ptx(codec_ptx.FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
                 store_chunk(r, arith.addi(arith.muli(m, ci(4)), ci(j)), regs)
         return ()
 
@@ -271,14 +261,7 @@ def _mgpu_prefetch_fn(d: int):
 def _interpret_dequant(src_ref, scale_ref, rows_ref, k_ref, bias_ref):
     """Interpret-mode producer: src/scale hold this tile's rows pre-gathered by the wrapper (row order)."""
     valid = rows_ref[...] >= 0
-    p = src_ref[...].astype(jnp.int32)
-    t, half = p.shape
-    codes = jnp.stack([p & 0x0F, p >> 4], axis=-1).reshape(t, 2 * half)
-    e, mm = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * mm, (1.0 + 0.5 * mm) * jnp.exp2((e - 1).astype(jnp.float32)))
-    v = jnp.where((codes & 8) != 0, -mag, mag)
-    s = lax.bitcast_convert_type(scale_ref[...].astype(jnp.int32) << 23, jnp.float32)
-    k = (v.reshape(t, -1, SCALE_BLOCK) * s[..., None]).reshape(t, 2 * half)
+    k = quant.mxfp4_decode(src_ref[...], scale_ref[...])
     k_ref[...] = jnp.where(valid[:, None], k, 0.0).astype(jnp.bfloat16)
     bias_ref[...] = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
 
@@ -564,8 +547,8 @@ def candidate_scores(q, w, ik_packed, ik_scale, block_table, cand_blocks, q_pos,
     return jnp.where(g >= 0, s, -jnp.inf), g
 
 
-# How 'auto' picks, from the H200 (scripts/bench_indexer.py: top-k 512, CUPTI GPU time of every kernel of the call,
-# docs/PERFORMANCE.md "Twelfth session"). After the one-scan placement (`dsv41.topk.positions_from_threshold`) the
+# How 'auto' picks, from the H200 (scripts/bench_indexer.py: top-k 512, CUPTI GPU time of every kernel of the
+# call). After the one-scan placement (`dsv41.topk.positions_from_threshold`) the
 # threshold kernel (`topk_select`, with its placement) was the fastest method at every size timed, 1 to 64 rows of
 # 2048 to 16384 scores, but by very different margins: 16384-wide rows 51.5 / 32.3 / 30.0 us at 64 / 8 / 1 rows
 # against radix select's 96.8 / 66.9 / 56.5 and lax.top_k's 120.9 / 56.3 / 52.8; 2048-wide rows 23.7 / 21.4 us at
@@ -689,13 +672,12 @@ def index_topk_xla_today(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: i
                          cfg: IndexerConfig = IndexerConfig()):
     """`_context_index_keys` (dequantize every entry of the row's pages) + `indexer.scores` + candidate mask
     + `indexer.select_topk`. cand_mask bool [B, S, G] or None. -> int32 [B, S, min(index_topk, G)]."""
-    from dsv41 import quant
     from dsv41.quant import REFERENCE
 
     bt = jnp.asarray(block_table, jnp.int32)
     packed = ik_packed.at[bt].get(mode="fill", fill_value=0)
     scale = ik_scale.at[bt].get(mode="fill", fill_value=0)
-    keys = quant.fp4_dequantize(packed, quant.ue8m0_decode(scale), 32).reshape(bt.shape[0], -1, q.shape[-1])
+    keys = quant.mxfp4_decode(packed, scale).reshape(bt.shape[0], -1, q.shape[-1])
     s = indexer.scores(q, w, keys, q_pos, ratio, REFERENCE)
     if cand_mask is not None:
         s = jnp.where(cand_mask, s, -jnp.inf)

@@ -1,4 +1,4 @@
-"""Fused decode-time KV writes of one attention layer (Pallas / Mosaic GPU), issue #5.
+"""Fused decode-time KV writes of one attention layer (Pallas / Mosaic GPU).
 
 At decode every row of the batch brings one new token (T = 1). For each layer the engine writes
   * the SWA ring: FP8 e4m3 + UE8M0 per 32 of the token's window latent, at ring slot pos % R of its sequence;
@@ -137,9 +137,9 @@ def _entry_values(lkv: LayerKV, comp_kv, comp_score, slot, pos, p_comp, p_idx, f
     gpos = g * r
     ik = indexer.index_keys(lat, p_idx, gpos, freqs, _cfg(kcfg), num)
     ce = A.compressed_entries(lat, gpos, freqs, num)
-    ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
-    cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
-    vals = {"kv_packed": cep, "kv_scale": quant.e4m3(ces), "ik_packed": ikp, "ik_scale": quant.ue8m0_encode(iks)}
+    ikp, iks = quant.mxfp4_encode(ik)
+    cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)  # the pool keeps E4M3 scales as float8: not bytes
+    vals = {"kv_packed": cep, "kv_scale": quant.e4m3(ces), "ik_packed": ikp, "ik_scale": iks}
     return vals, g, new_state
 
 
@@ -283,8 +283,8 @@ def token_bytes(lkv: LayerKV, swa_kv, slot, pos, *, kcfg: KVWriteConfig, comp_kv
                 p_comp=None, p_idx=None, freqs=None, num: Numerics = quant.REFERENCE) -> dict:
     """The XLA prelude: each row's bytes to write, by pool field -> {name: [B, row] array} (uint8, or float32
     for comp_state), whether or not the row ends up written (the kernel decides)."""
-    kq, ks = quant.fp8_quantize(swa_kv)
-    out = {"swa_q": _as_bytes(kq), "swa_s": quant.ue8m0_encode(ks)}
+    kq, ks = quant.fp8_encode(swa_kv)
+    out = {"swa_q": kq, "swa_s": ks}
     if kcfg.ratio:
         vals, _, st = _entry_values(lkv, comp_kv, comp_score, slot, pos, p_comp, p_idx, freqs, kcfg, num)
         out.update({k: _as_bytes(v[:, 0]) for k, v in vals.items()})

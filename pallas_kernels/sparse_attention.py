@@ -43,7 +43,8 @@ and the producer dequantizes a tile with jnp, and P is staged through smem;
 everything else (pipeline, barriers, wgmma, masks, online softmax, splits,
 epilogues) is the same code as on the GPU.
 
-Formats (ARCHITECTURE.md section 4):
+Formats (ARCHITECTURE.md section 4; encoded and decoded by dsv41.quant, the
+producer's register decoders are its twins in pallas_kernels/codec_ptx):
 * SWA ring ``swa_q`` uint8 (or float8_e4m3fn) [B, W, D], ``swa_s`` uint8 UE8M0
   [B, W, D/32]: value = e4m3 * 2^(byte - 127).
 * Pool ``kv_packed`` uint8 [num_pages, P, D/2]: e2m1 codes, element 2k in the
@@ -65,7 +66,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
-from dsv41 import quant
+from dsv41 import quant, rope
+from pallas_kernels import codec_ptx
+from pallas_kernels.codec_ptx import FP4_WORD_PTX  # noqa: F401  (the name callers import from here)
 
 LOG2E = 1.4426950408889634
 NEG_INIT = -1e30          # finite "minus infinity" for the running max
@@ -73,111 +76,39 @@ TILE = 64                 # keys per tile (wgmma N of Q K^T, K of P V)
 NUM_STAGES = 2            # shared-memory stages of dequantized K tiles
 HEADS_PER_CTA = 64        # wgmma M
 
-E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
 # ----------------------------------------------------------------------------
-# Formats: decode (jnp) and quantize (for tests / benchmarks)
+# Formats: the pool records' codecs are dsv41.quant's (the one codec); the
+# names below are this module's spelling of them, which tests and scripts use.
 # ----------------------------------------------------------------------------
 
-def _as_u8(x):
-  x = jnp.asarray(x)
-  if x.dtype == jnp.uint8:
-    return x
-  if x.dtype.itemsize != 1:
-    raise TypeError(f"expected a 1-byte dtype, got {x.dtype}")
-  return lax.bitcast_convert_type(x, jnp.uint8)
-
-
-def decode_e4m3(bits):
-  return lax.bitcast_convert_type(_as_u8(bits), jnp.float8_e4m3fn).astype(jnp.float32)
-
-
-def decode_ue8m0(bits):
-  """2^(byte-127), exact (byte 0 -> 2^-127, byte 255 -> NaN as in OCP MX)."""
-  b = _as_u8(bits).astype(jnp.uint32)
-  normal = lax.bitcast_convert_type(b << 23, jnp.float32)
-  return jnp.where(b == 0, jnp.float32(2.0 ** -127), normal)
+_as_u8 = quant.as_bytes
+decode_e4m3 = quant.e4m3_decode
+decode_ue8m0 = quant.ue8m0_decode
+dequant_swa_fp8 = quant.fp8_decode     # [..., D] e4m3 + [..., D/32] UE8M0 -> f32 [..., D]
+quantize_swa_fp8 = quant.fp8_encode    # SWA record: e4m3 bytes + UE8M0 bytes per 32
+quantize_kv_fp4 = quant.kv_fp4_encode  # main-KV record: e2m1 packed + E4M3 bytes per 16
 
 
 def decode_e2m1_packed(packed, *, arithmetic=False):
-  p = _as_u8(packed)
-  codes = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-  codes = codes.astype(jnp.int32)
-  if not arithmetic:
-    return jnp.asarray(E2M1_VALUES)[codes]
-  # Same values without a table (kernels may not capture array constants).
-  e = (codes >> 1) & 3
-  mm = (codes & 1).astype(jnp.float32)
-  mag = jnp.where(e == 0, 0.5 * mm,
-                  jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * mm))
-  return jnp.where((codes & 8) != 0, -mag, mag)
+  """[..., n] packed e2m1 -> f32 [..., 2n] (`quant.e2m1_decode_packed`; `arithmetic` is accepted for old
+  callers: the decode has no table either way, so it runs inside kernels)."""
+  del arithmetic
+  return quant.e2m1_decode_packed(packed)
 
 
 def dequant_kv_fp4(packed, scale, *, arithmetic=False):
-  """[..., D/2] e2m1 packed + [..., D/16] E4M3 -> f32 [..., D]."""
-  vals = decode_e2m1_packed(packed, arithmetic=arithmetic)
-  s = decode_e4m3(scale)
-  return vals * jnp.repeat(s, 16, axis=-1)
-
-
-def dequant_swa_fp8(q, s):
-  """[..., D] e4m3 + [..., D/32] UE8M0 -> f32 [..., D]."""
-  return decode_e4m3(q) * jnp.repeat(decode_ue8m0(s), 32, axis=-1)
-
-
-def quantize_kv_fp4(x):
-  """Main-KV FP4 quantizer of section 4: e2m1 + E4M3 per 16 (no global scale)."""
-  x = jnp.asarray(x, jnp.float32)
-  d = x.shape[-1]
-  xb = x.reshape(*x.shape[:-1], d // 16, 16)
-  # the scale's E4M3 value by arithmetic (quant.fp4_scales): under jit on the GPU XLA drops an f32 -> f8 -> f32
-  # cast pair, and the codes would be cut against a scale other than the one stored
-  scale = quant.fp4_scales(xb, e4m3_scales=True)[..., None]
-  scale8 = scale.astype(jnp.float8_e4m3fn)  # exact
-  y = jnp.clip(xb / scale, -6, 6)
-  mags = jnp.asarray(E2M1_VALUES[:8])
-  dist = jnp.abs(jnp.abs(y)[..., None] - mags) + 1e-6 * (jnp.arange(8) % 2)
-  code = jnp.argmin(dist, axis=-1).astype(jnp.uint8) | jnp.where(y < 0, 8, 0).astype(jnp.uint8)
-  code = code.reshape(*x.shape[:-1], d // 2, 2)
-  packed = code[..., 0] | (code[..., 1] << 4)
-  return packed.astype(jnp.uint8), lax.bitcast_convert_type(scale8[..., 0], jnp.uint8)
-
-
-def quantize_swa_fp8(x):
-  """SWA FP8 quantizer of section 4: e4m3 + UE8M0 per 32."""
-  x = jnp.asarray(x, jnp.float32)
-  d = x.shape[-1]
-  xb = x.reshape(*x.shape[:-1], d // 32, 32)
-  amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4)
-  e = jnp.ceil(jnp.log2(amax / 448.0))
-  q = jnp.clip(xb / jnp.exp2(e), -448, 448).astype(jnp.float8_e4m3fn)
-  q = lax.bitcast_convert_type(q, jnp.uint8).reshape(x.shape)
-  return q, (e[..., 0] + 127).astype(jnp.uint8)
+  """[..., D/2] e2m1 packed + [..., D/16] E4M3 -> f32 [..., D] (`quant.kv_fp4_decode`)."""
+  del arithmetic
+  return quant.kv_fp4_decode(packed, scale)
 
 
 # ----------------------------------------------------------------------------
-# RoPE on the last 64 dims (interleaved pairs rotated as complex numbers)
+# RoPE on the last R dims (dsv41.rope's rotation, handed cos/sin)
 # ----------------------------------------------------------------------------
 
 def apply_rope_tail(x, cos, sin, *, inverse=False):
-  """x [B, H, D]; cos/sin [B, R/2] for the last R = 2*cos.shape[-1] dims."""
-  half = cos.shape[-1]
-  r = 2 * half
-  xf = x.astype(jnp.float32)
-  head, tail = xf[..., :-r], xf[..., -r:]
-  t = tail.reshape(*tail.shape[:-1], half, 2)
-  x0, x1 = t[..., 0], t[..., 1]
-  c = cos.astype(jnp.float32)[:, None, :]
-  s = sin.astype(jnp.float32)[:, None, :]
-  if inverse:
-    s = -s
-  y0 = x0 * c - x1 * s
-  y1 = x0 * s + x1 * c
-  tail = jnp.stack([y0, y1], axis=-1).reshape(tail.shape)
-  return jnp.concatenate([head, tail], axis=-1)
+  """x [B, H, D]; cos/sin [B, R/2] for the last R = 2*cos.shape[-1] dims -> f32 [B, H, D]."""
+  return rope.rotate(x.astype(jnp.float32), cos[:, None, :], sin[:, None, :], inverse)
 
 
 # ----------------------------------------------------------------------------
@@ -268,70 +199,6 @@ def sparse_attention_reference(q, swa_q, swa_s, swa_valid, topk, page_table,
 # ----------------------------------------------------------------------------
 # GPU dequant (inline Mosaic GPU + PTX); producer warpgroup, 128 threads
 # ----------------------------------------------------------------------------
-
-FP4_WORD_PTX = """{
-.reg .b32 sa, sb, ha, la, hb, lb, so, se, sga, sgb, t0, t1;
-and.b32 sa, $4, 0x7777;
-shr.u32 sb, $4, 16;
-and.b32 sb, sb, 0x7777;
-prmt.b32 ha, 0x3F3F3F00, 0x40404040, sa;
-prmt.b32 la, 0xC0800000, 0xC0804000, sa;
-prmt.b32 hb, 0x3F3F3F00, 0x40404040, sb;
-prmt.b32 lb, 0xC0800000, 0xC0804000, sb;
-and.b32 so, $4, 0x80808080;
-shl.b32 se, $4, 4;
-and.b32 se, se, 0x80808080;
-prmt.b32 sga, se, so, 0x5140;
-prmt.b32 sgb, se, so, 0x7362;
-or.b32 ha, ha, sga;
-or.b32 hb, hb, sgb;
-prmt.b32 t0, la, ha, 0x5140;
-prmt.b32 t1, la, ha, 0x7362;
-mul.rn.bf16x2 $0, t0, $5;
-mul.rn.bf16x2 $1, t1, $5;
-prmt.b32 t0, lb, hb, 0x5140;
-prmt.b32 t1, lb, hb, 0x7362;
-mul.rn.bf16x2 $2, t0, $5;
-mul.rn.bf16x2 $3, t1, $5;
-}"""
-
-# Two E4M3 scale bytes (one u32 holding them in its low 16 bits) -> two bf16x2
-# registers with each scale duplicated in both halves.
-_E4M3_SCALE_PTX = """{
-.reg .b16 s16, x0, x1, hi16;
-.reg .b32 h2;
-.reg .f32 f0, f1;
-mov.b32 {s16, hi16}, $2;
-cvt.rn.f16x2.e4m3x2 h2, s16;
-mov.b32 {x0, x1}, h2;
-cvt.f32.f16 f0, x0;
-cvt.f32.f16 f1, x1;
-cvt.rn.bf16x2.f32 $0, f0, f0;
-cvt.rn.bf16x2.f32 $1, f1, f1;
-}"""
-
-# Four e4m3 values (one u32) times an f32 scale -> two bf16x2 registers.
-_E4M3_WORD_PTX = """{
-.reg .b16 l, h, x0, x1, x2, x3;
-.reg .b32 a, b;
-.reg .f32 f0, f1, f2, f3;
-mov.b32 {l, h}, $2;
-cvt.rn.f16x2.e4m3x2 a, l;
-cvt.rn.f16x2.e4m3x2 b, h;
-mov.b32 {x0, x1}, a;
-mov.b32 {x2, x3}, b;
-cvt.f32.f16 f0, x0;
-cvt.f32.f16 f1, x1;
-cvt.f32.f16 f2, x2;
-cvt.f32.f16 f3, x3;
-mul.f32 f0, f0, $3;
-mul.f32 f1, f1, $3;
-mul.f32 f2, f2, $3;
-mul.f32 f3, f3, $3;
-cvt.rn.bf16x2.f32 $0, f1, f0;
-cvt.rn.bf16x2.f32 $1, f3, f2;
-}"""
-
 
 def _swizzled_chunk_offset(r, q, d):
   """Byte offset of 16-byte chunk q (8 bf16) of row r in a [T, d] bf16 tile
@@ -440,17 +307,17 @@ def _mgpu_dequant_fn(fmt: str, tile: int, d: int, rows_per_batch: int):
       loaded = [load_row(i) for i in range(i0, min(n_iter, i0 + rows_per_batch))]
       for r, words, sc in loaded:
         if fmt == "fp4":
-          s_lo, s_hi = mu.inline_ptx(_E4M3_SCALE_PTX, sc, result_types=[i32, i32])
+          s_lo, s_hi = mu.inline_ptx(codec_ptx.E4M3_SCALE_PTX, sc, result_types=[i32, i32])
           for j, w in enumerate(words):
             s2 = s_lo if j < 2 else s_hi
-            regs = mu.inline_ptx(FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
+            regs = mu.inline_ptx(codec_ptx.FP4_WORD_PTX, w, s2, result_types=[i32] * 4)
             q = arith.addi(arith.muli(m, ci(4)), ci(j))
             store_chunk(r, q, regs)
         else:
-          scale = arith.bitcast(f32, arith.shli(sc, ci(23)))
+          scale = codec_ptx.ue8m0_f32(sc)
           outs = []
           for w in words:
-            outs.extend(mu.inline_ptx(_E4M3_WORD_PTX, w, scale, result_types=[i32, i32]))
+            outs.extend(mu.inline_ptx(codec_ptx.E4M3_WORD_PTX, w, scale, result_types=[i32, i32]))
           for half in range(2):
             q = arith.addi(arith.muli(m, ci(2)), ci(half))
             store_chunk(r, q, outs[4 * half:4 * half + 4])
@@ -468,9 +335,9 @@ def _interpret_dequant(fmt, src_ref, scale_ref, rows_ref, k_ref, bias_ref):
   gathered (by the wrapper, in row order); rows_ref gives validity."""
   valid = rows_ref[...] >= 0
   if fmt == "fp4":
-    vals = dequant_kv_fp4(src_ref[...], scale_ref[...], arithmetic=True)
+    vals = quant.kv_fp4_decode(src_ref[...], scale_ref[...])
   else:
-    vals = dequant_swa_fp8(src_ref[...], scale_ref[...])
+    vals = quant.fp8_decode(src_ref[...], scale_ref[...])
   k_ref[...] = jnp.where(valid[:, None], vals, 0.0).astype(jnp.bfloat16)
   bias_ref[...] = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
 
@@ -506,8 +373,8 @@ class KernelConfig:
   def __post_init__(self):
     # 384 threads -> ptxas gives 168 regs/thread; setmaxnreg only moves
     # registers inside the CTA's pool (3 * 168 per lane).  Asking for more
-    # makes the second consumer's setmaxnreg.inc wait forever (seen on the
-    # H200 2026-11-30 with 216/216/80: the kernel hung).
+    # makes the second consumer's setmaxnreg.inc wait forever (on the H200
+    # 216/216/80 hangs the kernel).
     if 2 * self.consumer_regs + self.producer_regs > 3 * 168:
       raise ValueError("2 * consumer_regs + producer_regs must be <= 504")
     if self.consumer_regs % 8 or self.producer_regs % 8:
@@ -1071,8 +938,8 @@ def sparse_attention_decode(q, swa_q, swa_s, swa_valid, topk, page_table,
   ``swa_rows`` -- explicit window rows of a flat FP8 key buffer (see the reference): prefill, one row of the
   batch per query token.
   Requirements: H <= 64 (padded to 64), D % 128 == 0.  W and K are padded to
-  multiples of 64 with invalid entries.  Status (H200, 2026-11-30): verified
-  on the device at B=1/8/64, both QK modes, 1-10 key splits (rel. L2 1.7e-3);
+  multiples of 64 with invalid entries.  Verified on the H200 at B=1/8/64,
+  both QK modes, 1-10 key splits (rel. L2 1.7e-3);
   ``swa_rows`` (prefill) is verified in the interpreter and lowers for sm_90a.
   """
   b, h, d = q.shape

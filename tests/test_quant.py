@@ -99,3 +99,49 @@ def test_weight_formats_round_trip():
     # exactly representable in bf16: the XLA path dequantizes into bf16 without loss
     np.testing.assert_array_equal(np.asarray(q4.dequantize(jnp.bfloat16), np.float32), d4)
     np.testing.assert_array_equal(np.asarray(quant.ue8m0_decode(quant.ue8m0_encode(jnp.array([2.0**-5])))), [2.0**-5])
+
+
+@jax.jit  # one program: eagerly every op is a compile
+def _encode(x):
+    return (quant.fp8_encode(x), quant.kv_fp4_encode(x), quant.mxfp4_encode(x)), (
+        quant.fp8_qdq(x), quant.kv_fp4_qdq(x), quant.mxfp4_qdq(x))
+
+
+@jax.jit  # a program of its own: the bytes arrive as the pool's do, not from an encode XLA may fold away
+def _decode(records):
+    (q8, s8), (p4, s4), (pm, sm) = records
+    f8 = lambda b: jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)  # noqa: E731
+    return ((quant.fp8_decode(q8, s8), quant.fp8_decode(f8(q8), s8)),
+            (quant.kv_fp4_decode(p4, s4), quant.kv_fp4_decode(p4, f8(s4))),
+            (quant.mxfp4_decode(pm, sm), quant.mxfp4_decode(pm, sm)))  # UE8M0 has no float8 spelling here
+
+
+def test_pool_records_decode_to_the_qdq_values():
+    """Each KV record's bytes (spec §4 table) decode to exactly the quantize-dequantize values the model uses,
+    from uint8 bytes or from the float8 dtype alike."""
+    x = jax.random.normal(jax.random.key(5), (3, 512)) * jnp.exp2(jnp.arange(3.0) * 4 - 4)[:, None]
+    records, qdqs = _encode(x)
+    decoded = _decode(records)
+    for (data, scale), (dec, dec_f8), qdq, (nd, ns) in zip(records, decoded, qdqs, ((512, 16), (256, 32), (256, 16))):
+        assert data.dtype == scale.dtype == jnp.uint8 and data.shape == (3, nd) and scale.shape == (3, ns)
+        np.testing.assert_array_equal(np.asarray(dec), np.asarray(qdq))
+        np.testing.assert_array_equal(np.asarray(dec_f8), np.asarray(qdq))
+
+
+def test_e4m3_decode_all_bytes():
+    b = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(np.asarray(quant.e4m3_decode(jnp.asarray(b))),
+                                  b.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(quant.e2m1_decode_packed(jnp.asarray(b))).reshape(256, 2),
+                                  quant.E2M1_TABLE[np.stack([b & 15, b >> 4], -1)])
+
+
+def test_ue8m0_bytes_decode_as_the_reference():
+    """Every byte b is 2^(b-127) as torch.float8_e8m0fnu reads it (the PyTorch reference's scale dtype; OCP MX
+    E8M0; ml_dtypes' float8_e8m0fnu is the same format): byte 0 is 2^-127, not 0; byte 255 is NaN. The encoder
+    inverts it on all 256 bytes."""
+    b = np.arange(256, dtype=np.uint8)
+    got = np.asarray(quant.ue8m0_decode(jnp.asarray(b)))
+    np.testing.assert_array_equal(got, b.view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+    assert got[0] == 2.0**-127 and got[1] == 2.0**-126 and got[254] == 2.0**127 and np.isnan(got[255])
+    np.testing.assert_array_equal(np.asarray(quant.ue8m0_encode(jnp.asarray(got))), b)

@@ -1,9 +1,10 @@
 """Runs the straight-line inline-PTX blocks of our decoders on numpy uint32 arrays, so CPU tests check the PTX
 text the GPU runs (the Mosaic GPU interpreter cannot run `inline_mgpu`).
 
-Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shf.l.wrap.b32, mul.lo / mul.hi /
-mul.wide .u32, mov.b64 {lo, hi} (a 64-bit register's halves), prmt.b32 (default mode) and mul.rn.bf16x2 (each half
-rounded to nearest even, subnormals kept, as sm_90 does).
+Covers the instructions those blocks use: mov / shl / shr / and / or .b32, shr.u32, shf.l.wrap.b32, add.u32,
+set.eq.u32.u32, mul.lo / mul.hi / mul.wide .u32, mov.b64 {lo, hi} / mov.b32 {lo, hi} (a register's halves),
+prmt.b32 (default mode), mul.rn.bf16x2 (each half rounded to nearest even, subnormals kept, as sm_90 does), and the float steps of the
+e4m3 decoders: cvt.rn.f16x2.e4m3x2, cvt.f32.f16, mul.f32 (no flush), cvt.rn.bf16x2.f32 (a -> high half).
 Anything else raises, so a decoder that starts using another instruction fails its test until the emulator
 learns it.
 """
@@ -32,8 +33,16 @@ def _bf16_pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return lo | (hi << np.uint64(16))
 
 
+def _f32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(np.asarray(x, np.uint64) & _M32, np.uint32).view(np.float32)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(np.asarray(x, np.uint64) & np.uint64(0xFFFF), np.uint16).view(np.float16)
+
+
 def _prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(a)
+    out = np.zeros(np.broadcast(a, b, sel).shape, np.uint64)  # constant words select per lane too
     for i in range(4):
         s = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
         if np.any(s & np.uint64(8)):
@@ -68,17 +77,27 @@ def run(ptx: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
             w = val(src64.strip(" ,"))
             regs[lo], regs[hi] = w & _M32, w >> np.uint64(32)
             continue
+        if op == "mov.b32" and rest.lstrip().startswith("{"):  # {lo, hi} <- a 32-bit register
+            halves, src32 = rest.split("}")
+            lo, hi = [t.strip() for t in halves.strip(" {").split(",")]
+            w = val(src32.strip(" ,"))
+            regs[lo], regs[hi] = w & np.uint64(0xFFFF), (w >> np.uint64(16)) & np.uint64(0xFFFF)
+            continue
         dst, *src = [t.strip() for t in rest.split(",")]
         a = [val(t) for t in src]
         if op == "mov.b32":
             r = a[0]
         elif op == "shl.b32":
             r = a[0] << a[1]
-        elif op == "shr.b32":
+        elif op in ("shr.b32", "shr.u32"):
             r = a[0] >> a[1]
         elif op == "shf.l.wrap.b32":  # funnel shift of {a[1]:a[0]} left by a[2] mod 32, upper word
             n = a[2] & np.uint64(31)
             r = (((a[1] << np.uint64(32)) | a[0]) << n) >> np.uint64(32)
+        elif op == "add.u32":
+            r = a[0] + a[1]
+        elif op == "set.eq.u32.u32":  # all ones where equal
+            r = np.where(a[0] == a[1], _M32, np.uint64(0))
         elif op == "and.b32":
             r = a[0] & a[1]
         elif op == "or.b32":
@@ -95,6 +114,16 @@ def run(ptx: str, inputs: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]
         elif op == "mul.rn.bf16x2":
             (xl, xh), (yl, yh) = _bf16_halves(a[0]), _bf16_halves(a[1])
             r = _bf16_pack(xl * yl, xh * yh)
+        elif op == "cvt.rn.f16x2.e4m3x2":  # byte i of the 16-bit operand -> half i (exact)
+            b = np.stack([a[0] & np.uint64(0xFF), (a[0] >> np.uint64(8)) & np.uint64(0xFF)], -1)
+            h = b.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float16).view(np.uint16)
+            r = h[..., 0].astype(np.uint64) | (h[..., 1].astype(np.uint64) << np.uint64(16))
+        elif op == "cvt.f32.f16":
+            r = _f16(a[0]).astype(np.float32).view(np.uint32)
+        elif op == "mul.f32":
+            r = (_f32(a[0]) * _f32(a[1])).view(np.uint32)
+        elif op == "cvt.rn.bf16x2.f32":
+            r = _bf16_pack(_f32(a[1]), _f32(a[0]))
         else:
             raise NotImplementedError(f"instruction {op!r} is not emulated")
         regs[dst] = np.asarray(r, np.uint64) & _M32
