@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from dsv41.tokenizer import load_tokenizer
-from serving.engine.engine import EngineError, QueueFull, SamplingParams, StepOutput
+from serving.async_engine import EngineError, QueueFull, SamplingParams, StepOutput
 
 
 @dataclasses.dataclass
@@ -89,6 +89,9 @@ class FakeEngine:
         self.aborted.append(request_id)
         self._waiting = deque(r for r in self._waiting if r.rid != request_id)
         self._running = [r for r in self._running if r.rid != request_id]
+
+    def waiting_request_ids(self) -> list[str]:
+        return [r.rid for r in self._waiting]
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)

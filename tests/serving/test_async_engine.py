@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from fake_engine import FakeEngine
 
-from serving.async_engine import AsyncEngine, EngineDead, EngineError, EngineStepError, QueueFull
-from serving.engine.engine import SamplingParams
+from serving.async_engine import (AsyncEngine, EngineDead, EngineError, EngineStepError, QueueFull, QueueTimeout,
+                                  SamplingParams)
 from serving.metrics import ServingMetrics
 
 
@@ -39,7 +39,9 @@ def test_generate_routes_outputs_and_counts_metrics():
         assert sum(len(o.new_token_ids) for o in seq) == 4 + i
         assert seq[-1].finished and seq[-1].finish_reason == "length" and not any(o.finished for o in seq[:-1])
     m = aeng.metrics
-    assert m.ttft.snapshot()[2] == 6 and m.generation_tokens.value() == sum(4 + i for i in range(6))
+    assert m.sample("dsv41:time_to_first_token_seconds_count") == 6
+    assert m.sample("dsv41:request_queue_time_seconds_count") == 6
+    assert m.sample("dsv41:generation_tokens_total") == sum(4 + i for i in range(6))
     assert aeng.num_in_flight == 0
 
 
