@@ -58,6 +58,7 @@ class FakeEngine:
         self._queries = 0
         self.aborted: list[str] = []
         self.sessions: dict[str, str | None] = {}  # request id -> session key it was added with
+        self.added: dict[str, tuple[list[int], SamplingParams]] = {}  # request id -> (prompt ids, sampling)
         self._normal_ids = [i for i in range(self.tokenizer.vocab_size) if i not in self.tokenizer.special_ids]
 
     # ---- API ----
@@ -75,6 +76,7 @@ class FakeEngine:
         if len(self._waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self._waiting)} requests waiting")
         self.sessions[request_id] = session
+        self.added[request_id] = (list(prompt_ids), sampling)
         cached = self._cached_prefix(prompt_ids)
         self._queries += len(prompt_ids)
         self._hits += cached
