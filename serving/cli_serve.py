@@ -194,7 +194,6 @@ def _serve_forever(engine: Any, args: argparse.Namespace) -> None:
     log.info("listening on http://%s:%d (model %r, max_model_len %d)", args.host, args.port, name,
              engine.max_model_len)
     server.run(sockets=[sock])
-    log.info("stopped")
 
 
 def run_demo(engine, args: argparse.Namespace) -> int:

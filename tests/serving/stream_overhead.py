@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("dsv41.access").setLevel(logging.WARNING)  # a line per request would drown the numbers
     engine = FakeEngine(max_model_len=args.tokens + 64, max_num_seqs=args.concurrency, step_delay_s=0.0,
                         max_waiting=4 * args.concurrency)
     with BackgroundServer(engine, model_name="tiny") as srv:
