@@ -42,8 +42,7 @@ from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                               ErrorResponse, Health, ModelCard, ModelList)
 from serving.requests import GenRequest, ServerConfig, chat_request, completion_request, validation_error
-from serving.response import (ChatChunker, StopMatcher, TextPipeline, chat_completion_body, finish_reason_of,  # noqa: F401
-                              sse, usage_of)
+from serving.response import ChatChunker, TextPipeline, chat_completion_body, finish_reason_of, sse, usage_of
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("dsv41.access")

@@ -29,7 +29,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = Field(None, description="vLLM's: every chunk carries the usage so far")
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, description="at most the context left after the prompt")
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -50,7 +50,7 @@ class _Sampling(_Strict):
     user: str | None = Field(None, description="kept as the session key (an X-Session-Id header wins)")
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, list[Annotated[int, Field(ge=0, le=INT32_MAX)]], list[str],
                   list[list[Annotated[int, Field(ge=0, le=INT32_MAX)]]]]
     echo: bool | None = Field(None, description="only false")
@@ -126,7 +126,7 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from dsv41 import chat as chat_format
 from serving.async_engine import SamplingParams
 from serving.errors import ApiError, bad_request
-from serving.protocol import ChatCompletionRequest, CompletionRequest, ImagePart, _Sampling
+from serving.protocol import ChatCompletionRequest, CompletionRequest, ImagePart, SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 # OpenAI reasoning_effort names that the V4.1 presets lack, mapped onto the nearest preset.
@@ -87,7 +87,7 @@ def _check_text(text: str, param: str) -> None:
                           "send valid Unicode (pair surrogates, or drop them)", param, "invalid_unicode") from None
 
 
-def _common(r: _Sampling, cfg: ServerConfig, prompt_ids: list[int], *, chat: bool, max_tokens: int | None,
+def _common(r: SamplingFields, cfg: ServerConfig, prompt_ids: list[int], *, chat: bool, max_tokens: int | None,
             session_header: str | None) -> dict[str, Any]:
     n_prompt = len(prompt_ids)
     prompt_param = "messages" if chat else "prompt"
