@@ -118,7 +118,29 @@ def encode_chat(
     tools: OpenAI tool definitions; rendered into the first system message (one is created if absent).
     add_generation_prompt: append `<｜Assistant｜>` + `<think>`/`</think>` after a final user/system turn.
     drop_thinking: drop the reasoning of turns before the last user turn (the release's default).
+
+    The text is what the release's encoder writes; to tokenize it so that tags typed inside messages stay text,
+    use `encode_chat_segments` with `Tokenizer.encode_segments`.
     """
+    return "".join(text for text, _ in encode_chat_segments(
+        messages, thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
+        add_generation_prompt=add_generation_prompt, drop_thinking=drop_thinking))
+
+
+Segment = tuple[str, bool]  # (text, True when it came from a message or tool definition rather than the template)
+
+
+def encode_chat_segments(
+    messages: list[dict[str, Any]],
+    *,
+    thinking: bool = False,
+    reasoning_effort: int | str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    drop_thinking: bool = True,
+) -> list[Segment]:
+    """encode_chat's prompt as pieces that say which text the client wrote: a client's `<｜User｜>` or DSML tag
+    must reach the model as those characters, never as the token that starts a turn or a tool call."""
     effort = _effort_value(reasoning_effort)
     msgs = [_normalize_message(i, m) for i, m in enumerate(messages)]
     if tools:
@@ -132,26 +154,25 @@ def encode_chat(
         msgs = _drop_old_reasoning(msgs)
     last_user = _last_user_index(msgs)
 
-    out = [BOS]
+    out: list[Segment] = [(BOS, False)]
     for i, m in enumerate(msgs):
         role = m["role"]
         if i == 0 and thinking:
-            out.append(SYSTEM + _EFFORT_LINE.format(effort))
+            out.append((SYSTEM + _EFFORT_LINE.format(effort), False))
         elif i == 0 and role == "system":
-            out.append(SYSTEM)
+            out.append((SYSTEM, False))
         if role == "system":
             if i > 0:
-                out.append(SYSTEM)
-            out.append(m["content"] + _tools_suffix(m))
+                out.append((SYSTEM, False))
+            out += [(m["content"], True), *_tools_suffix(m)]
         elif role == "developer":
-            out.append(USER + m["content"] + _tools_suffix(m))
+            out += [(USER, False), (m["content"], True), *_tools_suffix(m)]
         elif role == "user":
-            out.append(USER + m["content"])
+            out += [(USER, False), (m["content"], True)]
         else:  # assistant
-            reasoning = ""
             if thinking and (not drop or i > last_user):
-                reasoning = m.get("reasoning_content", "") + THINK_END
-            out.append(reasoning + m["content"] + _render_tool_calls(m.get("tool_calls")) + EOS)
+                out += [(m.get("reasoning_content", ""), True), (THINK_END, False)]
+            out += [(m["content"], True), *_render_tool_calls(m.get("tool_calls")), (EOS, False)]
 
         is_last = i == len(msgs) - 1
         if is_last and not add_generation_prompt:
@@ -160,8 +181,8 @@ def encode_chat(
             continue
         if role in ("user", "developer") or (role == "system" and i > 0):
             opens_thinking = thinking and (not drop or i >= last_user)
-            out.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
-    return "".join(out)
+            out.append((ASSISTANT + (THINK_START if opens_thinking else THINK_END), False))
+    return [seg for seg in out if seg[0]]
 
 
 def _effort_value(effort: int | str | None) -> int:
@@ -251,24 +272,32 @@ def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
     return fn
 
 
-def _tools_suffix(msg: dict[str, Any]) -> str:
+def _tools_suffix(msg: dict[str, Any]) -> list[Segment]:
     if not msg.get("tools"):
-        return ""
+        return []
     schemas = "\n".join(json.dumps(fn, ensure_ascii=False) for fn in msg["tools"])
-    return "\n\n" + _TOOLS_PROMPT.format(schemas=schemas)
+    before, after = _TOOLS_PROMPT.split("{schemas}")
+    return [("\n\n" + before, False), (schemas, True), (after, False)]
 
 
-def _render_tool_calls(calls: list[dict[str, Any]] | None) -> str:
+def _render_tool_calls(calls: list[dict[str, Any]] | None) -> list[Segment]:
     if not calls:
-        return ""
-    invokes = []
-    for c in calls:
-        params = "\n".join(
-            _PARAM.format(name=k, is_str="true" if isinstance(v, str) else "false",
-                          value=v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
-            for k, v in c["arguments"].items())
-        invokes.append(_INVOKE.format(name=c["name"], params=params))
-    return "\n\n" + CALLS_START + "\n" + "\n".join(invokes) + "\n" + CALLS_END
+        return []
+    out: list[Segment] = [("\n\n" + CALLS_START + "\n", False)]
+    for k, c in enumerate(calls):
+        head, tail = _INVOKE.split("{params}")
+        before_name, after_name = head.split("{name}")
+        out += [(("\n" if k else "") + before_name, False), (c["name"], True), (after_name, False)]
+        for j, (name, v) in enumerate(c["arguments"].items()):
+            value = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+            p_head, p_tail = _PARAM.split("{value}")
+            p_before, p_after = p_head.split("{name}")
+            out += [(("\n" if j else "") + p_before, False), (name, True),
+                    (p_after.format(is_str="true" if isinstance(v, str) else "false"), False), (value, True),
+                    (p_tail, False)]
+        out.append((tail, False))
+    out.append(("\n" + CALLS_END, False))
+    return out
 
 
 def _merge_tool_results(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -85,6 +86,43 @@ class Tokenizer:
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
+
+    @functools.cached_property
+    def _added_token_re(self) -> re.Pattern[str]:
+        texts = sorted((t.content for t in self.backend.get_added_tokens_decoder().values()), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts)) or r"(?!)")
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        # The same tokenizer without its added-token matcher: BPE spells out a typed `<｜User｜>` byte by byte.
+        spec = json.loads(self.backend.to_str())
+        spec["added_tokens"] = []
+        return tokenizers.Tokenizer.from_str(json.dumps(spec))
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain characters: role markers, thinking and tool-call tags typed in it do not become their
+        token ids (a chat message cannot forge a turn or a tool result)."""
+        if not self._added_token_re.search(text):
+            return self.encode(text)  # same ids, and the ids the model was trained on for ordinary text
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """Ids of the concatenated segments (text, is_content): template text may hold added tokens, content is
+        encoded with `encode_plain`. Content without added-token text joins the template around it, so ordinary
+        prompts tokenize exactly as the whole string would."""
+        ids: list[int] = []
+        run: list[str] = []
+        for text, is_content in segments:
+            if is_content and self._added_token_re.search(text):
+                if run:
+                    ids += self.encode("".join(run))
+                    run = []
+                ids += self._plain_backend.encode(text, add_special_tokens=False).ids
+            else:
+                run.append(text)
+        if run:
+            ids += self.encode("".join(run))
+        return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]

@@ -14,6 +14,10 @@ Failure isolation: a request the engine refuses (EngineError, QueueFull) raises 
 that raises is logged with its traceback and fails the request the exception names (a `request_id` attribute)
 or, when it names none, every request in flight (each stream raises `EngineStepError`); the loop goes on serving
 new requests, and `healthy` is False until a step succeeds or the engine is idle again.
+
+Queue wait: with `max_queue_wait_s`, a request the engine has accepted but not yet scheduled after that long is
+aborted and its stream raises `QueueTimeout` (the server answers 503 + Retry-After). The engine thread learns
+which requests still wait from `engine.waiting_request_ids()`; the same check times each request's queue wait.
 """
 
 from __future__ import annotations
@@ -32,12 +36,16 @@ from serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "RequestStream", "EngineError", "QueueFull", "EngineStepError", "EngineDead",
-           "SamplingParams"]
+__all__ = ["AsyncEngine", "RequestStream", "EngineError", "QueueFull", "EngineStepError", "EngineDead", "StepOutput",
+           "QueueTimeout", "SamplingParams"]
 
 
 class EngineStepError(RuntimeError):
     """An engine step raised while this request was in flight; the request was dropped."""
+
+
+class QueueTimeout(RuntimeError):
+    """The request waited in the engine's queue past `max_queue_wait_s` and was dropped: retry later."""
 
 
 class EngineDead(RuntimeError):
@@ -51,6 +59,7 @@ class _Add:
     sampling: Any
     session: str | None
     done: concurrent.futures.Future
+    arrival: float = 0.0
 
 
 @dataclasses.dataclass
@@ -91,6 +100,7 @@ class RequestStream:
         self.request_id = request_id
         self.arrival = arrival  # time.monotonic() when the request reached the server
         self.num_prompt_tokens = num_prompt_tokens
+        self.scheduled_time: float | None = None  # when the engine took it out of its waiting queue
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_generated = 0
@@ -121,7 +131,7 @@ class RequestStream:
             self.finish_reason = reason
             self._owner._abort(self.request_id)
             if self._owner.metrics is not None:
-                self._owner.metrics.requests_finished.inc(labels={"finish_reason": reason})
+                self._owner.metrics.request_finished(reason)
 
     async def __aenter__(self) -> "RequestStream":
         return self
@@ -139,10 +149,12 @@ class RequestStream:
                 self.first_token_time = now
                 if m is not None:
                     m.ttft.observe(now - self.arrival)
+                    if self.scheduled_time is not None:
+                        m.prefill_time.observe(now - self.scheduled_time)
                     if n > 1:
-                        m.itl.observe(0.0, count=n - 1)
+                        m.observe_itl(0.0, count=n - 1)
             elif m is not None:
-                m.itl.observe((now - self.last_token_time) / n, count=n)
+                m.observe_itl((now - self.last_token_time) / n, count=n)
             self.last_token_time = now
             self.num_generated += n
             if m is not None:
@@ -151,15 +163,19 @@ class RequestStream:
             self.finished = True
             self.finish_reason = out.finish_reason
             if m is not None:
-                m.requests_finished.inc(labels={"finish_reason": str(out.finish_reason)})
+                m.request_finished(out.finish_reason)
                 m.e2e.observe(now - self.arrival)
                 m.output_len.observe(self.num_generated)
+                if self.first_token_time is not None:
+                    m.decode_time.observe(now - self.first_token_time)
+                    if self.num_generated > 1:
+                        m.tpot.observe((now - self.first_token_time) / (self.num_generated - 1))
         self._queue.put_nowait(out)
 
     def _fail(self, exc: BaseException) -> None:
         if not self.finished:
             if self._owner.metrics is not None:
-                self._owner.metrics.requests_finished.inc(labels={"finish_reason": "error"})
+                self._owner.metrics.request_finished("queue_timeout" if isinstance(exc, QueueTimeout) else "error")
             self._queue.put_nowait(exc)
 
 
@@ -167,7 +183,7 @@ class AsyncEngine:
     """Owns the engine thread. Construct anywhere; `start()` from inside the event loop that will consume it."""
 
     def __init__(self, engine: Any, *, metrics: ServingMetrics | None = None,
-                 stats_interval_s: float = 0.25) -> None:
+                 stats_interval_s: float = 0.25, max_queue_wait_s: float | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
@@ -175,6 +191,10 @@ class AsyncEngine:
         self.healthy = True
         self.last_stats: dict[str, Any] = {}
         self._stats_interval = stats_interval_s
+        if max_queue_wait_s is not None and not max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s={max_queue_wait_s}: give a positive number of seconds, or None")
+        self.max_queue_wait_s = max_queue_wait_s
+        self._queued: dict[str, float] = {}  # engine thread: accepted, not yet scheduled -> arrival (monotonic)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop side: request id -> stream
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -226,7 +246,7 @@ class AsyncEngine:
         self._streams[request_id] = stream  # before the engine sees it, so no output can arrive unrouted
         done: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self._submit(_Add(request_id, list(prompt_ids), sampling, session, done))
+            self._submit(_Add(request_id, list(prompt_ids), sampling, session, done, stream.arrival))
         except EngineDead:
             self._streams.pop(request_id, None)
             raise
@@ -346,16 +366,19 @@ class AsyncEngine:
                         last_stats = self._refresh_stats()
                     continue
                 t0 = time.perf_counter()
+                started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as e:
                     failures += 1
                     self._on_step_failure(e, active, failures)
+                    self._check_queue(active, started)
                     continue
                 failures = 0
                 self.healthy = True
                 if self.metrics is not None:
                     self.metrics.step_time.observe(time.perf_counter() - t0)
+                self._check_queue(active, started)  # before the outputs: a first token finds its scheduled time
                 if outputs:
                     for out in outputs:
                         if out.finished:
@@ -396,8 +419,10 @@ class AsyncEngine:
                     _settle(cmd.done, exc=e)
                 else:
                     active.add(cmd.request_id)
+                    self._queued[cmd.request_id] = cmd.arrival
                     _settle(cmd.done, True)
             elif isinstance(cmd, _Abort):
+                self._queued.pop(cmd.request_id, None)
                 if cmd.request_id in active:
                     active.discard(cmd.request_id)
                     self._engine_abort(cmd.request_id)
@@ -412,6 +437,49 @@ class AsyncEngine:
                     _settle(cmd.done, cmd.fn(self.engine))
                 except Exception as e:
                     _settle(cmd.done, exc=e)
+
+    def _waiting_ids(self) -> set[str]:
+        waiting = getattr(self.engine, "waiting_request_ids", None)
+        if waiting is not None:
+            return set(waiting())
+        # an Engine without waiting_request_ids(): its waiting deque holds requests with an `id`
+        return {r.id for r in getattr(self.engine, "waiting", ())}
+
+    def _check_queue(self, active: set[str], step_start: float) -> None:
+        """Times the requests the last step took out of the engine's waiting queue, and drops those that waited
+        past max_queue_wait_s (the client gets 503 + Retry-After rather than an answer that may never come)."""
+        if not self._queued:
+            return
+        waiting = self._waiting_ids()
+        now = time.monotonic()
+        scheduled, expired = [], []
+        for rid, arrival in list(self._queued.items()):
+            if rid not in active:
+                del self._queued[rid]
+            elif rid not in waiting:
+                del self._queued[rid]
+                scheduled.append(rid)
+                if self.metrics is not None:
+                    self.metrics.queue_time.observe(max(0.0, step_start - arrival))
+            elif self.max_queue_wait_s is not None and now - arrival > self.max_queue_wait_s:
+                del self._queued[rid]
+                expired.append(rid)
+                active.discard(rid)
+                self._engine_abort(rid)
+        if scheduled:
+            self._post(self._mark_scheduled, scheduled, step_start)
+        if expired:
+            limit = self.max_queue_wait_s
+            log.warning("%d request(s) waited over --max-queue-wait %.1f s in the queue; dropped", len(expired), limit)
+            self._post(self._fail_requests, expired,
+                       lambda rid: QueueTimeout(f"request {rid} waited over {limit:g} s in the queue (the server is "
+                                                "at capacity); retry later"))
+
+    def _mark_scheduled(self, request_ids: list[str], when: float) -> None:
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.scheduled_time = when
 
     def _refresh_stats(self) -> float:
         try:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
@@ -106,6 +105,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
+                   help="a request still in the engine's waiting queue after this long is dropped with 503 + "
+                        "Retry-After, so a client under overload learns it and retries (default: no limit)")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per request: method, path, status, prompt/output tokens, TTFT, total time "
+                        "(no prompt text; logger dsv41.access)")
     g.add_argument("--demo", action="store_true",
                    help="start on a free port, send one chat request over HTTP, print request and answer, stop")
     return parser
@@ -164,28 +169,31 @@ def served_model_name(args: argparse.Namespace) -> str:
     return args.preset or DEFAULT_PRESET
 
 
-async def _serve_forever(engine: Any, args: argparse.Namespace) -> None:
-    from serving.api import create_app, serve
+def check_server_args(args: argparse.Namespace) -> None:
+    if args.max_queue_wait is not None and not args.max_queue_wait > 0:
+        raise SystemExit(f"--max-queue-wait {args.max_queue_wait}: give a positive number of seconds, or leave "
+                         "it out for no limit")
+
+
+def _serve_forever(engine: Any, args: argparse.Namespace) -> None:
+    """uvicorn in this (the main) thread: on SIGINT / SIGTERM it stops accepting, lets the requests in flight
+    finish (drain), then the app's lifespan stops the engine thread."""
+    import uvicorn
+
+    from serving.api import bind, create_app, uvicorn_config
     from serving.async_engine import AsyncEngine
     from serving.metrics import ServingMetrics
 
-    metrics = ServingMetrics()
-    app = create_app(AsyncEngine(engine, metrics=metrics), model_name=served_model_name(args), metrics=metrics)
-    runner = await serve(app, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread / not supported here
-            pass
-    log.info("listening on http://%s:%d (model %r, max_model_len %d)", args.host, args.port,
-             served_model_name(args), engine.max_model_len)
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down")
-        await runner.cleanup()
+    name = served_model_name(args)
+    metrics = ServingMetrics(name)
+    aeng = AsyncEngine(engine, metrics=metrics, max_queue_wait_s=args.max_queue_wait)
+    logging.getLogger("dsv41.access").setLevel(logging.INFO if args.access_log else logging.WARNING)
+    sock = bind(args.host, args.port)  # OSError here: the caller names the port
+    server = uvicorn.Server(uvicorn_config(create_app(aeng, model_name=name, metrics=metrics), host=args.host,
+                                           port=args.port))
+    log.info("listening on http://%s:%d (model %r, max_model_len %d)", args.host, args.port, name,
+             engine.max_model_len)
+    server.run(sockets=[sock])
 
 
 def run_demo(engine, args: argparse.Namespace) -> int:
@@ -207,6 +215,7 @@ def run_demo(engine, args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     _ensure_logging()
+    check_server_args(args)
     engine = build_engine(args)
     import jax
 
@@ -216,7 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.demo:
         return run_demo(engine, args)
     try:
-        asyncio.run(_serve_forever(engine, args))
+        _serve_forever(engine, args)
     except OSError as e:
         log.error("could not listen on %s:%d (%s); pick another --port or stop what holds it", args.host,
                   args.port, e)

@@ -30,6 +30,7 @@ REPLIES = {
                 '</｜DSML｜ invoke>\n</｜DSML｜ calls>',
     "SAY_THINK": "I should greet them.</think>Hello there!",
     "SAY_STOP": "alpha beta STOP gamma delta",
+    "SAY_SPECIAL": "one<｜User｜>two<｜begin▁of▁sentence｜>three",
 }
 
 # one prefill width (the 128-token chunk), one block-table width (all 16 pages of 1024 tokens) and one decode

@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from dsv41.tokenizer import load_tokenizer
-from serving.engine.engine import EngineError, QueueFull, SamplingParams, StepOutput
+from serving.async_engine import EngineError, QueueFull, SamplingParams, StepOutput
 
 
 @dataclasses.dataclass
@@ -58,6 +58,7 @@ class FakeEngine:
         self._queries = 0
         self.aborted: list[str] = []
         self.sessions: dict[str, str | None] = {}  # request id -> session key it was added with
+        self.added: dict[str, tuple[list[int], SamplingParams]] = {}  # request id -> (prompt ids, sampling)
         self._normal_ids = [i for i in range(self.tokenizer.vocab_size) if i not in self.tokenizer.special_ids]
 
     # ---- API ----
@@ -75,6 +76,7 @@ class FakeEngine:
         if len(self._waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self._waiting)} requests waiting")
         self.sessions[request_id] = session
+        self.added[request_id] = (list(prompt_ids), sampling)
         cached = self._cached_prefix(prompt_ids)
         self._queries += len(prompt_ids)
         self._hits += cached
@@ -89,6 +91,9 @@ class FakeEngine:
         self.aborted.append(request_id)
         self._waiting = deque(r for r in self._waiting if r.rid != request_id)
         self._running = [r for r in self._running if r.rid != request_id]
+
+    def waiting_request_ids(self) -> list[str]:
+        return [r.rid for r in self._waiting]
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)

@@ -7,17 +7,17 @@ output (tool calls, thinking, stop strings) and fault injection use the fake onl
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import time
 
 import openai
 import pytest
-from serving_helpers import MODEL, engine_stats, get, post
+from serving_helpers import MODEL, engine_stats, get, post, sample, scrape
 from fake_engine import FakeEngine
 
 from serving.api import BackgroundServer
-from serving.metrics import parse_text
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
@@ -335,7 +335,7 @@ def test_queue_full_is_503_with_retry_after():
         assert code == 503 and headers["Retry-After"] == "1"
         assert err["error"]["code"] == "queue_full"
         assert get(srv, "/health")[0] == 200
-        assert 'dsv41_requests_rejected_total{reason="queue_full"} 1' in get(srv, "/metrics")[1]
+        assert sample(scrape(srv), "dsv41:requests_rejected_total", reason="queue_full") == 1
 
 
 def test_one_bad_request_does_not_stop_the_others(fake_server):
@@ -367,23 +367,42 @@ def test_one_bad_request_does_not_stop_the_others(fake_server):
 
 def test_metrics_endpoint(fake_server):
     client(fake_server).completions.create(model=MODEL, prompt="count me", max_tokens=3)
-    code, text = get(fake_server, "/metrics")
-    assert code == 200
-    s = parse_text(text)
-    assert s["dsv41_time_to_first_token_seconds_count"] >= 1
-    assert s["dsv41_inter_token_latency_seconds_count"] >= 1
-    assert s["dsv41_generation_tokens_total"] >= 3 and s["dsv41_prompt_tokens_total"] >= 1
-    assert s['dsv41_requests_total{endpoint="completions"}'] >= 1
-    for name in ("dsv41_kv_cache_usage_ratio", "dsv41_kv_cache_pages_total", "dsv41_num_requests_waiting",
-                 "dsv41_num_requests_running", "dsv41_prefix_cache_hit_rate"):
-        assert name in s, name
+    m = scrape(fake_server)
+    assert sample(m, "dsv41:time_to_first_token_seconds_count") >= 1
+    assert sample(m, "dsv41:inter_token_latency_seconds_count") >= 1
+    assert sample(m, "dsv41:request_queue_time_seconds_count") >= 1
+    assert sample(m, "dsv41:generation_tokens_total") >= 3 and sample(m, "dsv41:prompt_tokens_total") >= 1
+    assert sample(m, "dsv41:requests_started_total", endpoint="completions") >= 1
+    assert sample(m, "dsv41:http_requests_total", route="/v1/completions", status="200") >= 1
+    assert sample(m, "dsv41:prefix_cache_queries_total") >= 1
+    for name in ("dsv41:kv_cache_usage_perc", "dsv41:kv_cache_pages_total", "dsv41:num_requests_waiting",
+                 "dsv41:num_requests_running", "dsv41:num_preemptions"):
+        assert name in m, name
+
+
+def test_step_failure_before_the_first_token_is_a_500(fake_server):
+    """A streamed response sends its headers with its first token, so a request that fails before it gets a
+    status a client can act on."""
+    code, _, err = post(fake_server, "/v1/completions", {"prompt": "POISON", "max_tokens": 5, "stream": True})
+    assert code == 500 and err["error"]["code"] == "engine_step_failed"
+    with pytest.raises(openai.APIError, match="injected failure"):
+        list(client(fake_server).completions.create(model=MODEL, prompt="POISON", max_tokens=5, stream=True))
 
 
 def test_step_failure_mid_stream_ends_the_stream_with_an_error_event(fake_server):
-    code, _, text = post(fake_server, "/v1/completions", {"prompt": "POISON", "max_tokens": 5, "stream": True})
-    assert code == 200  # the headers went out before the step failed
-    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    conn = http.client.HTTPConnection(fake_server.host, fake_server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "long one", "max_tokens": 900, "stream": True,
+                                                        "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200  # the headers went out with the first token
+    resp.readline()
+    fake_server.async_engine.call_in_engine_thread(lambda e: setattr(e, "fail_next_steps", 1))
+    events = [line[len(b"data: "):].strip() for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+    conn.close()
+    assert events[-1] == b"[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_step_failed"
-    with pytest.raises(openai.APIError, match="injected failure"):
-        list(client(fake_server).completions.create(model=MODEL, prompt="POISON", max_tokens=5, stream=True))
+    deadline = time.monotonic() + 10  # healthy again once the engine is idle
+    while get(fake_server, "/health")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert get(fake_server, "/health")[0] == 200

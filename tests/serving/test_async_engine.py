@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from fake_engine import FakeEngine
 
-from serving.async_engine import AsyncEngine, EngineDead, EngineError, EngineStepError, QueueFull
-from serving.engine.engine import SamplingParams
+from serving.async_engine import (AsyncEngine, EngineDead, EngineError, EngineStepError, QueueFull, QueueTimeout,
+                                  SamplingParams)
 from serving.metrics import ServingMetrics
 
 
@@ -39,7 +39,9 @@ def test_generate_routes_outputs_and_counts_metrics():
         assert sum(len(o.new_token_ids) for o in seq) == 4 + i
         assert seq[-1].finished and seq[-1].finish_reason == "length" and not any(o.finished for o in seq[:-1])
     m = aeng.metrics
-    assert m.ttft.snapshot()[2] == 6 and m.generation_tokens.value() == sum(4 + i for i in range(6))
+    assert m.sample("dsv41:time_to_first_token_seconds_count") == 6
+    assert m.sample("dsv41:request_queue_time_seconds_count") == 6
+    assert m.sample("dsv41:generation_tokens_total") == sum(4 + i for i in range(6))
     assert aeng.num_in_flight == 0
 
 
@@ -135,3 +137,26 @@ def test_engine_thread_crash_fails_requests_and_later_adds():
         await aeng.shutdown()
 
     asyncio.run(body())
+
+
+def test_a_request_past_max_queue_wait_is_dropped_and_the_running_one_goes_on():
+    async def main():
+        aeng = AsyncEngine(FakeEngine(max_num_seqs=1, step_delay_s=0.002), metrics=ServingMetrics(),
+                           max_queue_wait_s=0.1)
+        aeng.start()
+        try:
+            hog = await aeng.add("hog", [0, 1, 2], SamplingParams(max_tokens=200, ignore_eos=True))
+            late = await aeng.add("late", [0, 3], SamplingParams(max_tokens=2))
+            with pytest.raises(QueueTimeout, match="waited over 0.1 s"):
+                async for _ in late:
+                    pass
+            outs = [o async for o in hog]
+            return aeng, outs
+        finally:
+            await aeng.shutdown()
+
+    aeng, outs = asyncio.run(main())
+    assert sum(len(o.new_token_ids) for o in outs) == 200 and outs[-1].finish_reason == "length"
+    assert "late" in aeng.engine.aborted and "hog" not in aeng.engine.aborted
+    assert aeng.metrics.sample("dsv41:request_success_total", {"finished_reason": "queue_timeout"}) == 1
+    assert aeng.metrics.sample("dsv41:request_queue_time_seconds_count") == 1  # the hog's; the late one never left

@@ -47,3 +47,66 @@ def test_bench_flags(fake_server, tmp_path):
         parser.parse_args(["--max-concurrency", "0"])
     dead = parser.parse_args(["--port", "1", "--num-turns", "1", "--max-concurrency", "1", "--request-timeout", "5"])
     assert run_bench(dead) == 1  # nothing listens there: a clear log line, exit 1
+
+
+def test_server_flags():
+    from serving.cli_serve import check_server_args
+
+    args = _serve(["--max-queue-wait", "2.5", "--no-access-log"])
+    assert args.max_queue_wait == 2.5 and args.access_log is False
+    assert _serve([]).max_queue_wait is None and _serve([]).access_log is True
+    check_server_args(args)
+    with pytest.raises(SystemExit, match="--max-queue-wait 0"):
+        check_server_args(_serve(["--max-queue-wait", "0"]))
+
+
+_SERVE_FAKE = """
+import sys
+sys.path.insert(0, "tests/serving")
+from fake_engine import FakeEngine
+from serving.cli_serve import _ensure_logging, _serve_forever, add_serve_args
+import argparse
+_ensure_logging()
+args = add_serve_args(argparse.ArgumentParser()).parse_args(["--port", sys.argv[1], "--max-queue-wait", "30"])
+_serve_forever(FakeEngine(step_delay_s=0.005), args)
+"""
+
+
+def test_sigterm_drains_the_requests_in_flight(tmp_path):
+    """`dsv41 serve` under uvicorn: SIGTERM stops new connections, lets a stream in flight finish, then exits."""
+    import http.client
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE, str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request("POST", "/v1/completions", '{"prompt": "drain me", "max_tokens": 200, "stream": true, '
+                             '"ignore_eos": true}', {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
+                time.sleep(0.1)
+        assert resp.status == 200
+        resp.readline()  # the first token is out: the request is in flight
+        proc.send_signal(signal.SIGTERM)
+        events = [line for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]" and len(events) >= 150, events[-3:]
+        # uvicorn re-raises the signal once it has drained, so the parent sees how the server ended
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        out = proc.stdout.read().decode()
+        assert '"POST /v1/completions" 200' in out and "output_tokens=200" in out, out  # the access log line
+    finally:
+        if proc.poll() is None:
+            proc.kill()

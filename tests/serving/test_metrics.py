@@ -1,66 +1,100 @@
+"""/metrics as Prometheus reads it: prometheus_client's own text parser, every family of its declared type, names
+like vLLM's with the dsv41: prefix."""
+
 from __future__ import annotations
 
-import re
+from prometheus_client.parser import text_string_to_metric_families
+from serving_helpers import MODEL, get, scrape
 
-import pytest
+from serving.metrics import ServingMetrics
 
-from serving.metrics import Counter, Gauge, Histogram, ServingMetrics, parse_text
-
-# One sample line of the text format: name{labels} value
-_SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
-                     r'(-?[0-9.e+-]+|\+Inf|-Inf|NaN)$')
-
-
-def test_histogram_is_cumulative_with_inf_sum_and_count():
-    h = Histogram("x_seconds", "help", (0.1, 1.0))
-    for v in (0.05, 0.5, 0.5, 3.0):
-        h.observe(v)
-    h.observe(0.2, count=2)
-    s = parse_text("\n".join(h.render()))
-    assert s['x_seconds_bucket{le="0.1"}'] == 1
-    assert s['x_seconds_bucket{le="1"}'] == 5
-    assert s['x_seconds_bucket{le="+Inf"}'] == 6
-    assert s["x_seconds_count"] == 6
-    assert s["x_seconds_sum"] == pytest.approx(0.05 + 1.0 + 3.0 + 0.4)
-
-
-def test_counter_labels_and_escaping():
-    c = Counter("reqs_total", "help", ("reason",))
-    c.inc(labels={"reason": 'a"b\\c\nd'})
-    c.inc(2, labels={"reason": "ok"})
-    lines = c.render()
-    assert lines[:2] == ["# HELP reqs help", "# TYPE reqs counter"]
-    assert 'reqs_total{reason="a\\"b\\\\c\\nd"} 1' in lines
-    assert 'reqs_total{reason="ok"} 2' in lines
-    with pytest.raises(ValueError, match="only go up"):
-        c.inc(-1, labels={"reason": "ok"})
-    with pytest.raises(ValueError, match="labels"):
-        c.inc()
-    with pytest.raises(ValueError, match="_total"):
-        Counter("reqs", "help")
+# family -> type, for the families a vLLM dashboard reads (vllm:X -> dsv41:X)
+EXPECTED = {
+    "dsv41:time_to_first_token_seconds": "histogram",
+    "dsv41:inter_token_latency_seconds": "histogram",
+    "dsv41:time_per_output_token_seconds": "histogram",
+    "dsv41:e2e_request_latency_seconds": "histogram",
+    "dsv41:request_queue_time_seconds": "histogram",
+    "dsv41:request_prefill_time_seconds": "histogram",
+    "dsv41:request_decode_time_seconds": "histogram",
+    "dsv41:request_prompt_tokens": "histogram",
+    "dsv41:request_generation_tokens": "histogram",
+    "dsv41:prompt_tokens": "counter",
+    "dsv41:generation_tokens": "counter",
+    "dsv41:request_success": "counter",
+    "dsv41:prefix_cache_queries": "counter",
+    "dsv41:prefix_cache_hits": "counter",
+    "dsv41:num_preemptions": "counter",
+    "dsv41:num_requests_running": "gauge",
+    "dsv41:num_requests_waiting": "gauge",
+    "dsv41:kv_cache_usage_perc": "gauge",
+}
+_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
-def test_serving_metrics_render_is_valid_exposition_text():
-    m = ServingMetrics()
+def _check_exposition(text: str) -> dict:
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), f"families declared twice: {sorted(n for n in names if names.count(n) > 1)}"
+    for f in families:
+        assert f.type in _SUFFIXES, (f.name, f.type)
+        for s in f.samples:  # every sample is named as its family's type demands
+            assert s.name in {f.name + suffix for suffix in _SUFFIXES[f.type]}, (f.name, f.type, s.name)
+            assert "model_name" in s.labels, s
+        if f.type == "histogram":
+            for key in {tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")) for s in f.samples}:
+                series = [s for s in f.samples if tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+                          == key]
+                buckets = [s.value for s in series if s.name.endswith("_bucket")]
+                count = next(s.value for s in series if s.name.endswith("_count"))
+                assert buckets == sorted(buckets) and buckets[-1] == count, (f.name, buckets, count)
+    return {f.name: f for f in families}
+
+
+def test_metrics_render_is_read_by_prometheus_parser_with_the_declared_types():
+    m = ServingMetrics("tiny")
     m.ttft.observe(0.03)
-    m.requests_finished.inc(labels={"finish_reason": "stop"})
-    text = m.render({"running": 2, "waiting": 1, "kv_pages_used": 10, "kv_pages_total": 40,
-                     "prefix_cache_hit_tokens": 30, "prefix_cache_query_tokens": 120, "flag": True, "name": "x"})
-    for line in text.splitlines():
-        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or _SAMPLE.match(line), line
-    s = parse_text(text)
-    assert s["dsv41_kv_cache_usage_ratio"] == 0.25
-    assert s["dsv41_prefix_cache_hit_rate"] == 0.25
-    assert s["dsv41_num_requests_running"] == 2 and s["dsv41_num_requests_waiting"] == 1
-    assert s["dsv41_engine_kv_pages_used"] == 10
-    assert "dsv41_engine_flag" not in s and "dsv41_engine_name" not in s
-    assert s["dsv41_time_to_first_token_seconds_count"] == 1
-    names = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
-    assert len(names) == len(set(names)), "a metric family is declared twice"
+    m.observe_itl(0.01, count=3)
+    m.request_finished("stop")
+    m.prompt_tokens.inc(5)
+    text = m.render({"running": 2, "waiting": 1, "kv_pages_used": 10, "kv_pages_total": 40, "preemptions": 3,
+                     "prefix_cache_hit_tokens": 30, "prefix_cache_query_tokens": 120, "flag": True,
+                     "name": "x"}).decode()
+    fams = _check_exposition(text)
+    for name, kind in EXPECTED.items():
+        assert fams[name].type == kind, (name, fams[name].type)
+
+    def value(name, **labels):
+        fam = fams[name.removesuffix("_total").removesuffix("_count")]
+        return next(s.value for s in fam.samples if s.name == name and labels.items() <= s.labels.items())
+
+    assert value("dsv41:kv_cache_usage_perc", rank="0") == 0.25
+    assert value("dsv41:num_preemptions_total") == 3 and value("dsv41:prefix_cache_hits_total") == 30
+    assert value("dsv41:num_requests_running") == 2
+    assert value("dsv41:inter_token_latency_seconds_count") == 3
+    assert value("dsv41:request_success_total", finished_reason="stop") == 1
+    assert value("dsv41:prompt_tokens_total", model_name="tiny") == 5
+    assert not any("flag" in n or n.endswith(":name") for n in fams)
+    assert "_created" not in text
 
 
-def test_gauge():
-    g = Gauge("g", "help")
-    assert g.render() == []
-    g.set(3.5)
-    assert parse_text("\n".join(g.render())) == {"g": 3.5}
+def test_kv_usage_per_rank():
+    m = ServingMetrics()
+    fams = _check_exposition(m.render({"kv_pages_used_per_rank": [1, 3], "kv_pages_total_per_rank": [4, 4]})
+                             .decode())
+    usage = {s.labels["rank"]: s.value for s in fams["dsv41:kv_cache_usage_perc"].samples}
+    assert usage == {"0": 0.25, "1": 0.75}
+
+
+def test_served_metrics_parse_after_traffic(fake_server):
+    assert get(fake_server, "/v1/models")[0] == 200
+    from serving_helpers import post
+
+    assert post(fake_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
+    assert post(fake_server, "/v1/completions", {"prompt": "hi", "top_p": 7})[0] == 400
+    code, text = get(fake_server, "/metrics")
+    assert code == 200
+    fams = _check_exposition(text)
+    for name, kind in EXPECTED.items():
+        assert fams[name].type == kind, (name, fams[name].type)
+    assert scrape(fake_server)["dsv41:http_requests"].type == "counter"

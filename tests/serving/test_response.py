@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv41.tokenizer import load_tokenizer
-from serving.api import (ChatChunker, StopMatcher, TextPipeline, chat_completion_body, finish_reason_of,
-                         usage_of)
+from serving.response import (ChatChunker, StopMatcher, TextPipeline, chat_completion_body, finish_reason_of,
+                              usage_of)
 
 DSML_TEXT = ('I will look it up.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
              '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
