@@ -59,7 +59,7 @@ case "${1:-}" in
       --num-warmups 1 > "$OUT/serve.txt" 2>&1
     echo "bench serve rc=$?"
     kill "$server"; wait "$server"
-    grep -E "^\|" "$OUT/serve.txt" | tail -20
+    tail -n 25 "$OUT/serve.txt"
     ;;
   profile)
     timeout -k 10 330 $PY scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 --out "$OUT" \
