@@ -25,8 +25,8 @@ value n is input 8*(n % 4) + 2*c + n // 4, and A register j of the word holds va
 (high). Within the word the 32 bits are not 8 nibbles: each value's sign and e2m1 bits sit where one shift
 and one mask (two of each for register 3) move them into a bf16x2 (`FP4_DECODE`, `_FP4_BIT_POS`), which is
 9-10 integer operations a word instead of 15-16 for nibbles: the decode is what held the kernel below HBM
-bandwidth at decode (twenty-first session: without it 24.4 / 738 us at 1 / 64 tokens against 33.1 / 949), and
-with this layout the kernel took 27.9 / 793 us on the H200 (twenty-second session). Scales are transposed to
+bandwidth at decode (without it 24.4 / 738 us at 1 / 64 tokens against 33.1 / 949), and with this layout the
+kernel took 27.9 / 793 us on the H200. Scales are transposed to
 [E, K/32, N] so a (groups x rows) tile is one TMA box, and each holds the bf16 exponent field of the multiplier
 the decoder needs, e = s + 126 (0 for s = 0, which UE8M0 decoding flushes to 0), so that the decoder builds the
 bf16x2 multiplier with one integer multiply. Decode of one word q (8 values) and its scale byte e, for j in
@@ -332,10 +332,9 @@ def _sched_pad(t_max: int) -> int:
 def pack_schedule(tile_expert: jax.Array, tile_row: jax.Array) -> jax.Array:
     """The kernel's schedule as one int32 array [4 + 2 * t_pad] (t_pad = t_max rounded up to 4): the live tile
     count, 3 zeros, each tile's expert (-1 past the live ones), each tile's first row. The kernel copies it into
-    shared memory with one bulk copy at its start, and its loop (chained items) and its producer (stream-K, every
-    step) read a tile's expert and row there instead of from global memory. On the H200 (twenty-fifth session)
-    this moved neither the calls' times nor the ~1045-cycle seam between chained items: the seam's wait is not
-    the schedule's global reads, as the twenty-fourth session had guessed."""
+    shared memory with one bulk copy at its start, and its loop (chained items) reads a tile's expert and row
+    there instead of from global memory. On the H200 this moved neither the calls' times nor the ~1045-cycle seam
+    between chained items: the seam's wait is not the schedule's global reads."""
     t_max = tile_expert.shape[0]
     pad = _sched_pad(t_max) - t_max
     return jnp.concatenate([live_tile_count(tile_expert), jnp.zeros((3,), jnp.int32),
@@ -353,7 +352,6 @@ class KernelConfig:
     tk: int = 256  # inputs per pipeline step (multiple of 64)
     num_wgs: int = 2  # compute warpgroups; each owns 64 weight rows, so tn = 64 * num_wgs
     stages: int = 4  # pipeline depth (max_concurrent_steps)
-    a_smem: bool = False  # write the decoded tile to shared memory and feed wgmma from there (else registers)
     # Chain the work items of an SM into one TMA stream (the pipeline's START / STEADY / STOP states): the next
     # item's loads start while this one computes, instead of refilling the pipeline for each item. Needs
     # (K / tk / ksplit) % stages == 0; otherwise every item runs its own pipeline.
@@ -367,48 +365,15 @@ class KernelConfig:
     # decode of a step and its multiply run one after the other within a warpgroup. `default_config` turns it
     # on where it was faster on the H200 (the 64-row tiles; the 8-row ones take `warp_mma`). Needs tk % 128 == 0.
     overlap: bool = False
-    # With `overlap`: each K half of a step multiplies into an accumulator of its own, summed before the store.
-    # One accumulator chains a step's tk/16 wgmma instructions one after another (each waits for the previous
-    # sum); two give two independent chains of half the length.
-    two_accs: bool = False
-    # Timing only (`scripts/bench_expert_gemm.py`, config flag 'n'; wrong results): the weights' words go to
-    # wgmma as they are, without the register decode or the scale loads, so that a step's time with and without
-    # the decode's integer work says which holds a step when HBM does not (one token: 216 items stream in 17 us
-    # with no compute, the kernel takes 33; twenty-first session). GPU only.
-    skip_decode: bool = False
-    # Diagnostics (`scripts/trace_expert_gemm.py`): each call writes a per-warpgroup timeline into this directory
-    # (Mosaic GPU's on-device profiler, a Perfetto JSON file a call): the kernel's named regions (cta, item, step,
-    # decode, wait, store) with the SM clock, each CTA's start by the global timer. GPU only; the regions cost a
-    # shared-memory store each, and the trace buffer `TRACE_RANGES` ranges of shared memory a warpgroup.
-    trace_dir: str = ""
-    # Stream-K (decode tiles, tm 8): each SM takes a contiguous range of the call's (work item, K step) sequence
-    # through one pipeline over a dynamic number of steps, its running sum restarted at an item's first step and
-    # stored at its last, instead of whole items dealt round robin. At one token w1/w3's 216 items on 132 SMs
-    # give 84 SMs two and 48 one, and the compute (not HBM) sets each SM's pace (twenty-fourth session's trace):
-    # even ranges cut the busiest SMs' steps from 40 to 33. A range is at least one item long, so an item spans
-    # at most two SMs; its two halves are float32 partials (2 an SM) that `run_kernel` sums, one bf16 rounding.
-    # On the H200 (twenty-fifth session's trace) the kernel is faster where the items are uneven: w1/w3 at one
-    # token 26.9-27.2 us against 28.4-28.7 chained, its SMs ending together at ~25 us (30 chained); but the
-    # partials' sum is XLA kernels of its own (it does not fuse with SwiGLU), so a whole MoE layer's routed experts
-    # take 89.9 against 89.4 us at one token and 127.4 against 122.8 at two (docs/KERNELS_EXPERT_GEMM.md). Off by
-    # default: it pays once the sum is done in the kernel.
-    stream: bool = False
-    # Programmatic dependent launch: the kernel is launched before the kernel ahead of it in the stream has ended
-    # and waits for it (`griddepcontrol.wait`) first thing, so that its launch and its CTAs' set-up overlap that
-    # kernel's tail. On the H200 (twenty-sixth session, `bench_decode_variants.py --moe-chain`) 8 MoE layers'
-    # routed experts in one program took the same wall time with it as without (1 token 75.6-77.8 against
-    # 75.5-77.1 us a layer, 8 tokens 218.6-223.1 against 219.6-222.3). Off by default. GPU only.
-    pdl: bool = False
     # Multiply with warp-level `mma.sync` (m16n8k16, `plgpu.mma`) instead of wgmma, into this many accumulators
     # (0: wgmma). At 8-row tiles a step's wgmma are 16 m64n8k16 instructions a warpgroup, and a step without its
-    # decode still took 781 cycles on the H200 (twenty-fourth session's trace): wgmma's cost an instruction barely
+    # decode still took 781 cycles on the H200 (the kernel's on-device trace): wgmma's cost an instruction barely
     # shrinks with N, and its asynchrony (a fence before, a wait after) keeps a step's multiply and the next
     # step's decode apart. `mma.sync` takes the decoded registers as they are (the A-fragment layout is the same),
     # sums in registers carried from step to step, and is ordered by the register scoreboard alone, so the warp
     # schedulers interleave the multiply with the integer decode. x's B fragments are loaded from the stage's tile
     # (`ldmatrix`). A step's tk/16 instructions are dealt round robin over the accumulators, each a dependent chain
-    # (with one, the 16 of a 256-input step ran one after another: twenty-seventh session's SASS). Excludes
-    # `overlap`, `two_accs` and `a_smem` (all about wgmma).
+    # (with one, the 16 of a 256-input step ran one after another in the SASS). Excludes `overlap` (about wgmma).
     warp_mma: int = 0
 
     @property
@@ -422,25 +387,25 @@ def default_config(m: int, n: int, k: int, e: int = 1) -> KernelConfig:
     Up to 64 rows an expert on average (decode; a prefill chunk over many experts) the weights are the bytes
     that matter: every SM's work items chained into one TMA stream, which needs the stages to divide the K
     steps. Decode (m <= 512) takes tiles of 8 rows and the longest steps whose stages chain them and fit shared
-    memory (`_decode_steps`); on the H200 (2026-12-01, bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from
+    memory (`_decode_steps`); on the H200 (bench_expert_gemm, 64 tokens, CUPTI) chaining took w2 from
     665 to 612 us and w1/w3 from 1195-1255 to 1115-1221 us. A prefill chunk with few rows an expert takes tiles
     of 64 and 256-input steps: Flash's 384 experts at a 2048-token chunk (32 rows an expert) took 2235 / 1136 us
-    (w1/w3 / w2) against 3341 / 1765 with the 128-row tiles (thirteenth session, docs/PERFORMANCE.md). Beyond 64
+    (w1/w3 / w2) against 3341 / 1765 with the 128-row tiles (docs/PERFORMANCE.md). Beyond 64
     rows an expert the GEMM is compute-bound: 128-row tiles (8192 tokens over 384 experts: 61% / 58% of the
     matmul rate).
 
-    The 64-row tiles decode and multiply each step in two halves (`overlap`): on the H200 (2026-12-01, fourteenth
-    session) w1/w3 / w2 took 2223 / 1144 us at a 2048-token chunk against 2283 / 1157; the 128-row tiles at 8192
-    tokens were slower with it (w1/w3 5066 against 4938 us). The 8-row decode tiles multiply with mma.sync into 4
-    accumulators (`warp_mma`): on the H200 (twenty-seventh session) w1/w3 took 25.6 / 142.7 / 721.4 us at 1 / 8 /
-    64 tokens against 28.5 / 150.9 / 732.1 with wgmma in two halves."""
+    The 64-row tiles decode and multiply each step in two halves (`overlap`): on the H200 w1/w3 / w2 took 2223 /
+    1144 us at a 2048-token chunk against 2283 / 1157; the 128-row tiles at 8192 tokens were slower with it (w1/w3
+    5066 against 4938 us). The 8-row decode tiles multiply with mma.sync into 4 accumulators (`warp_mma`): on the
+    H200 w1/w3 took 25.6 / 142.7 / 721.4 us at 1 / 8 / 64 tokens against 28.5 / 150.9 / 732.1 with wgmma in two
+    halves."""
     tk = 256 if k % 256 == 0 else 128
     steps = k // tk
     stages = 3 if steps % 4 and steps % 3 == 0 else 4
     overlap = tk % 128 == 0
     if m <= 512:
         # No K slices at one token, although its 216 w1/w3 items are 1.64 waves: with 4 to 10 slices the kernel
-        # took 27.3-33.8 us against 28.1 without (twenty-second session, H200), the partials' stores and the
+        # took 27.3-33.8 us against 28.1 without (H200), the partials' stores and the
         # shorter chains costing what the even waves save.
         tk, stages = _decode_steps(m, k, tk, stages)
         return KernelConfig(tm=8, tk=tk, num_wgs=2, stages=stages, chain=True, warp_mma=4)
@@ -453,7 +418,7 @@ def _decode_steps(m: int, k: int, tk: int, stages: int) -> tuple[int, int]:
     """(tk, stages) of the 8-row decode tiles: the longest steps (fewer barrier round trips a byte) whose count
     the stages divide, within shared memory (a stage of 768 inputs is 65 KB: 3 fit, of 512 inputs 43 KB: 5).
 
-    On the H200 (twenty-third session, `h200_checks.sh longsteps`, CUPTI, PASS against the reference): w2 (K
+    On the H200 (bench_expert_gemm, CUPTI, PASS against the reference): w2 (K
     2304) in 3 steps of 768 took 13.8 / 78.0 / 373.4 us at 1 / 8 / 64 tokens against 14.8 / 88.7 / 425.9 in 9
     steps of 256 through 9 stages; w1/w3 (K 5120) in 10 steps of 512 through 5 stages 158.5 / 756.1 us at 8 /
     64 tokens against 162.4 / 805.6 in 20 of 256 through 4, but 28.8 at one token against 28.0: one token's
@@ -463,7 +428,7 @@ def _decode_steps(m: int, k: int, tk: int, stages: int) -> tuple[int, int]:
     if m > 8 and k % 512 == 0 and (k // 512) % 5 == 0:
         return 512, 5
     # 8-row tiles are small enough for 9 stages: w2 at Flash's K (9 steps) chained through 9 took 498.0 / 16.8
-    # us at 64 / 1 tokens against 515.3 / 17.0 with 3 (twenty-first session); w1/w3's 20 steps were slower with
+    # us at 64 / 1 tokens against 515.3 / 17.0 with 3; w1/w3's 20 steps were slower with
     # 5 or 10 stages than with 4
     return tk, 9 if k // tk == 9 else stages
 
@@ -531,12 +496,10 @@ _FP8_PTX = """{
         }"""
 
 
-def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None = None, skip: bool = False,
-                       mma_lhs: bool = False):
+def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None = None, mma_lhs: bool = False):
     """inline_mgpu: kernel-layout bytes (smem, [64, tk/2] FP4 or [64, tk] FP8, tiled+swizzled) and scale bytes
     (smem [tk/32, 64]) -> bf16 [64, tk] in the WGMMA register layout, ready to be wgmma's A operand. half 0 / 1:
-    only the first / second tk/2 inputs, bf16 [64, tk/2] (`KernelConfig.overlap`). skip: each word stands for
-    its own A registers, undecoded (`KernelConfig.skip_decode`, timing only). mma_lhs: the same registers as
+    only the first / second tk/2 inputs, bf16 [64, tk/2] (`KernelConfig.overlap`). mma_lhs: the same registers as
     `plgpu.mma`'s A operand (`Layout.MMA_LHS`: each thread holds the same elements, grouped by k16 block)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
@@ -583,12 +546,6 @@ def _dequant_tile_mgpu(tk: int, w_transforms, fmt: str = "fp4", half: int | None
             g, rh = idx[1], idx[4]
             assert idx[0] == 0 and all(v == 0 for i, v in enumerate(idx) if i not in (1, 4))
             if not g_lo <= g < g_hi:
-                continue
-            if skip:
-                for j in range(n_out):
-                    ridx = list(idx)
-                    ridx[1] = n_out * (g - g_lo) + j
-                    regs[tuple(ridx)] = mu.bitcast(reg, bf16x2)
                 continue
             key = (g // 2 if fp8 else g, rh)  # FP4: one 16-byte group is 32 inputs; FP8: 16, so two share one
             if key not in scales:
@@ -644,47 +601,6 @@ def _mma_chains_mgpu(tk: int, tm: int, chains: int):
     return mma_chains
 
 
-def _stream_steps_an_sm(total, k_iters: int, num_sms: int):
-    # at least one item, so that an item spans at most two SMs
-    return jnp.maximum((total + num_sms - 1) // num_sms, k_iters)
-
-
-def stream_range(live_tiles, sm, steps_a_tile: int, k_iters: int, num_sms: int):
-    """Stream-K (`KernelConfig.stream`): SM sm's range [lo, hi) of the call's (item, K step) sequence, items
-    t-major. Ranges are at least one item (k_iters steps) long, so an item spans at most two SMs."""
-    total = live_tiles * steps_a_tile
-    per_sm = _stream_steps_an_sm(total, k_iters, num_sms)
-    lo = jnp.minimum(sm * per_sm, total)
-    return lo, jnp.minimum(lo + per_sm, total)
-
-
-def _stream_fixup(y: jax.Array, part: jax.Array, live_tiles: jax.Array, n_blocks: int, k_iters: int,
-                  num_sms: int, tm: int) -> jax.Array:
-    """y bf16 [t_max * tm, N] of a stream-K call, with the items split between two SMs replaced by the sum of
-    their float32 partials (part [SMs * 2 * tn, tm] = y^T per SM: slot 0 the end of an item begun on the SM
-    before, slot 1 the beginning of one that ends on the next), rounded once. A gather and a select that XLA
-    fuses with y's consumer; no scatter."""
-    t_max = y.shape[0] // tm
-    n = y.shape[1]
-    tn = n // n_blocks
-    per_sm = _stream_steps_an_sm(live_tiles[0] * (n_blocks * k_iters), k_iters, num_sms)
-    j = jnp.arange(t_max * n_blocks)
-    first, last = j * k_iters // per_sm, ((j + 1) * k_iters - 1) // per_sm  # the SMs of its first / last step
-    split = (first != last) & (j < live_tiles[0] * n_blocks)
-    part = part.reshape(num_sms, 2, tn, tm)
-    summed = part[first, 1] + part[jnp.minimum(last, num_sms - 1), 0]  # [items, tn, tm]
-    tiles = y.reshape(t_max, tm, n_blocks, tn).transpose(0, 2, 1, 3).reshape(t_max * n_blocks, tm, tn)
-    tiles = jnp.where(split[:, None, None], summed.transpose(0, 2, 1).astype(y.dtype), tiles)
-    return tiles.reshape(t_max, n_blocks, tm, tn).transpose(0, 2, 1, 3).reshape(t_max * tm, n)
-
-
-# Named ranges a warpgroup's trace holds (KernelConfig.trace_dir); later ones are dropped. 9 KB of shared memory
-# for 3 warpgroups: w1/w3's 5 stages of 512 inputs (212 KB) did not fit with 384 (H200, twenty-fourth session), and
-# at 64 tokens their schedule in shared memory (`pack_schedule`, 3.5 KB) leaves less than 256's 12 KB. A
-# one-token call records ~165 (2 items of 20 steps, 4 ranges a step); longer calls are cut.
-TRACE_RANGES = 192
-
-
 @functools.lru_cache(maxsize=None)
 def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig, interpret: bool,
                   fmt: str = "fp4", out_dtype=jnp.bfloat16):
@@ -711,11 +627,9 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         raise ValueError(f"tk={tk}: a step's {tkp} weight bytes a row must be a multiple of 128 past 128")
     if cfg.overlap and tk % 128:
         raise ValueError(f"overlap decodes halves of tk={tk}: tk must be a multiple of 128")
-    if cfg.two_accs and not cfg.overlap:
-        raise ValueError("two_accs gives each K half of a step its accumulator: it needs overlap=True")
-    if cfg.warp_mma and (cfg.overlap or cfg.a_smem):
-        raise ValueError("warp_mma multiplies with synchronous mma.sync from registers: overlap, two_accs and a_smem "
-                         "(all about wgmma) do not apply; turn them off")
+    if cfg.warp_mma and cfg.overlap:
+        raise ValueError("warp_mma multiplies with synchronous mma.sync from registers: overlap (about wgmma) does "
+                         "not apply; turn it off")
     if cfg.warp_mma and tm > WARP_MMA_MAX_TM:
         # every warp holds a step's whole x tile as B fragments (tk * tm / 64 registers a thread)
         raise ValueError(f"warp_mma is for tiles of 8 or 16 rows (tm={tm}): take wgmma (warp_mma=0) for larger ones")
@@ -741,19 +655,12 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
     else:
         o_shape, o_transforms = (nwg, tm, 64), (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     halves = (0, 1) if cfg.overlap else (None,)  # the K parts of a step decoded and multiplied in turn
-    if cfg.stream and (tm != 8 or ks != 1 or cfg.two_accs or out_dtype != jnp.bfloat16):
-        raise ValueError("stream runs 8-row decode tiles with whole K and one accumulator: tm=8, ksplit=1, "
-                         "two_accs=False")
-    if cfg.trace_dir and interpret:
-        raise ValueError("trace_dir records the GPU kernel's timeline; the interpreter has none")
-    if cfg.skip_decode and interpret:
-        raise ValueError("skip_decode times the GPU kernel without its decode; the interpreter has no decode to skip")
-    dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h, cfg.skip_decode,
-                                                            cfg.warp_mma) for h in halves}
+    dequant = None if interpret else {h: _dequant_tile_mgpu(tk, w_transforms, fmt, h, mma_lhs=cfg.warp_mma)
+                                      for h in halves}
     dequant_model = _dequant_tile8_jnp if fmt == "fp8" else _dequant_tile_jnp
     mma_chains = _mma_chains_mgpu(tk, tm, cfg.warp_mma) if cfg.warp_mma and not interpret else None
     # The interpreter's wgmma takes A only from shared memory.
-    a_smem_mode = (cfg.a_smem or interpret) and not cfg.warp_mma
+    a_smem_mode = interpret and not cfg.warp_mma
     t_pad = _sched_pad(t_max)
     scratch = {"o_smem": plgpu.SMEM(o_shape, out_dtype, transforms=o_transforms),
                "sched_smem": plgpu.SMEM((4 + 2 * t_pad,), jnp.int32), "sched_bar": plgpu.Barrier(num_arrivals=1)}
@@ -761,8 +668,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         scratch["a_smem"] = plgpu.SMEM((nwg, 64, tk), jnp.bfloat16, transforms=x_transforms)
 
     def multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem):
-        """One pipeline step of warpgroup wg: decode its 64 weight rows of the stage and multiply them into acc (one
-        ref, or one for each K half with two_accs), then wait for the tensor cores. With warp_mma acc is a tuple of
+        """One pipeline step of warpgroup wg: decode its 64 weight rows of the stage and multiply them into the ref
+        acc, then wait for the tensor cores. With warp_mma acc is a tuple of
         warp_mma partial sums (values, float32 [64, tm] each, together y^T so far) and the new ones are returned."""
         w_wg = w_smem.at[pl.ds(wg * 64, 64)]
         s_wg = s_smem.at[:, pl.ds(wg * 64, 64)]
@@ -784,14 +691,12 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                 plgpu.commit_smem()
                 a = a_smem.at[wg, :, ks]
             # no wait between the halves: the second half decodes while the first multiplies
-            plgpu.wgmma(acc[h] if cfg.two_accs else acc, a, x_smem.at[:, ks].transpose((1, 0)))
+            plgpu.wgmma(acc, a, x_smem.at[:, ks].transpose((1, 0)))
         with jax.named_scope("wait"):
             plgpu.wgmma_wait(0)
 
     def kernel(sched_gmem, *refs, sched_smem, sched_bar, **scratch_refs):
-        with jax.named_scope("cta"):  # named regions are only recorded with cfg.trace_dir
-            if cfg.pdl and not interpret:
-                plgpu.griddepcontrol_wait()  # before reading anything an earlier kernel wrote
+        with jax.named_scope("cta"):  # named regions, for a profiler's trace of the kernel
 
             @pl.when(jax.lax.axis_index("wg") == 0)
             def _copy():
@@ -801,7 +706,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
 
             plgpu.barrier_wait(sched_bar)
             sched = _Sched(sched_smem, t_pad)
-            (stream_body if cfg.stream else kernel_body)(sched, *refs, **scratch_refs)
+            kernel_body(sched, *refs, **scratch_refs)
 
     num_sms = _kernel_sms(interpret)
 
@@ -814,97 +719,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
             z = plgpu.layout_cast(z, plgpu.Layout.MMA_ACC(jnp.bfloat16))
         return (z,) * cfg.warp_mma
 
-    def acc_sum(sums):  # partial sums (warp_mma's chains, two_accs' halves) -> their sum
+    def acc_sum(sums):  # warp_mma's partial sums, a chain each -> their sum
         return functools.reduce(jnp.add, sums)
-
-    def stream_body(sched, x_gmem, w_gmem, s_gmem, o_gmem, p_gmem, o_smem, p_smem, a_smem=None):
-        # w_gmem [E * N, K/2 or K] and s_gmem [E * K/32, N]: the weights flattened over experts (`run_kernel`), so
-        # that a block index names an expert's rows
-        sm, wg = jax.lax.axis_index("sm"), jax.lax.axis_index("wg")
-        lo, hi = stream_range(sched.live(), sm, n_blocks * k_iters, k_iters, num_sms)
-
-        def at(i):  # pipeline step i of this SM -> (item, K step, tile, N block)
-            g = lo + i
-            item = g // k_iters
-            return item, g % k_iters, item // n_blocks, item % n_blocks
-
-        def x_block(i):
-            _, kk, t, _ = at(i)
-            return sched.row(t) // tm, kk  # tile rows start on a multiple of 8 = tm
-
-        def w_block(i):
-            _, kk, t, nb = at(i)
-            return sched.expert(t) * n_blocks + nb, kk
-
-        def s_block(i):
-            _, kk, t, nb = at(i)
-            return sched.expert(t) * k_iters + kk, nb
-
-        def step(idx, x_smem, w_smem, s_smem, acc):  # acc: the running sum, a value [64 rows, tm] = y^T
-            (i,) = idx
-            item, kk, t, nb = at(i)
-            with jax.named_scope("step"):
-                # each step multiplies into a fresh accumulator added to the running sum, a value carried from step
-                # to step: zeroing one accumulator between items (`acc_ref[...] = 0`, or `pl.run_state` over
-                # `ACC.init`) does not run in the interpreter
-                if cfg.warp_mma:
-                    sums = multiply_step(wg, x_smem, w_smem, s_smem, acc, a_smem)
-                    y = acc_sum(sums)
-                else:
-                    @functools.partial(pl.run_scoped, ref=plgpu.ACC((64, tm), jnp.float32))
-                    def y_step(ref):
-                        multiply_step(wg, x_smem, w_smem, s_smem, ref, a_smem)
-                        return ref[...]
-
-                    y = acc + y_step
-            item_done = kk == k_iters - 1
-            range_done = i == hi - lo - 1
-            whole = item * k_iters >= lo
-
-            @pl.when(item_done & whole)
-            def _store():
-                with jax.named_scope("store"):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem.at[wg].transpose((1, 0))[...] = y.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(t * tm, tm), pl.ds(nb * tn + wg * 64, 64)])
-
-            @pl.when((item_done & ~whole) | (range_done & ~item_done))
-            def _store_partial():  # slot 0: the item began on the SM before; slot 1: it ends on the next
-                with jax.named_scope("store"):
-                    slot = jnp.where(item_done, 0, 1)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    p_smem.at[wg][...] = y
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(p_smem.at[wg], p_gmem.at[pl.ds(((sm * 2 + slot) * nwg + wg) * 64, 64)])
-
-            keep = jnp.where(item_done, 0.0, 1.0)  # the next step starts the next item from zero
-            return tuple(v * keep for v in sums) if cfg.warp_mma else y * keep
-
-        def compute_context(eval_pipeline):
-            with jax.named_scope("item"):
-                eval_pipeline(acc_zeros())
-
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(hi - lo,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((tm, tk), x_block, transforms=x_transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((tn, tkp), w_block, transforms=w_transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((gs, tn), s_block, memory_space=plgpu.SMEM),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=nwg,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-        )
-
-        @pl.when(hi > lo)
-        def _run():
-            pipeline(x_gmem, w_gmem, s_gmem)
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     def kernel_body(sched, x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem=None):
         def get_pipeline(body, compute_context, state=None):
@@ -967,14 +783,11 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
                             sums = eval_pipeline(acc_zeros())
                         store(acc_sum(sums))
                         return
-                    accs = {f"acc{i}": plgpu.ACC((64, tm), jnp.float32) for i in range(1 + cfg.two_accs)}
-
-                    @functools.partial(pl.run_scoped, **accs)
-                    def _acc(**acc_refs):
-                        refs = tuple(acc_refs[f"acc{i}"] for i in range(len(acc_refs)))
+                    @functools.partial(pl.run_scoped, acc0=plgpu.ACC((64, tm), jnp.float32))
+                    def _acc(acc0):
                         with jax.named_scope("item"):
-                            eval_pipeline(refs if cfg.two_accs else refs[0])
-                        store(acc_sum([r[...] for r in refs]))
+                            eval_pipeline(acc0)
+                        store(acc0[...])
 
                 def mma_body(_, x_smem, w_smem, s_smem, acc):
                     with jax.named_scope("step"):
@@ -1004,12 +817,8 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # jit-wrapped and cached: the model is unrolled over its layers, and a program lowers a jitted kernel once
-    # however many layers call it (scripts/time_lowering.py: 8.8 s instead of 38.6 s)
+    # however many layers call it (lowering the 8-layer bench decode step at batch 64: 8.8 s instead of 38.6 s)
     out_type = jax.ShapeDtypeStruct((ks * n, t_max * tm) if out_t else (t_max * tm, n), out_dtype)
-    if cfg.stream:  # y, and the float32 partials y^T [SMs x 2 slots x tn, tm] of the items split between SMs
-        out_type = (out_type, jax.ShapeDtypeStruct((num_sms * 2 * tn, tm), jnp.float32))
-        scratch["p_smem"] = plgpu.SMEM((nwg, 64, tm), jnp.float32,
-                                       transforms=(plgpu.TilingTransform((8, 8)), plgpu.SwizzleTransform(32)))
     return jax.jit(plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -1018,9 +827,7 @@ def _build_kernel(m: int, k: int, n: int, e: int, t_max: int, cfg: KernelConfig,
         num_threads=nwg + 1,
         thread_name="wg",
         kernel_name="fp8_linear" if fmt == "fp8" else "expert_gemm_fp4",
-        compiler_params=plgpu.CompilerParams(
-            **(dict(profile_space=TRACE_RANGES, profile_dir=cfg.trace_dir, profile_bounds_check=True)
-               if cfg.trace_dir else {})),
+        compiler_params=plgpu.CompilerParams(),
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     ))
@@ -1085,10 +892,6 @@ def run_kernel(sched, x, weight, scale_t, *, e: int, t_max: int, cfg: KernelConf
     m, k = x.shape
     n = weight.shape[1]
     args = (sched, x.astype(jnp.bfloat16), weight, scale_t)
-    if cfg.stream:
-        y, part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(
-            *args[:2], weight.reshape(e * n, -1), scale_t.reshape(-1, n))
-        return _stream_fixup(y, part, sched[:1], n // cfg.tn, k // cfg.tk, _kernel_sms(interpret), cfg.tm)
     if cfg.ksplit == 1:
         return _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt)(*args)
     part = _build_kernel(m, k, n, e, t_max, cfg, interpret, fmt, out_dtype=jnp.float32)(*args)

@@ -1,11 +1,10 @@
-"""Engine benchmarks on one GPU with the `bench` preset (Flash's per-layer widths, 8 layers, 64 experts):
-prefill with SWA bounded replay on vs off, decode step time vs the HBM roofline, host overhead per decode
-step, compile times. Prints tables (markdown) for docs/PERFORMANCE.md.
+"""Engine benchmarks on one GPU with the `bench` preset (Flash's per-layer widths, 8 layers, 64 experts): prefill
+with SWA bounded replay on vs off against the matmul rate, decode step time against the HBM roofline, host
+overhead, compile times (ceilings: scripts/timing.py). Prints markdown tables for docs/PERFORMANCE.md.
 
     PYTHONPATH=. python3 scripts/bench_engine.py [--lengths 1024,4096,16384] [--batches 1,8,64]
 
-Weights are random, made on the device: dense bf16 for the XLA path, the routed experts in FP4 for the
-configurations that run the grouped FP4 expert GEMM (`--backends`, `--prefill-backends`).
+Random weights made on the device: dense bf16, the routed experts in FP4 where the FP4 expert GEMM runs.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import statistics
+import os
+import sys
 import time
 
 import jax
@@ -27,6 +27,9 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import packed_params, programs
 from serving.engine.engine import Engine, SamplingParams, _Request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import ceilings, median_wall_s as timed  # noqa: E402
 
 log = logging.getLogger("bench_engine")
 
@@ -49,30 +52,6 @@ def device_params(cfg, seed=0):
         std = {"small": 0.1, "hc": 0.5 / math.sqrt(s.shape[-1]), "embed": 1.0}.get(s.init, 1 / math.sqrt(s.shape[-1]))
         out.append((jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32) * std).astype(dt))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def measure_hbm(gb=4.0):
-    n = int(gb * 2**30 / 4)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001)
-    f(x).block_until_ready()
-    return 2 * n * 4 / timed(lambda: f(x).block_until_ready(), reps=10)
-
-
-def measure_mxu(n=8192):
-    a = jnp.ones((n, n), jnp.bfloat16)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    return 2 * n**3 / timed(lambda: f(a).block_until_ready(), reps=10)
-
-
-def timed(fn, reps=5):
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 # --backends names -> (attention, routed experts, mHC site, router site, FP8 linears); 'auto' is what
@@ -123,8 +102,6 @@ def with_fp4_experts(params):
     layers = [{**lp, "ffn": {**lp["ffn"], "experts": {k: q(w) for k, w in lp["ffn"]["experts"].items()}}}
               for lp in params["layers"]]
     return {**params, "layers": layers}
-
-
 
 
 def linear_flops(cfg, core, n: int, replay: bool) -> float:
@@ -198,7 +175,7 @@ def decode_bytes(cfg, B, ctx, dense_bytes, expert_bytes_per):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--decode-ctx", type=int, default=4096)
@@ -230,8 +207,8 @@ def main():
     dev = jax.devices()[0]
     log.info("device %s", dev)
     small = dev.platform == "cpu"
-    hbm = measure_hbm(0.25 if small else 4.0)
-    mxu = measure_mxu(1024 if small else 8192)
+    ceil = ceilings(quick=small)
+    hbm, mxu = ceil["hbm_TBps"] * 1e12, ceil["mm_TFLOPs"] * 1e12
     log.info("HBM %.2f TB/s, bf16 matmul %.0f TFLOP/s", hbm / 1e12, mxu / 1e12)
     t = time.perf_counter()
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
@@ -280,7 +257,7 @@ def main():
         log.info("decode %s B=%d step=%.2fms device=%.2fms host=%.2fms", be, B, step * 1e3, dev_t * 1e3, host_t * 1e3)
 
     print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
-          f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (f32 scale, read+write), bf16 matmul "
+          f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's best), bf16 matmul "
           f"{mxu / 1e12:.0f} TFLOP/s\n")
     print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs "
           "/ matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |")

@@ -1,28 +1,16 @@
 #!/usr/bin/env python3
 """Check and time the sparse MQA indexer logits kernel + top-k (pallas_kernels/indexer_logits.py) at Flash shapes.
 
-On the H200:  PYTHONUNBUFFERED=1 PYTHONPATH=. timeout 150 python3 scripts/bench_indexer.py --out $OUT
-On a CPU (script logic only, tiny shapes, interpreter):  .venv/bin/python scripts/bench_indexer.py --cpu-smoke
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT
+    .venv/bin/python scripts/bench_indexer.py --cpu-smoke     # CPU: the script's logic, tiny shapes, interpreter
 
-Flash shapes: IH=32 index heads, ID=128, one query per row (decode), ratio 2 (G = ctx/2 entries), E=64 entries per
-page, MXFP4 keys (68 bytes per entry), index_topk 512, candidate blocks 2048 x 8 entries.
-Cases (most important first): candidates mode (layers after 20: 16384 entries, flat in ctx) for B in {64, 8, 1}
-and ctx in {256K, 64K, 16K}; context mode (encoder indexers / layer 20: all G entries) for ctx in {16K, 64K}.
-Row 0 of every B>1 case sees only half of its context (ragged visibility); ctx 16K has 1024 real candidate blocks
-and 1024 -1 blocks.
-
-First a dequant probe (one tile through the producer, read back, bit-exact vs jnp). Per case:
-1. correctness of the kernel scores vs the plain-jnp reference (`entry_scores_reference`, every bf16 rounding kept
-   under jit): -inf pattern equal, no NaN, max relative error on finite scores <= 2 bf16 ulps (2^-6) and at most
-   1% of scores not bit-identical (wgmma and XLA sum the 128-wide dot in different orders); the top-k of the
-   kernel path vs the top-k of the reference scores (overlap) and vs today's XLA path;
-2. timing (CUPTI GPU time summed over the call's kernels, median of --iters calls, L2 flushed by a 256 MiB write
-   before each call; wall clock if CUPTI is unavailable): the kernel alone (rows precomputed), kernel + top-k
-   (the whole `index_topk`), and today's XLA path (`_context_index_keys` dequant of every key + `indexer.scores`
-   + candidate mask + `select_topk`);
-3. roofline: bytes (keys 68 B/entry read + q + f32 scores written) / HBM read bandwidth measured in the same run
-   (PyTorch f32 sum over 1 GiB).
-Prints one table and writes results.json to --out.
+Flash shapes: 32 index heads of 128, one query a row, ratio 2 (G = ctx/2 entries), 64 entries a page, MXFP4 keys
+(68 bytes an entry), top-512, 2048 candidate blocks of 8. --cases: candidates mode (layers past 20: 16384 entries)
+and context mode (all G entries) at several B and ctx; row 0 of a B>1 case sees half its context. Per case: the
+kernel's scores against `entry_scores_reference` (-inf pattern equal, no NaN, max relative error <= 2 bf16 ulps,
+<= 1% not bit-identical), its top-k against the reference's and XLA's; CUPTI time (scripts/timing.py, L2 flushed)
+of the kernel alone, the whole `index_topk`, today's XLA path and each top-k method alone; roofline = bytes /
+the HBM ceiling of the same run. One table, results.json in --out.
 """
 
 from __future__ import annotations
@@ -38,61 +26,25 @@ import traceback
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from pallas_kernels import indexer_logits as il
-
-T0 = time.time()
-IH, ID, RATIO, E = 32, 128, 2, 64
-ENTRY_BYTES = ID // 2 + ID // 32
-SELECT_METHODS = tuple(m for m in il.TOPK_METHODS if m != "auto")  # lax first: the ids compared against
-NUM_SMS_H200 = 132
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+from pallas_kernels import indexer_logits as il  # noqa: E402
+from timing import log  # noqa: E402
 
 
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# timing
-
-def time_gpu(f, args, *, iters, flush):
-    """-> (median total GPU us per call, median us of its longest kernel, kernel count, method), L2 flushed
-    before each call: bench_sparse_attention.time_gpu (CUPTI, wall clock if unavailable) in microseconds."""
-    import bench_sparse_attention as bsa
-
-    tot, mx, names = bsa.time_gpu(f, args, iters=iters, cold=True, flush=flush)
+def time_gpu(f, args, *, iters, flush):  # -> (median us a call, us of its longest kernel, kernel count, method)
+    tot, mx, names = timing.time_gpu(f, args, iters=iters, flush=flush)
     wall = names == ["wall-clock"]
     return tot * 1e3, mx * 1e3, 0 if wall else len(names), "wall" if wall else "cupti"
 
 
-def hbm_read_TBps():
-    import bench_sparse_attention as bsa
-
-    res = {}
-    n = (1 << 30) // 4
-    try:
-        import torch
-        x = torch.randn(n, device="cuda", dtype=torch.float32)
-        res["torch_f32_sum_TBps"] = n * 4 / bsa.cuda_event_median_s(x.sum, iters=20) / 1e12
-        del x
-        torch.cuda.empty_cache()
-    except Exception as ex:  # noqa: BLE001
-        log("torch bandwidth failed:", repr(ex)[:200])
-    try:
-        x = jnp.ones((n,), jnp.float32)
-        res["xla_f32_sum_TBps"] = n * 4 / bsa.wall_median_s(jax.jit(jnp.sum), (x,)) / 1e12
-        del x
-    except Exception as ex:  # noqa: BLE001
-        log("xla bandwidth failed:", repr(ex)[:200])
-    res["TBps"] = max([v for v in res.values()] + [1e-9])
-    return res
-
-
-# ---------------------------------------------------------------------------------------------------
-# data
+IH, ID, RATIO, E = 32, 128, 2, 64
+ENTRY_BYTES = ID // 2 + ID // 32
+SELECT_METHODS = tuple(m for m in il.TOPK_METHODS if m != "auto")  # lax first: the ids compared against
 
 
 def make_case(seed, B, ctx, mode):
@@ -142,10 +94,6 @@ def overlap(a, b):
         tot += max(len(sx), len(sy))
         hit += len(sx & sy)
     return hit / max(tot, 1)
-
-
-# ---------------------------------------------------------------------------------------------------
-# one case
 
 
 def run_case(mode, B, ctx, args, flush, bw, rows_out):
@@ -270,19 +218,6 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         row["topk_error"] = repr(ex)[:1000]
         log(f"{mode} B={B} ctx={ctx}: top-k timing ERROR", repr(ex)[:300])
         traceback.print_exc()
-    if args.sweep_splits and len(rows_out) <= 2:
-        # The CTA split heuristic (KernelConfig.max_ctas) is untuned: time a few key-split counts.
-        n_tiles = -(-n // il.TILE)
-        for sp in sorted({il.default_num_splits(B, n_tiles, il.KernelConfig(max_ctas=m))
-                          for m in (NUM_SMS_H200, 2 * NUM_SMS_H200, 4 * NUM_SMS_H200, 8 * NUM_SMS_H200)}):
-            try:
-                f = jax.jit(functools.partial(il.entry_scores_kernel, num_splits=sp))
-                _, mx, _, _ = time_gpu(f, (q, w, pk, sc, rows), iters=args.iters, flush=flush)
-                row[f"kernel_us_splits{sp}"] = mx
-                log(f"  splits={sp} ({n_tiles // sp} tiles/CTA, {B * sp} CTAs): {mx:.1f} us")
-            except Exception as ex:  # noqa: BLE001
-                row[f"kernel_splits{sp}_error"] = repr(ex)[:500]
-                log(f"  splits={sp}: ERROR", repr(ex)[:300])
     if "kernel_us" in row:
         row["roofline_us"] = nbytes / (bw * 1e12) * 1e6
         row["pct_bw"] = 100 * row["roofline_us"] / row["kernel_us"]
@@ -291,27 +226,20 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
 
 
 def print_table(rows, bw):
-    print()
-    print(f"HBM read ceiling used for the roofline: {bw:.2f} TB/s (kernel us = the Mosaic kernel alone; "
-          "kern+topk = whole index_topk; XLA = today's path; CUPTI GPU time, L2 flushed)")
-    hdr = (f"{'mode':<11}{'B':>4}{'ctx':>8}{'check':>7}{'max_rel':>10}{'kernel us':>11}{'kern+topk us':>14}"
-           f"{'XLA us':>10}{'XLA/path':>9}{'bytes':>12}{'roof us':>9}{'% of BW':>9}{'topk lax':>10}"
-           + "".join(f"{m:>9}" for m in SELECT_METHODS[1:]) + f"{'same':>6}")
-    print(hdr)
-    print("-" * len(hdr))
+    print(f"\nHBM ceiling for the roofline: {bw:.2f} TB/s (kernel = the Mosaic kernel alone; kern+topk = the whole "
+          "index_topk; XLA = today's path; CUPTI GPU time, L2 flushed; us)")
 
-    def f(r, k, fmt):
+    def f(r, k, fmt=".1f"):
         return format(r[k], fmt) if k in r else "-"
 
-    for r in rows:
-        ratio = f"{r['xla_us'] / r['path_us']:.1f}x" if "xla_us" in r and "path_us" in r else "-"
-        print(f"{r['mode']:<11}{r['B']:>4}{r['ctx'] // 1024:>7}K{r.get('check', '-'):>7}"
-              f"{f(r, 'max_rel', '.1e'):>10}{f(r, 'kernel_us', '.1f'):>11}{f(r, 'path_us', '.1f'):>14}"
-              f"{f(r, 'xla_us', '.1f'):>10}{ratio:>9}{r.get('bytes', 0):>12,}{f(r, 'roofline_us', '.1f'):>9}"
-              f"{f(r, 'pct_bw', '.0f'):>9}{f(r, 'topk_lax_us', '.1f'):>10}"
-              + "".join(f"{f(r, f'topk_{m}_us', '.1f'):>9}" for m in SELECT_METHODS[1:])
-              + f"{str(r.get('topk_radix_same', '-')):>6}")
-    print()
+    timing.print_table(
+        ["mode", "B", "ctx", "check", "max_rel", "kernel", "kern+topk", "XLA", "XLA/path", "bytes", "roofline",
+         "% of HBM", "topk lax"] + list(SELECT_METHODS[1:]) + ["same ids"],
+        [[r["mode"], r["B"], f"{r['ctx'] // 1024}K", r.get("check", "-"), f(r, "max_rel", ".1e"), f(r, "kernel_us"),
+          f(r, "path_us"), f(r, "xla_us"),
+          f"{r['xla_us'] / r['path_us']:.1f}x" if "xla_us" in r and "path_us" in r else "-",
+          f"{r.get('bytes', 0):,}", f(r, "roofline_us"), f(r, "pct_bw", ".0f"), f(r, "topk_lax_us")]
+         + [f(r, f"topk_{m}_us") for m in SELECT_METHODS[1:]] + [str(r.get("topk_radix_same", "-"))] for r in rows])
 
 
 def main():
@@ -323,27 +251,22 @@ def main():
                                       "x:64:64,x:1:64,x:8:16,x:64:16,x:1:16,x:8:64",
                     help="mode(c=candidates, x=context):B:ctx in K tokens, most important first")
     ap.add_argument("--no-xla", action="store_true", help="skip timing today's XLA path")
-    ap.add_argument("--no-sweep", dest="sweep_splits", action="store_false",
-                    help="skip the key-split sweep of the kernel on the first two cases")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Mosaic GPU interpreter (CPU)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log("devices", jax.devices(), "jax", jax.__version__)
     if args.cpu_smoke:
         return cpu_smoke()
-    results_probe = probe()
-    ceil = hbm_read_TBps()
-    bw = ceil["TBps"]
-    log("bandwidth", {k: round(v, 3) for k, v in ceil.items()})
-    flush_buf = jnp.zeros((64 << 20,), jnp.float32)              # 256 MiB > the 50 MB L2
-    flush_fn = jax.jit(lambda x: x + 1.0)
-    flush = functools.partial(flush_fn, flush_buf)
+    ceil = timing.ceilings()
+    bw = ceil["hbm_TBps"]
+    log("ceilings", timing.ceiling_line(ceil))
+    flush = timing.jax_flusher()
     rows = []
-    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "probe": results_probe, "ceilings": ceil, "rows": rows}
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "ceilings": ceil, "rows": rows}
     for spec in args.cases.split(","):
         m, b, k = spec.split(":")
         mode = {"c": "candidates", "x": "context"}[m]
-        if time.time() - T0 > args.budget_s:
+        if time.time() - timing.T0 > args.budget_s:
             log(f"budget reached: skipping {spec}")
             rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "SKIP"})
             continue
@@ -359,35 +282,8 @@ def main():
     log("done")
 
 
-def probe(interpret=False):
-    """The producer's gather + MXFP4 dequant of one tile vs `dequant_rows` (must be bit-exact): localizes a
-    wrong score to the producer (swizzle / nibble / scale) or to the consumer."""
-    try:
-        rng = np.random.default_rng(0)
-        pk = jnp.asarray(rng.integers(0, 256, (64, E, ID // 2)), jnp.uint8)
-        sc = jnp.asarray(rng.integers(118, 136, (64, E, ID // 32)), jnp.uint8)
-        rows = rng.integers(0, 64 * E, (il.TILE,)).astype(np.int32)
-        rows[[3, 40]] = -1
-        rows = jnp.asarray(rows)
-        k, bias = il.dequant_probe(pk, sc, rows, interpret=interpret)
-        ref = il.dequant_rows(pk, sc, rows[None])[0].astype(jnp.bfloat16)
-        exact = bool(jnp.array_equal(k, ref))
-        bias_ok = bool(jnp.array_equal(bias, jnp.where(rows >= 0, 0.0, -jnp.inf)))
-        res = {"exact": exact, "bias_ok": bias_ok, "mismatches": int(jnp.sum(k != ref))}
-        if not exact:
-            bad = np.argwhere(np.asarray(k != ref))[:8]
-            res["first_bad"] = [(int(r), int(c), float(k[r, c]), float(ref[r, c])) for r, c in bad]
-        log("dequant probe:", res)
-        return res
-    except Exception as ex:  # noqa: BLE001
-        log("dequant probe ERROR", repr(ex)[:500])
-        traceback.print_exc()
-        return {"error": repr(ex)[:1000]}
-
-
 def cpu_smoke():
     """The script's data + check logic at tiny shapes in the interpreter (no timing)."""
-    probe(interpret=True)
     B, ctx = 2, 1024
     c = make_case(0, B, ctx, "candidates")
     cb = c["cb"][:, :8]                                           # 64 entries = one tile

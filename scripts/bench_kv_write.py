@@ -1,82 +1,41 @@
 #!/usr/bin/env python3
 """Check and time the fused decode KV writes (pallas_kernels/kv_write.py) at Flash shapes.
 
-On the H200:  PYTHONUNBUFFERED=1 PYTHONPATH=. timeout 150 python3 scripts/bench_kv_write.py --out $OUT
-On a CPU (script logic only, Mosaic GPU interpreter, small pools): .venv/bin/python scripts/bench_kv_write.py --cpu-smoke
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_kv_write.py --out $OUT
+    .venv/bin/python scripts/bench_kv_write.py --cpu-smoke     # CPU: interpreter, small pools
 
-Cases (most important first): FULL ratio 2 (layers 2/8/14), FULL ratio 1 (layer 20, the split layer: 256-slot
-ring), SWA-only (every other layer), each at B = 64, 8, 1. Every case is one jitted program that runs --steps
-consecutive decode steps of one layer (positions advance, so ratio-2 groups open and complete alternately),
-with the pool donated, in two versions:
-  xla:   kv_write_reference (programs.py's write path at T=1, the code the model runs today);
-  fused: kv_write_decode(backend='pallas') (XLA prelude + one Mosaic GPU kernel, pool aliased in place);
-  kernel: the kernel alone (write_rows) on precomputed bytes.
-Correctness: both start from the same poisoned pool (random bytes); after the steps every pool array must be
-identical byte for byte (PASS), else the number of differing bytes is printed ("check"). "kernel check": the
-kernel alone against write_rows_reference on the same precomputed bytes (isolates the kernel from any
-difference in how XLA fuses the prelude's float math in the two programs).
-Timing: wall clock per decode step (a program of --steps steps, pipelined calls, median of --reps groups).
-Roofline: the bytes a step must move (inputs read + rows written) / the HBM bandwidth measured in this run;
-everything here is launch-bound, so the time columns are the point, not % of bandwidth.
+Cases: FULL ratio 2 (layers 2/8/14), FULL ratio 1 (layer 20, 256-slot ring), SWA-only, at B = 64, 8, 1. Each is
+one jitted program of --steps decode steps of one layer, pool donated: `xla` (kv_write_reference, the model's
+path) and `fused` (kv_write_decode, XLA prelude + one Mosaic GPU kernel, pool aliased). Both start from the same
+poisoned pool; every pool array must then be identical byte for byte (PASS). Timing: wall clock a step
+(scripts/timing.py, pipelined calls); roofline = bytes a step must move / the HBM ceiling of the same run:
+everything here is launch-bound, so the time columns are the point.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dsv41 import rope
-from dsv41.config import ModelConfig
-from pallas_kernels import kv_write as kw
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+from dsv41 import rope  # noqa: E402
+from dsv41.config import ModelConfig  # noqa: E402
+from pallas_kernels import kv_write as kw  # noqa: E402
+from timing import fmt, log  # noqa: E402
 
-T0 = time.time()
 CFG = ModelConfig()
 KINDS = {"full-r2 (L2)": (2, 2), "full-r1 (L20)": (1, 20), "swa-only (L0)": (0, 0)}
-
-
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def hbm_bandwidth(nbytes: int) -> dict:
-    import bench_sparse_attention as bsa
-
-    res = {}
-    try:
-        import torch
-
-        x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        x.random_(0, 255)
-        y = torch.empty_like(x)
-        res["torch_copy_TBps"] = 2 * nbytes / bsa.cuda_event_median_s(functools.partial(y.copy_, x), iters=10) / 1e12
-        del x, y
-        torch.cuda.empty_cache()
-    except Exception as ex:  # noqa: BLE001
-        log("torch bandwidth failed:", type(ex).__name__, str(ex)[:200])
-    try:
-        x = jnp.ones((nbytes // 4,), jnp.float32)
-        res["xla_f32_scale_TBps"] = 2 * nbytes / bsa.wall_median_s(jax.jit(lambda v: v * 1.0001), (x,)) / 1e12
-        del x
-    except Exception as ex:  # noqa: BLE001
-        log("xla bandwidth failed:", type(ex).__name__, str(ex)[:200])
-    res["hbm_TBps"] = max([v for v in res.values()] or [4.3])
-    return res
-
-
-# ---------------------------------------------------------------------------------------------------
-# inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +108,8 @@ def make_inputs(ratio, layer, sh: Shape, steps, seed):
     return x, static
 
 
-def step_program(ratio, static, steps, variant, interpret=False):
-    """-> jitted f(lkv, x) running `steps` decode steps; variant 'xla' | 'fused' | 'interpret', or f(lkv, rows, x)
-    for 'kernel' (write_rows alone on precomputed bytes) | 'rows_reference' (write_rows_reference)."""
+def step_program(ratio, static, steps, variant):
+    """-> jitted f(lkv, x) running `steps` decode steps; variant 'xla' | 'fused' | 'interpret'."""
     kc = kw.KVWriteConfig(ratio, CFG.norm_eps)
 
     def one(lkv, x, t, backend):
@@ -168,61 +126,19 @@ def step_program(ratio, static, steps, variant, interpret=False):
             lkv = one(lkv, x, t, {"xla": "xla", "fused": "pallas", "interpret": "interpret"}[variant])
         return lkv
 
-    def run_rows(lkv, rows, x):
-        for t in range(steps):
-            a = (lkv, rows[t], x["slot"], x["pos"] + t, x["n_valid"], x["block_table"], x["write_lo"])
-            if variant == "kernel":
-                lkv = kw.write_rows(*a, ratio=ratio, interpret=interpret)
-            else:
-                lkv = kw.write_rows_reference(*a, ratio=ratio)
-        return lkv
-
-    if variant in ("kernel", "rows_reference"):
-        return jax.jit(run_rows, donate_argnums=0)
     return jax.jit(run, donate_argnums=0)
-
-
-def precompute_rows(ratio, static, steps, lkv, x):
-    kc = kw.KVWriteConfig(ratio, CFG.norm_eps)
-
-    def f(lkv, x):
-        out = []
-        for t in range(steps):
-            kwargs = {}
-            if ratio:
-                kwargs = {"comp_kv": x["comp_kv"][t], "comp_score": x["comp_score"][t] if ratio == 2 else None,
-                              "p_comp": x["p_comp"], "p_idx": x["p_idx"], "freqs": static["freqs"]}
-            out.append(kw.token_bytes(lkv, x["swa_kv"][t], x["slot"], x["pos"] + t, kcfg=kc, **kwargs))
-        return out
-
-    return jax.jit(f)(lkv, x)
-
-
-def count_kernels(compiled) -> int | None:
-    """Kernel-launching instructions in the optimized HLO's entry computation (approximate)."""
-    try:
-        txt = compiled.as_text()
-        entry = txt[txt.index("ENTRY"):]
-        entry = entry[: entry.index("\n}")]
-        free = ("parameter(", "bitcast(", "get-tuple-element(", "tuple(", "constant(")
-        return sum(1 for line in entry.splitlines()[1:] if "=" in line and not any(f in line for f in free))
-    except Exception as ex:  # noqa: BLE001
-        log("kernel count failed:", type(ex).__name__, str(ex)[:160])
-        return None
 
 
 def time_program(compiled, lkv, args, reps, calls=5):
     """Median seconds per call over `reps` groups of `calls` pipelined calls (the donated pool is chained)."""
-    lkv = compiled(lkv, *args)
-    jax.block_until_ready(lkv)
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
+    state = [jax.block_until_ready(compiled(lkv, *args))]
+
+    def group():
         for _ in range(calls):
-            lkv = compiled(lkv, *args)
-        jax.block_until_ready(lkv)
-        ts.append((time.perf_counter() - t) / calls)
-    return statistics.median(ts)
+            state[0] = compiled(state[0], *args)
+        jax.block_until_ready(state[0])
+
+    return timing.median_wall_s(group, reps) / calls
 
 
 def step_bytes(ratio, B) -> int:
@@ -260,17 +176,14 @@ def run_case(kind, B, args, bw, smoke):
     row = {"kind": kind, "B": B, "steps": steps, "shape": dataclasses.asdict(sh)}
     x, static = make_inputs(ratio, layer, sh, steps, seed=B * 7 + ratio)
     pool0 = make_pool(ratio, sh, 1)
-    rows = precompute_rows(ratio, static, steps, pool0, x)
     # every program is compiled once (AOT) and serves both the check and the timing
-    variants = {"xla": ("xla", (x,)), "fused": ("interpret" if smoke else "fused", (x,)),
-                "kernel": ("kernel", (rows, x)), "rows_reference": ("rows_reference", (rows, x))}
+    variants = {"xla": ("xla", (x,)), "fused": ("interpret" if smoke else "fused", (x,))}
     comp = {}
     for name, (variant, fargs) in variants.items():
         try:
             t = time.time()
-            comp[name] = step_program(ratio, static, steps, variant, interpret=smoke).lower(pool0, *fargs).compile()
-            row[f"kernels_{name}"] = count_kernels(comp[name])
-            log(kind, "B", B, name, f"compiled in {time.time() - t:.1f}s,", row[f"kernels_{name}"], "HLO kernels")
+            comp[name] = step_program(ratio, static, steps, variant).lower(pool0, *fargs).compile()
+            log(kind, "B", B, name, f"compiled in {time.time() - t:.1f}s")
         except Exception:  # noqa: BLE001
             row[f"err_{name}"] = traceback.format_exc()[-2000:]
             log(kind, "B", B, name, "compile failed:\n" + row[f"err_{name}"])
@@ -289,16 +202,7 @@ def run_case(kind, B, args, bw, smoke):
         row["check"] = "ERROR"
         row["check_error"] = traceback.format_exc()[-2000:]
         log(kind, "B", B, "check failed:\n" + row["check_error"])
-    try:  # the kernel alone on the same bytes (independent of how XLA fuses the prelude in two programs)
-        dk = diff_bytes(run("kernel"), run("rows_reference"))
-        row["kernel_diff_bytes"] = dk
-        row["kernel_check"] = "PASS" if sum(dk.values()) == 0 else "FAIL"
-        log(kind, "B", B, "kernel alone vs write_rows_reference:", row["kernel_check"], dk)
-    except Exception:  # noqa: BLE001
-        row["kernel_check"] = "ERROR"
-        row["kernel_check_error"] = traceback.format_exc()[-2000:]
-        log(kind, "B", B, "kernel check failed:\n" + row["kernel_check_error"])
-    for name in ("xla", "fused", "kernel"):
+    for name in ("xla", "fused"):
         if name not in comp:
             continue
         try:
@@ -314,26 +218,19 @@ def run_case(kind, B, args, bw, smoke):
     return row
 
 
-def fmt(v, f="{:.2f}"):
-    return "-" if v is None else f.format(v)
-
-
 def print_table(rows, bw):
-    print(f"\nHBM bandwidth measured: {bw:.2f} TB/s. Times: us per decode step of one layer "
+    print(f"\nHBM ceiling measured: {bw:.2f} TB/s. Times: us per decode step of one layer "
           f"(wall clock, median, {rows[0]['steps'] if rows else '?'} steps per program).", flush=True)
-    hdr = ("case", "B", "check", "diff B", "kernel check", "xla us", "fused us", "kernel us", "roof us", "xla/fused",
-           "fused/roof", "kern xla", "kern fused")
-    print("| " + " | ".join(hdr) + " |")
-    print("|" + "---|" * len(hdr))
+    out = []
     for r in rows:
         x, f = r.get("us_xla"), r.get("us_fused")
-        ratio = x / f if x and f else None
         over = f / r["us_roofline"] if f and r.get("us_roofline") else None
-        diff = sum(r["diff_bytes"].values()) if "diff_bytes" in r else None
-        print("| " + " | ".join([
-            r["kind"], str(r["B"]), r["check"], fmt(diff, "{}"), r.get("kernel_check", "-"), fmt(x), fmt(f), fmt(r.get("us_kernel")),
-            fmt(r.get("us_roofline"), "{:.4f}"), fmt(ratio), fmt(over, "{:.0f}x"),
-            fmt(r.get("kernels_xla"), "{}"), fmt(r.get("kernels_fused"), "{}")]) + " |", flush=True)
+        out.append([r["kind"], r["B"], r["check"], fmt(sum(r["diff_bytes"].values()) if "diff_bytes" in r else None,
+                                                        "{}"),
+                    fmt(x), fmt(f),
+                    fmt(r.get("us_roofline"), "{:.4f}"), fmt(x / f if x and f else None), fmt(over, "{:.0f}x")])
+    timing.print_table(["case", "B", "check", "diff B", "xla us", "fused us", "roof us",
+                        "xla/fused", "fused/roof"], out)
 
 
 def main():
@@ -350,13 +247,13 @@ def main():
     if smoke:  # the interpreter is slow: check the logic, not the numbers
         args.steps, args.batches, args.reps = 2, "1", 1
     log("jax", jax.__version__, jax.devices())
-    bwres = {"hbm_TBps": 4.3} if smoke else hbm_bandwidth(256 << 20)
+    bwres = {"hbm_TBps": 4.3} if smoke else timing.ceilings()
     bw = bwres["hbm_TBps"]
-    log("bandwidth", bwres)
+    log("ceilings", timing.ceiling_line(bwres))
     rows = []
     for B in (int(b) for b in args.batches.split(",")):
         for kind in args.kinds.split(","):
-            if time.time() - T0 > args.budget_s:
+            if time.time() - timing.T0 > args.budget_s:
                 log("budget reached, skipping", kind, B)
                 continue
             try:

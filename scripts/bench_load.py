@@ -1,12 +1,10 @@
 """Checkpoint load speed: release-format load and orbax save/restore, against the disk's raw read rate.
 
-    python scripts/bench_load.py                       # preset 'bench' (~20 GB on disk), on the GPU machine
-    python scripts/bench_load.py --layers 4            # fewer layers (and less disk)
-    python scripts/bench_load.py --preset tiny         # CPU smoke test
+    python scripts/bench_load.py [--layers 4]     # preset 'bench' (~20 GB on disk), on the GPU machine
+    python scripts/bench_load.py --preset tiny    # CPU smoke test
 
-Writes a checkpoint of random bytes in the stored formats (values do not matter for loading, and random bytes
-are ~100x faster to make than init_params), evicts it from the page cache (fsync + POSIX_FADV_DONTNEED, no root
-needed), measures a raw parallel sequential read of the shard files, then times cold and warm `load_checkpoint`
+Writes a checkpoint of random bytes in the stored formats, evicts it from the page cache (fsync +
+POSIX_FADV_DONTNEED, no root needed), times a raw parallel read of the shards, cold and warm `load_checkpoint`,
 and orbax save / cold restore. Prints one table.
 """
 
@@ -27,7 +25,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import timing  # noqa: E402
 from dsv41 import checkpoint as ckpt  # noqa: E402
 from dsv41 import quant  # noqa: E402
 from dsv41.config import ModelConfig, preset  # noqa: E402
@@ -189,11 +189,9 @@ def main(argv=None) -> None:
 
     print(f"\n{args.preset} preset, {cfg.n_layers} layers, {cfg.n_routed_experts} experts, "
           f"device {jax.devices()[0].device_kind}")
-    print(f"| {'what':<52} | {'GB':>7} | {'s':>7} | {'GB/s':>6} | {'x raw':>5} |")
-    print(f"|{'-' * 54}|{'-' * 9}|{'-' * 9}|{'-' * 8}|{'-' * 7}|")
-    for what, nbytes, secs in rows:
-        rate = nbytes / max(secs, 1e-9)
-        print(f"| {what:<52} | {nbytes / 1e9:7.2f} | {secs:7.2f} | {rate / 1e9:6.2f} | {rate / raw_rate:5.2f} |")
+    timing.print_table(["what", "GB", "s", "GB/s", "x raw"], [
+        [what, f"{nbytes / 1e9:.2f}", f"{secs:.2f}", f"{nbytes / max(secs, 1e-9) / 1e9:.2f}",
+         f"{nbytes / max(secs, 1e-9) / raw_rate:.2f}"] for what, nbytes, secs in rows])
 
 
 if __name__ == "__main__":

@@ -1,25 +1,15 @@
 #!/usr/bin/env python3
 """Check and time the fused mHC site (pallas_kernels/mhc.py) at Flash shapes (hc=4, D=5120, fn [24, 20480]).
 
-On the H200:  PYTHONUNBUFFERED=1 PYTHONPATH=. timeout 150 python3 scripts/bench_mhc.py --out $OUT
-On a CPU (script logic only, toy shapes, interpreter): .venv/bin/python scripts/bench_mhc.py --tiny
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_mhc.py --out $OUT [--tokens 64,1,8,512]
+    .venv/bin/python scripts/bench_mhc.py --tiny     # CPU: the script's logic at toy shapes, interpreter
 
-One process:
-1. HBM ceiling in the same run (bench_sparse_attention.copy_bandwidth: PyTorch 2 GiB d2d copy and an XLA f32
-   copy, read+write bytes; the best of the two);
-2. per T in --tokens (default 64, 1, 8, 512; decode first): fresh random inputs, the pallas path vs the XLA
-   path (the dsv41.mhc composition the model runs, jitted) -> PASS/FAIL with max errors: h1 within
-   two bf16 ulps (+1e-6 absolute) on <= 1% of elements vs the reference; x (same rule) and pre/post/comb (abs
-   <= 2e-5) vs the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves the mix values by
-   |fn| * ulp, which is not a kernel error; the pre error vs the plain reference is printed as info);
-   every output finite;
-3. times with CUPTI (median over --iters calls after warm-up; the sum of the GPU time of every kernel the
-   call launches, so launch count matters; falls back to wall clock): pallas whole path (kernel + XLA
-   epilogue), the Mosaic kernel alone, and the XLA path; roofline = bytes / ceiling, bytes = fn (f32) + h, y
-   read + h1, x written; plus the median wall clock of one blocking call of each path (launch gaps are real
-   costs the CUPTI sum does not see);
-4. then the first site (y=None) and config variants while --budget-s lasts;
-5. prints one table and writes bench_mhc.json to --out.
+Per T (decode first; then the first site, y=None, while --budget-s lasts): the pallas path against the XLA path
+(the dsv41.mhc composition the model runs). Checks: h1 within two bf16 ulps on <= 1% of elements; x and
+pre/post/comb (abs <= 2e-5) against the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves
+the mix by |fn| * ulp, not a kernel error); every output finite. Times (scripts/timing.py): CUPTI GPU time summed
+over a call's kernels (launch count matters), the longest kernel, and the wall clock of one blocking call;
+roofline = bytes (fn f32 + h, y read + h1, x written) / the HBM ceiling measured in the same run. One table.
 """
 
 from __future__ import annotations
@@ -31,22 +21,19 @@ import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
-from dsv41.config import ModelConfig
-from pallas_kernels import mhc as M
+import timing  # noqa: E402
+from dsv41.config import ModelConfig  # noqa: E402
+from pallas_kernels import mhc as M  # noqa: E402
+from timing import fmt, log  # noqa: E402
 
-T0 = time.time()
 ROWS: list[dict] = []
-
-
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
 def make_inputs(key, t, d, hc=4):
@@ -98,56 +85,37 @@ def main():
     ap.add_argument("--tokens", default="64,1,8,512")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=110)
-    ap.add_argument("--variants", default="128:16,128:32,256:4,128:2", help="dc:tt configs timed after the main rows")
     ap.add_argument("--tiny", action="store_true", help="CPU: toy shapes through the interpreter")
     args = ap.parse_args()
     cfg = ModelConfig()
     hc, d = cfg.hc_mult, cfg.dim
     backend = "pallas"
     if args.tiny:
-        d, args.tokens, args.iters, args.variants, backend = 256, "2", 1, "", "interpret"
+        d, args.tokens, args.iters, backend = 256, "2", 1, "interpret"
     tokens = [int(v) for v in args.tokens.split(",") if v]
     log("devices", jax.devices())
 
-    import bench_sparse_attention as bsa  # CUPTI timing + copy ceiling helpers
-
-    bsa.log = log
     ceil = {}
     if not args.tiny:
         try:
-            ceil = bsa.copy_bandwidth()
+            ceil = timing.ceilings()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    bw = max(ceil.values()) if ceil else 4.3
-    log("ceilings", ceil, "-> using", f"{bw:.2f} TB/s")
+    bw = ceil.get("hbm_TBps", 4.3)
+    log("ceilings", timing.ceiling_line(ceil))
 
-    def timed(f, a):
-        if args.tiny:
-            t = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            return (time.perf_counter() - t) * 1e3, 0, ["wall"]
-        tot, mx, names = bsa.time_gpu(f, a, iters=args.iters)
-        return tot, mx, names
-
-    def wall(f, a, reps=None):
-        """Median wall-clock us of one blocking call: includes launch gaps and host work, which the CUPTI kernel
-        sum does not see."""
+    def wall(f, a):  # median us of one blocking call: launch gaps and host work, which CUPTI's sum does not see
         jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(reps or args.iters):
-            t = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            ts.append((time.perf_counter() - t) * 1e6)
-        return float(np.median(ts))
+        return timing.median_wall_s(lambda: jax.block_until_ready(f(*a)), args.iters) * 1e6
 
-    def run_case(t, first, kc, label, with_xla=True):
-        row = {"T": t, "site": "first" if first else "expand", "config": label}
+    def run_case(t, first):
+        row = {"T": t, "site": "first" if first else "expand"}
         ROWS.append(row)
         try:
             a = make_inputs(jax.random.key(1000 + t), t, d)
             if first:
                 a[0] = a[2] = a[3] = None
-            pal = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend=backend, config=kc))
+            pal = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend=backend))
             xla = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend="xla"))
             out = jax.block_until_ready(pal(*a))
             ref = jax.block_until_ready(xla(*a))
@@ -161,12 +129,11 @@ def main():
             nbytes = op_bytes(t, hc, d, first)
             row["MB"] = nbytes / 1e6
             row["roofline_us"] = nbytes / (bw * 1e12) * 1e6
-            tot, mx, names = timed(pal, a)
+            tot, mx, names = timing.time_gpu(pal, a, iters=args.iters)
             row.update(pallas_us=tot * 1e3, pallas_kernel_us=mx * 1e3, pallas_launches=len(names),
                        pallas_kernels=names, pallas_wall_us=wall(pal, a))
-            if with_xla:
-                tx, _, nx = timed(xla, a)
-                row.update(xla_us=tx * 1e3, xla_launches=len(nx), xla_kernels=nx, xla_wall_us=wall(xla, a))
+            tx, _, nx = timing.time_gpu(xla, a, iters=args.iters)
+            row.update(xla_us=tx * 1e3, xla_launches=len(nx), xla_kernels=nx, xla_wall_us=wall(xla, a))
             log({k: v for k, v in row.items() if not k.endswith("_kernels")})
         except Exception as ex:  # noqa: BLE001
             traceback.print_exc()
@@ -174,18 +141,12 @@ def main():
         dump(args, ceil)
 
     for t in tokens:
-        run_case(t, False, None, "default")
+        run_case(t, False)
     for t in tokens:
-        if time.time() - T0 > args.budget_s:
+        if time.time() - timing.T0 > args.budget_s:
             log("budget reached, skipping the rest")
             break
-        run_case(t, True, None, "default")
-    for v in [v for v in args.variants.split(",") if v]:
-        dc, tt = (int(x) for x in v.split(":"))
-        for t in tokens:
-            if time.time() - T0 > args.budget_s:
-                break
-            run_case(t, False, M.KernelConfig(dc=dc, tt=tt), f"dc{dc} tt{tt}", with_xla=False)
+        run_case(t, True)
     table(bw)
     dump(args, ceil)
 
@@ -194,18 +155,16 @@ def table(bw):
     print(f"\nfused mHC site, hc=4, roofline at {bw:.2f} TB/s (bytes: fn f32 + h, y in + h1, x out); "
           "us columns: CUPTI GPU time summed over the call's kernels (#k), kernel = the longest one; "
           "wall = one blocking call")
-    hdr = (f"{'T':>4} {'site':>6} {'config':>11} {'check':>5} {'pallas us':>9} {'kernel us':>9} {'#k':>3} "
-           f"{'xla us':>8} {'#k':>3} {'roof us':>7} {'xla/pal':>7} {'roof/pal':>8} {'wall pal':>8} "
-           f"{'wall xla':>8}  errors")
-    print(hdr)
+    out = []
     for r in ROWS:
         p, x, rf = r.get("pallas_us"), r.get("xla_us"), r.get("roofline_us")
-        f = lambda v, w=9, p_=1: f"{v:{w}.{p_}f}" if isinstance(v, float) else f"{'-':>{w}}"
-        print(f"{r['T']:>4} {r['site']:>6} {r['config']:>11} {r.get('check', '?'):>5} {f(p)} "
-              f"{f(r.get('pallas_kernel_us'))} {r.get('pallas_launches', '-'):>3} {f(x, 8)} "
-              f"{r.get('xla_launches', '-'):>3} {f(rf, 7, 2)} "
-              f"{f(x / p if p and x else None, 7, 2)} {f(rf / p if p and rf else None, 8, 3)} "
-              f"{f(r.get('pallas_wall_us'), 8)} {f(r.get('xla_wall_us'), 8)}  {r.get('errors', r.get('error', ''))}")
+        out.append([r["T"], r["site"], r.get("check", "?"), fmt(p, "{:.1f}"), fmt(r.get("pallas_kernel_us"), "{:.1f}"),
+                    r.get("pallas_launches", "-"), fmt(x, "{:.1f}"), r.get("xla_launches", "-"), fmt(rf),
+                    fmt(x / p if p and x else None), fmt(rf / p if p and rf else None, "{:.3f}"),
+                    fmt(r.get("pallas_wall_us"), "{:.1f}"), fmt(r.get("xla_wall_us"), "{:.1f}"),
+                    r.get("errors", r.get("error", ""))])
+    timing.print_table(["T", "site", "check", "pallas us", "kernel us", "#k", "xla us", "#k", "roof us", "xla/pal",
+                        "roof/pal", "wall pal", "wall xla", "errors"], out, "rll" + "r" * 10 + "l")
 
 
 def dump(args, ceil):
@@ -213,7 +172,7 @@ def dump(args, ceil):
         return
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_mhc.json"), "w") as fh:
-        json.dump({"ceilings": ceil, "rows": ROWS, "elapsed_s": time.time() - T0}, fh, indent=1, default=str)
+        json.dump({"ceilings": ceil, "rows": ROWS, "elapsed_s": time.time() - timing.T0}, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":

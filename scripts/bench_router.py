@@ -1,20 +1,13 @@
-"""Benchmark + check of the fused MoE router (pallas_kernels/router.py) at Flash's shapes on one GPU.
+"""Check and time the fused MoE router (pallas_kernels/router.py) at Flash's shapes (D 5120, E 384, top-6).
 
-  PYTHONUNBUFFERED=1 PYTHONPATH=. timeout 150 python3 scripts/bench_router.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_router.py --out $OUT [--tokens 64,1,8,512,2048,4096]
+    .venv/bin/python scripts/bench_router.py --interpret --tokens 1 --d 256 --e 64   # CPU: the script's logic
 
-For T in (64, 1, 8, 512, 4096) (decode first), D=5120, E=384, k=6:
-  1. correctness of route_pallas vs route_reference (f32 HIGHEST): ids identical except near-ties (the
-     reference's top-7 keys closer than --tie-gap), weights within rtol 2e-5 / atol 1e-6, order and
-     group sizes identical where ids are; also the XLA path vs the reference.
-  2. GPU time (CUPTI, all kernels of one call summed; median of --iters calls, each after a 256 MiB write
-     that flushes the 50 MB L2 so the 3.9 MB gate weight comes from HBM as in the model) of:
-     pallas (whole route_fused: GEMM + split sum + selection + permutation), the XLA path (moe.route +
-     argsort + bincount: today's code), the split-K GEMM + sum alone, the selection kernel alone, the two
-     permutation methods alone, and PyTorch's router on the same data (scripts/torch_baselines.py, CUDA events,
-     checked like the others).
-  3. roofline = max((weight + x bytes) / HBM bandwidth, FLOPs / matmul rate), both measured in this run
-     (torch f32 sum over 1 GiB, torch bf16 8192^3 matmul; XLA fallbacks).
-Prints one table and writes results.json to --out.
+Checks route_fused (pallas and XLA) against route_reference (f32 HIGHEST): ids identical except near-ties (top-7
+keys closer than --tie-gap), weights within rtol 2e-5 / atol 1e-6, order and group sizes where ids agree. Times
+(scripts/timing.py: CUPTI, a call's kernels summed, L2 flushed before each call so the 3.9 MB gate weight comes
+from HBM): pallas, the XLA path, PyTorch's router (scripts/torch_baselines.py, CUDA
+events, checked like the others). Roofline = max(bytes / HBM, FLOPs / matmul rate), both measured in this run.
 """
 
 from __future__ import annotations
@@ -30,35 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-T0 = time.time()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+from timing import fmt, log  # noqa: E402
+
 D, E, K = 5120, 384, 6
 
 
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# timing
-
-def time_gpu(f, args, iters, flush):
-    """Median GPU ms per call, L2 flushed before each call: bench_sparse_attention.time_gpu (CUPTI, the sum over
-    the call's kernels; wall clock, which then includes the dispatch, if CUPTI is unavailable)."""
-    import bench_sparse_attention as bsa
-
-    tot, _, names = bsa.time_gpu(f, args, iters=iters, cold=True, flush=flush)
+def time_gpu(f, args, iters, flush):  # -> (median ms a call, its kernels summed, L2 flushed; 'cupti' or 'wall')
+    tot, _, names = timing.time_gpu(f, args, iters=iters, flush=flush)
     return tot, "wall" if names == ["wall-clock"] else "cupti"
-
-
-def ceilings():
-    """HBM read bandwidth and bf16 matmul rate measured here (bench_expert_gemm's: PyTorch and XLA, the best)."""
-    import bench_expert_gemm
-
-    return bench_expert_gemm.ceilings(quick=False)
-
-
-# ---------------------------------------------------------------------------------------------------
-# checks
 
 
 def check(name, out, ref, x, w, bias, tie_gap):
@@ -95,13 +70,10 @@ def torch_route(x, gate, rc, ref, tie_gap, iters):
     w32 = torch.from_dlpack(jax.block_until_ready(gate["weight"])).float()  # converted once, outside the timing
     fn = lambda: tb.route(xt, w32, bt, rc.k, rc.route_scale, rc.gate_temp)  # noqa: E731
     res = check("torch", [a.cpu().numpy() for a in fn()], ref, x, gate["weight"], gate["bias"], tie_gap)
-    us = tb.cuda_time_us(fn, iters=iters, flush=tb.l2_flusher())
+    us = timing.cuda_time_us(fn, iters=iters, flush=timing.l2_flusher())
     del xt, bt, w32
     torch.cuda.empty_cache()
     return res, us
-
-
-# ---------------------------------------------------------------------------------------------------
 
 
 def main():
@@ -131,17 +103,13 @@ def main():
     rc = R.RouteConfig.of(cfg)
     results = {"ceilings": {}, "cases": [], "errors": []}
     try:
-        results["ceilings"] = ceil = ceilings() if not args.interpret else {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0}
+        results["ceilings"] = ceil = timing.ceilings() if not args.interpret else {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0}
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         ceil = results["ceilings"] = {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0, "ceilings_assumed": True}
     log("ceilings", ceil)
 
-    flush_buf = jnp.zeros(((256 << 20) if not args.interpret else 4096) // 4, jnp.float32)
-    flush = jax.jit(lambda b: b + 1.0)
-
-    def do_flush():
-        return flush(flush_buf)
+    do_flush = timing.jax_flusher(256 if not args.interpret else 1)
 
     key = jax.random.key(0)
     kw, kb = jax.random.split(key)
@@ -154,7 +122,7 @@ def main():
             json.dump(results, f, indent=1)
 
     for t in [int(v) for v in args.tokens.split(",")]:
-        if time.time() - T0 > args.budget_s:
+        if time.time() - timing.T0 > args.budget_s:
             log(f"budget reached, skipping T={t}")
             results["errors"].append(f"skipped T={t} (budget)")
             continue
@@ -188,44 +156,17 @@ def main():
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 case["checks"].append({"path": name, "ok": False, "error": traceback.format_exc()[-800:]})
-        if ref is not None:
-            ids = ref[1]
-            fns["perm_count"] = jax.jit(lambda i: R.permutation(i, E, "count")) if t * K <= 4096 else None
-            fns["perm_argsort"] = jax.jit(lambda i: R.permutation(i, E, "argsort"))
-        # The split-K GEMM + XLA sum alone, for the default
-        # config and, at decode sizes, a few (splits, warpgroups) variants: tuning data for default_config.
-        dflt = R.default_config(t, D, E)
-        variants = [dflt]
-        if t <= 64 and not args.interpret:
-            import dataclasses as dc
-
-            variants += [dc.replace(dflt, splits=sv, num_wgs=nv) for sv, nv in ((10, 1), (20, 1), (40, 1), (20, 2))
-                         if (sv, nv) != (dflt.splits, dflt.num_wgs)]
-        for v in variants:
-            def gate_sum(x, g, v=v, t=t):
-                parts = R._gate_kernel(R._round_up(t, v.tm), D, E, v, args.interpret)(x, g["weight"])
-                return jnp.sum(parts, axis=0).T
-            fns[f"gemm+sum S{v.splits} wg{v.num_wgs}" + (" (default)" if v == dflt else "")] = jax.jit(gate_sum)
-        # The selection kernel alone on logits of the model's scale.
-        r_, tb_ = R.select_tiling(E, K)
-        t_sel = R._round_up(t, tb_)
-        sel_args = (jax.random.normal(jax.random.fold_in(kb, t), (t_sel * r_, 64), jnp.float32) * 1.4,
-                    bias.reshape(r_, 64))
-        fns["select alone"] = jax.jit(lambda lg, b, t_sel=t_sel: R._select_kernel(t_sel, E, rc, args.interpret)(lg, b))
         for name, fn in fns.items():
-            if fn is None or time.time() - T0 > args.budget_s + 10:
+            if time.time() - timing.T0 > args.budget_s + 10:
                 continue
             try:
-                a = (ids,) if name.startswith("perm") else sel_args if name == "select alone" else (x, gate)
-                if name.startswith("gemm") and time.time() - T0 > args.budget_s:
-                    continue
-                ms, how = time_gpu(fn, a, args.iters, do_flush)
+                ms, how = time_gpu(fn, (x, gate), args.iters, do_flush)
                 case["timings"][name] = {"us": ms * 1e3, "how": how}
                 log(f"T={t} {name}: {ms * 1e3:.2f} us ({how})")
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 case["timings"][name] = {"error": traceback.format_exc()[-800:]}
-        if ref is not None and not args.interpret and time.time() - T0 <= args.budget_s + 10:
+        if ref is not None and not args.interpret and time.time() - timing.T0 <= args.budget_s + 10:
             try:
                 res, us = torch_route(x, gate, rc, ref, args.tie_gap, args.iters)
                 case["checks"].append(res)
@@ -239,35 +180,23 @@ def main():
     # ---- the table
     print(f"\nFused MoE router, D={D} E={E} k={K}; GPU us per call (L2 flushed), roofline = "
           f"max(bytes / {ceil['hbm_TBps']:.2f} TB/s, FLOPs / {ceil['mm_TFLOPs']:.0f} TFLOP/s)")
-    hdr = ("T", "check pallas", "check xla", "pallas", "xla", "roofline", "xla/pallas",
-           "pallas/roof", "perm count", "perm argsort", "check torch", "torch")
-    print(" | ".join(f"{h:>14}" for h in hdr))
+    rows = []
     for c in results["cases"]:
         tm = {k: v.get("us") for k, v in c["timings"].items()}
         ck = {d["path"]: d for d in c["checks"]}
 
         def cs(p, ck=ck):
             d = ck.get(p)
-            if d is None:
-                return "-"
-            if "error" in d:
-                return "ERROR"
+            if d is None or "error" in d:
+                return "-" if d is None else "ERROR"
             return ("PASS" if d["ok"] else "FAIL") + f" {d['max_abs_w_err']:.1e}/{d['hard_mismatch_rows']}h{d['near_tie_rows']}n"
 
-        def f(v):
-            return "-" if v is None else f"{v:.2f}"
-
         p, xl, roof = tm.get("pallas"), tm.get("xla"), c["roofline_ms"] * 1e3
-        print(" | ".join(f"{v:>14}" for v in (
-            c["T"], cs("pallas"), cs("xla"), f(p), f(xl), f(roof),
-            f(xl / p) if p and xl else "-", f(p / roof) if p else "-", f(tm.get("perm_count")),
-            f(tm.get("perm_argsort")), cs("torch"), f(tm.get("torch")))))
+        rows.append([c["T"], cs("pallas"), cs("xla"), fmt(p), fmt(xl), fmt(roof), fmt(xl / p if p and xl else None),
+                     fmt(p / roof if p else None), cs("torch"), fmt(tm.get("torch"))])
+    timing.print_table(["T", "check pallas", "check xla", "pallas", "xla", "roofline", "xla/pallas", "pallas/roof",
+                        "check torch", "torch"], rows, "r" * 10)
     print("check = PASS|FAIL max|w err| / hard id mismatches 'h' / rows with a near-tie in the top-7 'n'")
-    print("\nsplit-K gate GEMM + XLA split sum alone, and the selection kernel alone (us)")
-    for c in results["cases"]:
-        parts = [f"{k[9:]}: {v['us']:.2f}" for k, v in c["timings"].items() if k.startswith("gemm+sum") and "us" in v]
-        sel = c["timings"].get("select alone", {}).get("us")
-        print(f"  T={c['T']}: " + "; ".join(parts) + ("" if sel is None else f" | select {sel:.2f}"))
     save()
     log("wrote", os.path.join(args.out, "results.json"))
     return 0

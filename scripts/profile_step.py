@@ -1,16 +1,12 @@
-"""Where an engine step's device time goes: every kernel a decode step (or a prefill) launches, timed by CUPTI,
-summed by kind (our Mosaic GPU kernels by name, XLA's GEMMs, XLA's other fusions), against the step's wall
-time. Bench preset (Flash widths, 8 layers), GPU only.
+"""Where an engine step's device time goes: every kernel a decode step (or a prefill) launches, timed by CUPTI
+(scripts/timing.py), summed by kind (our Mosaic GPU kernels by name, XLA's GEMMs, XLA's other fusions), against
+the step's wall time ("gap": launch latency, host work, idle). Bench preset (Flash widths, 8 layers), GPU only.
 
     PYTHONPATH=. python3 scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 [--out DIR]
 
-"gap" = wall time - the sum of kernel times: launch latency, host work and idle between kernels.
-
-For the first decode batch, kernels are also summed by model part: the model's named scopes (`embed`,
-`engram`, `mhc`, `attention`, `moe/router`, `moe/routed_experts`, `moe/shared_expert`, `head_sample`) read from
-the compiled program's HLO, matched to CUPTI's kernel names (XLA names a fusion's kernel after it; cuBLAS
-kernels carry cuBLAS names and count as "unmatched"). The program is compiled a second time for its HLO text
-(a persistent compilation cache under the temp dir usually makes that a cache hit).
+The first decode batch's kernels are also summed by model part: the named scopes (`embed`, `engram`, `mhc`,
+`attention`, `moe/router`, `moe/routed_experts`, `moe/shared_expert`, `head_sample`) read from the compiled
+program's HLO and matched to CUPTI's kernel names (cuBLAS kernels count as "unmatched").
 """
 
 from __future__ import annotations
@@ -28,14 +24,8 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_engine import (
-    KERNELS,
-    device_params,
-    fake_decode_state,
-    make_engine,
-    timed,
-    with_fp4_experts,
-)
+from bench_engine import KERNELS, device_params, fake_decode_state, make_engine, with_fp4_experts  # the engine's set-up
+from timing import cupti_kernels, median_wall_s as timed, print_table
 
 from dsv41 import params as P
 from dsv41.config import preset
@@ -59,19 +49,6 @@ def kind_of(name: str) -> str:
     if "topk" in low or "sort" in low:
         return "XLA top-k / sort"
     return "XLA other (fusions, copies, scatters)"
-
-
-def cupti_kernels(fn) -> list[tuple[str, float]]:
-    """[(kernel name, ms)] of every kernel fn launches (fn must block until its results are ready)."""
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
-    ext._cupti_init()
-    try:
-        fn()
-    finally:
-        timings = ext._cupti_get_timings(True)
-    return list(timings or [])
 
 
 _HLO_OP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', re.MULTILINE)
@@ -114,14 +91,14 @@ def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top:
     total = sum(by_kind.values())
     print(f"\n### {label}: wall {wall_ms:.2f} ms, {len(kernels)} kernels, kernel time {total:.2f} ms, "
           f"gap {wall_ms - total:.2f} ms\n")
-    print("| kind | ms | of kernel time | of wall |")
-    print("|---|---:|---:|---:|")
-    for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"| {k} | {ms:.3f} | {100 * ms / total:.0f}% | {100 * ms / wall_ms:.0f}% |")
-    print(f"| gap (launches, host, idle) | {wall_ms - total:.3f} | | {100 * (wall_ms - total) / wall_ms:.0f}% |")
-    print("\n| top kernels by time | calls | ms | us / call |\n|---|---:|---:|---:|")
-    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"| `{name[:90]}` | {n} | {ms:.3f} | {1e3 * ms / n:.1f} |")
+    print_table(["kind", "ms", "of kernel time", "of wall"], [
+        [k, f"{ms:.3f}", f"{100 * ms / total:.0f}%", f"{100 * ms / wall_ms:.0f}%"]
+        for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+        + [["gap (launches, host, idle)", f"{wall_ms - total:.3f}", "", f"{100 * (wall_ms - total) / wall_ms:.0f}%"]])
+    print()
+    print_table(["top kernels by time", "calls", "ms", "us / call"], [
+        [f"`{name[:90]}`", n, f"{ms:.3f}", f"{1e3 * ms / n:.1f}"]
+        for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]])
     return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind),
             "kernels": kernels}
 

@@ -1,12 +1,9 @@
-"""How far SWA bounded replay moves the model from the exact path, by prompt length (tiny preset, CPU).
-
-For each length: the same prompt through the engine with replay off (exact: all layers on every prompt token)
-and on (the decoder layers see only the last `window` prompt tokens in their windows), then 64 greedy tokens
-each. Prints a markdown table for docs/REPLAY.md.
+"""How far SWA bounded replay moves the model from the exact path, by prompt length (tiny preset, CPU): the same
+prompt through the engine with replay off (all layers on every prompt token) and on (the decoder layers see the
+last `window` prompt tokens), then greedy tokens; float32 activations with the serving KV formats, so the
+differences are replay's, not bf16 noise. Prints the markdown table of docs/REPLAY.md.
 
     PYTHONPATH=. python scripts/replay_divergence.py [--lengths 256,512,1024,2048,4096] [--tokens 64]
-
-float32 activations with the serving KV formats, so the differences are replay's and not bf16 noise.
 """
 
 from __future__ import annotations

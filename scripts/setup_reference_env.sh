@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
-# Create <repo root>/.venv-ref: a Python 3.11 environment with the PyTorch reference implementation of
-# DeepSeek-V4.1 (nemo-automodel 0.7.0, `nemo_automodel/components/models/deepseek_v41`), CPU torch only.
-# Used by tests/reference/nemo_runner.py (through tests/reference/driver.py). See docs/REFERENCE_NOTES.md.
-#
-# Idempotent: when the environment is complete (marker file with the same requirement set), exits at once.
-# Usage: bash scripts/setup_reference_env.sh [--force]
-#   --force            delete and rebuild the environment
-#   DSV41_REF_PYTHON   override the Python 3.11 interpreter
+# Create <repo root>/.venv-ref: Python 3.11 with the PyTorch reference implementation of DeepSeek-V4.1
+# (nemo-automodel 0.7.0), CPU torch only, for tests/reference/ (docs/REFERENCE_NOTES.md). Idempotent (a marker
+# file holds the requirement set). Usage: bash scripts/setup_reference_env.sh [--force: rebuild];
+# DSV41_REF_PYTHON overrides the Python 3.11 interpreter.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,18 +1,12 @@
-"""PyTorch implementations of the ops our Mosaic GPU kernels replace, as a PyTorch serving stack would run them on
-the same GPU: the benches (`bench_sparse_attention.py`, `bench_expert_gemm.py`, `bench_index_scores.py`,
-`bench_router.py`) time them
-in the same process as our kernels, on the same data.
-
-PyTorch has no FP4 / block-scaled FP8 GEMM or attention on Hopper, so the baselines take bf16 caches and bf16
-expert weights (dequantized once, outside the timing): they read 2-3.6x the bytes our kernels read, which is what
-a PyTorch stack without custom kernels pays. Plain torch only (no JAX), so the same file runs in the Python 3.11
-reference environment, where `tests/test_torch_baselines.py` checks it on the CPU.
+"""PyTorch versions of the ops our Mosaic GPU kernels replace, as a PyTorch serving stack would run them: the benches
+time them (scripts/timing.py's `cuda_time_us`) beside our kernels on the same data. PyTorch has no FP4 / block-scaled
+FP8 GEMM or attention on Hopper, so they take bf16 caches and weights (dequantized once, untimed): 2-3.6x the bytes
+our kernels read. Plain torch (no JAX): tests/test_torch_baselines.py checks it in the Python 3.11 reference env.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 
 import torch
 
@@ -52,14 +46,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> t
     return out
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The indexer's scores of a prefill chunk, as a PyTorch stack without a fused kernel computes them: q [S, IH,
-    ID], w [S, IH], k [G, ID] bf16 -> float32 [S, G] = bf16(sum_h bf16(relu(bf16(q_h . k)) * w_h)), the
-    [S, IH, G] products written out in bf16 (`dsv41.indexer.raw_scores`' roundings)."""
-    p = torch.relu(torch.einsum("shd,gd->shg", q, k))  # bf16 out: the float32 accumulator rounded once
-    return (p * w[..., None]).float().sum(1).to(torch.bfloat16).float()
-
-
 def route(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
           gate_temp: float = 1.0):
     """The MoE router as a PyTorch stack runs it (DeepSeek's Gate with float32 logits): x [T, D] bf16, w32 [E, D]
@@ -71,26 +57,3 @@ def route(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor, k: int, route_
     wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * route_scale
     flat = ids.flatten()
     return wts, ids, torch.sort(flat, stable=True).indices, torch.bincount(flat, minlength=w32.shape[0])
-
-
-def cuda_time_us(fn, iters: int = 20, warmup: int = 3, flush=None) -> float:
-    """Median microseconds of fn() between two CUDA events; flush() (untimed) before each call when given, so
-    that the data comes from HBM as in our kernels' cold timings."""
-    ts = []
-    for i in range(warmup + iters):
-        if flush is not None:
-            flush()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        if i >= warmup:
-            ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
-
-
-def l2_flusher(mib: int = 256):
-    """A callable that writes `mib` MiB on the GPU (more than the H200's 60 MB of L2)."""
-    buf = torch.empty(mib << 18, dtype=torch.float32, device="cuda")
-    return lambda: buf.add_(1.0)

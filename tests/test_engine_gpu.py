@@ -225,11 +225,11 @@ def test_packed_params(bench, backends):
 def test_packed_params_through_the_site_kernels(bench):
     """The bench preset's 8 blocks with the fused mHC and router sites (a stand-in attention that mixes no tokens),
     the parameters as they are against packed, at a prefill bucket and a replayed tail
-    (scripts/check_packed_sites.py). Packing moves the mHC epilogue's float32 sums by roundings, which flip
+    (tests/packed_sites.py). Packing moves the mHC epilogue's float32 sums by roundings, which flip
     near-tie routing choices (H200, seventeenth session: 1 token's experts at layer 0 of 2048 tokens, 51 tokens'
     at layer 7), and a rerouted token's stream then differs by whole expert outputs. The tokens never rerouted
     must agree to rounding: an operand read at the wrong place in a packed buffer moves every token."""
-    from check_packed_sites import block_params, compare, within_rounding
+    from packed_sites import block_params, compare, within_rounding
 
     cfg, params = bench
     core = block_params(params)

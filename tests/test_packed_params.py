@@ -63,10 +63,10 @@ def test_large_and_sharded_leaves_stay_arrays():
 
 
 def test_site_check_tells_rounding_from_a_misread():
-    """scripts/check_packed_sites.py's verdict, which the GPU test of the fused site kernels packed or not relies
+    """tests/packed_sites.py's verdict, which the GPU test of the fused site kernels packed or not relies
     on (tests/test_engine_gpu.py): the tiny preset's blocks from a packed tree pass it, and the same with every
     packed buffer shifted by one element (each small operand read one place off) fail it."""
-    from check_packed_sites import block_params, compare, within_rounding
+    from packed_sites import block_params, compare, within_rounding
 
     from dsv41 import model
 

@@ -1,5 +1,5 @@
-"""scripts/torch_baselines.py (the PyTorch side of the kernel benches) against numpy and the model's indexer
-scores, on the CPU in the Python 3.11 reference environment (torch is not installed for 3.12). A baseline that
+"""scripts/torch_baselines.py (the PyTorch side of the kernel benches) against numpy and the model's router,
+on the CPU in the Python 3.11 reference environment (torch is not installed for 3.12). A baseline that
 computed something else would make the benches' comparison meaningless; on the GPU the benches check them
 against our references again."""
 
@@ -12,7 +12,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv41 import indexer
 from pallas_kernels import router as R
 from tests.reference.driver import REF_PYTHON, REFERENCE_MISSING, REPO_ROOT, _child_env
 
@@ -28,9 +27,8 @@ RUNNER = textwrap.dedent("""
     o = tb.decode_attention(bf("q"), bf("win"), torch.from_numpy(a["win_valid"]), bf("pool"),
                             torch.from_numpy(a["rows"]), torch.from_numpy(a["sink"]))
     y = tb.grouped_mm(bf("x"), bf("w"), torch.from_numpy(a["sizes"]))
-    s = tb.index_scores(bf("iq"), bf("iw"), bf("ik"))
     rw, ri, ro, rs = tb.route(bf("rx"), torch.from_numpy(a["rw"]), torch.from_numpy(a["rb"]), 6, 1.5)
-    np.savez(sys.argv[3], o=o.float().numpy(), y=y.float().numpy(), s=s.numpy(), rw=rw.numpy(), ri=ri.numpy(),
+    np.savez(sys.argv[3], o=o.float().numpy(), y=y.float().numpy(), rw=rw.numpy(), ri=ri.numpy(),
              ro=ro.numpy(), rs=rs.numpy())
 """)
 
@@ -59,9 +57,6 @@ def test_torch_baselines_compute_the_ops_they_stand_for(tmp_path):
     inp["rows"][1] = -1  # a row with no selected entry: the window and the sink only
     sizes = np.array([5, 0, 7, 1, 0, 3], np.int64)
     inp.update(x=_bf16(rng, int(sizes.sum()), 32), w=_bf16(rng, len(sizes), 48, 32), sizes=sizes)
-    # indexer scores on a coarse grid (exact in bf16 at every step): the PyTorch path must equal the model's
-    grid = lambda *shape: (rng.integers(-4, 5, shape) / 4.0).astype(np.float32)  # noqa: E731
-    inp.update(iq=grid(5, 4, 32), iw=grid(5, 4), ik=grid(40, 32))
     # the router with biases 0.2 apart and scores within +-0.1 (no near-ties in the top 6: torch.topk's order of
     # equal keys is not top_k's): the same experts in the same order, weights, expert order and group sizes
     inp.update(rx=_bf16(rng, 7, 64), rw=_bf16(rng, 128, 64) / 128, rb=rng.permutation(128).astype(np.float32) * 0.2)
@@ -75,9 +70,6 @@ def test_torch_baselines_compute_the_ops_they_stand_for(tmp_path):
     starts = np.concatenate([[0], np.cumsum(sizes)])
     want_y = np.concatenate([inp["x"][a:b] @ inp["w"][g].T for g, (a, b) in enumerate(zip(starts, starts[1:]))])
     assert np.abs(out["y"] - want_y).max() <= 1e-2 * np.abs(want_y).max()
-    want_s = indexer.raw_scores(*(jnp.asarray(inp[k][None], jnp.bfloat16) for k in ("iq", "iw", "ik")),
-                                jnp.bfloat16)[0]
-    np.testing.assert_array_equal(out["s"], np.asarray(want_s))
     rw, ri, ro, rs = R.route_reference(jnp.asarray(inp["rx"], jnp.bfloat16),
                                        {"weight": jnp.asarray(inp["rw"], jnp.bfloat16), "bias": inp["rb"]},
                                        R.RouteConfig())

@@ -3,7 +3,6 @@ the Mosaic GPU interpreter (CPU). GPU-only tests run the compiled kernel (marked
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -194,16 +193,9 @@ INTERP_CASES = [
     # each step's tile decoded and multiplied in two halves of K (KernelConfig.overlap), chained and not
     (40, 256, 128, [5, 0, 17, 3, 15], C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, overlap=True)),
     (24, 512, 128, [0, 9, 0, 15, 0], C(tm=16, tk=256, num_wgs=1, stages=2, overlap=True)),
-    # an accumulator for each half (KernelConfig.two_accs), chained
-    (40, 256, 128, [5, 0, 17, 3, 15], C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, overlap=True, two_accs=True)),
-    # stream-K: the 2 SMs' ranges of (item, K step); odd item counts (3 and 21 items of 4 and 3 steps) split an
-    # item between them (float32 partials summed outside); two halves of K a step in the first
-    (20, 256, 128, [7, 0, 11], C(tm=8, tk=128, num_wgs=2, stages=2, overlap=True, stream=True)),
-    (40, 192, 192, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, stream=True)),
     # warp-level mma.sync (the sums values carried from step to step; the interpreter multiplies with a dot):
-    # chained, stream-K, and 16-row tiles over 2 warpgroups unchained
+    # chained, and 16-row tiles over 2 warpgroups unchained
     (40, 128, 128, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, chain=True, warp_mma=1)),
-    (40, 192, 192, [5, 0, 17, 3, 15], C(tm=8, tk=64, num_wgs=1, stages=2, stream=True, warp_mma=4)),
     (24, 192, 128, [0, 9, 0, 15, 0], C(tm=16, tk=64, num_wgs=2, stages=3, warp_mma=4)),
 ]
 
@@ -224,21 +216,6 @@ def test_kernel_interpret(m, k, n, gs, cfg):
     assert _rel(y, ref) < 5e-3
     for r in range(sum(gs)):  # row by row: a misplaced row fails even if the norm passes
         assert np.abs(y[r] - ref[r]).max() <= 2e-2 * np.abs(ref[r]).max() + 1e-6, r
-
-
-def test_stream_ranges_split_each_item_at_most_once():
-    """Stream-K ranges: contiguous, covering the call's steps, each at least an item long, so that an item spans
-    at most two SMs (the fix-up sums two partials); the fix-up's split items are those a range boundary cuts."""
-    for live, steps_a_tile, k_iters, sms in [(3, 4, 4, 2), (216, 20, 20, 132), (1, 20, 20, 132), (7, 9, 3, 2)]:
-        r = [tuple(int(v) for v in eg.stream_range(jnp.int32(live), sm, steps_a_tile, k_iters, sms))
-             for sm in range(sms)]
-        total = live * steps_a_tile
-        assert r[0][0] == 0 and r[-1][1] == total and all(a[1] == b[0] for a, b in zip(r, r[1:]))
-        assert all(hi - lo >= k_iters for lo, hi in r if hi < total)
-        cut = {hi // k_iters for lo, hi in r if 0 < hi < total and hi % k_iters}
-        for item in range(total // k_iters):
-            owners = {sm for sm, (lo, hi) in enumerate(r) if lo < (item + 1) * k_iters and hi > item * k_iters}
-            assert len(owners) == (2 if item in cut else 1), (live, item, owners)
 
 
 def test_kernel_interpret_all_groups_empty():
@@ -266,12 +243,6 @@ def test_config_validation():
     with pytest.raises(ValueError, match="multiple of 128"):  # 192 bytes a row: no 128-byte swizzle (the H200's
         eg.grouped_fp4_matmul(jnp.zeros((8, 384), jnp.bfloat16), w384, jnp.array([8], jnp.int32),  # assertion)
                               backend="interpret", config=C(tm=8, tk=384, num_wgs=1))
-    with pytest.raises(ValueError, match="two_accs"):  # an accumulator a K half: needs the halves
-        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
-                              config=C(tm=8, tk=64, num_wgs=1, two_accs=True))
-    with pytest.raises(ValueError, match="skip_decode"):  # a GPU timing variant: no decode to skip here
-        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
-                              config=C(tm=8, tk=64, num_wgs=1, skip_decode=True))
     with pytest.raises(ValueError, match="warp_mma"):  # the halves are about wgmma's asynchrony
         eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
                               config=C(tm=8, tk=128, num_wgs=1, overlap=True, warp_mma=4))
@@ -293,15 +264,11 @@ def test_ksplit_lowers_for_cuda(n, k, cfg):
 
 
 @pytest.mark.parametrize("m,cfg", [(6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
-                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, two_accs=True)),
                                    (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, overlap=True)),
                                    (12288, C(tm=64, tk=256, num_wgs=2, stages=4, chain=True, overlap=True)),
                                    (12288, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True)),
-                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, overlap=True, stream=True)),
-                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True)),
                                    (6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, warp_mma=4)),
-                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, warp_mma=4)),
-                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, stream=True, warp_mma=4))])
+                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, warp_mma=4))])
 def test_overlap_lowers_for_cuda(m, cfg):
     """Each step's tile decoded and multiplied in two halves of K (register A halves, two wgmmas, one wait) at
     Flash's fused w1/w3 shape, through the Mosaic GPU lowering for sm_90a (decode, a 2048-token chunk over 384
@@ -311,19 +278,6 @@ def test_overlap_lowers_for_cuda(m, cfg):
     w = eg.PreparedFp4(sd((e, n, k // 2), jnp.uint8), sd((e, k // 32, n), jnp.uint8))
     jax.jit(lambda x, w, g: eg.grouped_fp4_matmul_pallas(x, w, g, cfg)).trace(
         sd((m, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
-
-
-def test_pdl_lowers_for_cuda():
-    """`KernelConfig.pdl`: the one-token kernel at Flash's fused w1/w3 shape lowers for sm_90a with its wait for
-    the kernel before it, and is marked for a programmatic dependent launch."""
-    sd, e, n, k = jax.ShapeDtypeStruct, 384, 4608, 5120
-    w = eg.PreparedFp4(sd((e, n, k // 2), jnp.uint8), sd((e, k // 32, n), jnp.uint8))
-    texts = []
-    for pdl in (False, True):
-        cfg = dataclasses.replace(eg.default_config(6, n, k, e), pdl=pdl)
-        texts.append(jax.jit(lambda x, w, g, cfg=cfg: eg.grouped_fp4_matmul_pallas(x, w, g, cfg)).trace(
-            sd((6, k), jnp.bfloat16), w, sd((e,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text())
-    assert [("griddepcontrol" in t, "uses_pdl" in t) for t in texts] == [(False, False), (True, True)]
 
 
 def test_default_configs_at_flash_shapes():
@@ -353,23 +307,16 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
 @gpu
 @pytest.mark.parametrize("m,cfg,k", [(48, C(tm=8, tk=256, num_wgs=2, stages=4), 512),
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4), 512),
-                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, a_smem=True), 512),
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True), 512),
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4, chain=True), 512),
                                    (1536, C(tm=64, tk=256, num_wgs=2, stages=2, chain=True), 512),
                                    (384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, overlap=True), 512),
                                    (1536, C(tm=128, tk=128, num_wgs=2, stages=4, overlap=True), 512),
-                                   (384, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True,
-                                            two_accs=True), 512),
                                    (6, C(tm=8, tk=128, num_wgs=2, stages=2, chain=True, ksplit=2), 512),
                                    (48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, overlap=True), 2560),
                                    (48, C(tm=8, tk=768, num_wgs=2, stages=3, chain=True, overlap=True), 2304),
-                                   (6, C(tm=8, tk=256, num_wgs=2, stages=4, overlap=True, stream=True), 5120),
-                                   (48, C(tm=8, tk=512, num_wgs=2, stages=5, overlap=True, stream=True), 2560),
-                                   (48, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, overlap=True, pdl=True),
-                                    512),
                                    # warp-level mma.sync: one token's w1/w3 config, 8 and 16-row tiles, the longer
-                                   # steps of 8 tokens and of w2, stream-K
+                                   # steps of 8 tokens and of w2
                                    pytest.param(6, C(tm=8, tk=256, num_wgs=2, stages=4, chain=True, warp_mma=4),
                                                 5120, id="mma-1token"),
                                    pytest.param(384, C(tm=8, tk=256, num_wgs=2, stages=2, chain=True, warp_mma=4),
@@ -379,9 +326,7 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
                                    pytest.param(48, C(tm=8, tk=512, num_wgs=2, stages=5, chain=True, warp_mma=4),
                                                 2560, id="mma-tk512"),
                                    pytest.param(48, C(tm=8, tk=768, num_wgs=2, stages=3, chain=True, warp_mma=4),
-                                                2304, id="mma-tk768"),
-                                   pytest.param(6, C(tm=8, tk=256, num_wgs=2, stages=4, stream=True, warp_mma=4),
-                                                5120, id="mma-stream")])
+                                                2304, id="mma-tk768")])
 def test_kernel_gpu(m, cfg, k):
     rng = np.random.default_rng(7)
     e, n = 16, 256

@@ -1,0 +1,190 @@
+"""The benches' one timing module: a call's kernel time by CUPTI (wall clock where CUPTI is unavailable, e.g. on
+a CPU), medians, the HBM and matmul-rate ceilings measured in the same run, PyTorch's CUDA-event timing, tables.
+A timed jitted function must take every array it reads as an argument: a closed-over array becomes a constant."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+T0 = time.time()
+_CUPTI_OK = None  # None: not tried yet; False after a failure (then wall clock only)
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def median_wall_s(fn, reps=5):
+    """Median wall-clock seconds of fn() (which must block on its results)."""
+    return statistics.median(_wall(fn) for _ in range(reps))
+
+
+def _wall(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def cupti_kernels(fn) -> list[tuple[str, float]]:
+    """[(kernel name, ms)] of every kernel fn() launches (fn must block until its results are ready)."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        fn()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return list(timings or [])
+
+
+def _cupti_runs(f, args, iters):  # one list of (kernel name, ms) a call of f(*args)
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, ts = profiler.measure(f, aggregate=False, iterations=iters)(*args)
+    return [list(ts)] if iters == 1 else [list(r) for r in ts]
+
+
+def time_gpu(f, args, *, iters=20, flush=None):
+    """-> (median GPU ms of one call f(*args) summed over its kernels, median ms of its longest kernel, its kernel
+    names or ['wall-clock']). flush() (untimed) before each call when given, so the data comes from HBM."""
+    global _CUPTI_OK
+    jax.block_until_ready(f(*args))
+    if _CUPTI_OK is not False:
+        try:
+            runs = []
+            if flush is None:
+                runs = _cupti_runs(f, args, iters)
+            else:
+                for _ in range(iters):
+                    jax.block_until_ready(flush())
+                    runs += _cupti_runs(f, args, 1)
+            _CUPTI_OK = True
+            return (statistics.median(sum(t for _, t in r) for r in runs),
+                    statistics.median(max(t for _, t in r) for r in runs), [n for n, _ in runs[0]])
+        except Exception as ex:  # noqa: BLE001
+            log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
+            _CUPTI_OK = False
+    ts = []
+    for _ in range(iters):
+        if flush is not None:
+            jax.block_until_ready(flush())
+        ts.append(_wall(lambda: jax.block_until_ready(f(*args))) * 1e3)
+    return statistics.median(ts), statistics.median(ts), ["wall-clock"]
+
+
+def time_calls(fn, arg_sets, reps=5, serial=False):
+    """Median seconds a call of the jitted fn over `arg_sets` (rotated) -> (CUPTI kernel time or None, wall).
+    Wall: calls queued back to back (one at a time with `serial`: the interpreter is not re-entrant), so where a
+    call's GPU time is below JAX's dispatch cost it is the dispatch rate."""
+    global _CUPTI_OK
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+
+    def rotate():
+        for a in arg_sets:
+            out = fn(*a)
+            if serial:
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
+
+    wall = median_wall_s(rotate, reps) / len(arg_sets)
+    cupti = None
+    if _CUPTI_OK is not False and not serial:
+        try:
+            per = [sum(ms for _, ms in cupti_kernels(lambda: jax.block_until_ready([fn(*a) for a in arg_sets])))
+                   / 1e3 / len(arg_sets) for _ in range(reps)]
+            cupti, _CUPTI_OK = statistics.median(per), True
+        except Exception as ex:  # noqa: BLE001
+            log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
+            _CUPTI_OK = False
+    return cupti, wall
+
+
+def cuda_time_us(fn, iters=20, warmup=3, flush=None) -> float:
+    """PyTorch: median microseconds of fn() between two CUDA events, flush() (untimed) before each when given."""
+    import torch
+
+    ts = []
+    for i in range(warmup + iters):
+        if flush is not None:
+            flush()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        if i >= warmup:
+            ts.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(ts)
+
+
+def l2_flusher(mib=256):
+    """PyTorch: a callable that writes `mib` MiB on the GPU (more than the H200's 60 MB of L2)."""
+    import torch
+
+    buf = torch.empty(mib << 18, dtype=torch.float32, device="cuda")
+    return lambda: buf.add_(1.0)
+
+
+def jax_flusher(mib=256):
+    """JAX: a callable that rewrites `mib` MiB on the device, to evict the L2 between timed calls."""
+    buf = jnp.zeros((mib << 18,), jnp.float32)
+    f = jax.jit(lambda b: b + 1.0)
+    return lambda: f(buf)
+
+
+def ceilings(quick=False) -> dict:
+    """HBM bandwidth (TB/s) and bf16 matmul rate (TFLOP/s) measured now: PyTorch's f32 sum, its copy (read + write)
+    and 8192^3 matmul (CUDA events), XLA's sum and matmul (CUPTI); 'hbm_TBps' / 'mm_TFLOPs' the best. `quick`:
+    small XLA sizes only (a CPU run)."""
+    res = {}
+    if not quick:
+        try:
+            import torch
+
+            assert torch.cuda.is_available()
+            n = (1 << 31) // 4
+            x = torch.randn(n, device="cuda", dtype=torch.float32)
+            res["hbm_torch_sum_TBps"] = n * 4 / cuda_time_us(x.sum, iters=30) / 1e6
+            y = torch.empty_like(x)
+            res["hbm_torch_copy_TBps"] = 2 * n * 4 / cuda_time_us(lambda: y.copy_(x), iters=10) / 1e6
+            del x, y
+            a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+            res["mm_torch_TFLOPs"] = 2 * 8192**3 / cuda_time_us(lambda: a @ a, iters=10) / 1e6
+            del a
+            torch.cuda.empty_cache()
+        except Exception as ex:  # noqa: BLE001
+            log("PyTorch ceilings failed:", type(ex).__name__, str(ex)[:200])
+    n = 1 << 20 if quick else (1 << 31) // 4
+    x = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+    res["hbm_xla_sum_TBps"] = n * 4 / (time_gpu(jax.jit(jnp.sum), (x,), iters=10)[0] * 1e-3) / 1e12
+    del x
+    s = 256 if quick else 8192
+    a = jax.random.normal(jax.random.key(2), (s, s), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    res["mm_xla_TFLOPs"] = 2 * s**3 / (time_gpu(mm, (a, a), iters=10)[0] * 1e-3) / 1e12
+    res["hbm_TBps"] = max(v for k, v in res.items() if k.startswith("hbm"))
+    res["mm_TFLOPs"] = max(v for k, v in res.items() if k.startswith("mm_"))
+    return res
+
+
+def ceiling_line(c: dict) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in c.items())
+
+
+def fmt(v, f="{:.2f}"):
+    return "n/a" if v is None else f.format(v)
+
+
+def print_table(header: list[str], rows: list[list], align: str = "") -> None:
+    """A markdown table; align: one of 'l'/'r' a column (default: first left, the rest right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" if a == "l" else "---:" for a in align) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in r) + " |", flush=True)
