@@ -59,14 +59,12 @@ FP8_SCALE_BIAS = 120  # the FP8 decoder's: 2^(s-7) (e4m3 decodes as e4m3 * 2^-12
 
 
 def kernel_scale_bytes(s: jax.Array, bias: int) -> jax.Array:
-    """UE8M0 bytes s -> the kernel layout's scale bytes s + bias (0 stays 0: `ue8m0_decode` flushes it)."""
-    s = s.astype(jnp.int32)
-    return jnp.where(s == 0, 0, s + bias).astype(jnp.uint8)
+    """UE8M0 bytes s -> the kernel layout's scale bytes s + bias (byte 0 too: `ue8m0_decode` reads it as 2^-127)."""
+    return (s.astype(jnp.int32) + bias).astype(jnp.uint8)
 
 
 def ue8m0_from_kernel(e: jax.Array, bias: int) -> jax.Array:
-    s = e.astype(jnp.int32)
-    return jnp.where(s == 0, 0, s - bias).astype(jnp.uint8)
+    return (e.astype(jnp.int32) - bias).astype(jnp.uint8)
 
 
 # How the decoder builds A register j of a kernel word: the OR of (the word rotated left by r) & mask. Three
