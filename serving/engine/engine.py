@@ -59,8 +59,8 @@ class SamplingParams:
             raise EngineError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise EngineError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise EngineError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
 
 @dataclasses.dataclass
@@ -433,6 +433,10 @@ class Engine:
         if r is not None:
             self._free(r, keep=False)
 
+    def waiting_request_ids(self) -> list[str]:
+        """Ids of the requests not yet admitted, oldest first (the server's queue-wait limit reads them)."""
+        return [r.id for r in self.waiting]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -593,7 +597,8 @@ class Engine:
         key = np.zeros((B, 2), np.uint32)
         for i, r in enumerate(reqs):
             s = r.sampling
-            t[i], tp[i], tk[i] = s.temperature, s.top_p, s.top_k
+            # a top_k past the vocabulary keeps every token, as 0 does, and 0 always fits the int32 array
+            t[i], tp[i], tk[i] = s.temperature, s.top_p, 0 if s.top_k >= self.cfg.vocab_size else s.top_k
             seed = s.seed if s.seed is not None else hash(r.id) & 0xFFFFFFFF
             key[i] = (seed & 0xFFFFFFFF, r.steps)
             r.steps += 1
