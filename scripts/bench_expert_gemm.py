@@ -549,7 +549,7 @@ def _cases(args, ceil):
     C = eg.KernelConfig
     log("ceilings", json.dumps({k: round(v, 3) for k, v in ceil.items()}))
     e = 384
-    shapes = {"w13": (4608, 5120), "w2": (5120, 2304)}  # w1 and w3 as one weight, as moe.prepare_experts does
+    shapes = {"w13": (4608, 5120), "w2": (5120, 2304)}  # w1 and w3 as one weight, as backends.prepare_experts does
     if args.tiny:
         e, shapes = 8, {"w13": (256, 256), "w2": (256, 128)}  # D 256, F 128
     weights = {}

@@ -6,17 +6,16 @@ mHC sites, every FP8 linear), abstract parameters. Prints one table row.
 """
 
 import argparse
-import inspect
 import logging
 import time
 
 import jax
 import jax.numpy as jnp
 
-from dsv41 import model, moe, nn, quant
+from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41.config import preset
-from serving.engine import kv_pool, programs
+from serving.engine import backends, kv_pool, programs
 
 SD = jax.ShapeDtypeStruct
 
@@ -28,9 +27,8 @@ def main():
     logging.basicConfig(level=logging.WARNING)
     cfg, B = preset("bench"), args.batch
     core, _ = model.strip_tables(P.abstract_params(cfg))
-    core = jax.eval_shape(moe.prepare_experts, core)
-    takes_cfg = "cfg" in inspect.signature(nn.prepare_linears).parameters  # (older trees: params only)
-    core = jax.eval_shape(lambda c: nn.prepare_linears(c, cfg) if takes_cfg else nn.prepare_linears(c), core)
+    core = jax.eval_shape(backends.prepare_experts, core)
+    core = jax.eval_shape(lambda c: backends.prepare_linears(c, cfg), core)
     pool = kv_pool.abstract_pool(cfg, kv_pool.PoolLayout(num_pages=64, page_tokens=64, num_slots=8))
     i = lambda *s: SD(s, jnp.int32)  # noqa: E731
     shape = (B, 1, cfg.engram_n_cols, cfg.engram_head_dim)
@@ -40,8 +38,8 @@ def main():
     samp = programs.Sampling(SD((B,), jnp.float32), SD((B,), jnp.float32), SD((B,), jnp.int32),
                              SD((B, 2), jnp.uint32))
     t0 = time.perf_counter()
-    traced = programs.run_full.trace(core, pool, batch, samp, cfg=cfg, num=quant.REFERENCE, backend="pallas",
-                                     sites=model.Sites(mhc="pallas"))
+    be = backends.Backends("pallas", ops=backends.kernel_ops(experts=True, linears=True, mhc="pallas"))
+    traced = programs.run_full.trace(core, pool, batch, samp, cfg=cfg, num=quant.REFERENCE, backends=be)
     t1 = time.perf_counter()
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     t2 = time.perf_counter()

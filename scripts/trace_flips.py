@@ -23,16 +23,18 @@ import jax
 import numpy as np
 
 from compare_engine_runs import NUM  # the same numerics as the engine comparison
-from dsv41 import model, moe, nn, trace_diff
+from dsv41 import model, moe, trace_diff
 from dsv41 import params as P
 from dsv41.config import preset
+from dsv41.ops import XLA
+from serving.engine import backends
 
 log = logging.getLogger("trace_flips")
 KEEP = ("topk", "candidates", "moe.experts", "index_scores", "ffn_in", "block_out")
 
 
-def run(params, cfg, ids) -> dict:
-    logits, trace = model.forward_with_trace(params, cfg, ids, NUM)
+def run(params, cfg, ids, ops=XLA) -> dict:
+    logits, trace = model.forward_with_trace(params, cfg, ids, NUM, ops=ops)
     out = {k: np.asarray(v) for k, v in trace.items() if k.split(".", 1)[1] in KEEP}
     out["logits"] = np.asarray(logits, np.float32)
     return out
@@ -93,7 +95,7 @@ def main():
         if backend == "xla":
             return params
         if backend not in prepared:
-            prepared[backend] = nn.prepare_linears(params, cfg, interpret=backend == "interpret")
+            prepared[backend] = backends.prepare_linears(params, cfg, interpret=backend == "interpret")
         return prepared[backend]
 
     runs = args.runs.split(",")
@@ -106,7 +108,7 @@ def main():
         ids = np.random.default_rng(4).integers(3, cfg.vocab_size, (1, n)).astype(np.int32)
         traces = []
         for be in runs:
-            traces.append(run(params_of(be), cfg, ids))
+            traces.append(run(params_of(be), cfg, ids, XLA if be == "xla" else backends.kernel_ops(linears=True)))
             log.info("tokens %d run %s done", n, be)
         ref = traces[0]
         for i, (be, tr) in enumerate(zip(runs, traces)):

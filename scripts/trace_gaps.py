@@ -46,7 +46,7 @@ from bench_engine import device_params, fake_decode_state, kernels_of, make_engi
 from profile_step import kind_of  # noqa: E402
 
 from dsv41.config import preset  # noqa: E402
-from serving.engine import packed_params, programs  # noqa: E402
+from serving.engine import programs  # noqa: E402
 
 log = logging.getLogger("trace_gaps")
 
@@ -242,7 +242,6 @@ def call_overhead(eng, b, s, n: int) -> None:
     median_ms = lambda fn: statistics.median(wall_ms(fn, n))  # noqa: E731
     everything = jax.jit(lambda params, pool, b, s: (pool, b.tokens[:, 0] + s.top_k), donate_argnums=1)
     batch_only = jax.jit(lambda b, s: b.tokens[:, 0] + s.top_k)
-    packed = packed_params.pack(eng.params)
 
     def run_everything(params):
         eng.pool, tok = everything(params, eng.pool, b, s)
@@ -251,44 +250,17 @@ def call_overhead(eng, b, s, n: int) -> None:
     def run_batch_only():
         batch_only(b, s).block_until_ready()
 
-    run_everything(eng.params), run_everything(packed), run_batch_only()
+    run_everything(eng.params), run_batch_only()
     n_args = len(jax.tree.leaves((eng.params, eng.pool, b, s)))
     print(f"\na call that passes the arguments through ({n_args} arrays: parameters, the donated pool, the batch): "
-          f"{median_ms(lambda: run_everything(eng.params)):.3f} ms; with the small parameters packed "
-          f"({len(jax.tree.leaves((packed, eng.pool, b, s)))} arrays): {median_ms(lambda: run_everything(packed)):.3f} "
-          f"ms; the batch alone ({len(jax.tree.leaves((b, s)))} arrays): {median_ms(run_batch_only):.3f} ms "
+          f"{median_ms(lambda: run_everything(eng.params)):.3f} ms; the batch alone ({len(jax.tree.leaves((b, s)))} arrays): {median_ms(run_batch_only):.3f} ms "
           f"(medians of {n})")
-
-
-def packed_program(eng, b, s, n: int, max_bytes: list[float]) -> None:
-    """The decode program with the parameters up to each of `max_bytes` packed (`Engine(pack_params=True)`:
-    packed_params.MAX_BYTES) against as it is. Larger leaves packed are fewer arguments, and cost a copy wherever
-    XLA does not read their slice in place."""
-    variants = {"as is": eng.params}
-    for mb in max_bytes:
-        variants[f"packed <= {mb:g} B"] = packed_params.pack(eng.params, mb)
-
-    def step(params):
-        eng.pool, _, tok = programs.run_full(params, eng.pool, b, s, **eng.static)
-        tok.block_until_ready()
-
-    compile_s = {}
-    for name, params in variants.items():
-        t = time.perf_counter()
-        step(params)
-        compile_s[name] = time.perf_counter() - t
-    times = {}
-    for name, params in list(variants.items()) * 2:  # interleaved, twice
-        times.setdefault(name, []).extend(wall_ms(lambda p=params: step(p), n))
-    for name, params in variants.items():
-        print(f"device program, parameters {name} ({len(jax.tree.leaves(params))} arrays): "
-              f"{statistics.median(times[name]):.3f} ms (median of {2 * n}; first call {compile_s[name]:.0f} s)")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto",
-                    help="a bench_engine.py configuration: auto, xla, ..., with its +suffixes (auto+overlap)")
+                    help="a bench_engine.py configuration: auto, xla, ..., with its +suffixes (auto+unfused-rope)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=6)
@@ -301,11 +273,6 @@ def main():
                     help="only the device program and Engine.step times: XLA runs a program's command buffers "
                          "(CUDA graphs) only outside a profiling session, so the trace shows the step without "
                          "them; with TF_CPP_VMODULE=command_buffer_thunk=3 XLA logs each command buffer update")
-    ap.add_argument("--pack-max-bytes", type=lambda v: [float(x) for x in v.split(",")],
-                    default=[packed_params.MAX_BYTES],
-                    help="with --no-trace: the decode program with parameters up to each size packed (inf: every "
-                         "unsharded one; on the H200 the bench preset's 9 GB uint8 pack then failed in XLA's "
-                         "autotuning with CUDA_ERROR_ILLEGAL_INSTRUCTION)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     kernels_of(args.backend)  # an unknown configuration stops here, before any work
@@ -332,7 +299,6 @@ def main():
         if args.no_trace:
             host_profile(eng, step, args.host_steps or 20)
             call_overhead(eng, b, s, args.host_steps or 20)
-            packed_program(eng, b, s, args.host_steps or 20, args.pack_max_bytes)
             return
         tdir = os.path.join(args.out or tempfile.mkdtemp(), "trace")
         with jax.profiler.trace(tdir):
