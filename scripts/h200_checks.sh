@@ -41,7 +41,6 @@
 #   bash scripts/h200_checks.sh halves        # the expert GEMM with and without its K halves; 16K prefill (~9 min)
 #   bash scripts/h200_checks.sh stages        # the expert GEMM at 1 / 64 tokens with 4 to 10 pipeline stages
 #   bash scripts/h200_checks.sh producer      # decode attention: producer alone, consumers alone, kernel (~5 min)
-#   bash scripts/h200_checks.sh packed        # a decode call's cost per argument, small parameters packed (~6 min)
 #   bash scripts/h200_checks.sh loads         # plain loads with an L2 prefetch-size hint: past ~3.2 TB/s? (~2 min)
 #   bash scripts/h200_checks.sh decode-kernels  # kernel-layout scale bytes (expert GEMM, FP8 linear): GPU tests,
 #                                             # times vs the layout before (AB_OLD), attention producer (~9 min)
@@ -50,8 +49,6 @@
 #   bash scripts/h200_checks.sh consumer      # the expert GEMM at one token: without its decode, 3 warpgroups
 #   bash scripts/h200_checks.sh items         # one CTA's TMA stream: grids of 33-264 one-token items (~2 min)
 #   bash scripts/h200_checks.sh layout        # TMA streaming of expert weights by layout; top-k at 4K context (~3 min)
-#   bash scripts/h200_checks.sh engram        # Engram rows copied inside the step from pinned host memory, decode
-#   bash scripts/h200_checks.sh engram-prefill  # the same for a 4096-token prefill
 #
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
@@ -71,7 +68,7 @@ case "${1:-}" in
   engine-tests)
     # the engine's parts with the kernels against the XLA path: the fused sites in a block and, on the GPU itself,
     # the roundings XLA's GPU compiler used to fold (quant's formats under jit, nn.linear_f32, the mHC mix); then
-    # per layer, MoE, FP8 linears (~9 min; end to end is engine-e2e, packed parameters the packed group)
+    # per layer, MoE, FP8 linears (~9 min; end to end is engine-e2e)
     timeout -k 10 250 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider \
       tests/test_engine_gpu.py::test_fused_sites_match_xla_in_a_block tests/test_model.py tests/test_quant.py \
       -k "fused_sites or gpu or linear_f32 or mhc_coeff or quant" > "$OUT/engine_tests.txt" 2>&1
@@ -79,7 +76,7 @@ case "${1:-}" in
     grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests.txt" | tail -30
     # (the first run takes ~90 s; each layer-by-layer case ~100 s, so this one needs the rest of the call)
     timeout -k 10 430 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
-      -k "not all_kernels_end_to_end and not packed and not fused_sites" > "$OUT/engine_tests2.txt" 2>&1
+      -k "not all_kernels_end_to_end and not fused_sites" > "$OUT/engine_tests2.txt" 2>&1
     echo "pytest rc=$?"
     grep -E "rel\. max|per-layer|PASSED|FAILED|ERROR|passed|failed" "$OUT/engine_tests2.txt" | tail -30
     ;;
@@ -218,8 +215,8 @@ case "${1:-}" in
     ;;
   gaps)
     # where the batch-1 step's idle half sits (before Mosaic GPU calls, between small fusions, a few stalls),
-    # and whether the GPU waits on the host's launches; batch 64 for contrast (GAPS_BATCHES=1 GAPS_BACKEND=
-    # auto+overlap: the step with Engram's overlapped copy). The .xplane.pb comes back under
+    # and whether the GPU waits on the host's launches; batch 64 for contrast (GAPS_BATCHES / GAPS_BACKEND
+    # pick others). The .xplane.pb comes back under
     # $OUT/gaps*/trace: `python3 scripts/trace_gaps.py --trace FILE` analyses it again on any machine
     for b in ${GAPS_BATCHES:-1 64}; do
       timeout -k 10 240 $PY scripts/trace_gaps.py --backend ${GAPS_BACKEND:-auto} --batch $b --out "$OUT/gaps$b" \
@@ -324,19 +321,6 @@ case "${1:-}" in
     timeout -k 10 160 $PY scripts/bench_engine.py --lengths 16384 --replay on --prefill-backends auto \
       --backends "" > "$OUT/prefill16k.txt" 2>&1
     echo "bench_engine prefill rc=$?"; grep -E "^\| auto|HBM" "$OUT/prefill16k.txt"
-    ;;
-  packed)
-    # what a decode call costs per argument array, and the decode program with the small parameters packed into a
-    # few buffers (Engine(pack_params=True), serving/engine/packed_params.py) against as it is; then the fused site
-    # kernels' blocks packed or not (the engine cases, XLA / KV-path / MoE kernels: -k "packed_params[", ~7 min,
-    # passed in the seventeenth session) (~6 min). The engine step with and without:
-    # bench_engine.py --backends auto,auto+packed --batches 1 --skip-prefill --decode-ctx 4096
-    timeout -k 10 200 $PY scripts/trace_gaps.py --backend auto --batch 1 --no-trace --host-steps 20 \
-      > "$OUT/packed.txt" 2>&1
-    echo "trace_gaps rc=$?"; grep -E "Engine.step|passes the arguments|device program" "$OUT/packed.txt"
-    timeout -k 10 200 $PY -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_engine_gpu.py \
-      -k packed_params_through > "$OUT/packed_test.txt" 2>&1
-    echo "pytest rc=$?"; grep -E "packed site kernels|PASSED|FAILED|ERROR|passed|failed" "$OUT/packed_test.txt"
     ;;
   producer)
     # decode attention's two sides apart: the producer alone (sa.producer_stream) and the consumers alone
@@ -540,21 +524,6 @@ case "${1:-}" in
       --no-sweep --no-xla > "$OUT/indexer_log.txt" 2>&1; echo "indexer rc=$?"
     grep -E "top-k alone|^mode|^candidates|^context" "$OUT/indexer_log.txt"
     ;;
-  engram|engram-prefill)
-    # Engine(engram_transfer="overlap") vs the default (engram: decode at batch 1 / 64; engram-prefill: a
-    # 4096-token prompt, two 2048-token chunks of ~13 MB of rows each). The bench preset's only Engram layer is
-    # layer 1, so the copy can hide only behind the embedding and layer 0 (Flash's layer 14 has 13 layers before
-    # it): a lower bound of what Flash gains.
-    if [ "$1" = engram ]; then
-      a=(--skip-prefill --batches 1,64)
-    else
-      a=(--prefill-backends auto,auto+overlap --lengths 4096 --batches 1)
-    fi
-    timeout -k 10 560 $PY scripts/bench_engine.py --backends auto,auto+overlap "${a[@]}" --decode-ctx 4096 \
-      > "$OUT/$1_log.txt" 2>&1
-    echo "bench_engine rc=$?"
-    grep -E "\| " "$OUT/$1_log.txt" | tail -12
-    ;;
   decode-variants)
     # the FP4 decode's shifts written for other pipes (the same layout and results), kernel alone at 1 / 8
     # tokens; then 8 MoE layers with and without programmatic dependent launch (~5 min)
@@ -603,7 +572,7 @@ PYEOF
     echo "bench_fp8_linear rc=$?"; grep -E "^\|" "$OUT/fp8_mma.txt"
     ;;
   *)
-    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|packed|engine-e2e|loads|decode-kernels|layout|engram|engram-prefill|stages|decode-variants|mma" >&2
+    echo "usage: $0 tests|engine-tests|engine|release|prefill|serve|kernels|profile|expert-gemm|torch|fp8|fp8-engine|fp8-e2e|engine-runs|index-scores|chunk-indexer|chunk-indexer-engine|gaps|graphs|flips|kv-flags|kv-flags-time|topk|halves|producer|engine-e2e|loads|decode-kernels|layout|stages|decode-variants|mma" >&2
     exit 2
     ;;
 esac
