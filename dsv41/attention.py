@@ -20,18 +20,26 @@ from dsv41.rope import apply_rope
 NO_POS = -(1 << 30)  # position of an empty window slot: never inside any query's window
 
 
+def _linear(ops):
+    """The linear of `ops` (a `dsv41.ops.Ops`; None: `nn.linear`)."""
+    return linear if ops is None else ops.linear
+
+
 def project_q(x: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig, num: Numerics,
-              rope: bool = True):
+              rope: bool = True, ops=None):
     """x [B, S, D] -> q [B, S, H, Dh] (RoPE'd at pos [B, S]; rope=False: not, for a kernel that rotates it) and
-    the low-rank qr [B, S, q_lora] the indexer reads."""
+    the low-rank qr [B, S, q_lora] the indexer reads. ops: the `dsv41.ops.Ops` whose linears run here (None:
+    `nn`'s XLA ones)."""
+    linear = _linear(ops)
     qr = rms_norm(linear(x, p["wq_a"], num, fp8_input=True), p["q_norm"], cfg.norm_eps)
     q = linear(qr, p["wq_b"], num, fp8_input=True).reshape(*x.shape[:-1], cfg.n_heads, cfg.head_dim)
     return (apply_rope(q, pos[..., None], freqs) if rope else q), qr
 
 
-def window_kv(x: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig, num: Numerics):
+def window_kv(x: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig, num: Numerics,
+              ops=None):
     """x [B, S, D] -> the SWA K=V latent [B, S, Dh]: normalized, RoPE'd, FP8 round trip over all dims."""
-    kv = rms_norm(linear(x, p["wkv"], num, fp8_input=True), p["kv_norm"], cfg.norm_eps)
+    kv = rms_norm(_linear(ops)(x, p["wkv"], num, fp8_input=True), p["kv_norm"], cfg.norm_eps)
     kv = apply_rope(kv, pos, freqs)
     return quant.fp8_qdq(kv) if num.kv_quant else kv
 
@@ -91,13 +99,14 @@ def attend(q: jax.Array, q_pos: jax.Array, win_k: jax.Array, win_pos: jax.Array,
 
 
 def output(o: jax.Array, pos: jax.Array, p: dict, freqs: np.ndarray, cfg: ModelConfig, num: Numerics,
-           rope: bool = True) -> jax.Array:
+           rope: bool = True, ops=None) -> jax.Array:
     """o [B, S, H, Dh] -> [B, S, D]: inverse RoPE at the query position (rope=False: o comes rotated back
     already), then wo_a per group of heads (block-diagonal, bf16) and wo_b."""
     if rope:
         o = apply_rope(o, pos[..., None], freqs, inverse=True)
-    u = grouped_linear(o.reshape(*o.shape[:-2], cfg.o_groups, -1), p["wo_a"], num)  # [B, S, G, R]
-    return linear(u.reshape(*u.shape[:-2], -1), p["wo_b"], num, fp8_input=True)
+    gl = grouped_linear if ops is None else ops.grouped_linear
+    u = gl(o.reshape(*o.shape[:-2], cfg.o_groups, -1), p["wo_a"], num)  # [B, S, G, R]
+    return _linear(ops)(u.reshape(*u.shape[:-2], -1), p["wo_b"], num, fp8_input=True)
 
 
 def gather_entries(kv: jax.Array, idx: jax.Array):

@@ -36,14 +36,15 @@ def dequantize_rows(rows: quant.Fp8Rows) -> jax.Array:
 
 
 def engram(x: jax.Array, rows: quant.Fp8Rows, p: dict, cfg: ModelConfig, num: Numerics,
-           token_mask: jax.Array | None = None) -> jax.Array:
+           token_mask: jax.Array | None = None, ops=None) -> jax.Array:
     """x [B, S, hc, D], rows [B, S, n_cols, d] (`gather_rows`) -> x + gate * value, gate [B, S, hc] per stream.
 
-    token_mask [B, S]: False shuts the gate (image-span tokens).
+    token_mask [B, S]: False shuts the gate (image-span tokens). ops: the `dsv41.ops.Ops` whose linears run here
+    (None: `nn`'s XLA ones).
     """
     hc, D = cfg.hc_mult, cfg.dim
     r = dequantize_rows(rows)
-    kv = linear(r.reshape(*r.shape[:-2], -1), p["wkv"], num, fp8_input=True)
+    kv = (linear if ops is None else ops.linear)(r.reshape(*r.shape[:-2], -1), p["wkv"], num, fp8_input=True)
     key = kv[..., : hc * D].astype(jnp.float32).reshape(*kv.shape[:-1], hc, D)
     value = kv[..., hc * D:].astype(jnp.float32)
     weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)

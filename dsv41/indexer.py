@@ -23,10 +23,11 @@ def index_keys(latent: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cf
 
 
 def index_queries(x: jax.Array, qr: jax.Array, p: dict, pos: jax.Array, freqs: np.ndarray, cfg: ModelConfig,
-                  num: Numerics):
-    """-> queries [B, S, IH, ID] and head weights [B, S, IH]."""
+                  num: Numerics, ops=None):
+    """-> queries [B, S, IH, ID] and head weights [B, S, IH]. ops: the `dsv41.ops.Ops` whose linears run here
+    (None: `nn`'s XLA ones)."""
     IH, ID = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(qr, p["wq_b"], num, fp8_input=True).reshape(*qr.shape[:-1], IH, ID)
+    q = (linear if ops is None else ops.linear)(qr, p["wq_b"], num, fp8_input=True).reshape(*qr.shape[:-1], IH, ID)
     q = apply_rope(q, pos[..., None], freqs)
     if num.kv_quant:
         q = quant.mxfp4_qdq(q)

@@ -79,3 +79,16 @@ def expand(y: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) 
                        precision=jax.lax.Precision.HIGHEST)
     out = post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed
     return quant.round_to(out, y.dtype).astype(y.dtype)  # rounded as stored, also where the use fuses
+
+
+def site(y: jax.Array | None, h: jax.Array, post, comb, pre: jax.Array, fn: jax.Array, scale: jax.Array,
+         base: jax.Array, norm_w: jax.Array, cfg: ModelConfig):
+    """One mHC site (the plain composition of `Ops.mhc_site`): y [..., D] (the previous sublayer's output, None
+    at a block's first site) expanded into h [..., hc, D] through post [..., hc] / comb [..., hc, hc]; the new
+    stream's coefficients; its copies collapsed through the previous site's pre [..., hc] and normalized.
+    -> (h' [..., hc, D], x [..., D] (the sublayer input), pre', post', comb')."""
+    if y is not None:
+        h = expand(y, h, post, comb)
+    pre1, post1, comb1 = coefficients(h, fn, scale, base, cfg)
+    x = nn.rms_norm(collapse(h, pre), norm_w, cfg.norm_eps)
+    return h, x, pre1, post1, comb1

@@ -5,9 +5,7 @@ MoE, final collapse and head (spec §2). This is the exact path: no cache, no re
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -18,6 +16,7 @@ from dsv41 import attention as attn_lib
 from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope
 from dsv41.config import AttnRole, ModelConfig
 from dsv41.nn import linear_f32, rms_norm
+from dsv41.ops import XLA, Ops
 from dsv41.quant import Numerics
 
 
@@ -50,7 +49,7 @@ def freqs_for(cfg: ModelConfig) -> list[np.ndarray]:
 
 
 def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, shared: dict,
-                   pos: jax.Array, freqs: np.ndarray, trace: dict | None = None) -> jax.Array:
+                   pos: jax.Array, freqs: np.ndarray, trace: dict | None = None, ops: Ops = XLA) -> jax.Array:
     """One layer's attention over a whole sequence. x [B, S, D] (attn_norm'd), pos [B, S] = arange.
 
     `shared` carries what sources hand to later layers: comp_kv [B, G, Dh] (post-RoPE), index_k [B, G, ID],
@@ -58,8 +57,8 @@ def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Num
     """
     role, r = cfg.role(layer), cfg.compress_ratios[layer]
     B, S, _ = x.shape
-    q, qr = attn_lib.project_q(x, p, pos, freqs, cfg, num)
-    kv = attn_lib.window_kv(x, p, pos, freqs, cfg, num)
+    q, qr = attn_lib.project_q(x, p, pos, freqs, cfg, num, ops=ops)
+    kv = attn_lib.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
     comp_k = comp_valid = None
     if role is not AttnRole.SWA:
         if role is AttnRole.FULL:
@@ -70,7 +69,7 @@ def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Num
             if trace is not None:
                 trace[f"layer{layer}.latent"] = latent
         if role in (AttnRole.FULL, AttnRole.REINDEX):
-            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
+            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
             s = indexer.scores(qi, wi, shared["index_k"], pos, r, num)
             if layer == cfg.candidate_source_layer:
                 shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
@@ -84,75 +83,27 @@ def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Num
                 trace[f"layer{layer}.topk"] = shared["topk"]
         comp_k, comp_valid = attn_lib.gather_entries(shared["comp_kv"], shared["topk"])
     o = attn_lib.attend(q, pos, kv, pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
-    return attn_lib.output(o, pos, p, freqs, cfg, num)
-
-
-SITE_BACKENDS = ("xla", "pallas", "interpret")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sites:
-    """Which per-layer sites run as fused Pallas kernels: one of SITE_BACKENDS each ('xla': the plain
-    composition; 'pallas': Mosaic GPU; 'interpret': the same kernel in the interpreter, for CPU tests).
-
-    mhc: each mHC site's coefficients, collapse and norm (and the FFN site's expand of the attention output) in
-    one kernel (pallas_kernels/mhc.py, same roundings); the expand of the FFN output stays in XLA, so Engram can
-    rewrite the copies before the next block.
-    router: the gate GEMM, sqrt-softplus, bias, top-k and renormalisation (pallas_kernels/router.py) and the
-    experts' permutation; with an image mask the route stays in XLA (the kernel has no bias_vl).
-    mhc_max_tokens / router_max_tokens: calls of more tokens than this (a prefill chunk) take the XLA
-    composition, where a kernel was measured slower at that size; None: no limit."""
-
-    mhc: str = "xla"
-    router: str = "xla"
-    mhc_max_tokens: int | None = None
-    router_max_tokens: int | None = None
-
-    def __post_init__(self):
-        for name in ("mhc", "router"):
-            if getattr(self, name) not in SITE_BACKENDS:
-                raise ValueError(f"Sites.{name} must be one of {SITE_BACKENDS}, got {getattr(self, name)!r}")
-
-    def backend(self, name: str, tokens: int) -> str:
-        """Site `name`'s backend for a call of `tokens` tokens (static: the program's shape)."""
-        limit = getattr(self, f"{name}_max_tokens")
-        return "xla" if limit is not None and tokens > limit else getattr(self, name)
+    return attn_lib.output(o, pos, p, freqs, cfg, num, ops=ops)
 
 
 def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, attn_fn,
-          trace: dict | None = None, image_mask=None, sites: Sites = Sites()):
+          trace: dict | None = None, image_mask=None, ops: Ops = XLA):
     """One mHC block with the delayed pre-mix: attention reads the copies through `pre_mix` (from the previous
-    block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre)."""
+    block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre).
+    ops: which code runs the mHC sites, the linears and the MoE (`dsv41.ops`)."""
     # named scopes label the compiled program's ops by model part (scripts/profile_step.py sums kernels by them)
-    tokens = math.prod(h.shape[:-2])
-    mhc_backend = sites.backend("mhc", tokens)
-    if mhc_backend == "xla":
-        with jax.named_scope("mhc"):
-            a_pre, a_post, a_comb = mhc.coefficients(h, p["hc_attn_fn"], p["hc_attn_scale"], p["hc_attn_base"], cfg)
-            x = rms_norm(mhc.collapse(h, pre_mix), p["attn_norm"], cfg.norm_eps)
-        with jax.named_scope("attention"):
-            y = attn_fn(x)
-        with jax.named_scope("mhc"):
-            h1 = mhc.expand(y, h, a_post, a_comb)
-            f_pre, f_post, f_comb = mhc.coefficients(h1, p["hc_ffn_fn"], p["hc_ffn_scale"], p["hc_ffn_base"], cfg)
-            x = rms_norm(mhc.collapse(h1, a_pre), p["ffn_norm"], cfg.norm_eps)
-    else:
-        from pallas_kernels.mhc import mhc_fused
+    def site(y, h, post, comb, pre, name, norm):
+        return ops.mhc_site(y, h, post, comb, pre, p[f"hc_{name}_fn"], p[f"hc_{name}_scale"],
+                            p[f"hc_{name}_base"], p[norm], cfg)
 
-        def site(y, h, post, comb, pre, name, norm):
-            return mhc_fused(y, h, post, comb, pre, p[f"hc_{name}_fn"], p[f"hc_{name}_scale"], p[f"hc_{name}_base"],
-                             p[norm], cfg, backend=mhc_backend)
-
-        with jax.named_scope("mhc"):
-            _, x, a_pre, a_post, a_comb = site(None, h, None, None, pre_mix, "attn", "attn_norm")
-        with jax.named_scope("attention"):
-            y = attn_fn(x.astype(num.jdtype))
-        with jax.named_scope("mhc"):
-            h1, x, f_pre, f_post, f_comb = site(y, h, a_post, a_comb, a_pre, "ffn", "ffn_norm")
-            x = x.astype(num.jdtype)
+    with jax.named_scope("mhc"):
+        _, x, a_pre, a_post, a_comb = site(None, h, None, None, pre_mix, "attn", "attn_norm")
+    with jax.named_scope("attention"):
+        y = attn_fn(x)
+    with jax.named_scope("mhc"):
+        h1, x, f_pre, f_post, f_comb = site(y, h, a_post, a_comb, a_pre, "ffn", "ffn_norm")
     with jax.named_scope("moe"):
-        z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True,
-                             router_backend=sites.backend("router", tokens))
+        z, routing = moe.moe(x, p["ffn"], cfg, num, image_mask, return_routing=True, ops=ops)
     with jax.named_scope("mhc"):
         h2 = mhc.expand(z, h1, f_post, f_comb)
     if trace is not None:
@@ -201,8 +152,9 @@ def engram_rows(tables: list, hash_ids: np.ndarray) -> list:
     return [engram.gather_rows(t, hash_ids[:, :, i]) for i, t in enumerate(tables)]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "with_trace"))
-def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Numerics, with_trace: bool = False):
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "with_trace", "ops"))
+def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Numerics, with_trace: bool = False,
+             ops: Ops = XLA):
     B, S = ids.shape
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     freqs = freqs_for(cfg)
@@ -213,14 +165,14 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
         if i in cfg.engram_layer_ids:
             if trace is not None:
                 trace[f"layer{i}.block_in_raw"] = h
-            h = engram.engram(h, rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
+            h = engram.engram(h, rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num, ops=ops)
             if trace is not None:
                 trace[f"engram{i}.out"] = h
 
         def attn_fn(x, lp=lp, i=i):
-            return attention_full(x, lp["attn"], i, cfg, num, shared, pos, freqs[i], trace)
+            return attention_full(x, lp["attn"], i, cfg, num, shared, pos, freqs[i], trace, ops)
 
-        h, pre = block(h, pre, lp, i, cfg, num, attn_fn, trace)
+        h, pre = block(h, pre, lp, i, cfg, num, attn_fn, trace, ops=ops)
     logits = head(params, h, pre, cfg)
     return (logits, trace) if with_trace else logits
 
@@ -252,20 +204,22 @@ def prepare(params: dict, cfg: ModelConfig, token_ids, hasher=None):
     return core, ids, rows
 
 
-def forward(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quant.REFERENCE, hasher=None) -> jax.Array:
+def forward(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quant.REFERENCE, hasher=None,
+            ops: Ops = XLA) -> jax.Array:
     """token_ids int32 [batch, seq] -> float32 logits [batch, seq, vocab]: the exact full-sequence path.
 
     `numerics` picks the reference's rounding points (default: all of them, bf16 activations);
     `quant.EXACT_F32` turns them off. `hasher` maps ids to Engram rows (default: from the built-in tokenizer
-    for the tiny preset; pass `ngram_hash.NgramHasher` built from your tokenizer otherwise).
+    for the tiny preset; pass `ngram_hash.NgramHasher` built from your tokenizer otherwise). `ops`: which code
+    runs the linears, MoE and mHC sites (`dsv41.ops`; default the plain XLA composition).
     """
     core, ids, rows = prepare(params, cfg, token_ids, hasher)
-    return _forward(core, jnp.asarray(ids), rows, cfg, numerics)
+    return _forward(core, jnp.asarray(ids), rows, cfg, numerics, ops=ops)
 
 
 def forward_with_trace(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quant.REFERENCE,
-                       hasher=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                       hasher=None, ops: Ops = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
     """forward() plus named intermediates (per layer: block_in/out, attn_out, ffn_out, hc coefficients, MoE
     routing, compressor latents, index scores, top-k, candidates; engram outputs)."""
     core, ids, rows = prepare(params, cfg, token_ids, hasher)
-    return _forward(core, jnp.asarray(ids), rows, cfg, numerics, with_trace=True)
+    return _forward(core, jnp.asarray(ids), rows, cfg, numerics, with_trace=True, ops=ops)

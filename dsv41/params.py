@@ -56,7 +56,8 @@ def layer_specs(cfg: ModelConfig, layer: int) -> Params:
         "wq_b": Spec((H * Dh, Q), "fp8", axes=("heads", None)),
         "wkv": Spec((Dh, D), "fp8", axes=(None, "embed")),
         "kv_norm": Spec((Dh,), "bf16", "ones"),
-        # bf16 as convert.py leaves it, holding the release's FP8 values (nn.prepare_linears takes them back to FP8)
+        # bf16 as convert.py leaves it, holding the release's FP8 values (the engine's
+        # prepare_linears takes them back to FP8)
         "wo_a": Spec((cfg.o_groups * cfg.o_lora_rank, H * Dh // cfg.o_groups), "bf16", "fp8_grid",
                      axes=("heads", None)),
         "wo_b": Spec((D, cfg.o_groups * cfg.o_lora_rank), "fp8", axes=("embed", "heads")),

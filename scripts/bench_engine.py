@@ -25,7 +25,8 @@ from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
-from serving.engine import packed_params, programs
+from serving.engine import programs
+from serving.engine.backends import KernelOptions
 from serving.engine.engine import Engine, SamplingParams, _Request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,13 +64,11 @@ KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla",
            "xla-linears": ("auto", "auto", "auto", "auto", "xla")}
 
 
-# configuration suffixes (auto+overlap+unfused-rope): what each changes from the engine's defaults
-SUFFIXES = {"overlap": "the program copies the Engram rows from pinned host memory (engram_transfer='overlap')",
-            "unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
+# configuration suffixes (auto+unfused-rope+kernel-topk): what each changes from the engine's defaults
+SUFFIXES = {"unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
             "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
                            "(KernelOptions(prefill_indexer_kernel=False))",
-            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))",
-            "packed": "the small parameter arrays packed into a few buffers (Engine(pack_params=True))"}
+            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))"}
 
 
 def kernels_of(config: str) -> tuple[str, ...]:
@@ -85,15 +84,14 @@ def kernels_of(config: str) -> tuple[str, ...]:
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
-    opts = programs.KernelOptions(fuse_rope="unfused-rope" not in suffixes,
-                                  prefill_indexer_kernel="xla-indexer" not in suffixes,
-                                  indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
+    opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
+                         prefill_indexer_kernel="xla-indexer" not in suffixes,
+                         indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-                  linear_backend=linear_be, engram_transfer="overlap" if "overlap" in suffixes else "argument",
-                  pack_params="packed" in suffixes, kernel_options=opts)
+                  linear_backend=linear_be, kernel_options=opts)
 
 
 def with_fp4_experts(params):
@@ -251,7 +249,7 @@ def main():
         dev_t = timed(dev_only, reps=10)
         host_t = timed(lambda: eng.decode_inputs(reqs), reps=10)
         # the weights as the engine holds them
-        read = decode_bytes(cfg, B, args.decode_ctx, *weight_bytes(cfg, packed_params.unpack(eng.params)))
+        read = decode_bytes(cfg, B, args.decode_ctx, *weight_bytes(cfg, eng.params))
         bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, rel_dense_b, rel_expert)
         dec.append((be, B, compile_s, step, dev_t, host_t, read, bytes_fp4))
         log.info("decode %s B=%d step=%.2fms device=%.2fms host=%.2fms", be, B, step * 1e3, dev_t * 1e3, host_t * 1e3)

@@ -362,17 +362,3 @@ def write_plots(levels: list[dict[str, Any]] | dict[str, list[dict[str, Any]]], 
     for p in paths:
         log.info("wrote %s", p)
     return paths
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    from serving.cli_serve import add_bench_args, run_bench as run_bench_cli
-
-    parser = argparse.ArgumentParser(prog="python -m serving.bench", description=__doc__.split("\n\n")[0])
-    add_bench_args(parser)
-    return run_bench_cli(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,9 +18,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from serving.cli_serve import add_engram_args, add_kernel_backend_args
+    from serving.cli_serve import add_engram_tables_arg, add_kernel_backend_args
 
-    add_engram_args(p, default_transfer="argument")
+    add_engram_tables_arg(p)
     p.add_argument("--no-swa-bounded-replay", action="store_true",
                    help="run all layers on every prompt token (exact) instead of the decoder on the last 128")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -37,8 +37,7 @@ def build_engine(args: argparse.Namespace):
               max_num_batched_tokens=args.max_num_batched_tokens,
               swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend,
               moe_backend=args.moe_backend, mhc_backend=args.mhc_backend,
-              router_backend=args.router_backend, linear_backend=args.linear_backend,
-              engram_transfer=args.engram_transfer)
+              router_backend=args.router_backend, linear_backend=args.linear_backend)
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, **kw)
     return Engine.from_preset(args.preset or "tiny", seed=args.seed, **kw)

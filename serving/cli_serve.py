@@ -28,18 +28,12 @@ def _ensure_logging() -> None:
 # ---- serve ---------------------------------------------------------------------------------------------------
 
 
-def add_engram_args(g, default_transfer: str | None) -> None:
-    """--engram-tables and --engram-transfer, shared by `dsv41 serve` (default_transfer None: the engine's) and
-    `dsv41 generate`."""
+def add_engram_tables_arg(g) -> None:
+    """--engram-tables, shared by `dsv41 serve` and `dsv41 generate`."""
     g.add_argument("--engram-tables", choices=["ram", "mmap"], default="ram",
                    help="with --checkpoint: read the Engram tables into host memory at load (ram, the default: "
                         "no request waits on the disk for its rows) or leave them memory-mapped (mmap: less host "
                         "memory; a row's first gather reads its page from disk)")
-    g.add_argument("--engram-transfer", choices=["argument", "overlap"], default=default_transfer,
-                   help="how a step's Engram rows reach the GPU: with the step's other arguments, before it "
-                        "starts (argument, the default), or staged in pinned host memory and copied by the step "
-                        "while the layers before each Engram layer run (overlap; opt-in: on the H200 it took a batch-1 "
-                        "step from 4.5 to 5.1 ms of device time, docs/PERFORMANCE.md)")
 
 
 def add_kernel_backend_args(g, default: str | None) -> None:
@@ -74,7 +68,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     src.add_argument("--preset", help="built-in config with random weights: tiny (default), bench, flash")
     g.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint directory's "
                                                "name or the preset name)")
-    add_engram_args(g, default_transfer=None)
+    add_engram_tables_arg(g)
     g = parser.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the engine's)")
     g.add_argument("--max-num-seqs", type=int, help="most requests in one running batch")
@@ -122,7 +116,6 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "swa_bounded_replay": "--no-swa-bounded-replay", "attention_backend": "--attention-backend",
                  "moe_backend": "--moe-backend", "mhc_backend": "--mhc-backend",
                  "router_backend": "--router-backend", "linear_backend": "--linear-backend",
-                 "engram_transfer": "--engram-transfer",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages",

@@ -17,6 +17,7 @@ import numpy as np
 
 from dsv41 import engram, model, quant
 from serving.engine import kv_pool, programs
+from serving.engine.backends import Backends, KernelOptions
 
 
 def make_batch(tokens, pos0, n_valid, slots, block_table, rows):
@@ -43,7 +44,7 @@ def fill(core, pool, b, cfg, num):
 
 
 def attention_diffs(core, pool: kv_pool.KVPool, b: programs.Batch, cfg, num, backend: str,
-                    opts: programs.KernelOptions = programs.KernelOptions()) -> np.ndarray:
+                    opts: KernelOptions = KernelOptions()) -> np.ndarray:
     """-> [n_layers] float: per layer, max |y_backend - y_xla| over the valid tokens / max |y_xla|, both from the
     same stream and pool (the run continues on the XLA path's output and pool). opts: the kernel path's
     options."""
@@ -80,9 +81,10 @@ def _both_paths(cfg, num, backend: str, opts_list: tuple, with_pool: bool):
                 # the kernel paths' pools are dropped after their attention, which read their own writes of this
                 # step (the decode token's ring row); the XLA path's pool carries the run
                 y_ks = [programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared_k[j], freqs[i],
-                                                  "full", backend, opts)[0] for j, opts in enumerate(opts_list)]
+                                                  "full", Backends(backend, opts))[0]
+                        for j, opts in enumerate(opts_list)]
                 y, pool = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared_xla, freqs[i],
-                                                    "full", "xla")
+                                                    "full")
                 yf = y.astype(jnp.float32)
                 for d, y_k in zip(diffs, y_ks):
                     d.append(jnp.max(jnp.abs(yf - y_k.astype(jnp.float32)) * valid) / jnp.max(jnp.abs(yf) * valid))

@@ -12,6 +12,7 @@ from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import kv_pool, programs
+from serving.engine.backends import KernelOptions
 from serving.engine.engine import Engine, EngineError, SamplingParams
 from tiny_engine import NUM
 
@@ -72,23 +73,6 @@ def test_short_prompts_identical_with_replay(tiny):
     assert np.abs(l_exact - l_rep).max() < TOL
 
 
-def test_packed_params_and_staged_engram_rows_change_nothing(tiny):
-    """Engine(pack_params=True): the small parameter arrays passed as a few buffers (fewer arguments a call);
-    engram_transfer='overlap': the Engram rows go to the program in pinned host memory and are copied inside it (an
-    asynchronous copy on a GPU). Neither changes the arithmetic: the same tokens and logits through the encoder,
-    decoder and decode programs (replay on, a prompt past the window). One engine with both, as the two options'
-    programs are the suite's slowest compiles."""
-    ids = prompt(200, seed=4)
-    t_plain, l_plain = run(make(tiny), ids)
-    eng = make(tiny, pack_params=True, engram_transfer="overlap")
-    assert len(jax.tree.leaves(eng.params)) < len(jax.tree.leaves(tiny[1])) // 2
-    rows = eng._rows([], [], 1, 1)
-    assert {a.sharding.memory_kind for r in rows for a in (r.weight, r.scale)} == {"pinned_host"}
-    t_both, l_both = run(eng, ids)
-    assert t_plain == t_both
-    np.testing.assert_array_equal(l_plain, l_both)
-
-
 def test_long_prompt_replay_is_close_not_exact(tiny):
     ids = prompt(256, seed=2)
     _, l_exact = run(make(tiny, swa_bounded_replay=False), ids, SamplingParams(max_tokens=1))
@@ -111,8 +95,8 @@ def test_prefix_hit_equals_cold_replay(tiny):
 
 # the defaults, and every option at its other setting (the suite's time: ~25 s a program on CI, so both settings'
 # kernel paths share one program a phase with the XLA path: layer_paths.attention_diffs_each)
-KERNEL_OPTIONS = {"default": programs.KernelOptions(),
-                  "unfused-rope+xla-indexer+kernel-topk": programs.KernelOptions(
+KERNEL_OPTIONS = {"default": KernelOptions(),
+                  "unfused-rope+xla-indexer+kernel-topk": KernelOptions(
                       fuse_rope=False, prefill_indexer_kernel=False, indexer_topk="kernel")}
 
 
@@ -120,7 +104,7 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
     """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
     reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; with each
-    setting of `programs.KernelOptions` (the query / output RoPE handed to the attention kernel or not, the
+    setting of `backends.KernelOptions` (the query / output RoPE handed to the attention kernel or not, the
     prefill chunk's indexer through the scoring kernel or XLA, the top-k by XLA or, through its reference, the
     threshold kernel). The kernels against those references:
     tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
@@ -247,7 +231,6 @@ def test_sample_branches():
     (dict(linear_backend="pallas"), "needs a CUDA GPU"),
     (dict(linear_backend="interpret"), "needs FP8 linear weights"),  # tiny here: dequantized to float32
     (dict(linear_backend="fp8"), "one of"),
-    (dict(engram_transfer="early"), "engram_transfer='early'"),
 ])
 def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
     cfg, params = tiny
@@ -266,24 +249,25 @@ def test_auto_backends(tiny, monkeypatch):
     the linears are FP8 and the activations bf16; everything on XLA on a CPU."""
     import dataclasses
 
-    from serving.engine import engine as E
+    from dsv41 import mhc, moe
+    from serving.engine import backends as E
     cfg, params = tiny
     release = P.init_params(cfg, seed=0)  # FP8 linears, as a checkpoint holds them
-    assert E.resolve_backends(cfg, params, "auto", "auto")[2] == model.Sites(mhc="xla", router="xla")
+    assert E.resolve_backends(cfg, params, "auto", "auto")[2:] == (mhc.site, moe.route_plain)
     assert E.resolve_linear_backend(release, "auto", quant.REFERENCE) == "xla"
     monkeypatch.setattr(E.jax, "default_backend", lambda: "gpu")
     assert E.resolve_linear_backend(release, "auto", quant.REFERENCE) == "pallas"
     assert E.resolve_linear_backend(release, "auto", quant.EXACT_F32) == "xla"
     assert E.resolve_linear_backend(params, "auto", quant.REFERENCE) == "xla"  # dequantized: no FP8 linears
     assert E.resolve_linear_backend(release, "xla", quant.REFERENCE) == "xla"
-    sites = E.resolve_backends(cfg, params, "auto", "auto", num=quant.REFERENCE)[2]
-    assert sites == model.Sites(mhc="pallas", router="xla", mhc_max_tokens=E.SITE_KERNEL_MAX_TOKENS["mhc"])
-    assert E.resolve_backends(cfg, params, "auto", "auto", mhc_backend="pallas")[2].mhc_max_tokens is None
-    assert E.resolve_backends(cfg, params, "auto", "auto", num=quant.EXACT_F32)[2].mhc == "xla"
+    sites = E.resolve_backends(cfg, params, "auto", "auto", num=quant.REFERENCE)[2:]
+    assert sites == (E.FusedMhcSite("pallas", E.SITE_KERNEL_MAX_TOKENS["mhc"]), moe.route_plain)
+    assert E.resolve_backends(cfg, params, "auto", "auto", mhc_backend="pallas")[2].max_tokens is None
+    assert E.resolve_backends(cfg, params, "auto", "auto", num=quant.EXACT_F32)[2] == mhc.site
     wide = dataclasses.replace(cfg, n_routed_experts=64)
-    sites = E.resolve_backends(wide, params, "auto", "auto")[2]
-    assert (sites.router, sites.router_max_tokens) == ("pallas", E.SITE_KERNEL_MAX_TOKENS["router"])
-    assert E.resolve_backends(wide, params, "auto", "auto", router_backend="xla")[2].router == "xla"
+    route = E.resolve_backends(wide, params, "auto", "auto")[3]
+    assert route == E.FusedRoute("pallas", E.SITE_KERNEL_MAX_TOKENS["router"])
+    assert E.resolve_backends(wide, params, "auto", "auto", router_backend="xla")[3] == moe.route_plain
 
 
 @pytest.mark.parametrize("kw, sampling, msg", [

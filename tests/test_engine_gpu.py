@@ -25,7 +25,8 @@ from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
 from layer_paths import attention_diffs, fill, make_batch, zero_rows
-from serving.engine import kv_pool, packed_params
+from serving.engine import backends as BK
+from serving.engine import kv_pool
 from serving.engine.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -55,10 +56,8 @@ def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_inde
     """Two rows whose pools hold 1536 tokens (ratio-2 layers: 768 entries, so the top-512 selection is real),
     then a prefill chunk (one ragged row) whose windows reach into the rings, and a decode step; also with the
     query / output RoPE inside the attention kernel or not, with the chunk's indexers through the chunk kernel
-    or XLA, and with the top-k threshold kernel (`programs.KernelOptions`)."""
-    from serving.engine import programs
-
-    opts = programs.KernelOptions(fuse_rope=fuse_rope, prefill_indexer_kernel=prefill_indexer, indexer_topk=topk)
+    or XLA, and with the top-k threshold kernel (`backends.KernelOptions`)."""
+    opts = BK.KernelOptions(fuse_rope=fuse_rope, prefill_indexer_kernel=prefill_indexer, indexer_topk=topk)
     cfg, params = bench
     core, _ = model.strip_tables(params)
     B, T0, ctx = 2, 1536, 32
@@ -83,11 +82,12 @@ def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_inde
 def test_moe_kernel_matches_xla(bench):
     cfg, params = bench
     ffn = params["layers"][3]["ffn"]
-    prepared = moe.prepare_experts({"layers": [params["layers"][3]]})["layers"][0]["ffn"]
+    prepared = BK.prepare_experts({"layers": [params["layers"][3]]})["layers"][0]["ffn"]
     run = jax.jit(functools.partial(moe.moe, cfg=cfg, num=NUM))
+    run_k = jax.jit(functools.partial(moe.moe, cfg=cfg, num=NUM, ops=BK.kernel_ops(experts=True)))
     for n in (1, 8, 300):
         x = (jax.random.normal(jax.random.key(n), (n, cfg.dim)) * 2).astype(jnp.bfloat16)
-        y, yk = (np.asarray(run(x, p).astype(jnp.float32)) for p in (ffn, prepared))
+        y, yk = (np.asarray(r(x, p).astype(jnp.float32)) for r, p in ((run, ffn), (run_k, prepared)))
         rel = np.abs(y - yk).max() / np.abs(y).max()
         print(f"moe {n} tokens: rel. max difference {rel:.3g}")
         assert rel < MOE_TOL
@@ -96,14 +96,13 @@ def test_moe_kernel_matches_xla(bench):
 def test_fp8_linear_kernel_matches_xla(bench):
     """Every FP8 linear of a layer (the release's e4m3 + UE8M0 32x32), the grouped wo_a too, through the FP8
     linear kernel against the XLA path (dequantize + dot) at decode sizes."""
-    from dsv41 import nn
     from pallas_kernels import fp8_linear
 
     cfg, params = bench
     lp = params["layers"][2]
-    prepared = nn.prepare_linears({"layers": [lp]}, cfg)["layers"][0]
-    run = jax.jit(lambda x, w: nn.linear(x, w, NUM, fp8_input=True))
-    for path in nn.FP8_LINEARS:
+    prepared = BK.prepare_linears({"layers": [lp]}, cfg)["layers"][0]
+    run = jax.jit(lambda x, w: BK.fp8_linear_op(x, w, NUM, fp8_input=True))
+    for path in BK.FP8_LINEARS:
         w, pw = lp, prepared
         for key in path:
             w, pw = (w or {}).get(key), (pw or {}).get(key)
@@ -118,7 +117,7 @@ def test_fp8_linear_kernel_matches_xla(bench):
     # wo_a: the bf16 tree's FP8 values back in FP8, 8 groups through the same kernel
     w, pw = lp["attn"]["wo_a"], prepared["attn"]["wo_a"]
     assert isinstance(pw, fp8_linear.PreparedFp8) and pw.groups == cfg.o_groups
-    grouped = jax.jit(lambda x, w: nn.grouped_linear(x, w, NUM))
+    grouped = jax.jit(lambda x, w: BK.fp8_grouped_linear_op(x, w, NUM))
     for n in (1, 64):
         x = jax.random.normal(jax.random.key(n), (n, cfg.o_groups, w.shape[1])).astype(jnp.bfloat16)
         y, yk = (np.asarray(grouped(x, v).astype(jnp.float32)) for v in (w, pw))
@@ -153,8 +152,8 @@ def test_fused_sites_match_xla_in_a_block(bench):
         h = (jax.random.normal(k[0], (1, t, cfg.hc_mult, cfg.dim)) * 2).astype(jnp.bfloat16)
         pre = jax.nn.softmax(jax.random.normal(k[1], (1, t, cfg.hc_mult)), -1)
         out = {}
-        for name, sites in (("xla", model.Sites()), ("fused", model.Sites(mhc="pallas", router="pallas"))):
-            out[name] = jax.jit(lambda h, pre, lp, s=sites: model.block(h, pre, lp, 3, cfg, NUM, attn, sites=s))(
+        for name, ops in (("xla", BK.kernel_ops()), ("fused", BK.kernel_ops(mhc="pallas", router="pallas"))):
+            out[name] = jax.jit(lambda h, pre, lp, o=ops: model.block(h, pre, lp, 3, cfg, NUM, attn, ops=o))(
                 h, pre, lp)
         (hx, px), (hk, pk) = ((np.asarray(a, np.float32), np.asarray(b)) for a, b in (out["xla"], out["fused"]))
         rel = np.abs(hk - hx).max() / np.abs(hx).max()
@@ -194,49 +193,3 @@ def test_engine_with_all_kernels_end_to_end(bench, replay, sites):
     print(f"replay={replay} sites={sites}: rel. max logit difference per step {np.round(rel, 4).tolist()} (inputs "
           f"equal for the first {same + 1}); tokens {tx} vs {tp}")
     assert np.all(np.isfinite(lp)) and rel[0] < E2E_TOL
-
-
-# which backends each case of test_packed_params runs: the XLA path, and the KV-path and MoE kernels (the site
-# kernels: test_packed_params_through_the_site_kernels)
-_PACKED_CASES = {
-    "xla": dict(attention_backend="xla", moe_backend="xla", mhc_backend="xla", router_backend="xla"),
-    "attention": dict(attention_backend="auto", moe_backend="xla", mhc_backend="xla", router_backend="xla"),
-    "moe": dict(attention_backend="xla", moe_backend="auto", mhc_backend="xla", router_backend="xla"),
-}
-
-
-@pytest.mark.parametrize("backends", list(_PACKED_CASES))
-def test_packed_params(bench, backends):
-    """Engine(pack_params=True), on the XLA path and with the KV-path or the MoE kernels: the first step's logits
-    as without packing. The slices are exact, but XLA fuses them into their readers, so the program's rounding may
-    change as between two programs of the same math: on the H200 (seventeenth session) 0.00175 (XLA), 0.0025
-    (attention), 0 (MoE). With the fused mHC sites the engine's logits moved by 0.238, through routing flips (next
-    test), so those kernels are checked where the flips can be told apart."""
-    cfg, params = bench
-    ids = list(np.random.default_rng(5).integers(3, cfg.vocab_size, 700))
-    kw = _PACKED_CASES[backends]
-    _, plain = _run(cfg, params, ids, **kw)
-    _, packed = _run(cfg, params, ids, pack_params=True, **kw)
-    rel = float(np.abs(plain[0] - packed[0]).max() / np.abs(plain[0]).max())
-    print(f"packed parameters ({backends}): rel. max logit difference at the first step {rel:.3g}")
-    assert np.all(np.isfinite(packed)) and rel < 0.05
-
-
-def test_packed_params_through_the_site_kernels(bench):
-    """The bench preset's 8 blocks with the fused mHC and router sites (a stand-in attention that mixes no tokens),
-    the parameters as they are against packed, at a prefill bucket and a replayed tail
-    (tests/packed_sites.py). Packing moves the mHC epilogue's float32 sums by roundings, which flip
-    near-tie routing choices (H200, seventeenth session: 1 token's experts at layer 0 of 2048 tokens, 51 tokens'
-    at layer 7), and a rerouted token's stream then differs by whole expert outputs. The tokens never rerouted
-    must agree to rounding: an operand read at the wrong place in a packed buffer moves every token."""
-    from packed_sites import block_params, compare, within_rounding
-
-    cfg, params = bench
-    core = block_params(params)
-    packed = packed_params.pack(core)
-    for t in (2048, 128):
-        rows = compare(core, packed, t, cfg, model.Sites(mhc="pallas", router="pallas"))
-        col = lambda key: [float(f"{r[key]:.2g}") for r in rows]  # noqa: E731
-        print(f"packed site kernels, {t} tokens, per layer: stream rel. max difference on the tokens never rerouted "
-              f"{col('rel_kept')}, their pre-mix {col('pre_kept')}, tokens rerouted {col('rerouted')}")
-        assert within_rounding(rows, t, stream_tol=MOE_TOL), rows

@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import model, moe, nn, quant
+from dsv41 import model, quant
 from dsv41.config import ModelConfig
 from dsv41.quant import Numerics
-from pallas_kernels import expert_gemm, router
-from serving.engine import kv_pool, packed_params, programs
+from serving.engine import backends, kv_pool, programs
 from serving.engine.kv_pool import PoolLayout
 
 log = logging.getLogger(__name__)
@@ -131,123 +130,6 @@ def _bucket(n: int, lo: int = 1) -> int:
     return b
 
 
-# 'xla': routed experts dequantized for lax.ragged_dot. 'pallas': the grouped FP4 Mosaic GPU kernel on the
-# experts in its layout (converted once here). 'interpret': that kernel in the interpreter (CPU tests).
-MOE_BACKENDS = ("xla", "pallas", "interpret")
-# 'xla': FP8 linears dequantized inside the step. 'pallas': decode batches through the FP8 linear kernel
-# (`nn.prepare_linears`, converted once here); 'interpret': in the interpreter. 'auto' -> 'pallas' on a GPU with
-# FP8 linear weights (a release checkpoint) and bf16 activations, else 'xla': on the H200 (2026-12-01, release
-# weights, bench preset) the kernel took the batch-1 decode step from 6.48 to 4.41 ms of device time, and 9-12% off
-# batch 64 (2026-11-30; 9.13 -> 8.38 ms in 2026-12-01/02's calls). Engine runs repeat bit for bit with either (H200,
-# 2026-12-02, compare_engine_runs.py: two runs each, identical logits at every step; the seventh session's two
-# kernel runs differed, on code since changed in its K slices and the MoE's sums). The two backends differ by the
-# kernel's rounding (0.0055 of the logits at the prefill), which flips a near-tied expert choice a few steps on
-# (docs/PERFORMANCE.md, "Twentieth session").
-LINEAR_BACKENDS = ("xla", "pallas", "interpret")
-# 'auto' runs a fused site as its kernel in calls of up to this many tokens (None: every size) and in XLA above,
-# from the H200's per-call times (2026-12-01, docs/PERFORMANCE.md, "Eighteenth session"): a block's two mHC sites
-# took 18.4 us of GPU time as kernels against 34.6 in XLA (Sinkhorn unrolled) at 1 token, 236 against 164 at 512;
-# at 64, 53.2 against 48.7 but in 9 launches against 19, so decode batches up to 64 keep the kernels. The router
-# (Flash's 384 experts): 17.0 / 19.3 / 72.3 / 104.8 us against 17.3 / 29.2 / 70.5 / 182.8 at 1 / 64 / 512 / 2048
-# tokens, so the kernel at every size.
-SITE_KERNEL_MAX_TOKENS = {"mhc": 64, "router": None}
-
-
-def resolve_linear_backend(params: dict, backend: str, num: Numerics) -> str:
-    if backend not in ("auto", *LINEAR_BACKENDS):
-        raise EngineError(f"linear_backend must be 'auto' or one of {LINEAR_BACKENDS}, got {backend!r}")
-    if backend == "xla":
-        return "xla"
-    is_fp8 = lambda w: isinstance(w, quant.Fp8Weight)
-    fp8 = any(is_fp8(w) for w in jax.tree_util.tree_leaves(params["layers"], is_leaf=is_fp8))
-    why = ("needs a CUDA GPU" if backend != "interpret" and jax.default_backend() != "gpu" else
-           "needs FP8 linear weights (a release checkpoint, or init_params without dtype)" if not fp8 else
-           f"needs bfloat16 activations (numerics dtype {num.dtype})" if num.jdtype != jnp.bfloat16 else "")
-    if backend == "auto":
-        return "xla" if why else "pallas"
-    if why:
-        raise EngineError(f"linear_backend={backend!r} {why}; use 'xla'")
-    return backend
-
-
-def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend: str, mhc_backend: str = "auto",
-                     router_backend: str = "auto", num: Numerics = quant.REFERENCE) -> tuple[str, str, model.Sites]:
-    """-> (attention backend, MoE backend, the fused per-layer sites). 'auto' -> the Mosaic GPU kernels on a GPU
-    where the shapes and weight formats allow them, else XLA. An explicit 'pallas' that cannot run raises
-    EngineError saying why. 'auto' runs the mHC and router sites as kernels in calls of up to
-    SITE_KERNEL_MAX_TOKENS tokens (the mHC sites: decode batches) and in XLA in larger ones, where the kernels were
-    not faster on the H200; an explicit 'pallas' runs them at every size."""
-    gpu = jax.default_backend() == "gpu"
-    site = {"mhc": mhc_backend, "router": router_backend}
-    try:
-        router.select_tiling(cfg.n_routed_experts, cfg.n_activated_experts)
-        selectable = True
-    except ValueError:
-        selectable = False
-    shapes = {"mhc": f"needs dim % 128 == 0 (dim {cfg.dim})" if cfg.dim % 128 else "",
-              "router": f"needs dim % 128 == 0, n_routed_experts a multiple of 64 up to 512 and at most 8 "
-                        f"activated ({cfg.dim}, {cfg.n_routed_experts}, {cfg.n_activated_experts})"
-              if cfg.dim % 128 or not selectable else ""}
-    if num.jdtype != jnp.bfloat16:
-        shapes["mhc"] = shapes["mhc"] or f"needs bfloat16 activations (numerics dtype {num.dtype})"
-    for name, be in site.items():
-        if be not in ("auto", *model.SITE_BACKENDS):
-            raise EngineError(f"{name}_backend must be 'auto' or one of {model.SITE_BACKENDS}, got {be!r}")
-        why = "needs a CUDA GPU" if be == "pallas" and not gpu else shapes[name] if be != "auto" else ""
-        if be != "xla" and why:
-            raise EngineError(f"{name}_backend={be!r} {why}; use 'xla'")
-    auto = {n: "pallas" if gpu and not shapes[n] else "xla" for n in site}
-    chosen = {n: auto[n] if be == "auto" else be for n, be in site.items()}
-    limits = {f"{n}_max_tokens": SITE_KERNEL_MAX_TOKENS[n] for n, be in site.items()
-              if be == "auto" and chosen[n] != "xla"}
-    sites = model.Sites(**chosen, **limits)
-    if attention not in ("auto", *programs.ATTENTION_BACKENDS):
-        raise EngineError(f"attention_backend must be 'auto' or one of {programs.ATTENTION_BACKENDS}, "
-                          f"got {attention!r}")
-    if moe_backend not in ("auto", *MOE_BACKENDS):
-        raise EngineError(f"moe_backend must be 'auto' or one of {MOE_BACKENDS}, got {moe_backend!r}")
-    attn_why = ("needs a CUDA GPU" if not gpu else
-                f"needs head_dim % 128 == 0 and n_heads <= 64 (head_dim {cfg.head_dim}, n_heads {cfg.n_heads})"
-                if cfg.head_dim % 128 or cfg.n_heads > 64 else "")
-    fp4 = all(isinstance(w, (quant.Fp4Weight, expert_gemm.PreparedFp4))
-              for lp in params["layers"] for w in lp["ffn"]["experts"].values())
-    moe_why = ("needs a CUDA GPU" if not gpu else
-               "needs FP4 expert weights (a release checkpoint, or init_params without dtype)" if not fp4 else
-               f"needs dim and moe_inter_dim multiples of 256 ({cfg.dim}, {cfg.moe_inter_dim})"
-               if cfg.dim % 256 or cfg.moe_inter_dim % 256 else "")
-    if attention == "auto":
-        attention = "xla" if attn_why else "pallas"
-    elif attention == "pallas" and attn_why:
-        raise EngineError(f"attention_backend='pallas' {attn_why}; use 'xla'")
-    if moe_backend == "auto":
-        moe_backend = "xla" if moe_why else "pallas"
-    elif moe_backend == "pallas" and moe_why:
-        raise EngineError(f"moe_backend='pallas' {moe_why}; use 'xla'")
-    elif moe_backend == "interpret" and not fp4:
-        raise EngineError("moe_backend='interpret' needs FP4 expert weights")
-    return attention, moe_backend, sites
-
-
-ENGRAM_TRANSFERS = ("argument", "overlap")
-
-
-def _engram_rows_home(engram_transfer: str) -> jax.sharding.Sharding | None:
-    """Where a step's gathered Engram rows go before the jitted call. 'argument': nowhere (None): they are host
-    arrays that the call copies to the GPU with its other arguments, before the program starts. 'overlap':
-    pinned host memory; the program copies them itself (`programs._layers`), asynchronously, so the transfer
-    runs beside the layers before each Engram layer (Flash: layers 1 and 14) instead of ahead of layer 0."""
-    if engram_transfer not in ENGRAM_TRANSFERS:
-        raise EngineError(f"engram_transfer={engram_transfer!r}: choose one of {list(ENGRAM_TRANSFERS)}")
-    if engram_transfer == "argument":
-        return None
-    dev = jax.devices()[0]
-    kinds = {m.kind for m in dev.addressable_memories()}
-    if "pinned_host" not in kinds:
-        raise EngineError(f"engram_transfer='overlap' stages rows in pinned host memory, which {dev.platform} "
-                          f"device {dev} does not offer (it has {sorted(kinds)}); use 'argument'")
-    return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-
-
 class PrefixCache:
     """Full pages of global KV keyed by a chained hash of their tokens; reference counted, LRU-evicted."""
 
@@ -320,26 +202,21 @@ class Engine:
                  min_ctx_pages: int = 1, min_decode_bucket: int = 1, attention_backend: str = "auto",
                  moe_backend: str = "auto", mhc_backend: str = "auto", router_backend: str = "auto",
                  linear_backend: str = "auto",
-                 engram_transfer: str = "argument", pack_params: bool = False,
-                 kernel_options: programs.KernelOptions = programs.KernelOptions()):
+                 kernel_options: backends.KernelOptions = backends.KernelOptions()):
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
-        self.attention_backend, self.moe_backend, self.sites = resolve_backends(
-            cfg, params, attention_backend, moe_backend, mhc_backend, router_backend, numerics)
-        # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
-        self.static = {"cfg": cfg, "num": numerics, "backend": self.attention_backend, "sites": self.sites,
-                       "opts": kernel_options}
         self.params, tables = model.strip_tables(params)
-        if self.moe_backend != "xla":
-            self.params = moe.prepare_experts(self.params, interpret=self.moe_backend == "interpret")
-        self.linear_backend = resolve_linear_backend(self.params, linear_backend, numerics)
-        if self.linear_backend != "xla":
-            self.params = nn.prepare_linears(self.params, cfg, interpret=self.linear_backend == "interpret")
-        if pack_params:  # the small arrays in a few buffers: fewer arguments a call (serving/engine/packed_params.py)
-            self.params = packed_params.pack(self.params)
+        try:
+            self.backends, self.params = backends.build(
+                cfg, self.params, numerics, attention=attention_backend, moe_backend=moe_backend,
+                mhc_backend=mhc_backend, router_backend=router_backend, linear_backend=linear_backend,
+                options=kernel_options)
+        except backends.BackendError as e:
+            raise EngineError(str(e)) from None
+        # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
+        self.static = {"cfg": cfg, "num": numerics, "backends": self.backends}
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
-        self._rows_home = _engram_rows_home(engram_transfer)
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         self.replay = swa_bounded_replay and cfg.split_layer >= 0
         if max_num_batched_tokens < cfg.window_size:
@@ -561,8 +438,7 @@ class Engine:
         else:
             for i, (r, t) in enumerate(zip(reqs, toks)):
                 rid[i, : len(t)], r.history = self.hasher.hash_step(np.asarray([t], np.int64), r.history)
-        rows = model.engram_rows(self.tables, rid)
-        return rows if self._rows_home is None else jax.device_put(rows, self._rows_home)
+        return model.engram_rows(self.tables, rid)
 
     def _batch(self, reqs: list[_Request], toks: list[list[int]], pos0: list[int], T: int, B: int) -> tuple:
         ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in reqs), self.min_ctx_pages))
@@ -579,8 +455,7 @@ class Engine:
             bt[i, : len(r.pages)] = r.page_row()
             slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
         rows = self._rows(reqs, toks, B, T)
-        # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too,
-        # unless they are staged in pinned host memory for the program to copy: engram_transfer="overlap")
+        # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too)
         b = programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rows)
         return b
 

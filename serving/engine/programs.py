@@ -22,14 +22,8 @@ from dsv41.config import AttnRole, ModelConfig
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
-from serving.engine import packed_params
+from serving.engine.backends import Backends, KernelOptions
 from serving.engine.kv_pool import KVPool, ring_size
-
-
-# Decode KV path. 'xla': dsv41's attention and indexer on dequantized KV. 'pallas': the fused Mosaic GPU kernels
-# (KV writes, indexer scores + top-k, sparse attention; GPU). 'interpret' / 'reference': those kernels in the
-# Mosaic GPU interpreter / their jnp references, for tests on any backend.
-ATTENTION_BACKENDS = ("xla", "pallas", "interpret", "reference")
 
 
 @jax.tree_util.register_dataclass
@@ -53,41 +47,6 @@ class Sampling:
     top_p: jax.Array  # float32 [B]
     top_k: jax.Array  # int32 [B]; 0 = off
     key: jax.Array  # uint32 [B, 2]: per-request key folded with the step
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelOptions:
-    """Options of the kernel attention path (any attention backend but 'xla'), static in every program (part of
-    the jit cache key: a program traced with one setting is never reused for another).
-
-    fuse_rope: the query RoPE and the output's inverse RoPE inside the attention kernel
-      (`KernelConfig.fuse_rope`) instead of two XLA passes over q and o (at a 2048-token prefill chunk 128 MB each
-      way, per layer). On the H200 (2026-12-01, docs/PERFORMANCE.md "Fused RoPE and the prefill indexer
-      kernel"): the kernel's GPU tests and the engine layer by layer pass; batch-64 decode 9.20 -> 8.98 ms of
-      device time, batch 1 unchanged (4.77 ms). In the interpreter the fused kernel equals the unfused one bit
-      for bit (tests/pallas_kernels/test_sparse_attention.py).
-    prefill_indexer_kernel: a prefill chunk's indexers through the kernels (`_kernel_index_topk`: the encoder
-      indexers and the candidate source through `indexer_chunk`, the layers after it through their candidates)
-      instead of XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (`indexer.raw_scores`
-      forms them 4 GiB at a time beyond 16K entries). On by default: on the H200 (2026-12-01, docs/PERFORMANCE.md
-      "The chunk indexer and the top-k threshold kernel") `indexer_chunk` scored a 2048-query chunk 3.2-4.0x
-      faster than XLA (4.63 vs 18.51 ms at 64K entries) and a 64K prompt took 1.171 s against 1.372. (A first
-      version, the decode kernel run on groups of 8 queries, made the 64K prompt 32% slower.)
-    indexer_topk: how the kernel path's indexers pick their top-k entries and layer 20's blocks, one of
-      `indexer_logits.TOPK_METHODS`: 'auto' (`indexer_logits.auto_topk_method`: the threshold kernel
-      `topk_select` where the H200 measured it faster: in place of radix select for 64 rows of 2048+ scores,
-      in place of lax.top_k for fewer rows of 16384+; else those two, by rows) or 'kernel' (the threshold
-      kernel for every row)."""
-
-    fuse_rope: bool = True
-    prefill_indexer_kernel: bool = True
-    indexer_topk: str = "auto"
-
-    def __post_init__(self):
-        from pallas_kernels.indexer_logits import TOPK_METHODS
-
-        if self.indexer_topk not in TOPK_METHODS:
-            raise ValueError(f"indexer_topk={self.indexer_topk!r}: one of {list(TOPK_METHODS)}")
 
 
 def _dequant_fp8_rows(q, s):
@@ -181,7 +140,7 @@ def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
 
 
 def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict, freqs,
-                         backend: str, opts: KernelOptions):
+                         backend: str, opts: KernelOptions, ops):
     """Decode (one token a row, phase 'full') through the fused kernels: the token's KV writes (ring, and on
     KV-source layers the compressed entry, index key and pending state) in one kernel, the indexer's scores and
     top-k straight from the MXFP4 pool (candidate entries only after the candidate source layer), and the sparse
@@ -198,7 +157,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
 
     with jax.named_scope("kv_write"):  # (sub-scopes of "attention" for scripts/profile_step.py)
-        kv = A.window_kv(x, p, pos, freqs, cfg, num)
+        kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
         lkv = kvw.LayerKV.of_pool(pool, layer, si, ratio)
         extra = {}
         if ratio:
@@ -217,10 +176,10 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
 
     fuse = opts.fuse_rope
     with jax.named_scope("q_proj"):
-        q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
+        q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
     if role in (AttnRole.FULL, AttnRole.REINDEX):
         with jax.named_scope("indexer"):
-            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
+            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
             shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
                                                 opts)
 
@@ -240,7 +199,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
                                 pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw,
                                 **_rope_kw(b.pos0, freqs, fuse))
     with jax.named_scope("output"):
-        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse), pool
+        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool
 
 
 def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
@@ -317,14 +276,16 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batc
 
 
 def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
-                     freqs, phase: str, backend: str = "xla", opts: KernelOptions = KernelOptions()):
+                     freqs, phase: str, backends: Backends = Backends()):
     """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
     split layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
+    backends: the attention backend (decode: the fused kernels unless 'xla'), its options, the linears' ops.
     -> (output [B, T, D] or None, pool)."""
     p = lp
+    backend, opts, ops = backends.attention, backends.options, backends.ops
     B, T, _ = x.shape
     if backend != "xla" and T == 1 and phase == "full":
-        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend, opts)
+        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend, opts, ops)
     fuse = opts.fuse_rope and backend != "xla"
     role, r = cfg.role(layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -342,7 +303,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         keys_q, keys_s = rq.reshape(B * R, Dh), rs.reshape(B * R, -1)
         ring_pos, chunk_start = win_pos, None
     else:
-        kv = A.window_kv(x, p, pos, freqs, cfg, num)
+        kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
         kq, ks = quant.fp8_quantize(kv)
         ks = quant.ue8m0_encode(ks)
         new_rq = _write_ring(rq, kq, b.pos0, b.n_valid)
@@ -380,8 +341,8 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if phase == "kv_only":
             return None, pool
         if role in (AttnRole.FULL, AttnRole.REINDEX):
-            q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
-            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num)
+            q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
+            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
             if backend != "xla" and opts.prefill_indexer_kernel:
                 shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
                                                     opts)
@@ -394,12 +355,12 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
                     s = jnp.where(shared["cand"], s, -jnp.inf)
                 shared["topk"] = indexer.select_topk(s, pos, r, cfg)
         else:
-            q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
+            q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
         comp_k, comp_valid = _gather_kv(pool, si, b.block_table, shared["topk"], cfg)
     else:
         if phase == "kv_only":
             return None, pool
-        q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse)
+        q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
     if backend != "xla":
         rows = _window_rows(pos, ring_pos, R, chunk_start, T, cfg.window_size)
         si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
@@ -407,11 +368,11 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
                                       _rope_kw(pos.reshape(-1), freqs, fuse))
     else:
         o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
-    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse), pool
+    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool
 
 
-def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict, backend: str = "xla",
-            sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
+def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict,
+            backends: Backends = Backends()):
     freqs = model.freqs_for(cfg)
     shared: dict = {}
     for i in range(first, last):
@@ -419,26 +380,20 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         phase = phases.get(i, "full")
         if i in cfg.engram_layer_ids and phase != "attn_only":
             with jax.named_scope("engram"):
-                # Rows staged in pinned host memory (Engine(engram_transfer="overlap")) are copied to the GPU
-                # here; XLA's host-offload passes make that an asynchronous copy its scheduler may start ahead
-                # of the layers before this one (whether it does on the H200: `h200_checks.sh engram`). Rows
-                # already on the device pass through unchanged.
-                rows = jax.device_put(b.rows[cfg.engram_layer_ids.index(i)], jax.memory.Space.Device)
-                h = engram.engram(h, rows, lp["engram"], cfg, num)
+                rows = b.rows[cfg.engram_layer_ids.index(i)]
+                h = engram.engram(h, rows, lp["engram"], cfg, num, ops=backends.ops)
         if phase == "kv_only":
             with jax.named_scope("attention"):
                 x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
-                _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend,
-                                           opts)
+                _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backends)
             break
 
         def attn_fn(x, lp=lp, i=i, phase=phase):
             nonlocal pool
-            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backend,
-                                       opts)
+            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backends)
             return y
 
-        h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn, sites=sites)
+        h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn, ops=backends.ops)
     return h, pre, pool
 
 
@@ -491,45 +446,39 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
     return logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites", "opts"), donate_argnames=("pool",))
-def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics, backend: str = "xla",
-             sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))
+def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
+             backends: Backends = Backends()):
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
-    backend other than 'xla' (see ATTENTION_BACKENDS): the fused kernels (decode: KV writes, indexer, attention;
-    longer chunks: attention, one kernel row per query token). sites: which per-layer sites (mHC, router) run
-    fused (`model.Sites`); opts: options of the kernel attention path (`KernelOptions`). params: the parameter
-    tree or its `packed_params.PackedParams` (every program takes either)."""
-    params = packed_params.unpack(params)
+    backends (`backends.Backends`): an attention backend other than 'xla' runs the fused kernels (decode: KV
+    writes, indexer, attention; longer chunks: attention, one kernel row per query token) with its options; its
+    ops run the linears, MoE and mHC sites."""
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backend, sites, opts)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends)
     with jax.named_scope("head_sample"):
         logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites", "opts"), donate_argnames=("pool",))
-def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backend: str = "xla",
-                sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))
+def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics,
+                backends: Backends = Backends()):
     """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
     [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
-    params = packed_params.unpack(params)
     h, pre = model.embed(params, b.tokens, cfg, num)
     split = cfg.split_layer
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backend,
-                           sites, opts)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backends)
     W = cfg.window_size
     return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backend", "sites", "opts"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))
 def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-                backend: str = "xla", sites: model.Sites = model.Sites(), opts: KernelOptions = KernelOptions()):
+                backends: Backends = Backends()):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
     b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
-    params = packed_params.unpack(params)
     split = cfg.split_layer
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backend,
-                           sites, opts)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backends)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok

@@ -12,6 +12,7 @@ import pytest
 
 from dsv41.quant import Fp4Weight, quantize_fp4_weight
 from pallas_kernels import expert_gemm as eg
+from serving.engine import backends as BK
 
 C = eg.KernelConfig
 
@@ -345,9 +346,9 @@ def test_kernel_gpu(m, cfg, k):
 
 @pytest.mark.parametrize("act_quant", [False, True])
 def test_moe_layer_through_the_kernel_equals_xla(act_quant):
-    """dsv41.moe with the experts in the kernel layout (prepare_experts; here the kernel in the interpreter)
-    against the XLA path on the same FP4 weights: routing, sort, SwiGLU, weighting and the sum over each token's
-    experts around the GEMMs (the kernel path keeps its rows in the kernel's layouts between them), with and
+    """dsv41.moe with the experts in the kernel layout (backends.prepare_experts and the kernel Ops; here the
+    kernel in the interpreter) against the XLA path on the same FP4 weights: routing, sort, SwiGLU, weighting and
+    the sum over each token's experts around the GEMMs (the kernel path keeps its rows in the kernel's layouts between them), with and
     without the served FP8 quantization of the activations."""
     from dsv41 import moe
     from dsv41 import params as P
@@ -357,23 +358,20 @@ def test_moe_layer_through_the_kernel_equals_xla(act_quant):
     cfg = preset("tiny")
     params = P.init_params(cfg, seed=1)
     lp = params["layers"][0]["ffn"]
-    prepared = moe.prepare_experts({"layers": [params["layers"][0]]}, interpret=True)["layers"][0]["ffn"]
+    prepared = BK.prepare_experts({"layers": [params["layers"][0]]}, interpret=True)["layers"][0]["ffn"]
     assert isinstance(prepared["experts"]["w2"], eg.PreparedFp4)
     assert set(prepared["experts"]) == {"w13", "w2"}  # w1 and w3 in one call
-    again = moe.prepare_experts({"layers": [{"ffn": prepared}]}, interpret=True)["layers"][0]["ffn"]["experts"]
+    again = BK.prepare_experts({"layers": [{"ffn": prepared}]}, interpret=True)["layers"][0]["ffn"]["experts"]
     assert again["w13"] is prepared["experts"]["w13"]  # preparing twice is a no-op
     num = Numerics(act_quant=act_quant, bf16_probs=True, dtype="bfloat16")
     x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 7, cfg.dim)), jnp.bfloat16)
     # one program each: eager ops dispatched while the interpreter's callback thread runs can deadlock it
-    layer = jax.jit(lambda x, p: moe.moe(x, p, cfg, num))
-    y_xla = jax.block_until_ready(layer(x, lp))
-    y_kernel = layer(x, prepared)
+    y_xla = jax.block_until_ready(jax.jit(lambda x, p: moe.moe(x, p, cfg, num))(x, lp))
+    y_kernel = jax.jit(lambda x, p: moe.moe(x, p, cfg, num, ops=BK.kernel_ops(experts=True)))(x, prepared)
     assert _rel(y_kernel, np.asarray(y_xla.astype(jnp.float32), np.float64)) < 1e-2
 
 
 def test_prepare_experts_rejects_dense_weights():
-    from dsv41 import moe
-
     dense = {"layers": [{"ffn": {"experts": {"w1": jnp.zeros((2, 128, 256), jnp.bfloat16)}}}]}
     with pytest.raises(ValueError, match="not FP4"):
-        moe.prepare_experts(dense)
+        BK.prepare_experts(dense)

@@ -14,6 +14,7 @@ import pytest
 from dsv41.quant import Fp8Weight
 from pallas_kernels import expert_gemm as eg
 from pallas_kernels import fp8_linear as f8
+from serving.engine import backends as BK
 
 
 def _random_fp8(rng, n, k, lo=112, hi=130):
@@ -174,16 +175,16 @@ def test_grouped_kernel_gpu(m):
 
 
 def test_prepare_linears_and_linear_dispatch():
-    """nn.prepare_linears converts the FP8 linears the kernel takes and nothing else; nn.linear runs them through
-    the kernel at decode sizes (here in the interpreter) and through XLA above MAX_ROWS, both matching the
-    Fp8Weight they came from."""
+    """backends.prepare_linears converts the FP8 linears the kernel takes and nothing else; the kernel Ops' linear
+    runs them through the kernel at decode sizes (here in the interpreter) and through XLA above MAX_ROWS, both
+    matching the Fp8Weight they came from."""
     from dsv41 import nn, quant
     from dsv41 import params as P
     from dsv41.config import preset
 
     cfg = preset("tiny")
     params = P.init_params(cfg, seed=0)
-    prepared = nn.prepare_linears(params, cfg, interpret=True)
+    prepared = BK.prepare_linears(params, cfg, interpret=True)
     is_p = lambda w: isinstance(w, f8.PreparedFp8)
     lp0, pp0 = params["layers"][0], prepared["layers"][0]
     converted = {jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(pp0, is_leaf=is_p) if is_p(v)}
@@ -193,14 +194,15 @@ def test_prepare_linears_and_linear_dispatch():
             tree = tree.get(key) if isinstance(tree, dict) else None
         return tree
 
-    want = {"".join(f"['{key}']" for key in path) for path in nn.FP8_LINEARS if f8.supported(get(lp0, path))}
+    want = {"".join(f"['{key}']" for key in path) for path in BK.FP8_LINEARS if f8.supported(get(lp0, path))}
     assert converted == want and "['attn']['wq_a']" in converted
     assert not is_p(pp0["attn"]["wo_a"])  # grouped, 64 rows a group here: below the kernel's 128
     num = quant.Numerics(act_quant=False)
     rng = np.random.default_rng(3)
     # each pair of calls as one program (eagerly: dozens of small compiles)
     dense = jax.jit(lambda pw, w: (quant.dense(pw), quant.dense(w)))
-    both = jax.jit(lambda x, pw, w: (nn.linear(x, pw, num, fp8_input=True), nn.linear(x, w, num, fp8_input=True)))
+    both = jax.jit(lambda x, pw, w: (BK.fp8_linear_op(x, pw, num, fp8_input=True),
+                                     nn.linear(x, w, num, fp8_input=True)))
     for name in ("wq_a", "wo_b"):
         w, pw = lp0["attn"][name], pp0["attn"][name]
         dp, dw = dense(pw, w)
@@ -222,12 +224,12 @@ def test_grouped_wo_a_through_the_kernel():
     rng = np.random.default_rng(4)
     dense = quant.quantize_fp8_weight(jnp.asarray(rng.standard_normal((g * r, kg)) * 0.05, jnp.float32))
     w = dense.dequantize(jnp.bfloat16)  # FP8 values, 32x32 blocks over the whole [G * R, K] matrix
-    pw = nn._grouped_fp8(w, g, interpret=True)
+    pw = BK._grouped_fp8(w, g, interpret=True)
     assert isinstance(pw, f8.PreparedFp8) and pw.groups == g and pw.shape == (g, r, kg)
     assert np.asarray(quant.dense(pw, jnp.bfloat16)).reshape(g * r, kg).tobytes() == np.asarray(w).tobytes()
-    assert nn._grouped_fp8(w + jnp.asarray(1e-3, jnp.bfloat16), g, interpret=True) is None  # not FP8 values
+    assert BK._grouped_fp8(w + jnp.asarray(1e-3, jnp.bfloat16), g, interpret=True) is None  # not FP8 values
     num = quant.Numerics(act_quant=False)
-    both = jax.jit(lambda x, pw, w: (nn.grouped_linear(x, pw, num), nn.grouped_linear(x, w, num)))  # one program
+    both = jax.jit(lambda x, pw, w: (BK.fp8_grouped_linear_op(x, pw, num), nn.grouped_linear(x, w, num)))  # one program
     for rows in (3, f8.MAX_ROWS + 5):
         x = jnp.asarray(rng.standard_normal((rows, g, kg)), jnp.bfloat16)
         y, ref = both(x, pw, w)

@@ -19,6 +19,7 @@ import pytest
 
 from dsv41.config import ModelConfig
 from pallas_kernels import mhc as M
+from serving.engine import backends as BK
 
 CFG = ModelConfig()
 NAMES = ("h1", "x", "pre", "post", "comb")
@@ -124,8 +125,8 @@ def test_block_with_fused_sites_matches_xla():
     attn = lambda x: (x.astype(jnp.float32) * 0.5).astype(x.dtype)  # noqa: E731
     outs = {}
     for be in ("xla", "interpret"):
-        outs[be] = jax.jit(lambda h, pre, lp, be=be: model.block(h, pre, lp, 0, cfg, num, attn,
-                                                                         sites=model.Sites(mhc=be)))(h, pre, lp)
+        ops = BK.kernel_ops(mhc=be)
+        outs[be] = jax.jit(lambda h, pre, lp, ops=ops: model.block(h, pre, lp, 0, cfg, num, attn, ops=ops))(h, pre, lp)
         jax.block_until_ready(outs[be])  # the interpreter is not re-entrant
     (hx, px), (hk, pk) = outs["xla"], outs["interpret"]
     hx, hk = np.asarray(hx, np.float32), np.asarray(hk, np.float32)
@@ -136,7 +137,7 @@ def test_block_with_fused_sites_matches_xla():
 
 @pytest.mark.parametrize("tokens, kernels", [(4, True), (5, False)])
 def test_sites_above_their_token_limit_take_xla(tokens, kernels, monkeypatch):
-    """Sites(mhc_max_tokens=4): a block of 4 tokens traces its two mHC sites as kernels, one of 5 tokens (a prefill
+    """FusedMhcSite(max_tokens=4): a block of 4 tokens traces its two mHC sites as kernels, one of 5 tokens (a prefill
     chunk past the limit) the XLA composition only."""
     from dsv41 import model, quant
     from dsv41 import params as P
@@ -147,13 +148,11 @@ def test_sites_above_their_token_limit_take_xla(tokens, kernels, monkeypatch):
     h = jnp.zeros((1, tokens, cfg.hc_mult, cfg.dim), jnp.bfloat16)
     pre = jnp.full((1, tokens, cfg.hc_mult), 1 / cfg.hc_mult)
     calls = []
-    monkeypatch.setattr(M, "mhc_fused", lambda *a, **kw: calls.append(kw["backend"]) or M.mhc_reference(*a[:10]))
-    sites = model.Sites(mhc="interpret", mhc_max_tokens=4)
-    jax.eval_shape(lambda h, pre, lp: model.block(h, pre, lp, 0, cfg, quant.Numerics(), lambda x: x, sites=sites),
+    monkeypatch.setattr(BK, "mhc_fused", lambda *a, **kw: calls.append(kw["backend"]) or M.mhc_reference(*a[:10]))
+    ops = BK.kernel_ops(mhc_site=BK.FusedMhcSite("interpret", max_tokens=4))
+    jax.eval_shape(lambda h, pre, lp: model.block(h, pre, lp, 0, cfg, quant.Numerics(), lambda x: x, ops=ops),
                    h, pre, lp)
     assert calls == (["interpret"] * 2 if kernels else [])
-    assert model.Sites(router="pallas", router_max_tokens=64).backend("router", 65) == "xla"
-    assert model.Sites(router="pallas").backend("router", 1 << 20) == "pallas"
 
 
 def test_bad_config_rejected():

@@ -14,6 +14,7 @@ import pytest
 
 from dsv41.config import ModelConfig
 from pallas_kernels import router as R
+from serving.engine import backends as BK
 
 RC = R.RouteConfig()  # Flash: k=6, route_scale 1.5, renormalised
 SMALL = R.KernelConfig(tm=8, tk=64, splits=2, num_wgs=2, stages=2)  # interpret: D=128 in 2 splits of 64
@@ -198,7 +199,8 @@ def test_moe_with_fused_router_matches_xla():
     out = {}
     for be in ("xla", "interpret"):
         # params as arguments: closed over, they become constants and the compile takes 10x longer
-        out[be] = jax.jit(lambda x, p, be=be: moe.moe(x, p, cfg, num, return_routing=True, router_backend=be))(x, ffn)
+        ops = BK.kernel_ops(router=be)
+        out[be] = jax.jit(lambda x, p, ops=ops: moe.moe(x, p, cfg, num, return_routing=True, ops=ops))(x, ffn)
         jax.block_until_ready(out[be])
     (yx, (wx, ix)), (yk, (wk, ik)) = out["xla"], out["interpret"]
     np.testing.assert_array_equal(np.asarray(ik), np.asarray(ix))

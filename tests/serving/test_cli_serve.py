@@ -21,7 +21,6 @@ def test_serve_flags_map_to_engine_kwargs():
     assert served_model_name(args) == "tiny"
     assert served_model_name(_serve(["--checkpoint", "/ckpt/flash/"])) == "flash"
     assert (_serve([]).engram_tables, _serve(["--engram-tables", "mmap"]).engram_tables) == ("ram", "mmap")
-    assert engine_kwargs(_serve(["--engram-transfer", "overlap"])) == {"engram_transfer": "overlap"}
 
 
 def test_serve_flag_errors_name_the_flag():
