@@ -24,6 +24,7 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from scripts.bench_engine import fake_decode_state
 from serving.engine import programs
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 
 
@@ -52,8 +53,8 @@ def main():
     cfg = dataclasses.replace(preset("tiny"), engram_head_dim=preset("bench").engram_head_dim,
                               max_seq_len=max(max_len, preset("tiny").max_seq_len))
     eng = Engine(cfg, P.init_params(cfg, 0), T.load_tokenizer(), model.builtin_hasher(cfg),
-                 max_num_seqs=max(batches), max_model_len=max_len, page_tokens=page_tokens,
-                 num_pages=max(batches) * (max_len // page_tokens))
+                 config=EngineConfig(max_num_seqs=max(batches), max_model_len=max_len, page_tokens=page_tokens,
+                 num_pages=max(batches) * (max_len // page_tokens)))
 
     def stub(params, pool, b, s, **kw):
         return pool, None, np.full(b.tokens.shape[0], 7, np.int32)

@@ -12,6 +12,7 @@ from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import kv_pool, programs
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, EngineError, SamplingParams
 from tiny_engine import NUM
 
@@ -252,7 +253,7 @@ def test_sample_branches():
 def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
     cfg, params = tiny
     with pytest.raises(EngineError, match=msg):
-        Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
+        Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(**kw))
 
 
 def test_engram_tables_mode_is_checked_before_loading():

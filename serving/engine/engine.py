@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import time
 from typing import Any
@@ -26,41 +25,13 @@ from dsv41.config import ModelConfig
 from dsv41.quant import Numerics
 from pallas_kernels import expert_gemm, router
 from serving.engine import kv_pool, packed_params, programs
+from serving.engine.config import EngineConfig
+from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-exported)
 from serving.engine.kv_pool import PoolLayout
+from serving.engine.prefix_cache import PrefixCache
+from serving.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(ValueError):
-    """A request the engine cannot take (bad ids, too long, bad sampling values) or cannot finish; raised from
-    `step()` it names the failed request in `request_id` (that request is dropped, the others go on)."""
-
-    request_id: str | None = None
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is full: retry later."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise EngineError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise EngineError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise EngineError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
 
 
 @dataclasses.dataclass
@@ -248,80 +219,17 @@ def _engram_rows_home(engram_transfer: str) -> jax.sharding.Sharding | None:
     return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
 
 
-class PrefixCache:
-    """Full pages of global KV keyed by a chained hash of their tokens; reference counted, LRU-evicted."""
-
-    def __init__(self, page_tokens: int):
-        self.page_tokens = page_tokens
-        self.by_key: dict[bytes, int] = {}
-        self.key_of: dict[int, bytes] = {}
-        self.refs: collections.Counter = collections.Counter()
-        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.hit_tokens = 0
-        self.query_tokens = 0
-
-    def keys(self, tokens: list[int], prev: bytes = b"") -> list[bytes]:
-        """Chained hashes of the full pages of `tokens`, continuing the chain from `prev` (the key of the page
-        before them, b"" at the start of a sequence)."""
-        out, h = [], prev
-        n = len(tokens) // self.page_tokens * self.page_tokens
-        buf = np.asarray(tokens[:n], np.int32).tobytes()
-        step = self.page_tokens * 4
-        for i in range(0, len(buf), step):
-            h = hashlib.blake2b(h + buf[i:i + step], digest_size=16).digest()
-            out.append(h)
-        return out
-
-    def match(self, keys: list[bytes]) -> list[int]:
-        """The cached pages of the longest cached run of `keys` from the start."""
-        pages = []
-        for k in keys:
-            p = self.by_key.get(k)
-            if p is None:
-                break
-            pages.append(p)
-        return pages
-
-    def acquire(self, page: int) -> None:
-        self.refs[page] += 1
-        self.evictable.pop(page, None)
-
-    def release(self, page: int) -> bool:
-        """-> True when the page is cached (kept, evictable) rather than free."""
-        self.refs[page] -= 1
-        if self.refs[page] <= 0:
-            del self.refs[page]
-            if page in self.key_of:
-                self.evictable[page] = None
-                return True
-            return False
-        return True
-
-    def insert(self, key: bytes, page: int) -> None:
-        if key in self.by_key or page in self.key_of:
-            return
-        self.by_key[key] = page
-        self.key_of[page] = key
-
-    def evict(self) -> int | None:
-        if not self.evictable:
-            return None
-        page, _ = self.evictable.popitem(last=False)
-        del self.by_key[self.key_of.pop(page)]
-        return page
-
-
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, *, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 512, page_tokens: int = 64,
-                 num_pages: int | None = None, swa_bounded_replay: bool = True,
-                 enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
-                 numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
-                 min_ctx_pages: int = 1, min_decode_bucket: int = 1, attention_backend: str = "auto",
-                 moe_backend: str = "auto", mhc_backend: str = "auto", router_backend: str = "auto",
-                 linear_backend: str = "auto",
-                 engram_transfer: str = "argument", pack_params: bool = False,
-                 kernel_options: programs.KernelOptions = programs.KernelOptions()):
+    def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig()):
+        if not isinstance(config, EngineConfig):
+            raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
+                              f"pass engine options as EngineConfig(...) fields")
+        self.config = config
+        (numerics, attention_backend, moe_backend, mhc_backend, router_backend, linear_backend, engram_transfer,
+         pack_params, kernel_options) = (config.numerics, config.attention_backend, config.moe_backend,
+                                         config.mhc_backend, config.router_backend, config.linear_backend,
+                                         config.engram_transfer, config.pack_params, config.kernel_options)
+        max_num_seqs, page_tokens, min_ctx_pages = config.max_num_seqs, config.page_tokens, config.min_ctx_pages
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         self.attention_backend, self.moe_backend, self.sites = resolve_backends(
             cfg, params, attention_backend, moe_backend, mhc_backend, router_backend, numerics)
@@ -340,50 +248,44 @@ class Engine:
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
         self._rows_home = _engram_rows_home(engram_transfer)
-        self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
-        self.replay = swa_bounded_replay and cfg.split_layer >= 0
-        if max_num_batched_tokens < cfg.window_size:
-            raise EngineError(f"max_num_batched_tokens must be >= the window ({cfg.window_size})")
-        if page_tokens % 2:
-            raise EngineError("page_tokens must be even (ratio-2 groups may not straddle pages)")
-        self.chunk = max_num_batched_tokens
+        self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        self.replay = config.swa_bounded_replay and cfg.split_layer >= 0
+        if config.max_num_batched_tokens < cfg.window_size:
+            raise EngineError(f"max_num_batched_tokens={config.max_num_batched_tokens} is below the model's window "
+                              f"({cfg.window_size}); raise it to at least {cfg.window_size}")
+        self.chunk = config.max_num_batched_tokens
         pages_per_seq = -(-self.max_model_len // page_tokens)
-        # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, block tables to a power of
-        # two >= min_ctx_pages, decode batches to min_decode_bucket times a power of two (at most the bucket of
-        # max_num_seqs); fewer buckets mean fewer compiles, bigger ones more padding
-        if min(min_prefill_bucket, min_ctx_pages, min_decode_bucket) < 1:
-            raise EngineError("min_prefill_bucket, min_ctx_pages and min_decode_bucket must be >= 1")
         self.max_pages_per_seq = pages_per_seq
-        self.min_prefill_bucket, self.min_ctx_pages = min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
-        self.min_decode_bucket = min(min_decode_bucket, _bucket(max_num_seqs))
-        num_pages = num_pages or max_num_seqs * pages_per_seq
+        self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
+        self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
+        num_pages = config.num_pages or max_num_seqs * pages_per_seq
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs)
         self.pool = kv_pool.allocate(cfg, self.layout)
         self.free_pages = collections.deque(range(num_pages))
         self.free_slots = collections.deque(range(max_num_seqs))
-        self.prefix = PrefixCache(page_tokens) if (self.replay if enable_prefix_caching is None
-                                                   else enable_prefix_caching) else None
+        self.prefix = PrefixCache(page_tokens) if (self.replay if config.enable_prefix_caching is None
+                                                   else config.enable_prefix_caching) else None
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: dict[str, _Request] = {}
-        self.max_waiting = max_waiting
+        self.max_waiting = config.max_waiting
         self.eos = getattr(tokenizer, "eos_id", cfg.eos_token_id)
         self.counters = collections.Counter()
-        self.keep_logits = keep_logits  # tests and the replay study read the logits behind each token
+        self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_preset(cls, name: str = "tiny", seed: int = 0, **kw) -> "Engine":
+    def from_preset(cls, name: str = "tiny", seed: int = 0, config: EngineConfig = EngineConfig()) -> "Engine":
         from dsv41 import params as P
         from dsv41 import tokenizer as T
         from dsv41.config import preset
 
         cfg = preset(name)
-        return cls(cfg, P.init_params(cfg, seed), T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
+        return cls(cfg, P.init_params(cfg, seed), T.load_tokenizer(), model.builtin_hasher(cfg), config)
 
     @classmethod
-    def from_checkpoint(cls, path: str, engram_tables: str = "ram", **kw) -> "Engine":
+    def from_checkpoint(cls, path: str, engram_tables: str = "ram", config: EngineConfig = EngineConfig()) -> "Engine":
         """engram_tables: 'ram' reads the Engram tables into host memory at load (one sequential pass), so
         that no request's row gather waits on the disk; 'mmap' leaves them memory-mapped (less host memory,
         the first gathers of each page fault)."""
@@ -397,7 +299,7 @@ class Engine:
             params = checkpoint.resident_tables(params)
         tok = T.load_tokenizer(path)
         hasher = ngram_hash.NgramHasher(cfg, T.build_compressed_token_map(tok)[0]) if cfg.engram_layer_ids else None
-        return cls(cfg, params, tok, hasher, **kw)
+        return cls(cfg, params, tok, hasher, config)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -432,6 +334,10 @@ class Engine:
         r = self.running.pop(request_id, None)
         if r is not None:
             self._free(r, keep=False)
+
+    def waiting_request_ids(self) -> list[str]:
+        """The ids still in the waiting queue, oldest first (the async layer's queue-wait limit reads them)."""
+        return [r.id for r in self.waiting]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -570,10 +476,13 @@ class Engine:
         p0 = np.zeros(B, np.int32)
         wlo = np.zeros(B, np.int32)
         for i, (r, t, p) in enumerate(zip(reqs, toks, pos0)):
-            tokens[i, : len(t)] = t
-            n_valid[i] = len(t)
-            bt[i, : len(r.pages)] = r.page_row()
-            slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
+            try:
+                tokens[i, : len(t)] = t
+                n_valid[i] = len(t)
+                bt[i, : len(r.pages)] = r.page_row()
+                slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
+            except (OverflowError, ValueError, TypeError) as e:
+                self._fail(r, f"request {r.id}: its tokens or positions do not fit the step's arrays ({e})")
         rows = self._rows(reqs, toks, B, T)
         # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too,
         # unless they are staged in pinned host memory for the program to copy: engram_transfer="overlap")
@@ -591,11 +500,18 @@ class Engine:
         tp = np.ones(B, np.float32)
         tk = np.zeros(B, np.int32)
         key = np.zeros((B, 2), np.uint32)
+        V = self.cfg.vocab_size
         for i, r in enumerate(reqs):
             s = r.sampling
-            t[i], tp[i], tk[i] = s.temperature, s.top_p, s.top_k
-            seed = s.seed if s.seed is not None else hash(r.id) & 0xFFFFFFFF
-            key[i] = (seed & 0xFFFFFFFF, r.steps)
+            try:
+                # top_k >= V keeps every token, as 0 does: the int32 row always holds it
+                t[i], tp[i], tk[i] = s.temperature, s.top_p, 0 if s.top_k >= V else s.top_k
+                seed = s.seed if s.seed is not None else hash(r.id) & 0xFFFFFFFF
+                key[i] = (seed & 0xFFFFFFFF, r.steps)
+            except (OverflowError, ValueError, TypeError) as e:
+                self._fail(r, f"request {r.id}: sampling values {s} do not fit the step's arrays ({e}); "
+                              f"give values within the documented ranges")
+        for r in reqs:  # only once every row filled: a failed row leaves the others' sampling keys as they were
             r.steps += 1
         return programs.Sampling(t, tp, tk, key)
 
