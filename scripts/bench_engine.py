@@ -110,7 +110,8 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     opts = programs.KernelOptions(fuse_rope="unfused-rope" not in suffixes,
                                   prefill_indexer_kernel="xla-indexer" not in suffixes,
                                   indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(max_num_seqs=seqs,
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                  config=EngineConfig(max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,

@@ -26,7 +26,8 @@ NUM = quant.Numerics(act_quant=False, bf16_probs=True, dtype="bfloat16")
 
 
 def run(cfg, params, ids, steps, linear_backend):
-    eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(max_num_seqs=1, max_model_len=2048,
+    eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                 config=EngineConfig(max_num_seqs=1, max_model_len=2048,
                  max_num_batched_tokens=2048, enable_prefix_caching=False, numerics=NUM, keep_logits=True,
                  min_prefill_bucket=2048, min_ctx_pages=32, linear_backend=linear_backend))
     toks = []

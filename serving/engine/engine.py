@@ -5,6 +5,10 @@ sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and 
 every token (`run_encoder`, chunk by chunk), then the rest on its last `window` tokens (`run_decoder`). A prefix
 cache keeps full pages of global KV; on a hit the encoder re-runs [H - window, H) to rebuild its SWA rings
 without rewriting the cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
+
+Around it: config.py (EngineConfig, every option), scheduler.py (request state, admission, pages, preemption,
+buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling arrays), programs.py
+(the jitted programs and the device-side sampling).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-exported)
 from serving.engine.kv_pool import PoolLayout
 from serving.engine.prefix_cache import PrefixCache
-from serving.engine.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams, sampling_arrays
+from serving.engine.scheduler import Scheduler, _bucket, _Request  # noqa: F401 (_Request: benches, tests)
 
 log = logging.getLogger(__name__)
 
@@ -42,64 +47,6 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-
-
-@dataclasses.dataclass
-class _Request:
-    id: str
-    prompt: list[int]
-    sampling: SamplingParams
-    session: str | None
-    arrival: float
-    output: list[int] = dataclasses.field(default_factory=list)
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    computed: int = 0  # tokens whose KV is in the pool
-    prefill_len: int = 0  # tokens the current prefill covers: the prompt, or everything after a preemption
-    start: int = 0  # first position of the prompt this prefill runs (replay start on a prefix hit)
-    write_lo: int = 0  # global KV below this position is cached
-    cached: int = 0
-    block_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages, as far as hashed
-    history: np.ndarray | None = None
-    tail: tuple | None = None  # (stream, pre) of the last `window` encoder rows, replay mode
-    steps: int = 0
-    replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
-    logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
-    # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
-    # decode steps): converting a 100K-token context's page list every step cost more than the device step
-    _page_row: tuple = (None, 0, np.zeros(0, np.int32))
-
-    # views of the sequence prompt + output that build no O(context) list (they run every step)
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def last_token(self) -> int:
-        return self.output[-1] if self.output else self.prompt[-1]
-
-    def token_range(self, lo: int, hi: int) -> list[int]:
-        """(prompt + output)[lo:hi] without building the whole sequence."""
-        n = len(self.prompt)
-        return self.prompt[lo:min(hi, n)] + self.output[max(lo - n, 0):max(hi - n, 0)]
-
-    def page_row(self) -> np.ndarray:
-        src, n, row = self._page_row
-        if src is not self.pages or n != len(self.pages):
-            row = np.asarray(self.pages, np.int32)
-            self._page_row = (self.pages, len(self.pages), row)
-        return row
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.prefill_len
-
-
-def _bucket(n: int, lo: int = 1) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
 
 
 # 'xla': routed experts dequantized for lax.ragged_dot. 'pallas': the grouped FP4 Mosaic GPU kernel on the
@@ -219,7 +166,7 @@ def _engram_rows_home(engram_transfer: str) -> jax.sharding.Sharding | None:
     return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
 
 
-class Engine:
+class Engine(Scheduler):
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig()):
         if not isinstance(config, EngineConfig):
             raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
@@ -355,98 +302,6 @@ class Engine:
             **self.counters,
         }
 
-    # ---- pages --------------------------------------------------------------------------------
-
-    def _take_page(self) -> int | None:
-        if self.free_pages:
-            return self.free_pages.popleft()
-        return self.prefix.evict() if self.prefix else None
-
-    def _ensure_pages(self, r: _Request, upto: int) -> bool:
-        need = -(-upto // self.layout.page_tokens)
-        while len(r.pages) < need:
-            p = self._take_page()
-            if p is None:
-                return False
-            if self.prefix:
-                self.prefix.acquire(p)
-            r.pages.append(p)
-        return True
-
-    def _history_before(self, r: _Request, pos: int) -> np.ndarray | None:
-        """The Engram hasher's history after r's first `pos` tokens (it reads only the last few)."""
-        if self.hasher is None:
-            return None
-        tail = r.token_range(max(0, pos - self.hasher.history_len), pos)
-        return self.hasher.history_from_ids(np.asarray([tail], np.int64))
-
-    def _block_keys(self, r: _Request, upto: int) -> list[bytes]:
-        """Prefix-cache keys of the full pages in r's first `upto` tokens. Hashed once per page over the request's
-        life (a turn of a 142K-token conversation is 2200 pages: 22 ms of the engine thread to hash again)."""
-        P = self.layout.page_tokens
-        done = len(r.block_keys)
-        if upto // P > done:
-            r.block_keys += self.prefix.keys(r.token_range(done * P, upto), r.block_keys[-1] if done else b"")
-        return r.block_keys[: upto // P]
-
-    def _free(self, r: _Request, keep: bool) -> None:
-        """Releases a request's slot and pages; with `keep`, its full pages enter the prefix cache."""
-        if self.prefix and keep:
-            for k, p in zip(self._block_keys(r, r.computed), r.pages):
-                self.prefix.insert(k, p)
-        for p in r.pages:
-            if not (self.prefix and self.prefix.release(p)):
-                self.free_pages.append(p)
-        r.pages = []
-        if r.slot >= 0:
-            self.free_slots.append(r.slot)
-            r.slot = -1
-
-    def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            r = self.waiting[0]
-            W = self.cfg.window_size
-            hit: list[int] = []
-            if self.prefix:
-                hit = self.prefix.match(self._block_keys(r, r.prefill_len - 1))
-            H = len(hit) * self.layout.page_tokens
-            for p in hit:
-                self.prefix.acquire(p)
-            r.pages = list(hit)
-            r.cached = H
-            r.write_lo = H
-            r.start = max(0, H - W) if H else 0
-            r.computed = r.start
-            if not self._ensure_pages(r, min(r.prefill_len, r.start + self.chunk)):
-                for p in r.pages:
-                    if not (self.prefix and self.prefix.release(p)):
-                        self.free_pages.append(p)
-                r.pages = []
-                break
-            self.waiting.popleft()
-            if self.prefix:
-                self.prefix.hit_tokens += H
-                self.prefix.query_tokens += r.prefill_len
-            r.slot = self.free_slots.popleft()
-            r.history = self._history_before(r, r.start)
-            r.tail = None
-            lo = jnp.full((self.cfg.n_layers,), r.start, jnp.int32)
-            self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(lo))
-            self.running[r.id] = r
-
-    def _preempt(self, keep: _Request) -> bool:
-        """Frees the newest other running request (recompute later). -> False when there is none."""
-        victims = [r for r in self.running.values() if r is not keep]
-        if not victims:
-            return False
-        v = max(victims, key=lambda r: r.arrival)
-        del self.running[v.id]
-        self._free(v, keep=False)
-        v.prefill_len, v.computed = v.num_tokens, 0  # recompute everything, then go on decoding
-        self.waiting.appendleft(v)
-        self.counters["preemptions"] += 1
-        return True
-
     # ---- batches ------------------------------------------------------------------------------
 
     def _rows(self, reqs: list[_Request], toks: list[list[int]], B: int, T: int) -> list:
@@ -466,29 +321,6 @@ class Engine:
         rows = model.engram_rows(self.tables, rid)
         return rows if self._rows_home is None else jax.device_put(rows, self._rows_home)
 
-    def _batch(self, reqs: list[_Request], toks: list[list[int]], pos0: list[int], T: int, B: int) -> tuple:
-        ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in reqs), self.min_ctx_pages))
-        P = self.layout.num_pages
-        tokens = np.zeros((B, T), np.int32)
-        bt = np.full((B, ctx_pages), P, np.int32)
-        n_valid = np.zeros(B, np.int32)
-        slot = np.full(B, self.layout.num_slots, np.int32)
-        p0 = np.zeros(B, np.int32)
-        wlo = np.zeros(B, np.int32)
-        for i, (r, t, p) in enumerate(zip(reqs, toks, pos0)):
-            try:
-                tokens[i, : len(t)] = t
-                n_valid[i] = len(t)
-                bt[i, : len(r.pages)] = r.page_row()
-                slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
-            except (OverflowError, ValueError, TypeError) as e:
-                self._fail(r, f"request {r.id}: its tokens or positions do not fit the step's arrays ({e})")
-        rows = self._rows(reqs, toks, B, T)
-        # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too,
-        # unless they are staged in pinned host memory for the program to copy: engram_transfer="overlap")
-        b = programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rows)
-        return b
-
     def decode_inputs(self, reqs: list[_Request]) -> tuple[programs.Batch, programs.Sampling]:
         """The host side of a decode step: each row's last token, padded to the batch bucket (benches time it)."""
         B = _bucket(len(reqs), self.min_decode_bucket)
@@ -496,48 +328,9 @@ class Engine:
                 self._sampling(reqs, B))
 
     def _sampling(self, reqs: list[_Request], B: int) -> programs.Sampling:
-        t = np.zeros(B, np.float32)
-        tp = np.ones(B, np.float32)
-        tk = np.zeros(B, np.int32)
-        key = np.zeros((B, 2), np.uint32)
-        V = self.cfg.vocab_size
-        for i, r in enumerate(reqs):
-            s = r.sampling
-            try:
-                # top_k >= V keeps every token, as 0 does: the int32 row always holds it
-                t[i], tp[i], tk[i] = s.temperature, s.top_p, 0 if s.top_k >= V else s.top_k
-                seed = s.seed if s.seed is not None else hash(r.id) & 0xFFFFFFFF
-                key[i] = (seed & 0xFFFFFFFF, r.steps)
-            except (OverflowError, ValueError, TypeError) as e:
-                self._fail(r, f"request {r.id}: sampling values {s} do not fit the step's arrays ({e}); "
-                              f"give values within the documented ranges")
-        for r in reqs:  # only once every row filled: a failed row leaves the others' sampling keys as they were
-            r.steps += 1
-        return programs.Sampling(t, tp, tk, key)
+        return sampling_arrays(reqs, B, self.cfg.vocab_size, self._fail)
 
     # ---- warm-up ------------------------------------------------------------------------------
-
-    def program_shapes(self) -> list[tuple[str, int, int, int]]:
-        """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
-        buckets. Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages = the longest sequence's pages,
-        min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
-
-        def ladder(lo: int, hi: int) -> list[int]:
-            out, b = [], lo
-            while b < hi:
-                out.append(b)
-                b *= 2
-            return out + [hi]
-
-        ctxs = ladder(self.min_ctx_pages, self.max_pages_per_seq)
-        chunks = ladder(min(self.min_prefill_bucket, self.chunk), self.chunk)
-        prefill = "encoder" if self.replay else "full"
-        shapes = [(prefill, 1, T, c) for T in chunks for c in ctxs]
-        if self.replay:
-            shapes += [("decoder", 1, 1, c) for c in ctxs]
-        decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", B, 1, c) for B in ladder(self.min_decode_bucket, decode_top) for c in ctxs]
-        return shapes
 
     def _padding_call(self, kind: str, B: int, T: int, ctx: int):
         """(jitted program, args, static kwargs) for an all-padding batch of that shape: it writes nothing."""
@@ -646,13 +439,6 @@ class Engine:
         if self.keep_logits:
             r.logits.append(np.asarray(logits[0]))
         return int(tok[0])
-
-    def _fail(self, r: _Request, msg: str) -> None:
-        self.running.pop(r.id, None)
-        self._free(r, keep=False)
-        err = EngineError(msg)
-        err.request_id = r.id
-        raise err
 
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
