@@ -43,10 +43,11 @@ class EngineConfig:
     kernel_options: programs.KernelOptions = programs.KernelOptions()
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_tokens", "max_waiting"):
+        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("page_tokens", 2),
+                         ("max_waiting", 0)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "max_waiting" else 1):
-                raise EngineError(f"{name} must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise EngineError(f"{name} must be an integer >= {lo}, got {v!r}")
         for name in ("max_model_len", "num_pages"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
