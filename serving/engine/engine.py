@@ -14,9 +14,7 @@ buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-ro
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import logging
 import time
 from typing import Any
 
@@ -35,8 +33,7 @@ from serving.engine.kv_pool import PoolLayout
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.sampling import SamplingParams, sampling_arrays
 from serving.engine.scheduler import Scheduler, _bucket, _Request  # noqa: F401 (_Request: benches, tests)
-
-log = logging.getLogger(__name__)
+from serving.engine.warmup import Warmup
 
 
 @dataclasses.dataclass
@@ -166,12 +163,13 @@ def _engram_rows_home(engram_transfer: str) -> jax.sharding.Sharding | None:
     return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
 
 
-class Engine(Scheduler):
+class Engine(Scheduler, Warmup):
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig()):
         if not isinstance(config, EngineConfig):
             raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
                               f"pass engine options as EngineConfig(...) fields")
         self.config = config
+        # as locals: the backend and weight-preparation lines below read them by these names
         (numerics, attention_backend, moe_backend, mhc_backend, router_backend, linear_backend, engram_transfer,
          pack_params, kernel_options) = (config.numerics, config.attention_backend, config.moe_backend,
                                          config.mhc_backend, config.router_backend, config.linear_backend,
@@ -329,50 +327,6 @@ class Engine(Scheduler):
 
     def _sampling(self, reqs: list[_Request], B: int) -> programs.Sampling:
         return sampling_arrays(reqs, B, self.cfg.vocab_size, self._fail)
-
-    # ---- warm-up ------------------------------------------------------------------------------
-
-    def _padding_call(self, kind: str, B: int, T: int, ctx: int):
-        """(jitted program, args, static kwargs) for an all-padding batch of that shape: it writes nothing."""
-        P, S = self.layout.num_pages, self.layout.num_slots
-        rows = [] if kind == "decoder" else self._rows([], [], B, T)
-        b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
-                           np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32), rows)
-        samp = self._sampling([], B)
-        static = self.static
-        if kind == "encoder":
-            return programs.run_encoder, (self.params, self.pool, b), static
-        if kind == "decoder":
-            W, hc, on = self.cfg.window_size, self.cfg.hc_mult, self.pool.ring_lo.sharding
-            # committed like the step's, which come out of the encoder: a program compiles once per committed /
-            # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
-            h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype, device=on)
-            pre = jnp.zeros((1, W, hc), jnp.float32, device=on)
-            return programs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
-        return programs.run_full, (self.params, self.pool, b, samp), static
-
-    def warmup(self, workers: int = 8) -> list[tuple[str, int, int, int]]:
-        """Compiles and loads every program of `program_shapes()` so that no request waits for a compile (the
-        serving analog of capturing CUDA graphs at start-up). With a persistent compilation cache configured,
-        the programs are first compiled in `workers` threads at once (XLA compiles off the GIL), then each runs
-        once on an all-padding batch, which loads it from that cache. -> the shapes."""
-        shapes = self.program_shapes()
-        t0 = time.perf_counter()
-        if jax.config.jax_compilation_cache_dir and workers > 1:
-            def compile_one(shape):
-                fn, args, static = self._padding_call(*shape)
-                fn.lower(*args, **static).compile()
-
-            with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-                list(ex.map(compile_one, shapes))
-            log.info("compiled %d programs in %.1f s (%d threads)", len(shapes), time.perf_counter() - t0, workers)
-        for shape in shapes:
-            fn, args, static = self._padding_call(*shape)
-            out = fn(*args, **static)
-            self.pool = out[0]
-        jax.block_until_ready(self.pool)
-        log.info("warm-up: %d programs ready in %.1f s", len(shapes), time.perf_counter() - t0)
-        return shapes
 
     # ---- the loop -----------------------------------------------------------------------------
 
