@@ -27,6 +27,7 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import programs
 from serving.engine.backends import KernelOptions
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, SamplingParams, _Request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -87,11 +88,12 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
                          prefill_indexer_kernel="xla-indexer" not in suffixes,
                          indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=seqs,
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                  config=EngineConfig(max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-                  linear_backend=linear_be, kernel_options=opts)
+                  linear_backend=linear_be, kernel_options=opts))
 
 
 def with_fp4_experts(params):

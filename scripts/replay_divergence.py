@@ -18,6 +18,7 @@ from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, SamplingParams
 
 NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
@@ -40,9 +41,9 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",")]
     max_len = max(lengths) + args.tokens + 64
     engines = {
-        rep: Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=1,
+        rep: Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(max_num_seqs=1,
                     max_model_len=max_len, max_num_batched_tokens=512, swa_bounded_replay=rep,
-                    enable_prefix_caching=False, numerics=NUM, keep_logits=True, min_prefill_bucket=512)
+                    enable_prefix_caching=False, numerics=NUM, keep_logits=True, min_prefill_bucket=512))
         for rep in (False, True)
     }
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)

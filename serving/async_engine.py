@@ -439,11 +439,7 @@ class AsyncEngine:
                     _settle(cmd.done, exc=e)
 
     def _waiting_ids(self) -> set[str]:
-        waiting = getattr(self.engine, "waiting_request_ids", None)
-        if waiting is not None:
-            return set(waiting())
-        # an Engine without waiting_request_ids(): its waiting deque holds requests with an `id`
-        return {r.id for r in getattr(self.engine, "waiting", ())}
+        return set(self.engine.waiting_request_ids())
 
     def _check_queue(self, active: set[str], step_start: float) -> None:
         """Times the requests the last step took out of the engine's waiting queue, and drops those that waited

@@ -31,16 +31,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace):
+    from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
-    kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              swa_bounded_replay=not args.no_swa_bounded_replay, attention_backend=args.attention_backend,
-              moe_backend=args.moe_backend, mhc_backend=args.mhc_backend,
-              router_backend=args.router_backend, linear_backend=args.linear_backend)
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          swa_bounded_replay=not args.no_swa_bounded_replay,
+                          attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+                          mhc_backend=args.mhc_backend, router_backend=args.router_backend,
+                          linear_backend=args.linear_backend)
     if args.checkpoint:
-        return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, **kw)
-    return Engine.from_preset(args.preset or "tiny", seed=args.seed, **kw)
+        return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, config=config)
+    return Engine.from_preset(args.preset or "tiny", seed=args.seed, config=config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

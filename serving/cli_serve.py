@@ -123,8 +123,8 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:
-    """The engine flags that were given, as Engine keyword arguments (unset ones keep the engine's defaults).
-    accepted: the keyword names the engine takes; a given flag outside them is an error that names it."""
+    """The engine flags that were given, as EngineConfig fields (unset ones keep the engine's defaults).
+    accepted: the field names the engine takes; a given flag outside them is an error that names it."""
     kw = {n: getattr(args, n) for n in _ENGINE_FLAGS if getattr(args, n, None) is not None}
     for n, v in kw.items():
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
@@ -133,25 +133,23 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) ->
         unknown = sorted(n for n in kw if n not in accepted)
         if unknown:
             raise SystemExit(f"{', '.join(_ENGINE_FLAGS[n] for n in unknown)}: not supported by this engine build "
-                             f"(Engine takes {sorted(accepted & set(_ENGINE_FLAGS))}); leave the flag out")
+                             f"(EngineConfig takes {sorted(accepted & set(_ENGINE_FLAGS))}); leave the flag out")
     return kw
 
 
 def build_engine(args: argparse.Namespace) -> Any:
-    import inspect
-
+    from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
-    kw = engine_kwargs(args, set(inspect.signature(Engine.__init__).parameters))
+    config = EngineConfig(**engine_kwargs(args, EngineConfig.field_names()))
     if args.checkpoint:
         if not os.path.isdir(args.checkpoint):
             raise SystemExit(f"--checkpoint {args.checkpoint}: not a directory; give the checkpoint's folder")
-        log.info("loading checkpoint %s (%s)", args.checkpoint, kw)
-        return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, **kw)
-    if args.seed is not None:
-        kw["seed"] = args.seed
-    log.info("building preset %r with random weights (%s)", args.preset or DEFAULT_PRESET, kw)
-    return Engine.from_preset(args.preset or DEFAULT_PRESET, **kw)
+        log.info("loading checkpoint %s (%s)", args.checkpoint, config)
+        return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, config=config)
+    seed = {} if args.seed is None else {"seed": args.seed}
+    log.info("building preset %r with random weights (%s)", args.preset or DEFAULT_PRESET, config)
+    return Engine.from_preset(args.preset or DEFAULT_PRESET, config=config, **seed)
 
 
 def served_model_name(args: argparse.Namespace) -> str:

@@ -13,6 +13,7 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import kv_pool, programs
 from serving.engine.backends import KernelOptions
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, EngineError, SamplingParams
 from tiny_engine import NUM
 
@@ -235,7 +236,7 @@ def test_sample_branches():
 def test_kernel_backends_that_cannot_run_say_why(tiny, kw, msg):
     cfg, params = tiny
     with pytest.raises(EngineError, match=msg):
-        Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
+        Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(**kw))
 
 
 def test_engram_tables_mode_is_checked_before_loading():
@@ -276,10 +277,50 @@ def test_auto_backends(tiny, monkeypatch):
     (dict(prompt_ids=[1, 2000]), SamplingParams(), "vocabulary"),
     (dict(prompt_ids=[1, 2]), SamplingParams(max_tokens=0), "max_tokens"),
     (dict(prompt_ids=[1, 2]), SamplingParams(top_p=0.0), "top_p"),
+    (dict(prompt_ids=[1, 2]), SamplingParams(top_k=-1), "top_k"),
+    (dict(prompt_ids=[1, 2]), SamplingParams(top_k=2.5), "top_k"),
 ])
 def test_bad_requests(tiny, kw, sampling, msg):
     with pytest.raises(EngineError, match=msg):
         make(tiny).add_request("x", kw["prompt_ids"], sampling)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_model_len=0), "max_model_len"),
+    (dict(page_tokens=63), "even"),
+    (dict(min_decode_bucket=0), "min_decode_bucket"),
+    (dict(max_waiting=-1), "max_waiting"),
+])
+def test_engine_config_rejects_bad_values(kw, msg):
+    with pytest.raises(EngineError, match=msg):
+        EngineConfig(**kw)
+
+
+def test_engine_takes_only_an_engine_config(tiny):
+    cfg, params = tiny
+    with pytest.raises(EngineError, match="EngineConfig"):
+        Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), dict(max_num_seqs=2))
+
+
+def test_waiting_request_ids_oldest_first(tiny):
+    eng = make(tiny)
+    for rid in ("a", "b", "c"):
+        eng.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=1))
+    assert eng.waiting_request_ids() == ["a", "b", "c"]
+    eng.abort("b")
+    assert eng.waiting_request_ids() == ["a", "c"]
+
+
+def test_a_huge_top_k_keeps_every_token(tiny):
+    """top_k at or past the vocabulary means 'off', as 0 does, and fits the int32 row."""
+    from serving.engine.sampling import sampling_arrays
+
+    eng = make(tiny)
+    eng.add_request("k", [1, 2, 3], SamplingParams(top_k=2 ** 63))
+    eng.add_request("j", [1, 2, 3], SamplingParams(top_k=5))
+    s = sampling_arrays(list(eng.waiting), 4, eng.cfg.vocab_size, eng._fail)
+    assert np.asarray(s.top_k).tolist() == [0, 5, 0, 0]
 
 
 def test_flash_pool_is_890_bytes_per_token():

@@ -27,6 +27,7 @@ from dsv41.config import preset
 from layer_paths import attention_diffs, fill, make_batch, zero_rows
 from serving.engine import backends as BK
 from serving.engine import kv_pool
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -162,9 +163,10 @@ def test_fused_sites_match_xla_in_a_block(bench):
 
 
 def _run(cfg, params, ids, **kw):
-    eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), max_num_seqs=1, max_model_len=2048,
+    eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                 config=EngineConfig(max_num_seqs=1, max_model_len=2048,
                  max_num_batched_tokens=2048, enable_prefix_caching=False, numerics=NUM, keep_logits=True,
-                 min_prefill_bucket=2048, min_ctx_pages=32, **kw)
+                 min_prefill_bucket=2048, min_ctx_pages=32, **kw))
     toks = []
     eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
     while eng.has_work():

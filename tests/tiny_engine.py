@@ -12,6 +12,7 @@ from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 
 GROUP = "tiny_engine"
@@ -32,4 +33,4 @@ def tiny():
 
 def make(**kw) -> Engine:
     cfg, params = tiny()
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), **{**BASE, **kw})
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(**{**BASE, **kw}))

@@ -5,15 +5,16 @@ sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and 
 every token (`run_encoder`, chunk by chunk), then the rest on its last `window` tokens (`run_decoder`). A prefix
 cache keeps full pages of global KV; on a hit the encoder re-runs [H - window, H) to rebuild its SWA rings
 without rewriting the cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
+
+Around it: config.py (EngineConfig, every option), scheduler.py (request state, admission, pages, preemption,
+buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling arrays), programs.py
+(the jitted programs and the device-side sampling).
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import hashlib
-import logging
 import time
 from typing import Any
 
@@ -23,43 +24,14 @@ import numpy as np
 
 from dsv41 import model, quant
 from dsv41.config import ModelConfig
-from dsv41.quant import Numerics
 from serving.engine import backends, kv_pool, programs
+from serving.engine.config import EngineConfig
+from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-exported)
 from serving.engine.kv_pool import PoolLayout
-
-log = logging.getLogger(__name__)
-
-
-class EngineError(ValueError):
-    """A request the engine cannot take (bad ids, too long, bad sampling values) or cannot finish; raised from
-    `step()` it names the failed request in `request_id` (that request is dropped, the others go on)."""
-
-    request_id: str | None = None
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is full: retry later."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise EngineError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise EngineError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise EngineError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+from serving.engine.prefix_cache import PrefixCache
+from serving.engine.sampling import SamplingParams, sampling_arrays
+from serving.engine.scheduler import Scheduler, _bucket, _Request  # noqa: F401 (_Request: benches, tests)
+from serving.engine.warmup import Warmup
 
 
 @dataclasses.dataclass
@@ -72,144 +44,22 @@ class StepOutput:
     num_cached_tokens: int
 
 
-@dataclasses.dataclass
-class _Request:
-    id: str
-    prompt: list[int]
-    sampling: SamplingParams
-    session: str | None
-    arrival: float
-    output: list[int] = dataclasses.field(default_factory=list)
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    computed: int = 0  # tokens whose KV is in the pool
-    prefill_len: int = 0  # tokens the current prefill covers: the prompt, or everything after a preemption
-    start: int = 0  # first position of the prompt this prefill runs (replay start on a prefix hit)
-    write_lo: int = 0  # global KV below this position is cached
-    cached: int = 0
-    block_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages, as far as hashed
-    history: np.ndarray | None = None
-    tail: tuple | None = None  # (stream, pre) of the last `window` encoder rows, replay mode
-    steps: int = 0
-    replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
-    logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
-    # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
-    # decode steps): converting a 100K-token context's page list every step cost more than the device step
-    _page_row: tuple = (None, 0, np.zeros(0, np.int32))
-
-    # views of the sequence prompt + output that build no O(context) list (they run every step)
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def last_token(self) -> int:
-        return self.output[-1] if self.output else self.prompt[-1]
-
-    def token_range(self, lo: int, hi: int) -> list[int]:
-        """(prompt + output)[lo:hi] without building the whole sequence."""
-        n = len(self.prompt)
-        return self.prompt[lo:min(hi, n)] + self.output[max(lo - n, 0):max(hi - n, 0)]
-
-    def page_row(self) -> np.ndarray:
-        src, n, row = self._page_row
-        if src is not self.pages or n != len(self.pages):
-            row = np.asarray(self.pages, np.int32)
-            self._page_row = (self.pages, len(self.pages), row)
-        return row
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.prefill_len
-
-
-def _bucket(n: int, lo: int = 1) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
-
-
-class PrefixCache:
-    """Full pages of global KV keyed by a chained hash of their tokens; reference counted, LRU-evicted."""
-
-    def __init__(self, page_tokens: int):
-        self.page_tokens = page_tokens
-        self.by_key: dict[bytes, int] = {}
-        self.key_of: dict[int, bytes] = {}
-        self.refs: collections.Counter = collections.Counter()
-        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.hit_tokens = 0
-        self.query_tokens = 0
-
-    def keys(self, tokens: list[int], prev: bytes = b"") -> list[bytes]:
-        """Chained hashes of the full pages of `tokens`, continuing the chain from `prev` (the key of the page
-        before them, b"" at the start of a sequence)."""
-        out, h = [], prev
-        n = len(tokens) // self.page_tokens * self.page_tokens
-        buf = np.asarray(tokens[:n], np.int32).tobytes()
-        step = self.page_tokens * 4
-        for i in range(0, len(buf), step):
-            h = hashlib.blake2b(h + buf[i:i + step], digest_size=16).digest()
-            out.append(h)
-        return out
-
-    def match(self, keys: list[bytes]) -> list[int]:
-        """The cached pages of the longest cached run of `keys` from the start."""
-        pages = []
-        for k in keys:
-            p = self.by_key.get(k)
-            if p is None:
-                break
-            pages.append(p)
-        return pages
-
-    def acquire(self, page: int) -> None:
-        self.refs[page] += 1
-        self.evictable.pop(page, None)
-
-    def release(self, page: int) -> bool:
-        """-> True when the page is cached (kept, evictable) rather than free."""
-        self.refs[page] -= 1
-        if self.refs[page] <= 0:
-            del self.refs[page]
-            if page in self.key_of:
-                self.evictable[page] = None
-                return True
-            return False
-        return True
-
-    def insert(self, key: bytes, page: int) -> None:
-        if key in self.by_key or page in self.key_of:
-            return
-        self.by_key[key] = page
-        self.key_of[page] = key
-
-    def evict(self) -> int | None:
-        if not self.evictable:
-            return None
-        page, _ = self.evictable.popitem(last=False)
-        del self.by_key[self.key_of.pop(page)]
-        return page
-
-
-class Engine:
-    def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, *, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 512, page_tokens: int = 64,
-                 num_pages: int | None = None, swa_bounded_replay: bool = True,
-                 enable_prefix_caching: bool | None = None, max_waiting: int = 1024,
-                 numerics: Numerics = quant.REFERENCE, keep_logits: bool = False, min_prefill_bucket: int = 16,
-                 min_ctx_pages: int = 1, min_decode_bucket: int = 1, attention_backend: str = "auto",
-                 moe_backend: str = "auto", mhc_backend: str = "auto", router_backend: str = "auto",
-                 linear_backend: str = "auto",
-                 kernel_options: backends.KernelOptions = backends.KernelOptions()):
+class Engine(Scheduler, Warmup):
+    def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig()):
+        if not isinstance(config, EngineConfig):
+            raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
+                              f"pass engine options as EngineConfig(...) fields")
+        self.config = config
+        # as locals: the backend and weight-preparation lines below read them by these names
+        numerics = config.numerics
+        max_num_seqs, page_tokens, min_ctx_pages = config.max_num_seqs, config.page_tokens, config.min_ctx_pages
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         self.params, tables = model.strip_tables(params)
         try:
             self.backends, self.params = backends.build(
-                cfg, self.params, numerics, attention=attention_backend, moe_backend=moe_backend,
-                mhc_backend=mhc_backend, router_backend=router_backend, linear_backend=linear_backend,
-                options=kernel_options)
+                cfg, self.params, numerics, attention=config.attention_backend, moe_backend=config.moe_backend,
+                mhc_backend=config.mhc_backend, router_backend=config.router_backend,
+                linear_backend=config.linear_backend, options=config.kernel_options)
         except backends.BackendError as e:
             raise EngineError(str(e)) from None
         # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
@@ -217,50 +67,44 @@ class Engine:
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
-        self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
-        self.replay = swa_bounded_replay and cfg.split_layer >= 0
-        if max_num_batched_tokens < cfg.window_size:
-            raise EngineError(f"max_num_batched_tokens must be >= the window ({cfg.window_size})")
-        if page_tokens % 2:
-            raise EngineError("page_tokens must be even (ratio-2 groups may not straddle pages)")
-        self.chunk = max_num_batched_tokens
+        self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        self.replay = config.swa_bounded_replay and cfg.split_layer >= 0
+        if config.max_num_batched_tokens < cfg.window_size:
+            raise EngineError(f"max_num_batched_tokens={config.max_num_batched_tokens} is below the model's window "
+                              f"({cfg.window_size}); raise it to at least {cfg.window_size}")
+        self.chunk = config.max_num_batched_tokens
         pages_per_seq = -(-self.max_model_len // page_tokens)
-        # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, block tables to a power of
-        # two >= min_ctx_pages, decode batches to min_decode_bucket times a power of two (at most the bucket of
-        # max_num_seqs); fewer buckets mean fewer compiles, bigger ones more padding
-        if min(min_prefill_bucket, min_ctx_pages, min_decode_bucket) < 1:
-            raise EngineError("min_prefill_bucket, min_ctx_pages and min_decode_bucket must be >= 1")
         self.max_pages_per_seq = pages_per_seq
-        self.min_prefill_bucket, self.min_ctx_pages = min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
-        self.min_decode_bucket = min(min_decode_bucket, _bucket(max_num_seqs))
-        num_pages = num_pages or max_num_seqs * pages_per_seq
+        self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
+        self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
+        num_pages = config.num_pages or max_num_seqs * pages_per_seq
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs)
         self.pool = kv_pool.allocate(cfg, self.layout)
         self.free_pages = collections.deque(range(num_pages))
         self.free_slots = collections.deque(range(max_num_seqs))
-        self.prefix = PrefixCache(page_tokens) if (self.replay if enable_prefix_caching is None
-                                                   else enable_prefix_caching) else None
+        self.prefix = PrefixCache(page_tokens) if (self.replay if config.enable_prefix_caching is None
+                                                   else config.enable_prefix_caching) else None
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: dict[str, _Request] = {}
-        self.max_waiting = max_waiting
+        self.max_waiting = config.max_waiting
         self.eos = getattr(tokenizer, "eos_id", cfg.eos_token_id)
         self.counters = collections.Counter()
-        self.keep_logits = keep_logits  # tests and the replay study read the logits behind each token
+        self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_preset(cls, name: str = "tiny", seed: int = 0, **kw) -> "Engine":
+    def from_preset(cls, name: str = "tiny", seed: int = 0, config: EngineConfig = EngineConfig()) -> "Engine":
         from dsv41 import params as P
         from dsv41 import tokenizer as T
         from dsv41.config import preset
 
         cfg = preset(name)
-        return cls(cfg, P.init_params(cfg, seed), T.load_tokenizer(), model.builtin_hasher(cfg), **kw)
+        return cls(cfg, P.init_params(cfg, seed), T.load_tokenizer(), model.builtin_hasher(cfg), config)
 
     @classmethod
-    def from_checkpoint(cls, path: str, engram_tables: str = "ram", **kw) -> "Engine":
+    def from_checkpoint(cls, path: str, engram_tables: str = "ram", config: EngineConfig = EngineConfig()) -> "Engine":
         """engram_tables: 'ram' reads the Engram tables into host memory at load (one sequential pass), so
         that no request's row gather waits on the disk; 'mmap' leaves them memory-mapped (less host memory,
         the first gathers of each page fault)."""
@@ -274,7 +118,7 @@ class Engine:
             params = checkpoint.resident_tables(params)
         tok = T.load_tokenizer(path)
         hasher = ngram_hash.NgramHasher(cfg, T.build_compressed_token_map(tok)[0]) if cfg.engram_layer_ids else None
-        return cls(cfg, params, tok, hasher, **kw)
+        return cls(cfg, params, tok, hasher, config)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -311,7 +155,7 @@ class Engine:
             self._free(r, keep=False)
 
     def waiting_request_ids(self) -> list[str]:
-        """Ids of the requests not yet admitted, oldest first (the server's queue-wait limit reads them)."""
+        """The ids still in the waiting queue, oldest first (the async layer's queue-wait limit reads them)."""
         return [r.id for r in self.waiting]
 
     def has_work(self) -> bool:
@@ -329,98 +173,6 @@ class Engine:
             "prefix_cache_query_tokens": self.prefix.query_tokens if self.prefix else 0,
             **self.counters,
         }
-
-    # ---- pages --------------------------------------------------------------------------------
-
-    def _take_page(self) -> int | None:
-        if self.free_pages:
-            return self.free_pages.popleft()
-        return self.prefix.evict() if self.prefix else None
-
-    def _ensure_pages(self, r: _Request, upto: int) -> bool:
-        need = -(-upto // self.layout.page_tokens)
-        while len(r.pages) < need:
-            p = self._take_page()
-            if p is None:
-                return False
-            if self.prefix:
-                self.prefix.acquire(p)
-            r.pages.append(p)
-        return True
-
-    def _history_before(self, r: _Request, pos: int) -> np.ndarray | None:
-        """The Engram hasher's history after r's first `pos` tokens (it reads only the last few)."""
-        if self.hasher is None:
-            return None
-        tail = r.token_range(max(0, pos - self.hasher.history_len), pos)
-        return self.hasher.history_from_ids(np.asarray([tail], np.int64))
-
-    def _block_keys(self, r: _Request, upto: int) -> list[bytes]:
-        """Prefix-cache keys of the full pages in r's first `upto` tokens. Hashed once per page over the request's
-        life (a turn of a 142K-token conversation is 2200 pages: 22 ms of the engine thread to hash again)."""
-        P = self.layout.page_tokens
-        done = len(r.block_keys)
-        if upto // P > done:
-            r.block_keys += self.prefix.keys(r.token_range(done * P, upto), r.block_keys[-1] if done else b"")
-        return r.block_keys[: upto // P]
-
-    def _free(self, r: _Request, keep: bool) -> None:
-        """Releases a request's slot and pages; with `keep`, its full pages enter the prefix cache."""
-        if self.prefix and keep:
-            for k, p in zip(self._block_keys(r, r.computed), r.pages):
-                self.prefix.insert(k, p)
-        for p in r.pages:
-            if not (self.prefix and self.prefix.release(p)):
-                self.free_pages.append(p)
-        r.pages = []
-        if r.slot >= 0:
-            self.free_slots.append(r.slot)
-            r.slot = -1
-
-    def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            r = self.waiting[0]
-            W = self.cfg.window_size
-            hit: list[int] = []
-            if self.prefix:
-                hit = self.prefix.match(self._block_keys(r, r.prefill_len - 1))
-            H = len(hit) * self.layout.page_tokens
-            for p in hit:
-                self.prefix.acquire(p)
-            r.pages = list(hit)
-            r.cached = H
-            r.write_lo = H
-            r.start = max(0, H - W) if H else 0
-            r.computed = r.start
-            if not self._ensure_pages(r, min(r.prefill_len, r.start + self.chunk)):
-                for p in r.pages:
-                    if not (self.prefix and self.prefix.release(p)):
-                        self.free_pages.append(p)
-                r.pages = []
-                break
-            self.waiting.popleft()
-            if self.prefix:
-                self.prefix.hit_tokens += H
-                self.prefix.query_tokens += r.prefill_len
-            r.slot = self.free_slots.popleft()
-            r.history = self._history_before(r, r.start)
-            r.tail = None
-            lo = jnp.full((self.cfg.n_layers,), r.start, jnp.int32)
-            self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(lo))
-            self.running[r.id] = r
-
-    def _preempt(self, keep: _Request) -> bool:
-        """Frees the newest other running request (recompute later). -> False when there is none."""
-        victims = [r for r in self.running.values() if r is not keep]
-        if not victims:
-            return False
-        v = max(victims, key=lambda r: r.arrival)
-        del self.running[v.id]
-        self._free(v, keep=False)
-        v.prefill_len, v.computed = v.num_tokens, 0  # recompute everything, then go on decoding
-        self.waiting.appendleft(v)
-        self.counters["preemptions"] += 1
-        return True
 
     # ---- batches ------------------------------------------------------------------------------
 
@@ -440,25 +192,6 @@ class Engine:
                 rid[i, : len(t)], r.history = self.hasher.hash_step(np.asarray([t], np.int64), r.history)
         return model.engram_rows(self.tables, rid)
 
-    def _batch(self, reqs: list[_Request], toks: list[list[int]], pos0: list[int], T: int, B: int) -> tuple:
-        ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in reqs), self.min_ctx_pages))
-        P = self.layout.num_pages
-        tokens = np.zeros((B, T), np.int32)
-        bt = np.full((B, ctx_pages), P, np.int32)
-        n_valid = np.zeros(B, np.int32)
-        slot = np.full(B, self.layout.num_slots, np.int32)
-        p0 = np.zeros(B, np.int32)
-        wlo = np.zeros(B, np.int32)
-        for i, (r, t, p) in enumerate(zip(reqs, toks, pos0)):
-            tokens[i, : len(t)] = t
-            n_valid[i] = len(t)
-            bt[i, : len(r.pages)] = r.page_row()
-            slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
-        rows = self._rows(reqs, toks, B, T)
-        # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too)
-        b = programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rows)
-        return b
-
     def decode_inputs(self, reqs: list[_Request]) -> tuple[programs.Batch, programs.Sampling]:
         """The host side of a decode step: each row's last token, padded to the batch bucket (benches time it)."""
         B = _bucket(len(reqs), self.min_decode_bucket)
@@ -466,84 +199,7 @@ class Engine:
                 self._sampling(reqs, B))
 
     def _sampling(self, reqs: list[_Request], B: int) -> programs.Sampling:
-        t = np.zeros(B, np.float32)
-        tp = np.ones(B, np.float32)
-        tk = np.zeros(B, np.int32)
-        key = np.zeros((B, 2), np.uint32)
-        for i, r in enumerate(reqs):
-            s = r.sampling
-            # a top_k past the vocabulary keeps every token, as 0 does, and 0 always fits the int32 array
-            t[i], tp[i], tk[i] = s.temperature, s.top_p, 0 if s.top_k >= self.cfg.vocab_size else s.top_k
-            seed = s.seed if s.seed is not None else hash(r.id) & 0xFFFFFFFF
-            key[i] = (seed & 0xFFFFFFFF, r.steps)
-            r.steps += 1
-        return programs.Sampling(t, tp, tk, key)
-
-    # ---- warm-up ------------------------------------------------------------------------------
-
-    def program_shapes(self) -> list[tuple[str, int, int, int]]:
-        """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
-        buckets. Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages = the longest sequence's pages,
-        min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
-
-        def ladder(lo: int, hi: int) -> list[int]:
-            out, b = [], lo
-            while b < hi:
-                out.append(b)
-                b *= 2
-            return out + [hi]
-
-        ctxs = ladder(self.min_ctx_pages, self.max_pages_per_seq)
-        chunks = ladder(min(self.min_prefill_bucket, self.chunk), self.chunk)
-        prefill = "encoder" if self.replay else "full"
-        shapes = [(prefill, 1, T, c) for T in chunks for c in ctxs]
-        if self.replay:
-            shapes += [("decoder", 1, 1, c) for c in ctxs]
-        decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", B, 1, c) for B in ladder(self.min_decode_bucket, decode_top) for c in ctxs]
-        return shapes
-
-    def _padding_call(self, kind: str, B: int, T: int, ctx: int):
-        """(jitted program, args, static kwargs) for an all-padding batch of that shape: it writes nothing."""
-        P, S = self.layout.num_pages, self.layout.num_slots
-        rows = [] if kind == "decoder" else self._rows([], [], B, T)
-        b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
-                           np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32), rows)
-        samp = self._sampling([], B)
-        static = self.static
-        if kind == "encoder":
-            return programs.run_encoder, (self.params, self.pool, b), static
-        if kind == "decoder":
-            W, hc, on = self.cfg.window_size, self.cfg.hc_mult, self.pool.ring_lo.sharding
-            # committed like the step's, which come out of the encoder: a program compiles once per committed /
-            # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
-            h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype, device=on)
-            pre = jnp.zeros((1, W, hc), jnp.float32, device=on)
-            return programs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
-        return programs.run_full, (self.params, self.pool, b, samp), static
-
-    def warmup(self, workers: int = 8) -> list[tuple[str, int, int, int]]:
-        """Compiles and loads every program of `program_shapes()` so that no request waits for a compile (the
-        serving analog of capturing CUDA graphs at start-up). With a persistent compilation cache configured,
-        the programs are first compiled in `workers` threads at once (XLA compiles off the GIL), then each runs
-        once on an all-padding batch, which loads it from that cache. -> the shapes."""
-        shapes = self.program_shapes()
-        t0 = time.perf_counter()
-        if jax.config.jax_compilation_cache_dir and workers > 1:
-            def compile_one(shape):
-                fn, args, static = self._padding_call(*shape)
-                fn.lower(*args, **static).compile()
-
-            with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-                list(ex.map(compile_one, shapes))
-            log.info("compiled %d programs in %.1f s (%d threads)", len(shapes), time.perf_counter() - t0, workers)
-        for shape in shapes:
-            fn, args, static = self._padding_call(*shape)
-            out = fn(*args, **static)
-            self.pool = out[0]
-        jax.block_until_ready(self.pool)
-        log.info("warm-up: %d programs ready in %.1f s", len(shapes), time.perf_counter() - t0)
-        return shapes
+        return sampling_arrays(reqs, B, self.cfg.vocab_size, self._fail)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -610,13 +266,6 @@ class Engine:
         if self.keep_logits:
             r.logits.append(np.asarray(logits[0]))
         return int(tok[0])
-
-    def _fail(self, r: _Request, msg: str) -> None:
-        self.running.pop(r.id, None)
-        self._free(r, keep=False)
-        err = EngineError(msg)
-        err.request_id = r.id
-        raise err
 
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""

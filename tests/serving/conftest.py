@@ -48,7 +48,8 @@ def fake_server():
 
 @pytest.fixture(scope="session")
 def tiny_server():
+    from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine  # the root conftest turned on the persistent compilation cache
 
-    with BackgroundServer(Engine.from_preset("tiny", **TINY_ENGINE_KW), model_name=MODEL) as srv:
+    with BackgroundServer(Engine.from_preset("tiny", config=EngineConfig(**TINY_ENGINE_KW)), model_name=MODEL) as srv:
         yield srv

@@ -1,0 +1,60 @@
+"""Every engine option in one frozen value: `Engine(cfg, params, tokenizer, hasher, config=EngineConfig(...))`.
+
+Names follow vLLM's where it has the option (max_model_len, max_num_seqs, max_num_batched_tokens,
+enable_prefix_caching). Checks that need only the options run at construction; those that need the model
+(the window, the weights' formats, the device) run in `Engine.__init__`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsv41 import quant
+from dsv41.quant import Numerics
+from serving.engine.backends import KernelOptions
+from serving.engine.errors import EngineError
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # decode slots: sequences running at once
+    max_model_len: int | None = None  # None: the model's max_seq_len (also its cap)
+    max_num_batched_tokens: int = 512  # the prefill chunk; at least the model's window
+    page_tokens: int = 64  # tokens per KV page; even, so ratio-2 compression groups never straddle pages
+    num_pages: int | None = None  # None: room for max_num_seqs sequences of max_model_len
+    swa_bounded_replay: bool = True  # prompt: all layers to the split, the rest on the last `window` tokens
+    enable_prefix_caching: bool | None = None  # None: on with bounded replay
+    max_waiting: int = 1024  # waiting-queue bound; add_request raises QueueFull beyond it
+    numerics: Numerics = quant.REFERENCE
+    keep_logits: bool = False  # tests and the replay study read the logits behind each token
+    # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, block tables to a power of two
+    # >= min_ctx_pages, decode batches to min_decode_bucket times a power of two; fewer buckets mean fewer
+    # compiles, bigger ones more padding
+    min_prefill_bucket: int = 16
+    min_ctx_pages: int = 1
+    min_decode_bucket: int = 1
+    # kernel choices: 'auto' picks the Pallas kernels where the device, shapes and weights allow (serving/engine/backends.py)
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
+    mhc_backend: str = "auto"
+    router_backend: str = "auto"
+    linear_backend: str = "auto"
+    kernel_options: KernelOptions = KernelOptions()
+
+    def __post_init__(self):
+        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("page_tokens", 2),
+                         ("max_waiting", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise EngineError(f"{name} must be an integer >= {lo}, got {v!r}")
+        for name in ("max_model_len", "num_pages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise EngineError(f"{name} must be a positive integer or None (the default), got {v!r}")
+        if self.page_tokens % 2:
+            raise EngineError("page_tokens must be even (ratio-2 groups may not straddle pages)")
+        if min(self.min_prefill_bucket, self.min_ctx_pages, self.min_decode_bucket) < 1:
+            raise EngineError("min_prefill_bucket, min_ctx_pages and min_decode_bucket must be >= 1")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
