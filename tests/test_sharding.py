@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from dsv41 import checkpoint, model, quant, trace_diff
+from dsv41 import checkpoint, model, quant, sharding, trace_diff
 from dsv41.config import preset
 from dsv41.params import init_params
 from dsv41.tokenizer import BUILTIN_DIR
@@ -25,11 +25,11 @@ def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
     _, one = checkpoint.load_checkpoint(path, dequantize="float32", progress=False)
     # Auto axes: XLA's partitioner places the activations (jax.make_mesh defaults to Explicit axes, under which
     # every gather would need its output sharding spelled out)
-    mesh = jax.make_mesh((4, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = sharding.make_mesh(sharding.Parallelism(tensor=2, data=4, expert=True))
     _, sharded = checkpoint.load_checkpoint(path, mesh=mesh, dequantize="float32", progress=False)
     w1 = sharded["layers"][3]["ffn"]["experts"]["w1"]
-    assert w1.sharding.spec[0] == "expert" and len(w1.addressable_shards) == 8
-    assert w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 4
+    assert w1.sharding.spec[0] == ("data", "tensor") and len(w1.addressable_shards) == 8
+    assert w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 8
     ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 150)).astype(np.int32)
     ref, ref_trace = model.forward_with_trace(one, cfg, ids, quant.EXACT_F32)
     got, got_trace = model.forward_with_trace(sharded, cfg, ids, quant.EXACT_F32)
