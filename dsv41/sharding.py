@@ -145,8 +145,15 @@ def mesh_spec(axes: Sequence[str | None], mesh: Mesh, par: Parallelism,
     divide every one of `shapes` (a quantized weight's weight and scale, which must shard alike)."""
     ndim = len(shapes[0])
     spec = fnn.logical_to_mesh_axes(logical_spec(axes, ndim), par.rules())
-    parts = [p if all(s[i] % _axis_size(mesh, p) == 0 for s in shapes) else None for i, p in enumerate(spec)]
+    parts = [_split(mesh, p) if all(s[i] % _axis_size(mesh, p) == 0 for s in shapes) else None
+             for i, p in enumerate(spec)]
     return PartitionSpec(*parts)
+
+
+def _split(mesh: Mesh, entry):
+    """entry without the mesh axes of size 1 (they split nothing), so specs read the same on any layout."""
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n and mesh.shape[n] > 1)
+    return None if not names else names[0] if len(names) == 1 else names
 
 
 def weight_sharding(axes: Sequence[str | None], mesh: Mesh | None, shapes: Sequence[tuple[int, ...]],
@@ -171,3 +178,19 @@ def per_device_bytes(tree, shardings) -> dict[jax.Device, int]:
         for d in sh.addressable_devices:
             out[d] = out.get(d, 0) + nbytes
     return out
+
+
+def param_shardings(cfg: ModelConfig, par: Parallelism, mesh: Mesh, dtype: str | None = None):
+    """The NamedSharding of every array of `abstract_params(cfg, dtype)` (a quantized leaf's weight and scale
+    alike), from the logical axes of `params.param_specs`. Validates par first."""
+    from dsv41 import params as P  # params imports nothing from here; the late import keeps config -> params
+
+    par.validate(cfg, len(mesh.devices.flat))
+    specs = jax.tree_util.tree_leaves(P.param_specs(cfg), is_leaf=lambda x: isinstance(x, P.Spec))
+    leaves, treedef = jax.tree_util.tree_flatten(P.abstract_params(cfg, dtype), is_leaf=P.is_weight_leaf)
+    out = []
+    for spec, leaf in zip(specs, leaves, strict=True):
+        arrays, sub = jax.tree_util.tree_flatten(leaf)
+        sh = NamedSharding(mesh, mesh_spec(spec.axes, mesh, par, [a.shape for a in arrays]))
+        out.append(jax.tree_util.tree_unflatten(sub, [sh] * len(arrays)))
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -8,6 +8,8 @@ vs 0.2518683 at the boundary, on one machine and XLA optimisation level, not ano
 compared first: where they first differ in a row, the flip must be such a tie, and that row's logits are compared
 up to that position; everything else must match to float32 noise."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -42,3 +44,53 @@ def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
     ref, got = np.asarray(ref), np.asarray(got)
     for row, stop in enumerate(first):
         np.testing.assert_allclose(got[row, :stop], ref[row, :stop], rtol=0, atol=1e-4, err_msg=f"row {row}")
+
+
+def _specs(cfg, par):
+    mesh = sharding.make_mesh(par)
+    sh = sharding.param_shardings(cfg, par, mesh, dtype="float32")
+    return jax.tree_util.tree_map(lambda s: tuple(s.spec), sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+@pytest.mark.parametrize("par, expect", [
+    (sharding.Parallelism(tensor=4),
+     {"wq_b": ("tensor", None), "wo_a": ("tensor", None), "wo_b": (None, "tensor"), "wkv": (None, None),
+      "ix_wq_b": ("tensor", None), "w1": (None, "tensor", None), "sh_w2": (None, "tensor"),
+      "head": ("tensor", None), "embed": ("tensor", None)}),
+    (sharding.Parallelism(data=4, expert=True),
+     {"wq_b": (None, None), "wo_b": (None, None), "wkv": (None, None), "ix_wq_b": (None, None),
+      "w1": ("data", None, None), "sh_w2": (None, None), "head": (None, None)}),
+    (sharding.Parallelism(tensor=2, data=2, expert=True),
+     {"wq_b": ("tensor", None), "wo_a": ("tensor", None), "wkv": (None, None), "ix_wq_b": ("tensor", None),
+      "w1": (("data", "tensor"), None, None), "w2": (("data", "tensor"), None, None), "sh_w2": (None, "tensor"),
+      "head": ("tensor", None)}),
+])
+def test_rules_place_representative_weights(par, expect):
+    specs = _specs(preset("tiny"), par)
+    layer = specs["layers"][2]
+    got = {"wq_b": layer["attn"]["wq_b"], "wo_a": layer["attn"]["wo_a"], "wo_b": layer["attn"]["wo_b"],
+           "wkv": layer["attn"]["wkv"], "ix_wq_b": layer["attn"]["indexer"]["wq_b"],
+           "w1": layer["ffn"]["experts"]["w1"], "w2": layer["ffn"]["experts"]["w2"],
+           "sh_w2": layer["ffn"]["shared_experts"]["w2"], "head": specs["head"], "embed": specs["embed"]}
+    assert {k: got[k] for k in expect} == expect
+
+
+@pytest.mark.parametrize("par, n, message", [
+    (sharding.Parallelism(tensor=3), 8, "attention heads (n_heads) = 8 cannot be split 3 ways"),
+    (sharding.Parallelism(tensor=8), 8, "output groups (o_groups) = 4 cannot be split 8 ways"),
+    (sharding.Parallelism(tensor=2, data=8, expert=True), 16, "routed experts (n_routed_experts) = 8 cannot be "
+                                                              "split 16 ways"),
+    (sharding.Parallelism(tensor=4, data=4), 8, "asks for 16 devices but 8 are present"),
+    (sharding.Parallelism(tensor=2, expert=True), 8, "expert parallelism needs --data-parallel-size > 1"),
+    (sharding.Parallelism(tensor=0), 8, "must be >= 1"),
+])
+def test_bad_layouts_get_one_clear_error(par, n, message):
+    with pytest.raises(sharding.ParallelismError, match=re.escape(message)):
+        par.validate(preset("tiny"), n)
+
+
+def test_good_layouts_validate():
+    for par in (sharding.Parallelism(), sharding.Parallelism(tensor=4), sharding.Parallelism(data=8, expert=True),
+                sharding.Parallelism(tensor=2, data=2, expert=True), sharding.Parallelism(tensor=2, data=4)):
+        par.validate(preset("tiny"), 8)
