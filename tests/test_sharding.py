@@ -20,22 +20,33 @@ from dsv41.params import init_params
 from dsv41.tokenizer import BUILTIN_DIR
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
-def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
+needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny preset written once, and its one-device float32 forward on one short batch."""
     cfg = preset("tiny")
-    path = checkpoint.save_checkpoint(init_params(cfg, seed=2), cfg, tmp_path / "ck", tokenizer_dir=BUILTIN_DIR)
+    path = checkpoint.save_checkpoint(init_params(cfg, seed=2), cfg, tmp_path_factory.mktemp("ck") / "ck",
+                                      tokenizer_dir=BUILTIN_DIR)
     _, one = checkpoint.load_checkpoint(path, dequantize="float32", progress=False)
-    # Auto axes: XLA's partitioner places the activations (jax.make_mesh defaults to Explicit axes, under which
-    # every gather would need its output sharding spelled out)
-    mesh = sharding.make_mesh(sharding.Parallelism(tensor=2, data=4, expert=True))
+    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 150)).astype(np.int32)
+    return cfg, path, ids, model.forward_with_trace(one, cfg, ids, quant.EXACT_F32)
+
+
+@needs8
+@pytest.mark.parametrize("par", [sharding.Parallelism(tensor=2, data=4, expert=True), sharding.Parallelism(tensor=2),
+                                 sharding.Parallelism(tensor=4), sharding.Parallelism(data=4, expert=True)],
+                         ids=["dp4xtp2+ep", "tp2", "tp4", "dep4"])
+def test_forward_on_a_mesh_equals_one_device(tiny_ckpt, par):
+    cfg, path, ids, (ref, ref_trace) = tiny_ckpt
+    mesh = sharding.make_mesh(par)
     _, sharded = checkpoint.load_checkpoint(path, mesh=mesh, dequantize="float32", progress=False)
     w1 = sharded["layers"][3]["ffn"]["experts"]["w1"]
-    assert w1.sharding.spec[0] == ("data", "tensor") and len(w1.addressable_shards) == 8
-    assert w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 8
-    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 150)).astype(np.int32)
-    ref, ref_trace = model.forward_with_trace(one, cfg, ids, quant.EXACT_F32)
+    assert len(w1.addressable_shards) == par.devices
+    assert w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // par.expert_ranks
     got, got_trace = model.forward_with_trace(sharded, cfg, ids, quant.EXACT_F32)
-    assert len(got.sharding.device_set) == 8
+    assert len(got.sharding.device_set) == par.devices
     flips = trace_diff.first_flips(ref_trace, got_trace, cfg.n_layers)
     for f in flips.values():
         assert f.name == "topk" and f.spread <= 1e-5, f"not a top-k tie: {f}"
@@ -46,13 +57,31 @@ def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
         np.testing.assert_allclose(got[row, :stop], ref[row, :stop], rtol=0, atol=1e-4, err_msg=f"row {row}")
 
 
+@needs8
+def test_per_device_bytes_equals_a_sharded_load(tiny_ckpt):
+    cfg, path, _, _ = tiny_ckpt
+    par = sharding.Parallelism(tensor=2, data=4, expert=True)
+    mesh = sharding.make_mesh(par)
+    _, placed = checkpoint.load_checkpoint(path, mesh=mesh, progress=False)
+    on_device = [x for x in jax.tree_util.tree_leaves(placed) if isinstance(x, jax.Array)]
+    real: dict = {}
+    for x in on_device:
+        for shard in x.addressable_shards:
+            real[shard.device] = real.get(shard.device, 0) + shard.data.nbytes
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in on_device]
+    got = sharding.per_device_bytes(structs, [x.sharding for x in on_device])
+    assert got == real and len(got) == 8
+    full = sum(x.nbytes for x in on_device)
+    assert max(got.values()) < full  # something is split, not copied everywhere
+
+
 def _specs(cfg, par):
     mesh = sharding.make_mesh(par)
     sh = sharding.param_shardings(cfg, par, mesh, dtype="float32")
     return jax.tree_util.tree_map(lambda s: tuple(s.spec), sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+@needs8
 @pytest.mark.parametrize("par, expect", [
     (sharding.Parallelism(tensor=4),
      {"wq_b": ("tensor", None), "wo_a": ("tensor", None), "wo_b": (None, "tensor"), "wkv": (None, None),
