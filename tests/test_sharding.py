@@ -1,5 +1,5 @@
-"""The model under a device mesh: experts split over an 'expert' axis (expert parallelism), heads / expert width
-/ vocabulary over a 'tensor' axis (tensor parallelism), as `checkpoint.sharding_for` places them on load. XLA
+"""The model under a device mesh: dsv41.sharding's layouts (TP: heads / FFN width / vocabulary over 'tensor'; DEP:
+experts over data x tensor, attention per data rank), as `checkpoint.load_checkpoint(mesh=)` places them. XLA
 partitions the program (GSPMD) and inserts the collectives; the result must equal the single-device one up to
 float32 summation order. Runs on the 8 virtual CPU devices of tests/conftest.py.
 
