@@ -176,7 +176,8 @@ def check_fits(need: dict, what: str) -> None:
             raise CheckpointError(
                 f"{what} needs {nbytes / 1e9:.2f} GB on {dev}, but only {free / 1e9:.2f} GB of its "
                 f"{limit / 1e9:.2f} GB are free. Spread it over more devices (mesh=dsv41.sharding.make_mesh "
-                f"with a larger tensor or data x expert layout), keep weights quantized (dequantize=None), or free device memory first.")
+                f"with a larger tensor or data x expert layout), keep weights quantized (dequantize=None), or "
+                f"free device memory first.")
 
 
 # ---- writing -----------------------------------------------------------------------------------------------
