@@ -8,6 +8,7 @@ from dsv41.config import ConfigError, ModelConfig, preset
 from dsv41.model import InputError, forward, forward_with_trace
 from dsv41.params import abstract_params, dequantize_params, init_params
 from dsv41.quant import EXACT_F32, REFERENCE, Numerics
+from dsv41.sharding import Parallelism, ParallelismError, make_mesh, param_shardings, per_device_bytes
 
 
 def load_checkpoint(*args, **kwargs):
@@ -18,4 +19,5 @@ def load_checkpoint(*args, **kwargs):
 
 
 __all__ = ["ModelConfig", "ConfigError", "InputError", "Numerics", "REFERENCE", "EXACT_F32", "preset", "init_params",
-           "abstract_params", "dequantize_params", "forward", "forward_with_trace", "load_checkpoint"]
+           "abstract_params", "dequantize_params", "forward", "forward_with_trace", "load_checkpoint",
+           "Parallelism", "ParallelismError", "make_mesh", "param_shardings", "per_device_bytes"]

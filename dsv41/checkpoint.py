@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from dsv41 import quant
+from dsv41 import quant, sharding
 from dsv41 import safetensors_io as st
 from dsv41.config import ConfigError, ModelConfig
 from dsv41.params import (Params, Spec, abstract_params, dequantize_params, init_params, is_weight_leaf,
@@ -53,9 +53,6 @@ SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
 FP8_IN_RELEASE = ("attn.wo_a",)
 # - weights our tree keeps in F32 that the release stores in BF16 (none at present; the loader upcasts exactly):
 BF16_IN_RELEASE: tuple[str, ...] = ()
-# Logical weight axis -> mesh axis, used when the mesh has that axis. The one place this is decided until a
-# sharding module owns it.
-DEFAULT_RULES = {"experts": "expert", "heads": "tensor", "ffn": "tensor", "vocab": "tensor"}
 
 _ORBAX_FORMAT = "dsv41-orbax"
 _DENSE_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
@@ -151,27 +148,8 @@ def _in(slot: _Slot, names: Sequence[str]) -> bool:
 
 def sharding_for(spec: Spec, mesh: jax.sharding.Mesh | None,
                  shapes: Sequence[tuple[int, ...]] = ()) -> jax.sharding.Sharding:
-    """Where a weight lives: its logical `axes` mapped through DEFAULT_RULES onto the mesh's axes.
-
-    A dim is sharded only when the mesh has the rule's axis, the axis is not used by an earlier dim, and the
-    axis size divides that dim in every one of `shapes` (a quantized weight passes its weight and scale shapes,
-    which must shard alike). No mesh: the first device.
-    """
-    if mesh is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = list(shapes) or [spec.shape]
-    ndim = len(shapes[0])
-    axes = tuple(spec.axes) + (None,) * (ndim - len(spec.axes))
-    used: set[str] = set()
-    parts: list[str | None] = []
-    for dim, logical in enumerate(axes[:ndim]):
-        m = DEFAULT_RULES.get(logical) if logical else None
-        if m in mesh.shape and m not in used and all(s[dim] % mesh.shape[m] == 0 for s in shapes):
-            parts.append(m)
-            used.add(m)
-        else:
-            parts.append(None)
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
+    """Where a weight lives, as dsv41.sharding's rules for the mesh's layout place it (no mesh: first device)."""
+    return sharding.weight_sharding(spec.axes, mesh, list(shapes) or [spec.shape])
 
 
 def _bytes_per_device(items: Sequence[tuple[tuple[int, ...], np.dtype, jax.sharding.Sharding]]) -> dict:
@@ -197,8 +175,9 @@ def check_fits(need: dict, what: str) -> None:
         if nbytes > free:
             raise CheckpointError(
                 f"{what} needs {nbytes / 1e9:.2f} GB on {dev}, but only {free / 1e9:.2f} GB of its "
-                f"{limit / 1e9:.2f} GB are free. Spread it over more devices (mesh= with an 'expert' or "
-                f"'tensor' axis), keep weights quantized (dequantize=None), or free device memory first.")
+                f"{limit / 1e9:.2f} GB are free. Spread it over more devices (mesh=dsv41.sharding.make_mesh "
+                f"with a larger tensor or data x expert layout), keep weights quantized (dequantize=None), or "
+                f"free device memory first.")
 
 
 # ---- writing -----------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ class Spec:
     shape: tuple[int, ...]
     fmt: str
     init: str = "normal"  # normal (1/sqrt(fan_in)), ones, zeros, small, table, fp8_grid (normal, FP8 values)
-    axes: tuple[str | None, ...] = ()  # logical axes for sharding, one per dim
+    axes: tuple[str | None, ...] = ()  # logical axes, one per dim; dsv41.sharding maps them to the mesh
 
     def fan_in(self) -> int:
         return self.shape[-1]
@@ -59,8 +59,8 @@ def layer_specs(cfg: ModelConfig, layer: int) -> Params:
         # bf16 as convert.py leaves it, holding the release's FP8 values (the engine's
         # prepare_linears takes them back to FP8)
         "wo_a": Spec((cfg.o_groups * cfg.o_lora_rank, H * Dh // cfg.o_groups), "bf16", "fp8_grid",
-                     axes=("heads", None)),
-        "wo_b": Spec((D, cfg.o_groups * cfg.o_lora_rank), "fp8", axes=("embed", "heads")),
+                     axes=("o_groups", None)),
+        "wo_b": Spec((D, cfg.o_groups * cfg.o_lora_rank), "fp8", axes=("embed", "o_groups")),
         "attn_sink": Spec((H,), "f32", "small", axes=("heads",)),
     }
     if role is AttnRole.FULL:
@@ -74,8 +74,8 @@ def layer_specs(cfg: ModelConfig, layer: int) -> Params:
     if role in (AttnRole.FULL, AttnRole.REINDEX):
         IH, ID = cfg.index_n_heads, cfg.index_head_dim
         attn["indexer"] = {
-            "wq_b": Spec((IH * ID, Q), "fp8", axes=("heads", None)),
-            "weights_proj": Spec((IH, D), "bf16", axes=("heads", None)),
+            "wq_b": Spec((IH * ID, Q), "fp8", axes=("index_heads", None)),
+            "weights_proj": Spec((IH, D), "bf16", axes=("index_heads", None)),
         }
         if role is AttnRole.FULL:
             attn["indexer"]["wk"] = Spec((ID, Dh), "bf16")
@@ -97,9 +97,9 @@ def layer_specs(cfg: ModelConfig, layer: int) -> Params:
                 "bias_vl": Spec((E,), "f32", "small"),
             },
             "experts": {
-                "w1": Spec((E, F, D), "fp4", axes=("experts", "ffn", "embed")),
-                "w2": Spec((E, D, F), "fp4", axes=("experts", "embed", "ffn")),
-                "w3": Spec((E, F, D), "fp4", axes=("experts", "ffn", "embed")),
+                "w1": Spec((E, F, D), "fp4", axes=("experts", "expert_ffn", "embed")),
+                "w2": Spec((E, D, F), "fp4", axes=("experts", "embed", "expert_ffn")),
+                "w3": Spec((E, F, D), "fp4", axes=("experts", "expert_ffn", "embed")),
             },
             "shared_experts": {
                 "w1": Spec((F, D), "fp8", axes=("ffn", "embed")),

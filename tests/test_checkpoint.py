@@ -373,19 +373,19 @@ def test_refuses_what_cannot_fit():
 
 
 def test_sharded_load_on_a_two_device_mesh(ckpt_dir):
-    """Per-shard reads: experts split over an 'expert' axis, rows and columns over a 'tensor' axis (separate
+    """Per-shard reads: experts split over the data ranks (DEP), rows and columns over a 'tensor' axis (separate
     process: the CPU device count is fixed when jax starts)."""
     code = textwrap.dedent(f"""
         import numpy as np, jax
-        from dsv41 import checkpoint as ckpt
+        from dsv41 import checkpoint as ckpt, sharding
         _, ref = ckpt.load_checkpoint({str(ckpt_dir)!r}, progress=False)
         for shape, mode in (((2, 1), "pread"), ((1, 2), "pread"), ((2, 1), "mmap")):
-            mesh = jax.make_mesh(shape, ("expert", "tensor"))
+            mesh = sharding.make_mesh(sharding.Parallelism(data=shape[0], tensor=shape[1], expert=shape[0] > 1))
             _, sh = ckpt.load_checkpoint({str(ckpt_dir)!r}, mesh=mesh, progress=False, read_mode=mode)
             w1 = sh["layers"][0]["ffn"]["experts"]["w1"]
             assert w1.weight.sharding.spec[:2] == w1.scale.sharding.spec[:2], w1.weight.sharding
-            axis = 0 if shape[0] == 2 else 1  # experts over 'expert', or the ffn dim over 'tensor'
-            assert w1.weight.sharding.spec[axis] == ("expert", "tensor")[axis]
+            axis = 0 if shape[0] == 2 else 1  # experts over 'data', or the ffn dim over 'tensor'
+            assert w1.weight.sharding.spec[axis] == ("data", "tensor")[axis]
             assert w1.weight.addressable_shards[0].data.shape[axis] == w1.weight.shape[axis] // 2
             if shape[1] == 2:  # a column shard: wo_b is (embed, heads)
                 assert sh["layers"][0]["attn"]["wo_b"].weight.sharding.spec[1] == "tensor"

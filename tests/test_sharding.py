@@ -1,5 +1,5 @@
-"""The model under a device mesh: experts split over an 'expert' axis (expert parallelism), heads / expert width
-/ vocabulary over a 'tensor' axis (tensor parallelism), as `checkpoint.sharding_for` places them on load. XLA
+"""The model under a device mesh: dsv41.sharding's layouts (TP: heads / FFN width / vocabulary over 'tensor'; DEP:
+experts over data x tensor, attention per data rank), as `checkpoint.load_checkpoint(mesh=)` places them. XLA
 partitions the program (GSPMD) and inserts the collectives; the result must equal the single-device one up to
 float32 summation order. Runs on the 8 virtual CPU devices of tests/conftest.py.
 
@@ -8,32 +8,45 @@ vs 0.2518683 at the boundary, on one machine and XLA optimisation level, not ano
 compared first: where they first differ in a row, the flip must be such a tie, and that row's logits are compared
 up to that position; everything else must match to float32 noise."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
-from dsv41 import checkpoint, model, quant, trace_diff
+from dsv41 import checkpoint, model, quant, sharding, trace_diff
 from dsv41.config import preset
 from dsv41.params import init_params
 from dsv41.tokenizer import BUILTIN_DIR
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
-def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
+needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny preset written once, and its one-device float32 forward on one short batch."""
     cfg = preset("tiny")
-    path = checkpoint.save_checkpoint(init_params(cfg, seed=2), cfg, tmp_path / "ck", tokenizer_dir=BUILTIN_DIR)
+    path = checkpoint.save_checkpoint(init_params(cfg, seed=2), cfg, tmp_path_factory.mktemp("ck") / "ck",
+                                      tokenizer_dir=BUILTIN_DIR)
     _, one = checkpoint.load_checkpoint(path, dequantize="float32", progress=False)
-    # Auto axes: XLA's partitioner places the activations (jax.make_mesh defaults to Explicit axes, under which
-    # every gather would need its output sharding spelled out)
-    mesh = jax.make_mesh((4, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 150)).astype(np.int32)
+    return cfg, path, ids, model.forward_with_trace(one, cfg, ids, quant.EXACT_F32)
+
+
+@needs8
+@pytest.mark.parametrize("par", [sharding.Parallelism(tensor=2, data=4, expert=True), sharding.Parallelism(tensor=2),
+                                 sharding.Parallelism(tensor=4), sharding.Parallelism(data=4, expert=True)],
+                         ids=["dp4xtp2+ep", "tp2", "tp4", "dep4"])
+def test_forward_on_a_mesh_equals_one_device(tiny_ckpt, par):
+    cfg, path, ids, (ref, ref_trace) = tiny_ckpt
+    mesh = sharding.make_mesh(par)
     _, sharded = checkpoint.load_checkpoint(path, mesh=mesh, dequantize="float32", progress=False)
     w1 = sharded["layers"][3]["ffn"]["experts"]["w1"]
-    assert w1.sharding.spec[0] == "expert" and len(w1.addressable_shards) == 8
-    assert w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 4
-    ids = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 150)).astype(np.int32)
-    ref, ref_trace = model.forward_with_trace(one, cfg, ids, quant.EXACT_F32)
+    assert len(w1.addressable_shards) == par.devices
+    assert w1.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // par.expert_ranks
     got, got_trace = model.forward_with_trace(sharded, cfg, ids, quant.EXACT_F32)
-    assert len(got.sharding.device_set) == 8
+    assert len(got.sharding.device_set) == par.devices
     flips = trace_diff.first_flips(ref_trace, got_trace, cfg.n_layers)
     for f in flips.values():
         assert f.name == "topk" and f.spread <= 1e-5, f"not a top-k tie: {f}"
@@ -42,3 +55,71 @@ def test_forward_on_an_expert_x_tensor_mesh_equals_one_device(tmp_path):
     ref, got = np.asarray(ref), np.asarray(got)
     for row, stop in enumerate(first):
         np.testing.assert_allclose(got[row, :stop], ref[row, :stop], rtol=0, atol=1e-4, err_msg=f"row {row}")
+
+
+@needs8
+def test_per_device_bytes_equals_a_sharded_load(tiny_ckpt):
+    cfg, path, _, _ = tiny_ckpt
+    par = sharding.Parallelism(tensor=2, data=4, expert=True)
+    mesh = sharding.make_mesh(par)
+    _, placed = checkpoint.load_checkpoint(path, mesh=mesh, progress=False)
+    on_device = [x for x in jax.tree_util.tree_leaves(placed) if isinstance(x, jax.Array)]
+    real: dict = {}
+    for x in on_device:
+        for shard in x.addressable_shards:
+            real[shard.device] = real.get(shard.device, 0) + shard.data.nbytes
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in on_device]
+    got = sharding.per_device_bytes(structs, [x.sharding for x in on_device])
+    assert got == real and len(got) == 8
+    full = sum(x.nbytes for x in on_device)
+    assert max(got.values()) < full  # something is split, not copied everywhere
+
+
+def _specs(cfg, par):
+    mesh = sharding.make_mesh(par)
+    sh = sharding.param_shardings(cfg, par, mesh, dtype="float32")
+    return jax.tree_util.tree_map(lambda s: tuple(s.spec), sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+
+
+@needs8
+@pytest.mark.parametrize("par, expect", [
+    (sharding.Parallelism(tensor=4),
+     {"wq_b": ("tensor", None), "wo_a": ("tensor", None), "wo_b": (None, "tensor"), "wkv": (None, None),
+      "ix_wq_b": ("tensor", None), "w1": (None, "tensor", None), "sh_w2": (None, "tensor"),
+      "head": ("tensor", None), "embed": ("tensor", None)}),
+    (sharding.Parallelism(data=4, expert=True),
+     {"wq_b": (None, None), "wo_b": (None, None), "wkv": (None, None), "ix_wq_b": (None, None),
+      "w1": ("data", None, None), "sh_w2": (None, None), "head": (None, None)}),
+    (sharding.Parallelism(tensor=2, data=2, expert=True),
+     {"wq_b": ("tensor", None), "wo_a": ("tensor", None), "wkv": (None, None), "ix_wq_b": ("tensor", None),
+      "w1": (("data", "tensor"), None, None), "w2": (("data", "tensor"), None, None), "sh_w2": (None, "tensor"),
+      "head": ("tensor", None)}),
+])
+def test_rules_place_representative_weights(par, expect):
+    specs = _specs(preset("tiny"), par)
+    layer = specs["layers"][2]
+    got = {"wq_b": layer["attn"]["wq_b"], "wo_a": layer["attn"]["wo_a"], "wo_b": layer["attn"]["wo_b"],
+           "wkv": layer["attn"]["wkv"], "ix_wq_b": layer["attn"]["indexer"]["wq_b"],
+           "w1": layer["ffn"]["experts"]["w1"], "w2": layer["ffn"]["experts"]["w2"],
+           "sh_w2": layer["ffn"]["shared_experts"]["w2"], "head": specs["head"], "embed": specs["embed"]}
+    assert {k: got[k] for k in expect} == expect
+
+
+@pytest.mark.parametrize("par, n, message", [
+    (sharding.Parallelism(tensor=3), 8, "attention heads (n_heads) = 8 cannot be split 3 ways"),
+    (sharding.Parallelism(tensor=8), 8, "output groups (o_groups) = 4 cannot be split 8 ways"),
+    (sharding.Parallelism(tensor=2, data=8, expert=True), 16, "routed experts (n_routed_experts) = 8 cannot be "
+                                                              "split 16 ways"),
+    (sharding.Parallelism(tensor=4, data=4), 8, "asks for 16 devices but 8 are present"),
+    (sharding.Parallelism(tensor=2, expert=True), 8, "expert parallelism needs --data-parallel-size > 1"),
+    (sharding.Parallelism(tensor=0), 8, "must be >= 1"),
+])
+def test_bad_layouts_get_one_clear_error(par, n, message):
+    with pytest.raises(sharding.ParallelismError, match=re.escape(message)):
+        par.validate(preset("tiny"), n)
+
+
+def test_good_layouts_validate():
+    for par in (sharding.Parallelism(), sharding.Parallelism(tensor=4), sharding.Parallelism(data=8, expert=True),
+                sharding.Parallelism(tensor=2, data=2, expert=True), sharding.Parallelism(tensor=2, data=4)):
+        par.validate(preset("tiny"), 8)
