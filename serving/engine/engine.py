@@ -277,6 +277,8 @@ class Engine(Scheduler, Warmup):
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         for r in list(reqs):
+            if r.id not in self.running:  # preempted for an earlier row: back in the queue, it holds no pages
+                continue
             while not self._ensure_pages(r, r.num_tokens):
                 if not self._preempt(r):
                     self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
