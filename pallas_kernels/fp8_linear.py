@@ -4,7 +4,7 @@ y = x @ W^T, x bf16 [M, K] with M <= MAX_ROWS, W `Fp8Weight` [N, K] -> bf16 [M, 
 
 Why: XLA dequantizes a block-scaled FP8 weight into a bf16 copy before its GEMM reads it (1 byte read, 2
 written, 2 read again per weight), which made the release's FP8 linears slower than bf16 ones on the H200
-(docs/PERFORMANCE.md, "Release weight formats"). This path reads each weight byte once: it runs the grouped
+(docs/PERFORMANCE.md, decode with release weights). This path reads each weight byte once: it runs the grouped
 expert GEMM's Mosaic GPU kernel (`expert_gemm._build_kernel`, weights as the wgmma M operand, tokens as N;
 warp-level mma.sync up to 8 rows) with an FP8 decoder in registers instead of the FP4 one, as a single group.
 
@@ -140,7 +140,7 @@ def _config(tm: int, k_iters: int, ksplit: int) -> eg.KernelConfig:
     """Pipeline depth that fits shared memory (x tile, weight tile, scales a stage; the output tiles once: bf16
     [tm, 64], or float32 [64, tm] partials when K is split), preferring one that divides an item's steps so an
     SM's items chain. Up to 8 rows the multiply is warp-level mma.sync (`KernelConfig.warp_mma`): on the H200
-    (twenty-seventh session) attn.wo_b / engram.wkv took 19.7 / 49.3 us at one row against 20.7 / 51.5 with wgmma,
+    attn.wo_b / engram.wkv took 19.7 / 49.3 us at one row against 20.7 / 51.5 with wgmma,
     attn.wq_b 16.2 either way."""
     stage = tm * TK * 2 + TN * TK + TK // 32 * TN
     out = 2 * tm * 64 * (4 if ksplit > 1 else 2)

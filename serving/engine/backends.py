@@ -43,17 +43,16 @@ class KernelOptions:
 
     fuse_rope: the query RoPE and the output's inverse RoPE inside the attention kernel
       (`KernelConfig.fuse_rope`) instead of two XLA passes over q and o (at a 2048-token prefill chunk 128 MB each
-      way, per layer). On the H200 (docs/PERFORMANCE.md "Fused RoPE and the prefill indexer
-      kernel"): the kernel's GPU tests and the engine layer by layer pass; batch-64 decode 9.20 -> 8.98 ms of
-      device time, batch 1 unchanged (4.77 ms). In the interpreter the fused kernel equals the unfused one bit
-      for bit (tests/pallas_kernels/test_sparse_attention.py).
+      way, per layer). On the H200 (docs/KERNELS_SPARSE_ATTENTION.md): the kernel's GPU tests and the engine
+      layer by layer pass; batch-64 decode 9.20 -> 8.98 ms of device time, batch 1 unchanged (4.77 ms). In the
+      interpreter the fused kernel equals the unfused one bit for bit (tests/pallas_kernels/test_sparse_attention.py).
     prefill_indexer_kernel: a prefill chunk's indexers through the kernels (`_kernel_index_topk`: the encoder
       indexers and the candidate source through `indexer_chunk`, the layers after it through their candidates)
       instead of XLA's einsum, whose [B, T, heads, G] float32 products grow with the context (`indexer.raw_scores`
-      forms them 4 GiB at a time beyond 16K entries). On by default: on the H200 (docs/PERFORMANCE.md
-      "The chunk indexer and the top-k threshold kernel") `indexer_chunk` scored a 2048-query chunk 3.2-4.0x
-      faster than XLA (4.63 vs 18.51 ms at 64K entries) and a 64K prompt took 1.171 s against 1.372. (A first
-      version, the decode kernel run on groups of 8 queries, made the 64K prompt 32% slower.)
+      forms them 4 GiB at a time beyond 16K entries). On by default: on the H200 (docs/KERNELS_INDEXER.md)
+      `indexer_chunk` scored a 2048-query chunk 3.2-4.0x faster than XLA (4.63 vs 18.51 ms at 64K entries) and a
+      64K prompt took 1.171 s against 1.372. (A first version, the decode kernel run on groups of 8 queries, made
+      the 64K prompt 32% slower.)
     indexer_topk: how the kernel path's indexers pick their top-k entries and layer 20's blocks, one of
       `indexer_logits.TOPK_METHODS`: 'auto' (`indexer_logits.auto_topk_method`: the threshold kernel
       `topk_select` where the H200 measured it faster: in place of radix select for 64 rows of 2048+ scores,
