@@ -146,10 +146,11 @@ def _in(slot: _Slot, names: Sequence[str]) -> bool:
 # ---- sharding ----------------------------------------------------------------------------------------------
 
 
-def sharding_for(spec: Spec, mesh: jax.sharding.Mesh | None,
-                 shapes: Sequence[tuple[int, ...]] = ()) -> jax.sharding.Sharding:
-    """Where a weight lives, as dsv41.sharding's rules for the mesh's layout place it (no mesh: first device)."""
-    return sharding.weight_sharding(spec.axes, mesh, list(shapes) or [spec.shape])
+def sharding_for(spec: Spec, mesh: jax.sharding.Mesh | None, shapes: Sequence[tuple[int, ...]] = (),
+                 par: sharding.Parallelism | None = None) -> jax.sharding.Sharding:
+    """Where a weight lives, as dsv41.sharding's rules for the layout place it (no mesh: first device; par None:
+    the layout the mesh implies, `sharding.parallelism_of`)."""
+    return sharding.weight_sharding(spec.axes, mesh, list(shapes) or [spec.shape], par)
 
 
 def _bytes_per_device(items: Sequence[tuple[tuple[int, ...], np.dtype, jax.sharding.Sharding]]) -> dict:
@@ -636,7 +637,7 @@ def _dequantize_leaf(leaf, dtype: str):
 class _Builder:
     """Turns a validated plan into one tree leaf; device leaves shard by shard (`_to_devices`)."""
 
-    def __init__(self, plan: _Plan, mapped: dict[str, st.MappedFile], mesh, dequantize: str | None):
+    def __init__(self, plan: _Plan, mapped: dict[str, st.MappedFile], mesh, dequantize: str | None, par=None):
         self.plan = plan
         self.comps = [_component(mapped, srcs, plan.slot.n_experts is not None) for srcs in plan.sources]
         self.dequantize = dequantize
@@ -651,7 +652,8 @@ class _Builder:
             self.out_shapes = [(c.shape, c.dtype)]
         else:
             self.out_shapes = [(c.shape, c.dtype) for c in self.comps]
-        self.sharding = None if self.on_host else sharding_for(slot.spec, mesh, [s for s, _ in self.out_shapes])
+        self.sharding = None if self.on_host else sharding_for(slot.spec, mesh, [s for s, _ in self.out_shapes],
+                                                               par)
 
     @property
     def read_bytes(self) -> int:
@@ -720,12 +722,14 @@ def is_orbax_dir(path: str | os.PathLike) -> bool:
 
 
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
-                    mesh: jax.sharding.Mesh | None = None, dequantize: str | None = None, workers: int = 8,
-                    progress: bool = True, read_mode: str = "mmap") -> tuple[ModelConfig, Params]:
+                    mesh: jax.sharding.Mesh | None = None, parallelism: sharding.Parallelism | None = None,
+                    dequantize: str | None = None, workers: int = 8, progress: bool = True,
+                    read_mode: str = "mmap") -> tuple[ModelConfig, Params]:
     """Reads a release-format directory (or one written by save_orbax) -> (config, params).
 
     cfg: None reads config.json; given, it must agree with config.json when there is one.
-    mesh: place each weight sharded per `sharding_for`; None puts everything on the first device.
+    mesh: place each weight sharded per `sharding_for` (each device reads only its slices); None puts everything
+      on the first device. parallelism: the layout's rules (None: the one the mesh implies).
     dequantize: None keeps stored precision (Fp8Weight / Fp4Weight with UE8M0 bytes); 'bfloat16' / 'float32'
       gives dequantize_params(stored, dequantize). Engram tables stay host memory-mapped Fp8Rows either way.
     Every tensor is validated before anything is built; any problem raises CheckpointError naming each bad
@@ -744,17 +748,19 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
         if dequantize:
             raise CheckpointError(f"{path} is an orbax checkpoint of the loaded tree; it restores as saved "
                                   "(dequantize= applies to release-format checkpoints only)")
-        ocfg, params = load_orbax(path, mesh=mesh)
+        ocfg, params = load_orbax(path, mesh=mesh, parallelism=parallelism)
         if cfg is not None and cfg != ocfg:
             raise CheckpointError(f"{path}: its config disagrees with the cfg passed; pass cfg=None")
         return ocfg, params
     cfg = _read_config(path, cfg)
+    if parallelism is not None:  # a layout the model cannot take fails here, before any weight is read
+        parallelism.validate(cfg, None if mesh is None else len(mesh.devices.flat))
     t0 = time.perf_counter()
     loc = _read_layout(path, workers)
     plans, slots, treedef = _plan(cfg, loc, path)
 
     mapped = {fn: st.MappedFile(h) for fn, h in loc.files.items()}
-    builders = [_Builder(p, mapped, mesh, dequantize) for p in plans]
+    builders = [_Builder(p, mapped, mesh, dequantize, parallelism) for p in plans]
     need = _bytes_per_device([it for b in builders for it in b.device_items()])
     if dequantize:  # up to `workers` stored leaves exist next to their dequantized copies while they are made
         largest = sorted((b for b in builders if not b.on_host), key=lambda b: -b.read_bytes)[:workers]
@@ -879,7 +885,8 @@ def save_orbax(params: Params, cfg: ModelConfig, path: str | os.PathLike) -> str
     return path
 
 
-def load_orbax(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, Params]:
+def load_orbax(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None,
+               parallelism: sharding.Parallelism | None = None) -> tuple[ModelConfig, Params]:
     """Restores what save_orbax wrote, placed per `sharding_for` (first device without a mesh)."""
     import orbax.checkpoint as ocp
 
@@ -898,7 +905,7 @@ def load_orbax(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -
             continue
         d = described[s.key]
         shapes = [tuple(v[0]) for v in d["arrays"].values()]
-        sh = sharding_for(s.spec, mesh, shapes)
+        sh = sharding_for(s.spec, mesh, shapes, parallelism)
         structs = {f: jax.ShapeDtypeStruct(tuple(shp), jnp.dtype(dt), sharding=sh)
                    for f, (shp, dt) in d["arrays"].items()}
         items += [(x.shape, x.dtype, sh) for x in structs.values()]

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as fnn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dsv41 import quant
 from dsv41.config import ConfigError, ModelConfig
 
 DATA, TENSOR = "data", "tensor"
@@ -194,3 +196,113 @@ def param_shardings(cfg: ModelConfig, par: Parallelism, mesh: Mesh, dtype: str |
         sh = NamedSharding(mesh, mesh_spec(spec.axes, mesh, par, [a.shape for a in arrays]))
         out.append(jax.tree_util.tree_unflatten(sub, [sh] * len(arrays)))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def place_params(params, cfg: ModelConfig, par: Parallelism, mesh: Mesh):
+    """params (any weight formats) placed as the rules split them on the mesh; arrays already placed so stay
+    where they are, host arrays (the Engram tables, read by row on the host) stay on the host."""
+    from dsv41 import params as P
+
+    par.validate(cfg, len(mesh.devices.flat))
+
+    def place(spec, leaf):
+        arrays, sub = jax.tree_util.tree_flatten(leaf)
+        if any(isinstance(a, np.ndarray) for a in arrays) or isinstance(leaf, quant.Fp8Rows):  # Engram tables
+            return leaf
+        sh = NamedSharding(mesh, mesh_spec(spec.axes, mesh, par, [a.shape for a in arrays]))
+        return jax.tree_util.tree_unflatten(sub, [jax.device_put(a, sh) for a in arrays])
+
+    return P.map_with_spec(place, cfg, params)
+
+
+def abstract_mesh(par: Parallelism) -> jax.sharding.AbstractMesh:
+    """The mesh of a layout without its devices (capacity plans for machines that are not here)."""
+    return jax.sharding.AbstractMesh((par.data, par.tensor), MESH_AXES)
+
+
+def weight_bytes_per_device(cfg: ModelConfig, par: Parallelism, dtype: str | None = None) -> int:
+    """Bytes of device-resident weights (everything but the host's Engram tables) one device holds under the
+    layout's rules, from the shard shapes of `abstract_params(cfg, dtype)` (None: the release's formats)."""
+    from dsv41 import params as P
+
+    par.validate(cfg, par.devices)
+    mesh = abstract_mesh(par)
+    specs = jax.tree_util.tree_leaves(P.param_specs(cfg), is_leaf=lambda x: isinstance(x, P.Spec))
+    leaves = jax.tree_util.tree_leaves(P.abstract_params(cfg, dtype), is_leaf=P.is_weight_leaf)
+    total = 0
+    for spec, leaf in zip(specs, leaves, strict=True):
+        if isinstance(leaf, quant.Fp8Rows):  # Engram tables: host memory
+            continue
+        arrays = jax.tree_util.tree_leaves(leaf)
+        mspec = mesh_spec(spec.axes, mesh, par, [a.shape for a in arrays])
+        for a in arrays:
+            shard = [d // _axis_size(mesh, e) for d, e in zip(a.shape, tuple(mspec) + (None,) * a.ndim)]
+            total += math.prod(shard) * np.dtype(a.dtype).itemsize
+    return total
+
+
+# ---- the engine's programs on a mesh ---------------------------------------------------------------------------
+# The serving programs run per data rank: a `shard_map` manual over "data" (each rank its own batch rows, KV pool
+# and sampling), automatic over "tensor" (XLA partitions heads, widths and vocabulary by the weights' shardings
+# and inserts the reductions). Arrays that are per rank (pool, batch, outputs) stack the ranks on axis 0.
+
+
+def data_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get(DATA, 1)
+
+
+def rank_sharding(mesh: Mesh) -> NamedSharding:
+    """Per-rank arrays (pool, batch, outputs): axis 0 split over data ranks, replicated over tensor ranks."""
+    return NamedSharding(mesh, PartitionSpec(DATA))
+
+
+def manual_spec(sh: jax.sharding.Sharding) -> PartitionSpec:
+    """The part of a weight's sharding that a data-manual `shard_map` declares (only "data"; "tensor" stays
+    automatic inside). A replicated weight -> P()."""
+    if not isinstance(sh, NamedSharding):
+        return PartitionSpec()
+    parts = []
+    for entry in sh.spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        parts.append(DATA if DATA in names else None)
+    return PartitionSpec(*parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """`Ops.routed_experts` with the routed experts split over every rank (data x tensor: DEP, vLLM's
+    --enable-expert-parallel), inside the engine's data-manual programs. Tokens are exchanged by all-gather +
+    reduce-scatter: each data rank gathers every rank's tokens and routing, each rank runs its own experts on the
+    slots routed to them (`inner`, any `Ops.routed_experts`, on a permutation that puts the other ranks' slots
+    past its groups: no rows computed for them), the partial sums are added over tensor ranks and scattered back
+    over data ranks. tensor: the mesh's tensor size (static; 1 makes the expert loop manual over data only)."""
+
+    inner: Callable
+    tensor: int = 1
+
+    def __call__(self, x, w, idx, experts, cfg: ModelConfig, num, permutation=None):
+        T, k = idx.shape
+        xg = jax.lax.all_gather(x, DATA, tiled=True)  # [ranks_data * T, D]
+        wg = jax.lax.all_gather(w, DATA, tiled=True)
+        ig = jax.lax.all_gather(idx, DATA, tiled=True)
+
+        def local(experts, xg, wg, ig):
+            rank = jax.lax.axis_index(DATA)
+            if self.tensor > 1:
+                rank = rank * self.tensor + jax.lax.axis_index(TENSOR)
+            n_local = jax.tree_util.tree_leaves(experts)[0].shape[0]
+            lid = ig - rank * n_local
+            mine = (lid >= 0) & (lid < n_local)
+            lid = jnp.where(mine, lid, n_local).reshape(-1)  # others sort last, past every group
+            order = jnp.argsort(lid, stable=True)
+            sizes = jnp.bincount(lid, length=n_local).astype(jnp.int32)  # drops n_local
+            y = self.inner(xg, jnp.where(mine, wg, 0.0), ig, experts, cfg, num, (order, sizes))
+            if self.tensor > 1:
+                y = jax.lax.psum(y, TENSOR)
+            return jax.lax.psum_scatter(y, DATA, scatter_dimension=0, tiled=True)
+
+        if self.tensor == 1:
+            return local(experts, xg, wg, ig)
+        espec = jax.tree_util.tree_map(lambda _: PartitionSpec(TENSOR), experts)
+        return jax.shard_map(local, in_specs=(espec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+                             out_specs=PartitionSpec(), axis_names={TENSOR})(experts, xg, wg, ig)

@@ -18,7 +18,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from serving.cli_serve import add_engram_tables_arg, add_kernel_backend_args
+    from serving.cli_serve import add_engram_tables_arg, add_kernel_backend_args, add_parallel_args
 
     add_engram_tables_arg(p)
     p.add_argument("--no-swa-bounded-replay", action="store_true",
@@ -28,6 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
     p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
     add_kernel_backend_args(p, default="auto")
+    add_parallel_args(p)
 
 
 def build_engine(args: argparse.Namespace):
@@ -39,7 +40,9 @@ def build_engine(args: argparse.Namespace):
                           swa_bounded_replay=not args.no_swa_bounded_replay,
                           attention_backend=args.attention_backend, moe_backend=args.moe_backend,
                           mhc_backend=args.mhc_backend, router_backend=args.router_backend,
-                          linear_backend=args.linear_backend)
+                          linear_backend=args.linear_backend, tensor_parallel_size=args.tensor_parallel_size or 1,
+                          data_parallel_size=args.data_parallel_size or 1,
+                          enable_expert_parallel=bool(args.enable_expert_parallel))
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, config=config)
     return Engine.from_preset(args.preset or "tiny", seed=args.seed, config=config)
@@ -75,30 +78,74 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Layouts `dsv41 kv-budget --plans` prints: (machine, GiB per GPU, layouts). A GB300 NVL72 rack is 18 trays of 4.
+PLANS = (("8x H200", 141, ((8, 1, False), (1, 8, True), (4, 2, True), (4, 1, False))),
+         ("GB300 NVL72", 288, ((4, 1, False), (1, 72, True), (1, 64, True), (4, 16, True))))
+
+
 def cmd_kv_budget(args: argparse.Namespace) -> int:
     from dsv41 import params as P
     from dsv41.config import ModelConfig, preset
+    from dsv41.sharding import Parallelism, ParallelismError
     from serving.engine import kv_pool
 
     cfg = ModelConfig.from_json(f"{args.checkpoint}/config.json") if args.checkpoint else preset(args.preset or "flash")
-    ab = P.abstract_params(cfg)
-    tables = sum(x.weight.size + x.scale.size for x in P.engram_tables(ab))
-    weights = P.tree_bytes(ab) - tables
-    b = kv_pool.budget(cfg, weights, int(args.gpu_memory_gb * 2**30), args.tensor_parallel_size, args.max_model_len)
-    rows = [("global KV bytes / token", f"{b['global_kv_bytes_per_token']:.0f}"),
-            ("SWA + compressor state / session", f"{b['swa_bytes_per_session'] / 2**20:.2f} MiB"),
-            ("weights on GPUs (Engram tables in host memory)", f"{weights / 2**30:.1f} GiB"),
+    tables = sum(x.weight.size + x.scale.size for x in P.engram_tables(P.abstract_params(cfg)))
+    if args.plans:
+        return _print_plans(cfg, args.max_model_len)
+    par = Parallelism(args.tensor_parallel_size or 1, args.data_parallel_size or 1, bool(args.enable_expert_parallel))
+    try:
+        c = kv_pool.capacity(cfg, par, int(args.gpu_memory_gb * 2**30), args.max_model_len)
+    except ParallelismError as e:
+        log.error("%s", e)
+        return 2
+    rows = [("layout", f"TP{par.tensor} x DP{par.data}{' + EP' if par.expert else ''} ({par.devices} GPUs)"),
+            ("global KV bytes / token (per data rank; replicated on its TP ranks)", f"{c.kv_bytes_per_token:.0f}"),
+            ("SWA + compressor state / session", f"{c.slot_bytes / 2**20:.2f} MiB"),
+            ("weights / GPU (Engram tables in host memory)", f"{c.weight_bytes_per_device / 2**30:.1f} GiB"),
             ("Engram tables (host)", f"{tables / 2**30:.1f} GiB"),
-            ("GPU memory", f"{args.gpu_memory_gb} GiB x {args.tensor_parallel_size}"),
-            ("free for KV (10% reserve)", f"{max(0, b['free_bytes']) / 2**30:.1f} GiB"),
-            ("tokens of global KV", f"{b['tokens']:,}"),
-            (f"sessions at {b['max_model_len']:,} tokens", f"{b['sessions_at_max_len']:,}")]
+            ("GPU memory", f"{args.gpu_memory_gb} GiB x {par.devices}"),
+            ("free for KV / GPU (10% reserve)", f"{max(0, c.free_bytes_per_device) / 2**30:.1f} GiB"),
+            ("tokens of global KV / data rank", f"{c.tokens_per_rank:,}"),
+            ("tokens of global KV in all", f"{c.tokens:,}"),
+            ("longest context one rank holds", f"{c.longest_context:,}"),
+            (f"sessions at {c.max_model_len:,} tokens (all ranks)", f"{c.sessions_per_rank() * par.data:,}")]
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         sys.stdout.write(f"{k:<{w}}  {v}\n")
-    if b["free_bytes"] <= 0:
-        log.error("the weights alone do not fit: use more GPUs (--tensor-parallel-size) or more memory")
+    if c.free_bytes_per_device <= 0:
+        log.error("the weights alone do not fit: use more GPUs (--tensor-parallel-size, or --data-parallel-size "
+                  "with --enable-expert-parallel) or more memory")
         return 1
+    return 0
+
+
+def _print_plans(cfg, max_model_len: int | None) -> int:
+    from dsv41.sharding import Parallelism, ParallelismError
+    from serving.engine import kv_pool
+
+    head = ("machine", "layout", "GPUs", "weights/GPU", "KV/GPU", "tokens/rank", "tokens", "longest ctx",
+            "sessions@len")
+    out = [head]
+    for machine, gib, layouts in PLANS:
+        for tp, dp, ep in layouts:
+            par = Parallelism(tp, dp, ep)
+            name = f"TP{tp}" + (f" x DP{dp}" if dp > 1 else "") + (" + EP" if ep else "")
+            try:
+                c = kv_pool.capacity(cfg, par, gib * 2**30, max_model_len)
+            except ParallelismError as e:
+                out.append((machine, name, str(par.devices), f"cannot: {e}", "", "", "", "", ""))
+                continue
+            if c.free_bytes_per_device <= 0:
+                out.append((machine, name, str(par.devices), f"{c.weight_bytes_per_device / 2**30:.1f} GiB",
+                            "weights do not fit", "", "", "", ""))
+                continue
+            out.append((machine, name, str(par.devices), f"{c.weight_bytes_per_device / 2**30:.1f} GiB",
+                        f"{c.free_bytes_per_device / 2**30:.1f} GiB", f"{c.tokens_per_rank:,}", f"{c.tokens:,}",
+                        f"{c.longest_context:,}", f"{c.sessions_per_rank() * par.data:,} @ {c.max_model_len:,}"))
+    widths = [max(len(r[i]) for r in out if len(r[i]) < 60) for i in range(len(head))]
+    for r in out:
+        sys.stdout.write("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + "\n")
     return 0
 
 
@@ -162,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("kv-budget", help="bytes of KV per token and how many tokens/sessions fit")
     _model_args(k)
     k.add_argument("--gpu-memory-gb", type=float, default=141.0)
-    k.add_argument("--tensor-parallel-size", type=int, default=1)
+    from serving.cli_serve import add_parallel_args
+
+    add_parallel_args(k)
     k.add_argument("--max-model-len", type=int, default=None)
+    k.add_argument("--plans", action="store_true",
+                   help="the standard layouts of an 8x H200 host and a GB300 NVL72 rack, one line each")
     k.set_defaults(fn=cmd_kv_budget)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")

@@ -61,6 +61,16 @@ def add_kernel_backend_args(g, default: str | None) -> None:
                         "repeats bit for bit; they differ from each other by rounding: docs/PERFORMANCE.md)")
 
 
+def add_parallel_args(g) -> None:
+    """vLLM's parallelism flags (`EngineConfig.parallelism`; the layouts are `dsv41.sharding`'s)."""
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="devices that split heads, widths and the vocabulary (default 1)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="data-parallel ranks, each running its own requests on its own KV pool (default 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="split the routed experts over every device (needs --data-parallel-size > 1)")
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("model")
     src = g.add_mutually_exclusive_group()
@@ -92,6 +102,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--min-decode-bucket", type=int,
                    help="smallest padded decode batch; batches pad to it times powers of two up to "
                         "--max-num-seqs (equal to it: one decode program per block-table width)")
+    add_parallel_args(g)
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before listening, so no request waits for a compile "
                         "(default: on with a GPU, off on CPU; fewer buckets = shorter warm-up)")
@@ -119,7 +130,8 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages",
-                 "min_decode_bucket": "--min-decode-bucket"}
+                 "min_decode_bucket": "--min-decode-bucket", "tensor_parallel_size": "--tensor-parallel-size",
+                 "data_parallel_size": "--data-parallel-size", "enable_expert_parallel": "--enable-expert-parallel"}
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:

@@ -99,6 +99,21 @@ class _EngineStatsCollector(Collector):
             pages.add_metric([self._model, str(rank)], float(u))
             pages_total.add_metric([self._model, str(rank)], float(t))
         yield from (usage, pages, pages_total)
+        # data-parallel ranks: load and prefix-cache hits of each (its conversations stay there: session affinity)
+        running = GaugeMetricFamily(PREFIX + "rank_requests_running", "Requests running on a data-parallel rank.",
+                                    labels=["model_name", "rank"])
+        hits = CounterMetricFamily(PREFIX + "rank_prefix_cache_hits",
+                                   "Prompt tokens found in a rank's prefix cache.", labels=["model_name", "rank"])
+        queries = CounterMetricFamily(PREFIX + "rank_prefix_cache_queries",
+                                      "Prompt tokens looked up in a rank's prefix cache.",
+                                      labels=["model_name", "rank"])
+        for fam, key in ((running, "running_per_rank"), (hits, "prefix_cache_hit_tokens_per_rank"),
+                         (queries, "prefix_cache_query_tokens_per_rank")):
+            values = stats.get(key)
+            if isinstance(values, (list, tuple)):
+                for rank, v in enumerate(values):
+                    fam.add_metric([self._model, str(rank)], float(v))
+            yield fam
 
 
 class ServingMetrics:

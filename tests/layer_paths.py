@@ -20,11 +20,12 @@ from serving.engine import kv_pool, programs
 from serving.engine.backends import Backends, KernelOptions
 
 
-def make_batch(tokens, pos0, n_valid, slots, block_table, rows):
+def make_batch(tokens, pos0, n_valid, slots, block_table, rows, n_layers: int):
+    """A Batch whose rings serve every position (ring_lo 0 on each of n_layers)."""
     B = tokens.shape[0]
     return programs.Batch(np.asarray(tokens, np.int32), np.full(B, pos0, np.int32), np.asarray(n_valid, np.int32),
                           np.asarray(slots, np.int32), np.asarray(block_table, np.int32), np.zeros(B, np.int32),
-                          rows)
+                          np.zeros((B, n_layers), np.int32), rows)
 
 
 def zero_rows(cfg, B, T):

@@ -120,15 +120,16 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
     opts = list(KERNEL_OPTIONS.values())
     # the first chunk fills the pool through the XLA path of the program the prefill phase runs (the same
     # shapes: one CPU compile of ~10 s fewer than the engine's run_full), its diffs checked as well
-    first, pool = attention_diffs_each(core, pool, make_batch(tokens, 0, [T, T], [0, 1], bt, zero_rows(cfg, B, T)),
+    L = cfg.n_layers
+    first, pool = attention_diffs_each(core, pool, make_batch(tokens, 0, [T, T], [0, 1], bt, zero_rows(cfg, B, T), L),
                                        cfg, NUM, "reference", opts, with_pool=True)
     per_phase = {
         "first chunk": first,
         "prefill": attention_diffs_each(core, pool, make_batch(tokens[:, ::-1].copy(), T, [T, 77], [0, 1], bt,
-                                                               zero_rows(cfg, B, T)), cfg, NUM, "reference", opts,
+                                                               zero_rows(cfg, B, T), L), cfg, NUM, "reference", opts,
                                         with_pool=True)[0],
         "decode": attention_diffs_each(core, pool, make_batch(tokens[:, :1].copy(), 2 * T, [1, 1], [0, 1], bt,
-                                                              zero_rows(cfg, B, 1)), cfg, NUM, "reference", opts),
+                                                              zero_rows(cfg, B, 1), L), cfg, NUM, "reference", opts),
     }
     worst = {(name, phase): d for phase, ds in per_phase.items() for name, d in zip(KERNEL_OPTIONS, ds)}
     assert max(float(d.max()) for d in worst.values()) < 1e-5, worst
@@ -319,7 +320,7 @@ def test_a_huge_top_k_keeps_every_token(tiny):
     eng = make(tiny)
     eng.add_request("k", [1, 2, 3], SamplingParams(top_k=2 ** 63))
     eng.add_request("j", [1, 2, 3], SamplingParams(top_k=5))
-    s = sampling_arrays(list(eng.waiting), 4, eng.cfg.vocab_size, eng._fail)
+    s = sampling_arrays(list(eng.waiting) + [None, None], eng.cfg.vocab_size, eng._fail)
     assert np.asarray(s.top_k).tolist() == [0, 5, 0, 0]
 
 

@@ -66,12 +66,13 @@ def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_inde
     bt = np.arange(B * ctx).reshape(B, ctx)
     rng = np.random.default_rng(5)
     tokens = rng.integers(3, cfg.vocab_size, (B, T0))
-    pool = fill(core, pool, make_batch(tokens, 0, [T0, T0], [0, 1], bt, zero_rows(cfg, B, T0)), cfg, NUM)
+    L = cfg.n_layers
+    pool = fill(core, pool, make_batch(tokens, 0, [T0, T0], [0, 1], bt, zero_rows(cfg, B, T0), L), cfg, NUM)
     chunk = rng.integers(3, cfg.vocab_size, (B, 256))
     diffs = {
-        "prefill": attention_diffs(core, pool, make_batch(chunk, T0, [256, 200], [0, 1], bt, zero_rows(cfg, B, 256)),
+        "prefill": attention_diffs(core, pool, make_batch(chunk, T0, [256, 200], [0, 1], bt, zero_rows(cfg, B, 256), L),
                                    cfg, NUM, "pallas", opts),
-        "decode": attention_diffs(core, pool, make_batch(chunk[:, :1], T0, [1, 1], [0, 1], bt, zero_rows(cfg, B, 1)),
+        "decode": attention_diffs(core, pool, make_batch(chunk[:, :1], T0, [1, 1], [0, 1], bt, zero_rows(cfg, B, 1), L),
                                   cfg, NUM, "pallas", opts),
     }
     for k, d in diffs.items():

@@ -36,7 +36,7 @@ def _batch(cfg, B, T, ctx_pages):
     rows = [quant.Fp8Rows(SD(shape, jnp.float8_e4m3fn),
                           SD((*shape[:-1], shape[-1] // 32), jnp.uint8))
             for _ in cfg.engram_layer_ids]
-    return programs.Batch(i(B, T), i(B), i(B), i(B), i(B, ctx_pages), i(B), rows)
+    return programs.Batch(i(B, T), i(B), i(B), i(B), i(B, ctx_pages), i(B), i(B, cfg.n_layers), rows)
 
 
 def _sampling(B):

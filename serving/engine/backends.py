@@ -16,6 +16,7 @@ from dsv41.config import ModelConfig
 from dsv41.nn import grouped_linear, linear, linear_input
 from dsv41.ops import XLA, Ops
 from dsv41.quant import Fp4Weight, Numerics
+from dsv41.sharding import ExpertParallel, Parallelism
 from pallas_kernels import expert_gemm, fp8_linear, router
 from pallas_kernels.indexer_logits import TOPK_METHODS
 from pallas_kernels.mhc import mhc_fused
@@ -285,10 +286,25 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
 
 def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "auto", moe_backend: str = "auto",
           mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
-          options: KernelOptions = KernelOptions()) -> tuple[Backends, dict]:
+          options: KernelOptions = KernelOptions(), parallelism: Parallelism = Parallelism()) -> tuple[Backends, dict]:
     """Resolves every backend choice ('auto' or explicit, `resolve_backends` / `resolve_linear_backend`) and
     prepares the weights the chosen kernels read. params: the tree without Engram tables.
-    -> (the programs' `Backends`, the prepared tree). Raises BackendError for a choice that cannot run."""
+    -> (the programs' `Backends`, the prepared tree). Raises BackendError for a choice that cannot run.
+
+    On a mesh the programs run per data rank, so with tensor_parallel_size 1 every kernel sees whole local
+    arrays and runs as on one device. With tensor parallelism the weights a kernel reads are split over tensor
+    ranks, which the kernels (one device's Mosaic GPU programs) do not partition: 'auto' resolves to 'xla' there
+    and an explicit kernel backend raises. Expert parallelism wraps the chosen routed-experts op in
+    `sharding.ExpertParallel` (tokens all-gathered, each rank its experts, partial sums reduce-scattered)."""
+    if parallelism.tensor > 1:
+        chosen = {"attention_backend": attention, "moe_backend": moe_backend, "mhc_backend": mhc_backend,
+                  "router_backend": router_backend, "linear_backend": linear_backend}
+        kernels = {k: v for k, v in chosen.items() if v not in ("auto", "xla")}
+        if kernels:
+            raise BackendError(f"{kernels} cannot run with tensor_parallel_size {parallelism.tensor}: the kernels "
+                               f"run on one device's whole arrays; use 'xla' (or 'auto') with tensor parallelism, "
+                               f"or data parallelism (+ expert parallelism) for the kernels")
+        attention = moe_backend = mhc_backend = router_backend = linear_backend = "xla"
     attention, moe_backend, mhc_site, route = resolve_backends(cfg, params, attention, moe_backend, mhc_backend,
                                                                router_backend, num)
     if moe_backend != "xla":
@@ -297,6 +313,8 @@ def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "au
     if linear_backend != "xla":
         params = prepare_linears(params, cfg, interpret=linear_backend == "interpret")
     ops = kernel_ops(experts=moe_backend != "xla", linears=linear_backend != "xla", mhc_site=mhc_site, route=route)
+    if parallelism.expert:
+        ops = dataclasses.replace(ops, routed_experts=ExpertParallel(ops.routed_experts, parallelism.tensor))
     return Backends(attention, options, ops), params
 
 

@@ -10,6 +10,7 @@ import dataclasses
 
 from dsv41 import quant
 from dsv41.quant import Numerics
+from dsv41.sharding import Parallelism
 from serving.engine.backends import KernelOptions
 from serving.engine.errors import EngineError
 
@@ -39,10 +40,21 @@ class EngineConfig:
     router_backend: str = "auto"
     linear_backend: str = "auto"
     kernel_options: KernelOptions = KernelOptions()
+    # the device mesh, by vLLM's flags: heads / widths / vocabulary split over tensor_parallel_size devices;
+    # data_parallel_size ranks each running their own requests on their own KV pool; with enable_expert_parallel
+    # the routed experts split over all tensor x data devices. max_num_seqs and num_pages count per data rank.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(tensor=self.tensor_parallel_size, data=self.data_parallel_size,
+                           expert=self.enable_expert_parallel)
 
     def __post_init__(self):
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("page_tokens", 2),
-                         ("max_waiting", 0)):
+                         ("max_waiting", 0), ("tensor_parallel_size", 1), ("data_parallel_size", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise EngineError(f"{name} must be an integer >= {lo}, got {v!r}")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import model, quant
+from dsv41 import model, quant, sharding
 from dsv41.config import ModelConfig
 from serving.engine import backends, kv_pool, programs
 from serving.engine.config import EngineConfig
@@ -30,7 +30,7 @@ from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-expor
 from serving.engine.kv_pool import PoolLayout
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.sampling import SamplingParams, sampling_arrays
-from serving.engine.scheduler import Scheduler, _bucket, _Request  # noqa: F401 (_Request: benches, tests)
+from serving.engine.scheduler import Rank, Scheduler, _bucket, _Request  # noqa: F401 (_Request: benches, tests)
 from serving.engine.warmup import Warmup
 
 
@@ -50,18 +50,28 @@ class Engine(Scheduler, Warmup):
             raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
                               f"pass engine options as EngineConfig(...) fields")
         self.config = config
-        # as locals: the backend and weight-preparation lines below read them by these names
         numerics = config.numerics
         max_num_seqs, page_tokens, min_ctx_pages = config.max_num_seqs, config.page_tokens, config.min_ctx_pages
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
+        par = config.parallelism
+        try:
+            par.validate(cfg)
+        except sharding.ParallelismError as e:
+            raise EngineError(str(e)) from None
+        self.mesh = sharding.make_mesh(par) if par.devices > 1 else None
+        if self.mesh is not None:
+            params = sharding.place_params(params, cfg, par, self.mesh)
         self.params, tables = model.strip_tables(params)
         try:
             self.backends, self.params = backends.build(
                 cfg, self.params, numerics, attention=config.attention_backend, moe_backend=config.moe_backend,
                 mhc_backend=config.mhc_backend, router_backend=config.router_backend,
-                linear_backend=config.linear_backend, options=config.kernel_options)
+                linear_backend=config.linear_backend, options=config.kernel_options, parallelism=par)
         except backends.BackendError as e:
             raise EngineError(str(e)) from None
+        # one device: the module's programs, whose compiled cache every engine in the process shares
+        self.programs = (programs.ONE_DEVICE if self.mesh is None else
+                         programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))
         # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
         self.static = {"cfg": cfg, "num": numerics, "backends": self.backends}
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
@@ -78,12 +88,16 @@ class Engine(Scheduler, Warmup):
         self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
         self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
-        self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs)
-        self.pool = kv_pool.allocate(cfg, self.layout)
-        self.free_pages = collections.deque(range(num_pages))
-        self.free_slots = collections.deque(range(max_num_seqs))
-        self.prefix = PrefixCache(page_tokens) if (self.replay if config.enable_prefix_caching is None
-                                                   else config.enable_prefix_caching) else None
+        # per data-parallel rank, as vLLM's --max-num-seqs is per DP engine
+        self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs,
+                                 ranks=par.data)
+        self.pool = kv_pool.allocate(cfg, self.layout, None if self.mesh is None else
+                                     sharding.rank_sharding(self.mesh))
+        self.prefix_caching = self.replay if config.enable_prefix_caching is None else config.enable_prefix_caching
+        self.ranks = [Rank.empty(num_pages, max_num_seqs, PrefixCache(page_tokens) if self.prefix_caching else None)
+                      for _ in range(par.data)]
+        self.session_rank: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.max_sessions = 1 << 16  # remembered conversation -> rank entries (LRU)
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: dict[str, _Request] = {}
         self.max_waiting = config.max_waiting
@@ -113,7 +127,12 @@ class Engine(Scheduler, Warmup):
 
         if engram_tables not in checkpoint.ENGRAM_TABLE_MODES:
             raise EngineError(f"engram_tables={engram_tables!r}: choose one of {list(checkpoint.ENGRAM_TABLE_MODES)}")
-        cfg, params = checkpoint.load_checkpoint(path)
+        par = config.parallelism
+        try:
+            mesh = sharding.make_mesh(par) if par.devices > 1 else None
+            cfg, params = checkpoint.load_checkpoint(path, mesh=mesh, parallelism=par)
+        except sharding.ParallelismError as e:
+            raise EngineError(str(e)) from None
         if engram_tables == "ram":
             params = checkpoint.resident_tables(params)
         tok = T.load_tokenizer(path)
@@ -162,118 +181,173 @@ class Engine(Scheduler, Warmup):
         return bool(self.waiting or self.running)
 
     def stats(self) -> dict[str, Any]:
-        used = self.layout.num_pages - len(self.free_pages) - (len(self.prefix.evictable) if self.prefix else 0)
+        """Counts over the engine; the `*_per_rank` lists break them down by data-parallel rank."""
+        P = self.layout.num_pages
+        used = [P - len(k.free_pages) - (len(k.prefix.evictable) if k.prefix else 0) for k in self.ranks]
+        running = [sum(1 for r in self.running.values() if r.rank == i) for i in range(len(self.ranks))]
+        hits = [k.prefix.hit_tokens if k.prefix else 0 for k in self.ranks]
+        queries = [k.prefix.query_tokens if k.prefix else 0 for k in self.ranks]
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
-            "kv_pages_used": used,
-            "kv_pages_total": self.layout.num_pages,
+            "kv_pages_used": sum(used),
+            "kv_pages_total": P * len(self.ranks),
             "kv_page_tokens": self.layout.page_tokens,
-            "prefix_cache_hit_tokens": self.prefix.hit_tokens if self.prefix else 0,
-            "prefix_cache_query_tokens": self.prefix.query_tokens if self.prefix else 0,
+            "prefix_cache_hit_tokens": sum(hits),
+            "prefix_cache_query_tokens": sum(queries),
+            "running_per_rank": running,
+            "kv_pages_used_per_rank": used,
+            "kv_pages_total_per_rank": [P] * len(self.ranks),
+            "prefix_cache_hit_tokens_per_rank": hits,
+            "prefix_cache_query_tokens_per_rank": queries,
             **self.counters,
         }
 
     # ---- batches ------------------------------------------------------------------------------
 
-    def _rows(self, reqs: list[_Request], toks: list[list[int]], B: int, T: int) -> list:
-        """Engram rows [B, T, n_cols, d] per Engram layer for each row's valid tokens, advancing its history."""
+    def _rows(self, reqs: list, toks: list[list[int]], B: int, T: int) -> list:
+        """Engram rows [B, T, n_cols, d] per Engram layer for each row's valid tokens, advancing its history.
+        reqs / toks: per row, a request and its tokens, or None and [] for padding."""
         if self.hasher is None or not self.cfg.engram_layer_ids:
             return []
         rid = np.zeros((B, T, len(self.cfg.engram_layer_ids), self.cfg.engram_n_cols), np.int64)
-        if len({len(t) for t in toks}) == 1:  # decode: every row hashes one token, in one call
-            n = len(reqs)
-            rid[:n, : len(toks[0])], hist = self.hasher.hash_step(np.asarray(toks, np.int64),
-                                                                  np.concatenate([r.history for r in reqs]))
-            for i, r in enumerate(reqs):
-                r.history = hist[i:i + 1]
+        live = [i for i, r in enumerate(reqs) if r is not None]
+        if live and len({len(toks[i]) for i in live}) == 1:  # decode: every row hashes one token, in one call
+            ids, hist = self.hasher.hash_step(np.asarray([toks[i] for i in live], np.int64),
+                                              np.concatenate([reqs[i].history for i in live]))
+            rid[live, : len(toks[live[0]])] = ids
+            for j, i in enumerate(live):
+                reqs[i].history = hist[j:j + 1]
         else:
-            for i, (r, t) in enumerate(zip(reqs, toks)):
-                rid[i, : len(t)], r.history = self.hasher.hash_step(np.asarray([t], np.int64), r.history)
+            for i in live:
+                rid[i, : len(toks[i])], reqs[i].history = self.hasher.hash_step(np.asarray([toks[i]], np.int64),
+                                                                                reqs[i].history)
         return model.engram_rows(self.tables, rid)
+
+    def _decode_rows(self, reqs: list[_Request]) -> list[_Request | None]:
+        per_rank = collections.Counter(r.rank for r in reqs)
+        return self._placed(reqs, _bucket(max(per_rank.values()), self.min_decode_bucket))
+
+    def _decode_batch(self, rows: list[_Request | None]) -> tuple[programs.Batch, programs.Sampling]:
+        live = [r for r in rows if r is not None]
+        b = self._batch(rows, {r.id: [r.last_token] for r in live}, {r.id: r.num_tokens - 1 for r in live}, 1)
+        return b, self._sampling(rows)
 
     def decode_inputs(self, reqs: list[_Request]) -> tuple[programs.Batch, programs.Sampling]:
         """The host side of a decode step: each row's last token, padded to the batch bucket (benches time it)."""
-        B = _bucket(len(reqs), self.min_decode_bucket)
-        return (self._batch(reqs, [[r.last_token] for r in reqs], [r.num_tokens - 1 for r in reqs], 1, B),
-                self._sampling(reqs, B))
+        return self._decode_batch(self._decode_rows(reqs))
 
-    def _sampling(self, reqs: list[_Request], B: int) -> programs.Sampling:
-        return sampling_arrays(reqs, B, self.cfg.vocab_size, self._fail)
+    def _sampling(self, rows: list[_Request | None]) -> programs.Sampling:
+        return sampling_arrays(rows, self.cfg.vocab_size, self._fail)
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """Admits what fits, runs one prefill chunk on each data rank that has a prompt to fill (its oldest),
+        then one decode step over every running sequence."""
         self._admit()
         outs: list[StepOutput] = []
-        pre = [r for r in self.running.values() if r.prefilling]
-        if pre:
-            r = min(pre, key=lambda r: r.arrival)
-            tok = self._prefill_chunk(r)
-            if tok is not None:
+        oldest: dict[int, _Request] = {}
+        for r in self.running.values():
+            if r.prefilling and (r.rank not in oldest or r.arrival < oldest[r.rank].arrival):
+                oldest[r.rank] = r
+        if oldest:
+            for r, tok in self._prefill_chunks(sorted(oldest.values(), key=lambda r: r.rank)):
                 outs += self._accept(r, tok)
-        dec = [r for r in self.running.values() if not r.prefilling and r.id in self.running]
-        dec = [r for r in dec if not any(o.request_id == r.id for o in outs)]
+        done = {o.request_id for o in outs}
+        dec = [r for r in self.running.values() if not r.prefilling and r.id not in done]
         if dec:
             outs += self._decode(dec)
         return outs
 
-    def _prefill_chunk(self, r: _Request) -> int | None:
-        N = r.prefill_len
-        end = min(N, r.computed + self.chunk)
-        if r.replay_at and r.computed < r.replay_at:
-            end = min(end, r.replay_at)
-        while not self._ensure_pages(r, end):
-            if not self._preempt(r):
-                self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
-                              f"{end} tokens; raise num_pages or lower max_model_len")
-        chunk = r.token_range(r.computed, end)
-        T = min(self.chunk, _bucket(len(chunk), self.min_prefill_bucket))
-        b = self._batch([r], [chunk], [r.computed], T, 1)
-        cfg = self.cfg
-        last = end == N
-        if self.replay:
-            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, **self.static)
-            n = len(chunk)
-            W = cfg.window_size
-            h, pre = h[0, W - min(n, W):], pre[0, W - min(n, W):]
+    def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
+        """The next chunk of each request's prefill (one request per rank), in one call. -> (request, first
+        token) for those whose prefill finished."""
+        chunks, ends = {}, {}
+        for r in reqs:
+            end = min(r.prefill_len, r.computed + self.chunk)
+            if r.replay_at and r.computed < r.replay_at:
+                end = min(end, r.replay_at)
+            while not self._ensure_pages(r, end):
+                if not self._preempt(r):
+                    self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                                  f"{end} tokens; raise num_pages or lower max_model_len")
+            chunks[r.id], ends[r.id] = r.token_range(r.computed, end), end
+        T = min(self.chunk, _bucket(max(map(len, chunks.values())), self.min_prefill_bucket))
+        rows = self._placed(reqs, 1)
+        b = self._batch(rows, chunks, {r.id: r.computed for r in reqs}, T)
+        if not self.replay:
+            last = [r if r is not None and ends[r.id] == r.prefill_len else None for r in rows]
+            self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, self._sampling(last),
+                                                            **self.static)
+            for r in reqs:
+                r.computed = ends[r.id]
+            return self._first_tokens(last, logits, tok)
+        self.pool, h, pre = self.programs.run_encoder(self.params, self.pool, b, **self.static)
+        W = self.cfg.window_size
+        last: list[_Request | None] = [None] * len(rows)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            n = len(chunks[r.id])
+            hr, pr = h[i, W - min(n, W):], pre[i, W - min(n, W):]
             if r.tail is not None:
-                h, pre = jnp.concatenate([r.tail[0], h])[-W:], jnp.concatenate([r.tail[1], pre])[-W:]
-            r.tail = (h, pre)
-            r.computed = end
-            if r.replay_at and end == r.replay_at:
+                hr, pr = jnp.concatenate([r.tail[0], hr])[-W:], jnp.concatenate([r.tail[1], pr])[-W:]
+            r.tail = (hr, pr)
+            r.computed = ends[r.id]
+            if r.replay_at and r.computed == r.replay_at:
                 self._restart_as_hit(r)
-                return None
-            if not last:
-                return None
-            Td = h.shape[0]
-            lo = self.pool.ring_lo.at[cfg.split_layer + 1:, r.slot].set(N - Td)
-            self.pool = dataclasses.replace(self.pool, ring_lo=lo)
-            hp = jnp.zeros((1, W, *h.shape[1:]), h.dtype).at[0, :Td].set(h)
-            pp = jnp.zeros((1, W, *pre.shape[1:]), pre.dtype).at[0, :Td].set(pre)
-            bd = programs.Batch(b.tokens[:, :1], np.asarray([N - Td], np.int32), np.asarray([Td], np.int32),
-                                b.slot, b.block_table, b.write_lo, [])
-            self.pool, logits, tok = programs.run_decoder(self.params, self.pool, bd, hp, pp,
-                                                          self._sampling([r], 1), **self.static)
+            elif r.computed == r.prefill_len:
+                last[i] = r
+        if not any(last):
+            return []
+        bd, hp, pp = self._decoder_inputs(last, b.block_table.shape[1])
+        self.pool, logits, tok = self.programs.run_decoder(self.params, self.pool, bd, hp, pp, self._sampling(last),
+                                                           **self.static)
+        for r in filter(None, last):
             r.tail = None
-        else:
-            self.pool, logits, tok = programs.run_full(self.params, self.pool, b, self._sampling([r], 1),
-                                                       **self.static)
-            r.computed = end
-            if not last:
-                return None
-        self.counters["prefill_tokens"] += N - r.start
-        if self.keep_logits:
-            r.logits.append(np.asarray(logits[0]))
-        return int(tok[0])
+        return self._first_tokens(last, logits, tok)
+
+    def _decoder_inputs(self, rows: list[_Request | None], ctx_pages: int):
+        """The replayed decoder's batch for the rows whose prompt is complete: each runs its last Td <= window
+        rows (its tail) at positions [N - Td, N), its decoder rings clipped at N - Td."""
+        B, W, L = len(rows), self.cfg.window_size, self.cfg.n_layers
+        hp = jnp.zeros((B, W, self.cfg.hc_mult, self.cfg.dim), self.num.jdtype)
+        pp = jnp.zeros((B, W, self.cfg.hc_mult), jnp.float32)
+        pos0, n_valid = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        slot, wlo = np.full(B, self.layout.num_slots, np.int32), np.zeros(B, np.int32)
+        bt, rlo = np.full((B, ctx_pages), self.layout.num_pages, np.int32), np.zeros((B, L), np.int32)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            Td = r.tail[0].shape[0]
+            r.decoder_lo = r.prefill_len - Td
+            hp, pp = hp.at[i, :Td].set(r.tail[0]), pp.at[i, :Td].set(r.tail[1])
+            pos0[i], n_valid[i], slot[i], wlo[i] = r.prefill_len - Td, Td, r.slot, r.write_lo
+            bt[i, : len(r.pages)] = r.page_row()
+            rlo[i] = self._ring_lo(r)
+        b = programs.Batch(np.zeros((B, 1), np.int32), pos0, n_valid, slot, bt, wlo, rlo, [])
+        return b, hp, pp
+
+    def _first_tokens(self, rows, logits, tok) -> list[tuple[_Request, int]]:
+        tok = np.asarray(tok)
+        out = []
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            self.counters["prefill_tokens"] += r.prefill_len - r.start
+            if self.keep_logits:
+                r.logits.append(np.asarray(logits[i]))
+            out.append((r, int(tok[i])))
+        return out
 
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
         H, W = r.replay_at, self.cfg.window_size
         r.replay_at = 0
         r.write_lo, r.start, r.computed, r.tail = H, max(0, H - W), max(0, H - W), None
+        r.decoder_lo = 0
         r.history = self._history_before(r, r.start)
-        self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(r.start))
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         for r in list(reqs):
@@ -283,15 +357,17 @@ class Engine(Scheduler, Warmup):
                 if not self._preempt(r):
                     self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
                                   f"{r.num_tokens} tokens; raise num_pages or lower max_model_len")
-                reqs = [x for x in reqs if x.id in self.running]
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
             return []
-        b, samp = self.decode_inputs(reqs)
-        self.pool, logits, tok = programs.run_full(self.params, self.pool, b, samp, **self.static)
+        rows = self._decode_rows(reqs)
+        b, samp = self._decode_batch(rows)
+        self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, samp, **self.static)
         tok = np.asarray(tok)
         outs = []
-        for i, r in enumerate(reqs):
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
             r.computed = r.num_tokens
             if self.keep_logits:
                 r.logits.append(np.asarray(logits[i]))

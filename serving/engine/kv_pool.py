@@ -6,8 +6,12 @@ Per KV-source layer (Flash: L2, L8, L14 at ratio 2; L20 at ratio 1), paged by to
 page_entries = page_tokens / ratio. One block table per sequence slot serves every source layer.
 Per layer and sequence slot, an SWA ring in FP8: e4m3 [slots, R, Dh] + UE8M0 per 32 [slots, R, Dh/32] (528 B a
 slot); R = window, twice that for the first decoder layer (the trimmed decoder prefill reads its window back).
-Per ratio-2 source and slot, the fp32 compressor state of an open group (kv || score). `ring_lo` [L, slots]:
-the first position each ring may serve (bounded replay clips windows there).
+Per ratio-2 source and slot, the fp32 compressor state of an open group (kv || score). The first position each
+ring may serve (bounded replay clips windows there) is request state: it travels in the batch (`Batch.ring_lo`).
+
+With data-parallel ranks every array holds `ranks` rank-local pools stacked on its first axis (pages or slots),
+which the mesh splits over the data axis: a rank's programs see their own pool, and its page and slot ids are
+rank-local. The pool is replicated over tensor-parallel ranks (the one latent serves every head).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dsv41 import sharding
 from dsv41.config import ModelConfig
+from dsv41.sharding import Parallelism
 
 
 @jax.tree_util.register_dataclass
@@ -30,17 +36,18 @@ class KVPool:
     ik_scale: list  # per KV source: uint8 (UE8M0) [pages, E_p, ID/32]
     swa_q: list  # per layer: float8_e4m3fn [slots, R_l, Dh]
     swa_s: list  # per layer: uint8 (UE8M0) [slots, R_l, Dh/32]
-    comp_state: list  # per KV source (ratio 2 only, else empty [slots, 0]): float32 [slots, 2*Dh] pending kv||score
-    ring_lo: jax.Array  # int32 [L, slots]
+    comp_state: list  # per KV source: float32 [slots, 2*Dh] pending kv||score (ratio 2), None (ratio 1: no state)
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
-    """Static shape of a pool: what the programs compile against."""
+    """Static shape of a pool: what the programs compile against. num_pages and num_slots are per data-parallel
+    rank (a rank's programs see those); the arrays stack `ranks` of them."""
 
     num_pages: int
     page_tokens: int
     num_slots: int
+    ranks: int = 1
 
     def entries_per_page(self, ratio: int) -> int:
         return self.page_tokens // ratio
@@ -52,7 +59,7 @@ def ring_size(cfg: ModelConfig, layer: int) -> int:
 
 def _specs(cfg: ModelConfig, lay: PoolLayout) -> dict:
     Dh, ID = cfg.head_dim, cfg.index_head_dim
-    P, S = lay.num_pages, lay.num_slots
+    P, S = lay.num_pages * lay.ranks, lay.num_slots * lay.ranks
     sd = jax.ShapeDtypeStruct
     out = {k: [] for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state", "swa_q", "swa_s")}
     for src in cfg.kv_source_layers:
@@ -62,12 +69,13 @@ def _specs(cfg: ModelConfig, lay: PoolLayout) -> dict:
         out["kv_scale"].append(sd((P, E, Dh // 16), jnp.float8_e4m3fn))
         out["ik_packed"].append(sd((P, E, ID // 2), jnp.uint8))
         out["ik_scale"].append(sd((P, E, ID // 32), jnp.uint8))
-        out["comp_state"].append(sd((S, 2 * Dh if r > 1 else 0), jnp.float32))
+        # None, not an empty array, where there is no state: a zero-sized array split over data ranks crashes
+        # XLA's SPMD partitioner (jaxlib 0.11.2, CPU)
+        out["comp_state"].append(sd((S, 2 * Dh), jnp.float32) if r > 1 else None)
     for layer in range(cfg.n_layers):
         R = ring_size(cfg, layer)
         out["swa_q"].append(sd((S, R, Dh), jnp.float8_e4m3fn))
         out["swa_s"].append(sd((S, R, Dh // 32), jnp.uint8))
-    out["ring_lo"] = sd((cfg.n_layers, S), jnp.int32)
     return out
 
 
@@ -77,7 +85,8 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
 
 
 def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:
-    """The pool in zeros, committed to `sharding` (default: the default device).
+    """The pool in zeros, committed to `sharding` (default: the default device; on a mesh,
+    `dsv41.sharding.rank_sharding`: split by data rank, replicated over tensor ranks).
 
     Committed even on one device: the engine's programs return the pool committed, and a program compiles once
     per committed / uncommitted signature of its arguments. Allocated uncommitted, the pool made each program's
@@ -103,21 +112,48 @@ def slot_bytes(cfg: ModelConfig) -> int:
     """Per-sequence state that does not grow with context: SWA rings and compressor state."""
     lay = PoolLayout(num_pages=1, page_tokens=64, num_slots=1)
     a = abstract_pool(cfg, lay)
-    return sum(x.size * x.dtype.itemsize for x in (*a.swa_q, *a.swa_s, *a.comp_state)) + 4 * cfg.n_layers
+    return sum(x.size * x.dtype.itemsize for x in (*a.swa_q, *a.swa_s, *filter(None, a.comp_state)))
 
 
-def budget(cfg: ModelConfig, weight_bytes: int, gpu_memory_bytes: int, tensor_parallel: int = 1,
-           max_model_len: int | None = None, reserve_fraction: float = 0.1) -> dict:
-    """How many tokens and full-length sessions fit after the weights (split over tensor_parallel devices)."""
-    free = gpu_memory_bytes * (1 - reserve_fraction) * tensor_parallel - weight_bytes
-    per_tok = global_bytes_per_token(cfg)
-    max_len = max_model_len or cfg.max_seq_len
-    per_session = per_tok * max_len + slot_bytes(cfg)
-    return {
-        "global_kv_bytes_per_token": per_tok,
-        "swa_bytes_per_session": slot_bytes(cfg),
-        "free_bytes": free,
-        "tokens": max(0, math.floor(free / per_tok)),
-        "sessions_at_max_len": max(0, math.floor(free / per_session)),
-        "max_model_len": max_len,
-    }
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What one layout holds per device and in all (`capacity`)."""
+
+    parallelism: Parallelism
+    weight_bytes_per_device: int
+    kv_bytes_per_token: float  # global KV; every device of a data rank holds its rank's (replicated over TP)
+    slot_bytes: int  # SWA rings + compressor state of one sequence
+    free_bytes_per_device: float  # for the pool, after weights and the reserve
+    max_model_len: int
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return max(0, math.floor(self.free_bytes_per_device / self.kv_bytes_per_token))
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_per_rank * self.parallelism.data
+
+    def sessions_per_rank(self, max_len: int | None = None) -> int:
+        """Sequences of max_len tokens (default max_model_len) one rank's pool holds at once."""
+        per = self.kv_bytes_per_token * (max_len or self.max_model_len) + self.slot_bytes
+        return max(0, math.floor(self.free_bytes_per_device / per))
+
+    @property
+    def longest_context(self) -> int:
+        """The longest single sequence one rank holds (its pool for one sequence), capped by the model."""
+        return max(0, min(self.max_model_len, math.floor((self.free_bytes_per_device - self.slot_bytes)
+                                                         / self.kv_bytes_per_token)))
+
+
+def capacity(cfg: ModelConfig, par: Parallelism, gpu_memory_bytes: int, max_model_len: int | None = None,
+             reserve_fraction: float = 0.1, weights_dtype: str | None = None) -> Capacity:
+    """Per-device weights from the layout's shard shapes (`sharding.weight_bytes_per_device`, abstract: no
+    device needed), the pool's bytes per token and per sequence read off its arrays, and what is left on each
+    device after the weights and `reserve_fraction` of its memory (activations, compiled programs). The pool is
+    per data rank and replicated over its tensor ranks (one latent serves every head): tensor parallelism splits
+    the weights, not the KV. Raises sharding.ParallelismError for a layout the model cannot take."""
+    w = sharding.weight_bytes_per_device(cfg, par, weights_dtype)
+    free = gpu_memory_bytes * (1 - reserve_fraction) - w
+    return Capacity(par, w, global_bytes_per_token(cfg), slot_bytes(cfg), free,
+                    min(max_model_len or cfg.max_seq_len, cfg.max_seq_len))

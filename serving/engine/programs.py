@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from dsv41 import attention as A
-from dsv41 import compressor, engram, indexer, mhc, model, quant
+from dsv41 import compressor, engram, indexer, mhc, model, quant, sharding
 from dsv41.config import AttnRole, ModelConfig
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
@@ -29,7 +30,8 @@ from serving.engine.kv_pool import KVPool, ring_size
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """A padded batch of B rows x T tokens. Padding rows have slot == num_slots and n_valid == 0."""
+    """A padded batch of B rows x T tokens. Padding rows have slot == num_slots and n_valid == 0. On a mesh the
+    rows of data rank d are [d * B / ranks, (d + 1) * B / ranks), their slots and pages rank-local."""
 
     tokens: jax.Array  # int32 [B, T]
     pos0: jax.Array  # int32 [B]: position of tokens[:, 0]
@@ -37,6 +39,7 @@ class Batch:
     slot: jax.Array  # int32 [B]: sequence slot in the pool
     block_table: jax.Array  # int32 [B, ctx_pages]: the sequence's pages (num_pages where unused)
     write_lo: jax.Array  # int32 [B]: global KV is written only for positions >= write_lo (prefix replay)
+    ring_lo: jax.Array  # int32 [B, L]: the first position each layer's ring may serve (bounded replay clips there)
     rows: list  # per Engram layer: quant.Fp8Rows [B, T, n_cols, d] (dequantized in the program)
 
 
@@ -184,7 +187,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
                                                 opts)
 
     R = ring_size(cfg, layer)
-    lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
+    lo = b.ring_lo[:, layer]
     win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
     valid &= (b.slot < pool.swa_q[layer].shape[0])[:, None]  # padding rows: slot == num_slots, no ring
@@ -291,7 +294,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
     R = ring_size(cfg, layer)
-    lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
+    lo = b.ring_lo[:, layer]
     rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
     rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
     swa_q, swa_s = list(pool.swa_q), list(pool.swa_s)
@@ -446,9 +449,8 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
     return logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))
-def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-             backends: Backends = Backends()):
+def _full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
+          backends: Backends = Backends()):
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
     backends (`backends.Backends`): an attention backend other than 'xla' runs the fused kernels (decode: KV
     writes, indexer, attention; longer chunks: attention, one kernel row per query token) with its options; its
@@ -461,9 +463,7 @@ def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig
     return pool, logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))
-def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics,
-                backends: Backends = Backends()):
+def _encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends()):
     """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
     [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
@@ -473,12 +473,84 @@ def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numeri
     return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))
-def run_decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-                backends: Backends = Backends()):
+def _decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
+             backends: Backends = Backends()):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
     b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backends)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
+
+
+_STATIC = ("cfg", "num", "backends")
+
+
+class Programs:
+    """The engine's three programs (`run_full`, `run_encoder`, `run_decoder`), jitted for one placement, each
+    taking (params, pool, batch, ...) and returning the new pool (donated).
+
+    mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
+    `shard_map` manual over the data axis takes each rank's rows of the batch and its own pool (both stacked on
+    axis 0) and leaves the tensor axis to XLA, which partitions heads, widths and the vocabulary as the weights
+    are split (`param_shardings`: the tree of the params' shardings, as placed) and adds the reductions. Expert
+    parallelism is an `Ops.routed_experts` (`sharding.ExpertParallel`) inside that region."""
+
+    def __init__(self, mesh=None, param_shardings=None):
+        self.mesh = mesh
+        if mesh is None:
+            jit = functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
+            self.run_full, self.run_encoder, self.run_decoder = jit(_full), jit(_encoder), jit(_decoder)
+            return
+        rank = sharding.rank_sharding(mesh)
+        specs = jax.tree_util.tree_map(sharding.manual_spec, param_shardings)
+        R = rank.spec
+        # with one tensor rank nothing is left for XLA to partition: every axis manual
+        manual = set(mesh.axis_names) if mesh.shape[sharding.TENSOR] == 1 else {sharding.DATA}
+
+        def per_rank(body, n_rank_args):
+            def fn(params, *args, cfg, num, backends):
+                f = functools.partial(body, cfg=cfg, num=num, backends=backends)
+                return jax.shard_map(f, mesh=mesh, in_specs=(specs,) + (R,) * n_rank_args, out_specs=R,
+                                     axis_names=manual, check_vma=False)(params, *args)
+            return fn
+
+        full, enc, dec = per_rank(_full, 3), per_rank(_encoder, 2), per_rank(_decoder, 5)
+
+        def run_full(params, pool, b, samp, *, cfg, num, backends=Backends()):
+            return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends)
+
+        def run_encoder(params, pool, b, *, cfg, num, backends=Backends()):
+            return enc(params, pool, b, cfg=cfg, num=num, backends=backends)
+
+        def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends()):
+            return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends)
+
+        def jit(fn):
+            return _PerRankArgs(jax.jit(fn, static_argnames=_STATIC, donate_argnames=("pool",), out_shardings=rank),
+                                rank)
+
+        self.run_full, self.run_encoder, self.run_decoder = jit(run_full), jit(run_encoder), jit(run_decoder)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerRankArgs:
+    """A mesh program that first places its per-rank arguments (host batches: each device receives only its rank's
+    rows; the pool and the step's outputs are already there) split over data ranks. (jit's in_shardings would do
+    it, but do not combine with the static keyword arguments every call passes.)"""
+
+    fn: Any
+    rank: jax.sharding.NamedSharding
+
+    def _args(self, params, *args):
+        return (params, *jax.device_put(args, self.rank))
+
+    def __call__(self, *args, **static):
+        return self.fn(*self._args(*args), **static)
+
+    def lower(self, *args, **static):
+        return self.fn.lower(*self._args(*args), **static)
+
+
+ONE_DEVICE = Programs()
+run_full, run_encoder, run_decoder = ONE_DEVICE.run_full, ONE_DEVICE.run_encoder, ONE_DEVICE.run_decoder

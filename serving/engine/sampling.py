@@ -32,14 +32,18 @@ class SamplingParams:
             raise EngineError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
 
-def sampling_arrays(reqs: list, B: int, vocab_size: int, fail: Callable[[Any, str], None]) -> programs.Sampling:
-    """The step's per-row sampling arrays for `reqs`, padded to B rows; advances each request's sampling step.
-    A row whose values do not fit its array calls `fail(request, message)`, which raises for that request only."""
+def sampling_arrays(rows: list, vocab_size: int, fail: Callable[[Any, str], None]) -> programs.Sampling:
+    """The step's per-row sampling arrays for `rows` (a request per row, None for padding); advances each
+    request's sampling step. A row whose values do not fit its array calls `fail(request, message)`, which raises
+    for that request only."""
+    B = len(rows)
     t = np.zeros(B, np.float32)
     tp = np.ones(B, np.float32)
     tk = np.zeros(B, np.int32)
     key = np.zeros((B, 2), np.uint32)
-    for i, r in enumerate(reqs):
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
         s = r.sampling
         try:
             # top_k >= V keeps every token, as 0 does: the int32 row always holds it
@@ -49,6 +53,6 @@ def sampling_arrays(reqs: list, B: int, vocab_size: int, fail: Callable[[Any, st
         except (OverflowError, ValueError, TypeError) as e:
             fail(r, f"request {r.id}: sampling values {s} do not fit the step's arrays ({e}); "
                     f"give values within the documented ranges")
-    for r in reqs:  # only once every row filled: a failed row leaves the others' sampling keys as they were
+    for r in filter(None, rows):  # only once every row filled: a failed row leaves the others' sampling keys as they were
         r.steps += 1
     return programs.Sampling(t, tp, tk, key)

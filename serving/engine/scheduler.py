@@ -1,18 +1,21 @@
-"""The engine's host scheduling: request state, admission (FCFS, with prefix-cache hits), KV page allocation,
-preemption (the newest request is recomputed later), shape bucketing and the step's batch arrays.
+"""The engine's host scheduling: request state, admission (FCFS, with prefix-cache hits), routing to a
+data-parallel rank, KV page allocation, preemption (the newest request on the rank is recomputed later), shape
+bucketing and the step's batch arrays.
 
-`Scheduler` is mixed into `Engine`, whose state it reads and updates (layout, pool, prefix, waiting, running,
-counters); it runs no program."""
+`Scheduler` is mixed into `Engine`, whose state it reads and updates (layout, ranks, waiting, running, counters);
+it runs no program. Each data-parallel rank owns its pool: its free pages and slots, its prefix cache; page and
+slot ids are rank-local. One rank is the single-device engine."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from serving.engine import programs
 from serving.engine.errors import EngineError
+from serving.engine.prefix_cache import PrefixCache
 from serving.engine.sampling import SamplingParams
 
 
@@ -24,6 +27,7 @@ class _Request:
     session: str | None
     arrival: float
     output: list[int] = dataclasses.field(default_factory=list)
+    rank: int = -1  # the data-parallel rank that holds its KV
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the pool
@@ -36,6 +40,7 @@ class _Request:
     tail: tuple | None = None  # (stream, pre) of the last `window` encoder rows, replay mode
     steps: int = 0
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
+    decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - window after the prefill)
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
@@ -75,24 +80,38 @@ def _bucket(n: int, lo: int = 1) -> int:
     return b
 
 
+@dataclasses.dataclass
+class Rank:
+    """One data-parallel rank's share of the pool: free pages and slots (rank-local ids), its prefix cache."""
+
+    free_pages: collections.deque
+    free_slots: collections.deque
+    prefix: PrefixCache | None
+
+    @classmethod
+    def empty(cls, num_pages: int, num_slots: int, prefix: PrefixCache | None) -> "Rank":
+        return cls(collections.deque(range(num_pages)), collections.deque(range(num_slots)), prefix)
+
+
 class Scheduler:
-    """Admission, pages, preemption and batch arrays over the engine's state (see the module docstring)."""
+    """Admission, routing, pages, preemption and batch arrays over the engine's state (see the module docstring)."""
 
     # ---- pages --------------------------------------------------------------------------------
 
-    def _take_page(self) -> int | None:
-        if self.free_pages:
-            return self.free_pages.popleft()
-        return self.prefix.evict() if self.prefix else None
+    def _take_page(self, rank: Rank) -> int | None:
+        if rank.free_pages:
+            return rank.free_pages.popleft()
+        return rank.prefix.evict() if rank.prefix else None
 
     def _ensure_pages(self, r: _Request, upto: int) -> bool:
+        rank = self.ranks[r.rank]
         need = -(-upto // self.layout.page_tokens)
         while len(r.pages) < need:
-            p = self._take_page()
+            p = self._take_page(rank)
             if p is None:
                 return False
-            if self.prefix:
-                self.prefix.acquire(p)
+            if rank.prefix:
+                rank.prefix.acquire(p)
             r.pages.append(p)
         return True
 
@@ -109,57 +128,83 @@ class Scheduler:
         P = self.layout.page_tokens
         done = len(r.block_keys)
         if upto // P > done:
-            r.block_keys += self.prefix.keys(r.token_range(done * P, upto), r.block_keys[-1] if done else b"")
+            keyer = self.ranks[0].prefix  # every rank keys pages alike
+            r.block_keys += keyer.keys(r.token_range(done * P, upto), r.block_keys[-1] if done else b"")
         return r.block_keys[: upto // P]
 
+    def _release_pages(self, rank: Rank, pages: list[int]) -> None:
+        for p in pages:
+            if not (rank.prefix and rank.prefix.release(p)):
+                rank.free_pages.append(p)
+
     def _free(self, r: _Request, keep: bool) -> None:
-        """Releases a request's slot and pages; with `keep`, its full pages enter the prefix cache."""
-        if self.prefix and keep:
+        """Releases a request's slot and pages; with `keep`, its full pages enter its rank's prefix cache."""
+        if r.rank < 0:
+            return
+        rank = self.ranks[r.rank]
+        if rank.prefix and keep:
             for k, p in zip(self._block_keys(r, r.computed), r.pages):
-                self.prefix.insert(k, p)
-        for p in r.pages:
-            if not (self.prefix and self.prefix.release(p)):
-                self.free_pages.append(p)
+                rank.prefix.insert(k, p)
+        self._release_pages(rank, r.pages)
         r.pages = []
         if r.slot >= 0:
-            self.free_slots.append(r.slot)
+            rank.free_slots.append(r.slot)
             r.slot = -1
 
+    def _route(self, r: _Request, keys: list[bytes]) -> tuple[int, list[int]]:
+        """The rank for a new request and its prefix-cache hit there: its conversation's rank while that rank
+        has a free slot (session affinity: the conversation's prefix is cached there), else the rank with the
+        longest hit, else the least loaded. -> (rank, hit pages), rank -1 when no rank has a free slot."""
+        open_ranks = [i for i, k in enumerate(self.ranks) if k.free_slots]
+        if not open_ranks:
+            return -1, []
+        hits = {i: self.ranks[i].prefix.match(keys) if self.ranks[i].prefix else [] for i in open_ranks}
+        home = self.session_rank.get(r.session) if r.session is not None else None
+        if home in hits:
+            return home, hits[home]
+        load = {i: sum(1 for x in self.running.values() if x.rank == i) for i in open_ranks}
+        best = max(open_ranks, key=lambda i: (len(hits[i]), -load[i], -i))
+        return best, hits[best]
+
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
+        while self.waiting:
             r = self.waiting[0]
+            keys = self._block_keys(r, r.prefill_len - 1) if self.prefix_caching else []
+            i, hit = self._route(r, keys)
+            if i < 0:
+                break
+            rank = self.ranks[i]
             W = self.cfg.window_size
-            hit: list[int] = []
-            if self.prefix:
-                hit = self.prefix.match(self._block_keys(r, r.prefill_len - 1))
             H = len(hit) * self.layout.page_tokens
             for p in hit:
-                self.prefix.acquire(p)
-            r.pages = list(hit)
+                rank.prefix.acquire(p)
+            r.rank, r.pages = i, list(hit)
             r.cached = H
             r.write_lo = H
             r.start = max(0, H - W) if H else 0
             r.computed = r.start
+            r.decoder_lo = 0
             if not self._ensure_pages(r, min(r.prefill_len, r.start + self.chunk)):
-                for p in r.pages:
-                    if not (self.prefix and self.prefix.release(p)):
-                        self.free_pages.append(p)
-                r.pages = []
+                self._release_pages(rank, r.pages)
+                r.pages, r.rank = [], -1
                 break
             self.waiting.popleft()
-            if self.prefix:
-                self.prefix.hit_tokens += H
-                self.prefix.query_tokens += r.prefill_len
-            r.slot = self.free_slots.popleft()
+            if rank.prefix:
+                rank.prefix.hit_tokens += H
+                rank.prefix.query_tokens += r.prefill_len
+            if r.session is not None:
+                self.session_rank[r.session] = i
+                self.session_rank.move_to_end(r.session)
+                while len(self.session_rank) > self.max_sessions:
+                    self.session_rank.popitem(last=False)
+            r.slot = rank.free_slots.popleft()
             r.history = self._history_before(r, r.start)
             r.tail = None
-            lo = jnp.full((self.cfg.n_layers,), r.start, jnp.int32)
-            self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(lo))
             self.running[r.id] = r
 
     def _preempt(self, keep: _Request) -> bool:
-        """Frees the newest other running request (recompute later). -> False when there is none."""
-        victims = [r for r in self.running.values() if r is not keep]
+        """Frees the newest other running request on keep's rank (recompute later). -> False when there is none."""
+        victims = [r for r in self.running.values() if r is not keep and r.rank == keep.rank]
         if not victims:
             return False
         v = max(victims, key=lambda r: r.arrival)
@@ -179,8 +224,26 @@ class Scheduler:
 
     # ---- batches and buckets -------------------------------------------------------------------
 
-    def _batch(self, reqs: list[_Request], toks: list[list[int]], pos0: list[int], T: int, B: int) -> tuple:
-        ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in reqs), self.min_ctx_pages))
+    def _placed(self, reqs: list[_Request], per_rank: int) -> list[_Request | None]:
+        """The step's rows: rank d's requests at rows [d * per_rank, (d + 1) * per_rank), None for padding."""
+        rows: list[_Request | None] = [None] * (per_rank * len(self.ranks))
+        used = [0] * len(self.ranks)
+        for r in reqs:
+            rows[r.rank * per_rank + used[r.rank]] = r
+            used[r.rank] += 1
+        return rows
+
+    def _ring_lo(self, r: _Request) -> np.ndarray:
+        """int32 [L]: the first position each layer's ring may serve for r (bounded replay's clip)."""
+        lo = np.full(self.cfg.n_layers, r.start, np.int32)
+        lo[self.cfg.split_layer + 1:] = max(r.start, r.decoder_lo)
+        return lo
+
+    def _batch(self, rows: list[_Request | None], toks: dict, pos0: dict, T: int) -> programs.Batch:
+        """The step's batch: rows as `_placed` lays them out; toks / pos0 by request id."""
+        live = [r for r in rows if r is not None]
+        ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in live), self.min_ctx_pages))
+        B, L = len(rows), self.cfg.n_layers
         P = self.layout.num_pages
         tokens = np.zeros((B, T), np.int32)
         bt = np.full((B, ctx_pages), P, np.int32)
@@ -188,23 +251,27 @@ class Scheduler:
         slot = np.full(B, self.layout.num_slots, np.int32)
         p0 = np.zeros(B, np.int32)
         wlo = np.zeros(B, np.int32)
-        for i, (r, t, p) in enumerate(zip(reqs, toks, pos0)):
+        rlo = np.zeros((B, L), np.int32)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            t = toks[r.id]
             try:
                 tokens[i, : len(t)] = t
                 n_valid[i] = len(t)
                 bt[i, : len(r.pages)] = r.page_row()
-                slot[i], p0[i], wlo[i] = r.slot, p, r.write_lo
+                slot[i], p0[i], wlo[i] = r.slot, pos0[r.id], r.write_lo
+                rlo[i] = self._ring_lo(r)
             except (OverflowError, ValueError, TypeError) as e:
                 self._fail(r, f"request {r.id}: its tokens or positions do not fit the step's arrays ({e})")
-        rows = self._rows(reqs, toks, B, T)
+        erows = self._rows(rows, [toks[r.id] if r is not None else [] for r in rows], B, T)
         # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too)
-        b = programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rows)
-        return b
+        return programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rlo, erows)
 
     def program_shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
-        buckets. Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages = the longest sequence's pages,
-        min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
+        buckets (B counts every rank's rows). Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages =
+        the longest sequence's pages, min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
 
         def ladder(lo: int, hi: int) -> list[int]:
             out, b = [], lo
@@ -213,12 +280,13 @@ class Scheduler:
                 b *= 2
             return out + [hi]
 
+        D = len(self.ranks)
         ctxs = ladder(self.min_ctx_pages, self.max_pages_per_seq)
         chunks = ladder(min(self.min_prefill_bucket, self.chunk), self.chunk)
         prefill = "encoder" if self.replay else "full"
-        shapes = [(prefill, 1, T, c) for T in chunks for c in ctxs]
+        shapes = [(prefill, D, T, c) for T in chunks for c in ctxs]
         if self.replay:
-            shapes += [("decoder", 1, 1, c) for c in ctxs]
+            shapes += [("decoder", D, 1, c) for c in ctxs]
         decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", B, 1, c) for B in ladder(self.min_decode_bucket, decode_top) for c in ctxs]
+        shapes += [("decode", D * B, 1, c) for B in ladder(self.min_decode_bucket, decode_top) for c in ctxs]
         return shapes

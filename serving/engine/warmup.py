@@ -19,22 +19,24 @@ log = logging.getLogger(__name__)
 class Warmup:
     def _padding_call(self, kind: str, B: int, T: int, ctx: int):
         """(jitted program, args, static kwargs) for an all-padding batch of that shape: it writes nothing."""
-        P, S = self.layout.num_pages, self.layout.num_slots
-        rows = [] if kind == "decoder" else self._rows([], [], B, T)
+        P, S, L = self.layout.num_pages, self.layout.num_slots, self.cfg.n_layers
+        rows = [] if kind == "decoder" else self._rows([None] * B, [[]] * B, B, T)
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
-                           np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32), rows)
-        samp = self._sampling([], B)
-        static = self.static
+                           np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32),
+                           np.zeros((B, L), np.int32), rows)
+        samp = self._sampling([None] * B)
+        static, progs = self.static, self.programs
         if kind == "encoder":
-            return programs.run_encoder, (self.params, self.pool, b), static
+            return progs.run_encoder, (self.params, self.pool, b), static
         if kind == "decoder":
-            W, hc, on = self.cfg.window_size, self.cfg.hc_mult, self.pool.ring_lo.sharding
+            W, hc = self.cfg.window_size, self.cfg.hc_mult
             # committed like the step's, which come out of the encoder: a program compiles once per committed /
             # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
-            h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype, device=on)
-            pre = jnp.zeros((1, W, hc), jnp.float32, device=on)
-            return programs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
-        return programs.run_full, (self.params, self.pool, b, samp), static
+            on = self.pool.swa_q[0].sharding
+            h = jnp.zeros((B, W, hc, self.cfg.dim), self.num.jdtype, device=on)
+            pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
+            return progs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
+        return progs.run_full, (self.params, self.pool, b, samp), static
 
     def warmup(self, workers: int = 8) -> list[tuple[str, int, int, int]]:
         """Compiles and loads every program of `program_shapes()` so that no request waits for a compile (the

@@ -185,7 +185,8 @@ def test_reference_equals_programs(tiny, layer):
     write_lo = np.array([0, 0, 0, 130], np.int32)  # row 3: its group starts at 128 < 130 -> not written
     bt = np.arange(B * ctx, dtype=np.int32).reshape(B, ctx)[::-1].copy()
     b = programs.Batch(tokens=jnp.zeros((B, 1), jnp.int32), pos0=jnp.asarray(pos0), n_valid=jnp.asarray(n_valid),
-                       slot=jnp.asarray(slot), block_table=jnp.asarray(bt), write_lo=jnp.asarray(write_lo), rows=[])
+                       slot=jnp.asarray(slot), block_table=jnp.asarray(bt), write_lo=jnp.asarray(write_lo),
+                       ring_lo=jnp.zeros((B, cfg.n_layers), jnp.int32), rows=[])
     x = jnp.asarray(rng.standard_normal((B, 1, cfg.dim)), jnp.bfloat16)
     freqs = model.freqs_for(cfg)[layer]
     si = cfg.kv_source_layers.index(layer) if ratio else None

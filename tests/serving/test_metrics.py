@@ -98,3 +98,12 @@ def test_served_metrics_parse_after_traffic(fake_server):
     for name, kind in EXPECTED.items():
         assert fams[name].type == kind, (name, fams[name].type)
     assert scrape(fake_server)["dsv41:http_requests"].type == "counter"
+
+
+def test_data_parallel_ranks_report_load_and_hits():
+    m = ServingMetrics()
+    fams = _check_exposition(m.render({"running_per_rank": [2, 0], "prefix_cache_hit_tokens_per_rank": [128, 0],
+                                       "prefix_cache_query_tokens_per_rank": [300, 40]}).decode())
+    running = {s.labels["rank"]: s.value for s in fams["dsv41:rank_requests_running"].samples}
+    hits = {s.labels["rank"]: s.value for s in fams["dsv41:rank_prefix_cache_hits"].samples}
+    assert running == {"0": 2, "1": 0} and hits == {"0": 128, "1": 0}

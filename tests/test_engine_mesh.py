@@ -1,0 +1,202 @@
+"""The engine on a device mesh (8 virtual CPU devices, tests/conftest.py) against the one-device engine.
+
+- Data parallel without EP changes no arithmetic (each rank runs its rows as one device would), so its logits
+  must be the one-device engine's bit for bit: this checks routing, rank-local pages and slots, the per-rank
+  pools, prefix hits and the batch layout.
+- Tensor and expert parallelism change summation orders (~1e-7 relative). Through the FP8 / FP4 pool formats the
+  engine amplifies that: where a value sits at a bin edge it lands in the other bin, and with a near-tied top-k
+  another entry is chosen. A 1e-7 relative perturbation of the weights of the one-device engine moves these
+  prompts' logits by up to 0.090 (request r1: 0.011 at its first token), so TP / EP are held to that noise
+  floor (`NOISE`), with identical greedy tokens, and most steps far below it (`TYPICAL`). The expert-parallel
+  op itself, without a pool, is checked to float32 summation order (1e-5).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import tiny_engine
+from dsv41 import moe, sharding
+from dsv41.ops import XLA
+from serving.engine.engine import EngineError, SamplingParams
+
+needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+pytestmark = [needs8]
+
+NOISE = 0.1  # max |logit| difference: the one-device engine's own sensitivity to 1e-7 weight noise (docstring)
+TYPICAL = 2e-3  # median over steps of the max |logit| difference
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPTS = [list(np.random.default_rng(0).integers(3, 1000, n)) for n in (150, 40, 200)]
+
+
+def serve(eng):
+    """Three conversations at once, then a second turn of the first (a prefix-cache hit on its rank).
+    -> (tokens by request, logits by request, the rank of each request)."""
+    toks: dict[str, list[int]] = {}
+    ranks = {}
+
+    def drain():
+        while eng.has_work():
+            for r in eng.running.values():
+                ranks[r.id] = r.rank
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, GREEDY, session=f"s{i}")
+    drain()
+    eng.add_request("r0b", PROMPTS[0] + toks["r0"] + list(range(10, 40)), GREEDY, session="s0")
+    drain()
+    return toks, {k: np.stack(v) for k, v in eng.finished_logits.items()}, ranks
+
+
+@functools.lru_cache(maxsize=None)
+def one_device(replay: bool):
+    return serve(tiny_engine.make(swa_bounded_replay=replay))
+
+
+def worst(got, ref) -> tuple[float, float]:
+    per_step = np.concatenate([np.abs(got[k] - ref[k]).max(-1) for k in ref])
+    return float(per_step.max()), float(np.median(per_step))
+
+
+@pytest.mark.xdist_group("mesh_engine_dp")
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "exact"])
+def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
+    eng = tiny_engine.make(data_parallel_size=2, swa_bounded_replay=replay, num_pages=8)
+    toks, logits, ranks = serve(eng)
+    ref_toks, ref_logits, _ = one_device(replay)
+    assert toks == ref_toks
+    for k in ref_logits:
+        np.testing.assert_array_equal(logits[k], ref_logits[k], err_msg=k)
+    assert len(set(ranks.values())) == 2, ranks  # the conversations spread over both ranks
+    assert ranks["r0b"] == ranks["r0"]  # session affinity: the second turn on the first's rank
+    st = eng.stats()
+    assert len(st["running_per_rank"]) == 2 and sum(st["kv_pages_total_per_rank"]) == st["kv_pages_total"]
+    if replay:  # prefix caching is on with replay: the second turn hit its rank's cache, the other rank nothing
+        hits = st["prefix_cache_hit_tokens_per_rank"]
+        assert hits[ranks["r0"]] >= 2 * eng.layout.page_tokens and sum(hits) == hits[ranks["r0"]]
+
+
+@pytest.mark.xdist_group("mesh_engine_tp")
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2),
+                                dict(data_parallel_size=4, enable_expert_parallel=True),
+                                dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "dep4", "dp2xtp2+ep"])
+def test_tensor_and_expert_parallel_match_the_one_device_engine(kw):
+    eng = tiny_engine.make(num_pages=8, **kw)
+    toks, logits, _ = serve(eng)
+    ref_toks, ref_logits, _ = one_device(True)
+    assert toks == ref_toks
+    most, typical = worst(logits, ref_logits)
+    assert most <= NOISE and typical <= TYPICAL, (most, typical)
+    w1 = eng.params["layers"][3]["ffn"]["experts"]["w1"]
+    par = eng.config.parallelism
+    assert w1.addressable_shards[0].data.shape[0] == eng.cfg.n_routed_experts // par.expert_ranks
+    assert len(eng.pool.swa_q[0].sharding.device_set) == par.devices
+
+
+@pytest.mark.xdist_group("mesh_engine_dp")
+def test_one_rank_out_of_pages_preempts_only_there():
+    """Rank 0 admits two requests of one page each whose outputs do not fit its 3 pages together: it preempts
+    one of them (recomputed later); the other rank's request runs as on one device."""
+    eng = tiny_engine.make(data_parallel_size=2, num_pages=3)
+    a, b = list(range(3, 63)), list(range(200, 260))
+    for rid, p, s in (("a", a, "x"), ("c", PROMPTS[1], "y"), ("b", b, "x")):  # a, b share session x: rank 0
+        eng.add_request(rid, p, SamplingParams(max_tokens=40, ignore_eos=True), session=s)
+    toks: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert eng.counters["preemptions"] >= 1
+    assert {k: len(v) for k, v in toks.items()} == {"a": 40, "b": 40, "c": 40}
+    ref = tiny_engine.make(num_pages=8)
+    assert ref.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True)) == toks["c"]
+
+
+@pytest.mark.xdist_group("mesh_engine_tp")
+@pytest.mark.parametrize("par", [sharding.Parallelism(data=4, expert=True),
+                                 sharding.Parallelism(data=2, tensor=2, expert=True)], ids=["dep4", "dp2xtp2+ep"])
+def test_expert_parallel_op_is_the_plain_moe(par):
+    cfg, params = tiny_engine.tiny()
+    mesh = sharding.make_mesh(par)
+    placed = sharding.place_params(params, cfg, par, mesh)
+    p = placed["layers"][3]["ffn"]
+    x = np.random.default_rng(1).standard_normal((8, 5, cfg.dim)).astype(np.float32)
+    want = moe.moe(x, params["layers"][3]["ffn"], cfg, tiny_engine.NUM)
+    ep = dataclasses.replace(XLA, routed_experts=sharding.ExpertParallel(moe.routed_experts, par.tensor))
+    specs = jax.tree_util.tree_map(lambda a: sharding.manual_spec(a.sharding), p)
+    R = sharding.rank_sharding(mesh).spec
+    got = jax.jit(jax.shard_map(lambda p, x: moe.moe(x, p, cfg, tiny_engine.NUM, ops=ep), mesh=mesh,
+                                in_specs=(specs, R), out_specs=R, axis_names={sharding.DATA}))(p, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(enable_expert_parallel=True), "needs --data-parallel-size > 1"),
+    (dict(tensor_parallel_size=3), "cannot be split 3 ways"),
+    (dict(tensor_parallel_size=4, data_parallel_size=4), "asks for 16 devices but 8 are present"),
+    (dict(tensor_parallel_size=2, attention_backend="interpret"), "cannot run with tensor_parallel_size 2"),
+])
+def test_bad_layouts_fail_before_anything_runs(kw, msg):
+    with pytest.raises(EngineError, match=msg):
+        tiny_engine.make(**kw)
+
+
+def test_bad_layout_fails_before_a_checkpoint_loads(tmp_path, monkeypatch):
+    """from_checkpoint checks the layout against config.json before it reads any weight."""
+    from dsv41 import checkpoint
+    from dsv41.config import preset
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
+
+    monkeypatch.setattr(checkpoint, "_read_layout", lambda *a: pytest.fail("weights were read"))
+    monkeypatch.setattr(checkpoint, "_read_config", lambda path, cfg: preset("tiny"))
+    with pytest.raises(EngineError, match="cannot be split 3 ways"):
+        Engine.from_checkpoint(str(tmp_path), config=EngineConfig(tensor_parallel_size=3))
+
+
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(data_parallel_size=4, enable_expert_parallel=True),
+                                dict(data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True)],
+                         ids=["tp2", "dep4", "dp2xtp4+ep"])
+def test_capacity_plan_is_what_the_engine_allocates(kw):
+    """`kv_pool.capacity` (abstract shard shapes, no devices) against the bytes an engine on the mesh places on
+    each device: its weights, and its rank's pool (pages x page tokens x KV bytes per token + slots x slot bytes)."""
+    from serving.engine import kv_pool
+
+    eng = tiny_engine.make(num_pages=8, **kw)  # builds and places; compiles nothing
+    par = eng.config.parallelism
+    plan = kv_pool.capacity(eng.cfg, par, 2**30, weights_dtype="float32")
+    weights = sharding.per_device_bytes(eng.params, jax.tree_util.tree_map(lambda a: a.sharding, eng.params))
+    assert set(weights.values()) == {plan.weight_bytes_per_device}, (weights, plan)
+    pool = sharding.per_device_bytes(eng.pool, jax.tree_util.tree_map(lambda a: a.sharding, eng.pool))
+    lay = eng.layout
+    want = lay.num_pages * lay.page_tokens * plan.kv_bytes_per_token + lay.num_slots * plan.slot_bytes
+    assert len(pool) == par.devices and set(pool.values()) == {want}
+
+
+@pytest.mark.xdist_group("mesh_engine_cli")
+def test_generate_prints_the_same_tokens_on_a_mesh(capsys):
+    """The README's `dsv41 generate --tensor-parallel-size 2` (and a DEP layout) against one device."""
+    from serving import cli
+
+    base = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "6", "--max-num-seqs", "2"]
+    outs = []
+    for extra in ([], ["--tensor-parallel-size", "2"], ["--data-parallel-size", "2", "--enable-expert-parallel"]):
+        assert cli.main(base + extra) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0].strip() and outs[1:] == [outs[0]] * 2, outs
+
+
+def test_kv_budget_plans(capsys):
+    from serving import cli
+
+    assert cli.main(["kv-budget", "--plans"]) == 0
+    out = capsys.readouterr().out
+    assert "8x H200" in out and "GB300 NVL72" in out and "cannot be split 72 ways" in out
+    assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel"]) == 0
+    assert "TP1 x DP8 + EP (8 GPUs)" in capsys.readouterr().out
+    assert cli.main(["kv-budget"]) == 1  # the full model on one H200: the weights alone do not fit
