@@ -147,7 +147,7 @@ def fake_decode_state(eng, B, ctx):
                      prefill_len=ctx)
         r.output = [7]
         r.computed = ctx
-        r.slot = i
+        r.rank, r.slot = 0, i
         r.pages = [next(pages) for _ in range(-(-(ctx + 1) // eng.layout.page_tokens))]
         r.history = eng.hasher.initial_history(1)
         eng.running[r.id] = r
