@@ -1,13 +1,16 @@
 """The engine: requests in, tokens out, over the paged KV pool.
 
-One `step()` runs at most one prefill chunk (chunked prefill, FCFS) and one decode step over every running
-sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and the split layer's KV writes on
+One `step()` runs at most one prefill chunk per data-parallel rank (chunked prefill, FCFS; one call for all
+ranks) and one decode step over every running sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and the split layer's KV writes on
 every token (`run_encoder`, chunk by chunk), then the rest on its last `window` tokens (`run_decoder`). A prefix
 cache keeps full pages of global KV; on a hit the encoder re-runs [H - window, H) to rebuild its SWA rings
 without rewriting the cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
 
-Around it: config.py (EngineConfig, every option), scheduler.py (request state, admission, pages, preemption,
-buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling arrays), programs.py
+On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
+pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
+
+Around it: config.py (EngineConfig, every option), scheduler.py (request state, admission and routing to a rank,
+pages, preemption, buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling arrays), programs.py
 (the jitted programs and the device-side sampling).
 """
 
