@@ -77,6 +77,11 @@ class Engine(Scheduler, Warmup):
         self.max_pages_per_seq = pages_per_seq
         self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
         self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
+        if config.batch_invariant:
+            # the floors at the ceilings: every bucket (`_batch`, `decode_inputs`, `_prefill_chunk`,
+            # `program_shapes`) is then the top one, so no row's program depends on the rows beside it
+            self.min_prefill_bucket, self.min_ctx_pages = self.chunk, pages_per_seq
+            self.min_decode_bucket = _bucket(max_num_seqs)
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs)
         self.pool = kv_pool.allocate(cfg, self.layout)
