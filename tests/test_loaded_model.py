@@ -28,7 +28,8 @@ def _own_tokenizer(out_dir, vocab_size: int) -> None:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    shutil.copyfile(os.path.join(T.BUILTIN_DIR, "tokenizer_config.json"), os.path.join(out_dir, "tokenizer_config.json"))
+    name = "tokenizer_config.json"
+    shutil.copyfile(os.path.join(T.BUILTIN_DIR, name), os.path.join(out_dir, name))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def test_readme_lines_on_a_checkpoint_with_its_own_tokenizer(release, tmp_path):
     assert cfg == cfg_written
     np.testing.assert_array_equal(params[model.TOKEN_MAP_KEY], token_map)
     explicit = ngram_hash.NgramHasher(cfg, token_map)
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model.forward(params, cfg, token_ids, hasher=explicit)))
+    with_explicit = model.forward(params, cfg, token_ids, hasher=explicit)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(with_explicit))
     # one hasher per loaded map, the one the engine takes (Engine.from_checkpoint passes hasher_for(params))
     assert model.hasher_for(params, cfg) is model.hasher_for(params, cfg)
     np.testing.assert_array_equal(model.hasher_for(params, cfg).hash_ids(token_ids), explicit.hash_ids(token_ids))
