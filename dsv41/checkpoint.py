@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from dsv41 import quant, sharding
+from dsv41 import model, quant, sharding
 from dsv41 import safetensors_io as st
 from dsv41.config import ConfigError, ModelConfig
 from dsv41.params import (Params, Spec, abstract_params, dequantize_params, init_params, is_weight_leaf,
@@ -55,6 +55,7 @@ FP8_IN_RELEASE = ("attn.wo_a",)
 BF16_IN_RELEASE: tuple[str, ...] = ()
 
 _ORBAX_FORMAT = "dsv41-orbax"
+_TOKEN_MAP_FILE = "token_map.npy"  # in an orbax checkpoint's engram/: the tree's model.TOKEN_MAP_KEY entry
 _DENSE_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 _DENSE_NP = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 
@@ -736,6 +737,9 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     tensor and its file. `mtp.*` (DSpark) and vision tensors are skipped with one log line.
     workers: threads reading and transferring weights in parallel.
     read_mode: one of READ_MODES (see there).
+    With a tokenizer.json in `path`, the tree also holds that tokenizer's Engram compressed token map under
+    `model.TOKEN_MAP_KEY` (see `with_token_map`), so that `model.forward(params, cfg, ids)` hashes its n-grams
+    with the checkpoint's own tokenizer.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -800,7 +804,26 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     dt = time.perf_counter() - t0
     log.info("loaded %s: %d weights, %.3f GB to devices in %.2f s (%.2f GB/s)", path, len(order), total / 1e9, dt,
              total / 1e9 / max(dt, 1e-9))
-    return cfg, jax.tree_util.tree_unflatten(treedef, leaves)
+    return cfg, with_token_map(jax.tree_util.tree_unflatten(treedef, leaves), cfg, path)
+
+
+def with_token_map(params: Params, cfg: ModelConfig, path: str) -> Params:
+    """The tree plus, under `model.TOKEN_MAP_KEY`, the Engram compressed token map of the tokenizer.json in `path`
+    (what `model.forward` and the engine hash n-grams with). Without a tokenizer there (or without Engram) the
+    tree is returned as is, and the model hashes with the built-in tokenizer."""
+    if not cfg.engram_layer_ids or not os.path.exists(os.path.join(path, TOKENIZER_FILES[0])):
+        return params
+    from dsv41 import ngram_hash
+    from dsv41 import tokenizer as T
+
+    token_map = T.build_compressed_token_map(T.load_tokenizer(path))[0]
+    try:
+        ngram_hash.NgramHasher(cfg, token_map)  # its checks: sizes against the config, now rather than at a forward
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: its tokenizer does not fit its config.json ({e}); the tokenizer.json and "
+                              "config.json must come from the same release") from None
+    token_map.setflags(write=False)  # shared by every hasher built from this tree
+    return {**params, model.TOKEN_MAP_KEY: token_map}
 
 
 load_any = load_checkpoint
@@ -866,7 +889,8 @@ def save_orbax(params: Params, cfg: ModelConfig, path: str | os.PathLike) -> str
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
-    rest, tables, slots, _ = _split_tables(cfg, params)
+    token_map = params.get(model.TOKEN_MAP_KEY)
+    rest, tables, slots, _ = _split_tables(cfg, {k: v for k, v in params.items() if k != model.TOKEN_MAP_KEY})
     os.makedirs(path, exist_ok=True)
     state = {s.key: leaf for s, leaf in zip(slots, rest) if leaf is not None}
     with ocp.StandardCheckpointer() as ckptr:
@@ -876,6 +900,8 @@ def save_orbax(params: Params, cfg: ModelConfig, path: str | os.PathLike) -> str
     for key, rows in tables.items():
         for f in ("weight", "scale"):
             np.save(os.path.join(path, "engram", f"{key}.{f}.npy"), np.asarray(getattr(rows, f)).view(np.uint8))
+    if token_map is not None:
+        np.save(os.path.join(path, "engram", _TOKEN_MAP_FILE), np.asarray(token_map))
     d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
     meta = {"format": _ORBAX_FORMAT, **d, "leaves": {s.key: _describe(leaf) for s, leaf in zip(slots, rest)
                                                       if leaf is not None}}
@@ -927,7 +953,13 @@ def load_orbax(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None,
         w, sc = (np.load(f, mmap_mode="r") for f in files)
         leaves.append(quant.Fp8Rows(w.view(ml_dtypes.float8_e4m3fn), sc))
     log.info("restored orbax checkpoint %s in %.2f s", path, time.perf_counter() - t0)
-    return cfg, jax.tree_util.tree_unflatten(treedef, leaves)
+    params = jax.tree_util.tree_unflatten(treedef, leaves)
+    map_file = os.path.join(path, "engram", _TOKEN_MAP_FILE)
+    if not os.path.exists(map_file):  # written before the map was saved: derive it, if the tokenizer is there
+        return cfg, with_token_map(params, cfg, path)
+    token_map = np.load(map_file)
+    token_map.setflags(write=False)
+    return cfg, {**params, model.TOKEN_MAP_KEY: token_map}
 
 
 def release_tensors(cfg: ModelConfig, *, hf_layout: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:

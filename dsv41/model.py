@@ -14,7 +14,7 @@ import numpy as np
 
 from dsv41 import attention as attn_lib
 from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope
-from dsv41.config import AttnRole, ModelConfig
+from dsv41.config import AttnRole, ConfigError, ModelConfig
 from dsv41.nn import linear_f32, rms_norm
 from dsv41.ops import XLA, Ops
 from dsv41.quant import Numerics
@@ -134,8 +134,17 @@ def head(params: dict, h: jax.Array, pre_mix: jax.Array, cfg: ModelConfig) -> ja
     return linear_f32(x, params["head"])
 
 
+# The params-tree key of a loaded checkpoint's Engram compressed token map (int64 [vocab], host, read-only:
+# `tokenizer.build_compressed_token_map` of the checkpoint's own tokenizer). It travels with the weights so that a
+# loaded model hashes its n-grams with its own tokenizer's classes; `hasher_for` reads it, `strip_tables` drops it
+# (the programs never see it). A tree without it (presets, init_params) hashes with the built-in tokenizer.
+TOKEN_MAP_KEY = "engram_token_map"
+
+
 def strip_tables(params: dict) -> tuple[dict, list]:
-    """Splits the Engram tables (host-resident, read by row) from the rest of the tree the programs take."""
+    """Splits the Engram tables (host-resident, read by row) and the token map (`TOKEN_MAP_KEY`) from the rest of
+    the tree the programs take."""
+    params = {k: v for k, v in params.items() if k != TOKEN_MAP_KEY}
     layers = []
     tables = []
     for lp in params["layers"]:
@@ -192,14 +201,44 @@ def builtin_hasher(cfg: ModelConfig):
     return ngram_hash.NgramHasher(cfg, base)
 
 
+# (cfg, id(token map)) -> (the map, its hasher); the entry holds the map, so its id is not reused while cached
+_HASHERS: dict[tuple[ModelConfig, int], tuple[np.ndarray, Any]] = {}
+
+
+def hasher_for(params: dict, cfg: ModelConfig):
+    """The Engram n-gram hasher of a params tree: from its `TOKEN_MAP_KEY` entry (a loaded checkpoint, built once
+    per map and cached), else the built-in tokenizer's (`builtin_hasher`); None for a model without Engram."""
+    if not cfg.engram_layer_ids:
+        return None
+    token_map = params.get(TOKEN_MAP_KEY)
+    if token_map is None:
+        try:
+            return builtin_hasher(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{e}. These params carry no {TOKEN_MAP_KEY!r} (the checkpoint's tokenizer classes), so "
+                              "the built-in tokenizer's were tried: load the model with dsv41.load_checkpoint from a "
+                              "directory holding its tokenizer.json, or pass hasher=ngram_hash.NgramHasher(cfg, "
+                              "tokenizer.build_compressed_token_map(tok)[0])") from None
+    key = (cfg, id(token_map))
+    hit = _HASHERS.get(key)
+    if hit is None:
+        from dsv41 import ngram_hash
+
+        if len(_HASHERS) >= 4:  # a few models per process at most; the oldest goes
+            del _HASHERS[next(iter(_HASHERS))]
+        hit = _HASHERS[key] = (token_map, ngram_hash.NgramHasher(cfg, token_map))
+    return hit[1]
+
+
 def prepare(params: dict, cfg: ModelConfig, token_ids, hasher=None):
-    """Host side of a forward: validate ids, hash the n-grams and fetch Engram rows."""
+    """Host side of a forward: validate ids, hash the n-grams (with `hasher`, default `hasher_for(params)`) and
+    fetch Engram rows."""
     ids = check_tokens(token_ids, cfg)
     core, tables = strip_tables(params)
     rows = []
     if cfg.engram_layer_ids:
         if hasher is None:
-            hasher = builtin_hasher(cfg)
+            hasher = hasher_for(params, cfg)
         rows = engram_rows(tables, hasher.hash_ids(ids))
     return core, ids, rows
 
@@ -209,8 +248,8 @@ def forward(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quan
     """token_ids int32 [batch, seq] -> float32 logits [batch, seq, vocab]: the exact full-sequence path.
 
     `numerics` picks the reference's rounding points (default: all of them, bf16 activations);
-    `quant.EXACT_F32` turns them off. `hasher` maps ids to Engram rows (default: from the built-in tokenizer
-    for the tiny preset; pass `ngram_hash.NgramHasher` built from your tokenizer otherwise). `ops`: which code
+    `quant.EXACT_F32` turns them off. `hasher` maps ids to Engram rows (default `hasher_for(params)`: the
+    checkpoint's tokenizer for a loaded checkpoint, the built-in one for presets). `ops`: which code
     runs the linears, MoE and mHC sites (`dsv41.ops`; default the plain XLA composition).
     """
     core, ids, rows = prepare(params, cfg, token_ids, hasher)

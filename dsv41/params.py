@@ -227,6 +227,8 @@ def dequantize_params(params: Params, dtype: str = "bfloat16") -> Params:
             return x
         if quant.is_quantized(x):
             return x.dequantize(dt)
+        if not jnp.issubdtype(x.dtype, jnp.floating):  # ids, not weights (a loaded tree's Engram token map)
+            return x
         if x.dtype == jnp.float32 and dt != jnp.float32:
             return x
         return x.astype(dt)

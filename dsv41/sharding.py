@@ -200,7 +200,8 @@ def param_shardings(cfg: ModelConfig, par: Parallelism, mesh: Mesh, dtype: str |
 
 def place_params(params, cfg: ModelConfig, par: Parallelism, mesh: Mesh):
     """params (any weight formats) placed as the rules split them on the mesh; arrays already placed so stay
-    where they are, host arrays (the Engram tables, read by row on the host) stay on the host."""
+    where they are, host arrays (the Engram tables, read by row on the host) and entries that are not weights
+    stay as they are."""
     from dsv41 import params as P
 
     par.validate(cfg, len(mesh.devices.flat))
@@ -212,7 +213,9 @@ def place_params(params, cfg: ModelConfig, par: Parallelism, mesh: Mesh):
         sh = NamedSharding(mesh, mesh_spec(spec.axes, mesh, par, [a.shape for a in arrays]))
         return jax.tree_util.tree_unflatten(sub, [jax.device_put(a, sh) for a in arrays])
 
-    return P.map_with_spec(place, cfg, params)
+    spec_keys = P.param_specs(cfg).keys()
+    weights = {k: v for k, v in params.items() if k in spec_keys}  # other entries (a token map) stay as they are
+    return {**params, **P.map_with_spec(place, cfg, weights)}
 
 
 def abstract_mesh(par: Parallelism) -> jax.sharding.AbstractMesh:

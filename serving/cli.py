@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 import time
 
@@ -169,6 +171,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     cfg, params = checkpoint.load_checkpoint(args.checkpoint)
     t1 = time.perf_counter()
     checkpoint.save_orbax(params, cfg, args.out_dir)
+    for name in checkpoint.TOKENIZER_FILES:  # the engine reads its tokenizer from the checkpoint directory
+        if os.path.exists(os.path.join(args.checkpoint, name)):
+            shutil.copyfile(os.path.join(args.checkpoint, name), os.path.join(args.out_dir, name))
     log.info("loaded in %.1f s, saved orbax checkpoint to %s in %.1f s", t1 - t, args.out_dir,
              time.perf_counter() - t1)
     return 0
@@ -176,8 +181,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _compilation_cache() -> None:
     """Programs compiled once are reused by later runs (the first `generate` spends most of its time compiling)."""
-    import os
-
     import jax
 
     path = os.environ.get("DSV41_COMPILATION_CACHE", os.path.expanduser("~/.cache/dsv41/jax-compilation-cache"))

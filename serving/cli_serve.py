@@ -103,6 +103,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="smallest padded decode batch; batches pad to it times powers of two up to "
                         "--max-num-seqs (equal to it: one decode program per block-table width)")
     add_parallel_args(g)
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="one program shape for every step (prefill at the chunk, decode at --max-num-seqs, block "
+                        "tables --max-model-len wide): a request's tokens and logits are the same bits alone, in "
+                        "any batch or after a prefix hit; more padding (overrides the --min-* buckets)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before listening, so no request waits for a compile "
                         "(default: on with a GPU, off on CPU; fewer buckets = shorter warm-up)")
@@ -130,8 +134,9 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages",
-                 "min_decode_bucket": "--min-decode-bucket", "tensor_parallel_size": "--tensor-parallel-size",
-                 "data_parallel_size": "--data-parallel-size", "enable_expert_parallel": "--enable-expert-parallel"}
+                 "min_decode_bucket": "--min-decode-bucket", "batch_invariant": "--batch-invariant",
+                 "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
+                 "enable_expert_parallel": "--enable-expert-parallel"}
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dsv41 import checkpoint as ckpt
-from dsv41 import quant
+from dsv41 import model, quant, tokenizer
 from dsv41 import safetensors_io as st
 from dsv41.config import preset
 from dsv41.params import abstract_params, dequantize_params, init_params, is_weight_leaf
@@ -71,8 +71,15 @@ def _header_table(path) -> dict[str, tuple[str, tuple[int, ...]]]:
 # ---- round trips ------------------------------------------------------------------------------------------
 
 
+def weights(tree: dict) -> dict:
+    """The tree without a loaded checkpoint's Engram token map (`model.TOKEN_MAP_KEY`, not a weight)."""
+    return {k: v for k, v in tree.items() if k != model.TOKEN_MAP_KEY}
+
+
 def test_round_trip_is_bit_exact(cfg, params, ckpt_dir, stored):
-    assert_trees_bit_equal(params, stored)
+    assert_trees_bit_equal(params, weights(stored))
+    # the checkpoint's tokenizer (here the built-in one) comes with it, as its Engram classes
+    np.testing.assert_array_equal(stored[model.TOKEN_MAP_KEY], tokenizer.builtin_compressed_token_map()[0])
     assert ckpt.load_checkpoint(ckpt_dir, cfg)[0] == cfg
     table = stored["layers"][1]["engram"]["embed"]
     assert isinstance(table, quant.Fp8Rows) and isinstance(table.weight, np.ndarray)  # on the host
@@ -101,7 +108,8 @@ def test_pread_read_mode_is_bit_exact(ckpt_dir, stored):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_dequantized_load_equals_dequantize_params(ckpt_dir, stored, dtype):
     _, dense = ckpt.load_checkpoint(ckpt_dir, dequantize=dtype)
-    assert_trees_bit_equal(_dequantize(stored, dtype), dense)
+    assert_trees_bit_equal(_dequantize(weights(stored), dtype), weights(dense))
+    assert dense[model.TOKEN_MAP_KEY] is not None
 
 
 def test_orbax_round_trip_is_exact(cfg, stored, tmp_path):
@@ -401,7 +409,6 @@ def test_sharded_load_on_a_two_device_mesh(ckpt_dir):
 
 
 def test_forward_on_loaded_checkpoint_equals_written_params(tmp_path):
-    from dsv41 import model
     from dsv41.tokenizer import BUILTIN_DIR
 
     cfg = preset("tiny")
@@ -413,7 +420,7 @@ def test_forward_on_loaded_checkpoint_equals_written_params(tmp_path):
     # the written values placed as the loader places its arrays (device arrays committed to a device, Engram
     # tables in host memory): one forward program for both sides (a CPU compile of ~15 s), not one per placement
     written = jax.tree.map(lambda w, r: np.asarray(w) if isinstance(r, np.ndarray) else jax.device_put(w, r.sharding),
-                           params, loaded)
+                           params, weights(loaded))
     logits = model.forward(loaded, cfg, ids)
     # the public API's shapes (checked here rather than in a forward of its own: a ~15 s compile on CI)
     assert logits.shape == (2, 40, cfg.vocab_size) and logits.dtype == jnp.float32

@@ -33,6 +33,10 @@ class EngineConfig:
     min_prefill_bucket: int = 16
     min_ctx_pages: int = 1
     min_decode_bucket: int = 1
+    # one shape per program, whatever shares the step: prefill at the chunk, decode at max_num_seqs' bucket, every
+    # block table max_model_len wide (overrides the three above). A request's logits and tokens are then the same
+    # bits alone, in any batch, or after a prefix hit (docs/ARCHITECTURE.md "Batch invariance"); costs padding
+    batch_invariant: bool = False
     # kernel choices: 'auto' picks the Pallas kernels where the device, shapes and weights allow (serving/engine/backends.py)
     attention_backend: str = "auto"
     moe_backend: str = "auto"
@@ -53,6 +57,8 @@ class EngineConfig:
                            expert=self.enable_expert_parallel)
 
     def __post_init__(self):
+        if not isinstance(self.batch_invariant, bool):
+            raise EngineError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("page_tokens", 2),
                          ("max_waiting", 0), ("tensor_parallel_size", 1), ("data_parallel_size", 1)):
             v = getattr(self, name)

@@ -90,6 +90,11 @@ class Engine(Scheduler, Warmup):
         self.max_pages_per_seq = pages_per_seq
         self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
         self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
+        if config.batch_invariant:
+            # the floors at the ceilings: every bucket (`_batch`, `decode_inputs`, `_prefill_chunk`,
+            # `program_shapes`) is then the top one, so no row's program depends on the rows beside it
+            self.min_prefill_bucket, self.min_ctx_pages = self.chunk, pages_per_seq
+            self.min_decode_bucket = _bucket(max_num_seqs)
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
         # per data-parallel rank, as vLLM's --max-num-seqs is per DP engine
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs,
@@ -118,14 +123,15 @@ class Engine(Scheduler, Warmup):
         from dsv41.config import preset
 
         cfg = preset(name)
-        return cls(cfg, P.init_params(cfg, seed), T.load_tokenizer(), model.builtin_hasher(cfg), config)
+        params = P.init_params(cfg, seed)
+        return cls(cfg, params, T.load_tokenizer(), model.hasher_for(params, cfg), config)
 
     @classmethod
     def from_checkpoint(cls, path: str, engram_tables: str = "ram", config: EngineConfig = EngineConfig()) -> "Engine":
         """engram_tables: 'ram' reads the Engram tables into host memory at load (one sequential pass), so
         that no request's row gather waits on the disk; 'mmap' leaves them memory-mapped (less host memory,
         the first gathers of each page fault)."""
-        from dsv41 import checkpoint, ngram_hash
+        from dsv41 import checkpoint
         from dsv41 import tokenizer as T
 
         if engram_tables not in checkpoint.ENGRAM_TABLE_MODES:
@@ -138,9 +144,8 @@ class Engine(Scheduler, Warmup):
             raise EngineError(str(e)) from None
         if engram_tables == "ram":
             params = checkpoint.resident_tables(params)
-        tok = T.load_tokenizer(path)
-        hasher = ngram_hash.NgramHasher(cfg, T.build_compressed_token_map(tok)[0]) if cfg.engram_layer_ids else None
-        return cls(cfg, params, tok, hasher, config)
+        # the hasher from the token map load_checkpoint put in the tree: the one model.forward uses too
+        return cls(cfg, params, T.load_tokenizer(path), model.hasher_for(params, cfg), config)
 
     # ---- requests -----------------------------------------------------------------------------
 

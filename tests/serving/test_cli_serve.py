@@ -18,6 +18,7 @@ def test_serve_flags_map_to_engine_kwargs():
     assert engine_kwargs(args) == {"max_model_len": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 256,
                                    "swa_bounded_replay": False, "enable_prefix_caching": False}
     assert engine_kwargs(_serve([])) == {}
+    assert engine_kwargs(_serve(["--batch-invariant"])) == {"batch_invariant": True}
     assert served_model_name(args) == "tiny"
     assert served_model_name(_serve(["--checkpoint", "/ckpt/flash/"])) == "flash"
     assert (_serve([]).engram_tables, _serve(["--engram-tables", "mmap"]).engram_tables) == ("ram", "mmap")
