@@ -112,20 +112,28 @@ class Warmup:
                 fn.lower(*args, **static).compile()
             return c
 
-        with _progress_bar(n, "warm-up: compiling") as bar, \
-                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv41-compile") as ex:
-            futures = {ex.submit(compile_one, s): s for s in shapes}
-            for fut in concurrent.futures.as_completed(futures):
-                c = fut.result()
-                if c is None or stop():
-                    ex.shutdown(cancel_futures=True)
-                    log.info("warm-up stopped after compiling %d of %d programs",
-                             progress.snapshot()["programs_compiled"], n)
-                    return False
-                r = _report(futures[fut], c)
-                eta = progress.compiled(r)
-                log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
-                bar.update(1)
+        ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv41-compile")
+        try:
+            with _progress_bar(n, "warm-up: compiling") as bar:
+                futures = {ex.submit(compile_one, s): s for s in shapes}
+                pending = set(futures)
+                while pending:
+                    # a timeout, so that a stop is seen while long compiles run
+                    done, pending = concurrent.futures.wait(pending, timeout=0.25,
+                                                            return_when=concurrent.futures.FIRST_COMPLETED)
+                    if stop():
+                        log.info("warm-up stopped after compiling %d of %d programs (the compiles under way "
+                                 "finish in the background: XLA cannot interrupt them)",
+                                 progress.snapshot()["programs_compiled"], n)
+                        return False
+                    for fut in done:
+                        r = _report(futures[fut], fut.result())
+                        eta = progress.compiled(r)
+                        log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
+                        bar.update(1)
+        finally:
+            # not waiting: a stop (or an error) returns at once, and the queued compiles are dropped
+            ex.shutdown(wait=False, cancel_futures=True)
         return True
 
 
