@@ -8,10 +8,11 @@ with them: `serving.requests`; the text side of responses: `serving.response`.
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (malformed JSON or
 encoding, wrong types, out-of-range values, a prompt over max_model_len), 404 for an unknown model or route, 413
 for a body over MAX_BODY_BYTES, 503 with Retry-After when the queue is full, a request waited past
---max-queue-wait or the engine is still warming up, 500 when an engine step fails the request.
+--max-queue-wait or the engine is still warming up, 500 when an engine step fails the request. A bad request never
+affects the others.
 
 Warm-up: the server listens while the engine compiles its programs; meanwhile /health answers 503 with
-`{"status": "warming up", "programs_ready", "programs", ...}` and generation requests 503 + Retry-After. A bad request never affects the others.
+`{"status": "warming up", "programs_ready", "programs", ...}` and generation requests 503 + Retry-After.
 
 A streamed response sends its headers with the first token, so a request that never leaves the queue still gets
 its 503. A client that disconnects (before or during the answer) aborts its request in the engine.
