@@ -7,8 +7,12 @@ with them: `serving.requests`; the text side of responses: `serving.response`.
 
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (malformed JSON or
 encoding, wrong types, out-of-range values, a prompt over max_model_len), 404 for an unknown model or route, 413
-for a body over MAX_BODY_BYTES, 503 with Retry-After when the queue is full or a request waited past
---max-queue-wait, 500 when an engine step fails the request. A bad request never affects the others.
+for a body over MAX_BODY_BYTES, 503 with Retry-After when the queue is full, a request waited past
+--max-queue-wait or the engine is still warming up, 500 when an engine step fails the request. A bad request never
+affects the others.
+
+Warm-up: the server listens while the engine compiles its programs; meanwhile /health answers 503 with
+`{"status": "warming up", "programs_ready", "programs", ...}` and generation requests 503 + Retry-After.
 
 A streamed response sends its headers with the first token, so a request that never leaves the queue still gets
 its 503. A client that disconnects (before or during the answer) aborts its request in the engine.
@@ -35,12 +39,12 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.async_engine import (AsyncEngine, EngineDead, EngineError, EngineStepError, QueueFull, QueueTimeout,
-                                  RequestStream)
+                                  RequestStream, WarmingUp)
 from serving.errors import ApiError, bad_request
 from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                              ErrorResponse, Health, ModelCard, ModelList)
+                              ErrorResponse, Health, HealthWarmingUp, ModelCard, ModelList)
 from serving.requests import GenRequest, ServerConfig, chat_request, completion_request, validation_error
 from serving.response import ChatChunker, TextPipeline, chat_completion_body, finish_reason_of, sse, usage_of
 
@@ -251,7 +255,7 @@ class OpenAIServer:
         api.add_exception_handler(StarletteHTTPException, self._on_http_error)
         api.add_exception_handler(Exception, self._on_exception)
         api.add_api_route("/health", self.health, methods=["GET"], response_model=Health,
-                          responses={503: {"model": ErrorResponse}})
+                          responses={503: {"model": ErrorResponse | HealthWarmingUp}})
         api.add_api_route("/metrics", self.metrics_text, methods=["GET"], response_class=Response,
                           responses={200: {"content": {"text/plain": {}}}})
         api.add_api_route("/v1/models", self.models, methods=["GET"], response_model=ModelList)
@@ -304,6 +308,10 @@ class OpenAIServer:
         if not self.engine.alive:
             return _error_response(ApiError(503, "the engine thread is not running; restart the server",
                                             code="engine_dead"))
+        if not self.engine.ready:
+            st = self.engine.warmup_status()
+            body = {"status": "warming up", **{k: st[k] for k in HealthWarmingUp.model_fields if k in st}}
+            return _json_response(body, 503, {"Retry-After": str(self.engine.retry_after_s())})
         if not self.engine.healthy:
             return _error_response(ApiError(503, "the last engine step failed; see the server log",
                                             code="engine_unhealthy", headers={"Retry-After": str(RETRY_AFTER_S)}))
@@ -367,6 +375,10 @@ class OpenAIServer:
         except EngineDead as e:
             self.metrics.request_rejected("engine_dead")
             raise ApiError(503, str(e), code="engine_dead", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except WarmingUp as e:
+            self.metrics.request_rejected("warming_up")
+            raise ApiError(503, str(e), code="warming_up", type="server_overloaded",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
         self.metrics.request_started(endpoint)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self.metrics.prompt_len.observe(len(req.prompt_ids))
@@ -524,9 +536,11 @@ class BackgroundServer:
     """
 
     def __init__(self, engine: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 metrics: ServingMetrics | None = None, max_queue_wait_s: float | None = None) -> None:
+                 metrics: ServingMetrics | None = None, max_queue_wait_s: float | None = None,
+                 warmup: bool = False) -> None:
         self.metrics = metrics or ServingMetrics(model_name)
-        self.async_engine = AsyncEngine(engine, metrics=self.metrics, max_queue_wait_s=max_queue_wait_s)
+        self.async_engine = AsyncEngine(engine, metrics=self.metrics, max_queue_wait_s=max_queue_wait_s,
+                                        warmup=warmup)
         self.model_name = model_name
         self.host = host
         self.port = port

@@ -18,6 +18,10 @@ new requests, and `healthy` is False until a step succeeds or the engine is idle
 Queue wait: with `max_queue_wait_s`, a request the engine has accepted but not yet scheduled after that long is
 aborted and its stream raises `QueueTimeout` (the server answers 503 + Retry-After). The engine thread learns
 which requests still wait from `engine.waiting_request_ids()`; the same check times each request's queue wait.
+
+Warm-up: with `warmup=True` the engine thread first runs `engine.warmup()` (every program compiled and loaded),
+so the server can listen meanwhile. Until it ends, `ready` is False, `add` raises `WarmingUp` (the server answers
+503 + Retry-After) and `warmup_status()` says how far it is; `shutdown()` stops it between two programs.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from serving.metrics import ServingMetrics
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "RequestStream", "EngineError", "QueueFull", "EngineStepError", "EngineDead", "StepOutput",
-           "QueueTimeout", "SamplingParams"]
+           "QueueTimeout", "SamplingParams", "WarmingUp"]
 
 
 class EngineStepError(RuntimeError):
@@ -50,6 +54,14 @@ class QueueTimeout(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine thread is not running (never started, stopped, or crashed); no request can be served."""
+
+
+class WarmingUp(RuntimeError):
+    """The engine is still compiling its programs; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclasses.dataclass
@@ -183,7 +195,7 @@ class AsyncEngine:
     """Owns the engine thread. Construct anywhere; `start()` from inside the event loop that will consume it."""
 
     def __init__(self, engine: Any, *, metrics: ServingMetrics | None = None,
-                 stats_interval_s: float = 0.25, max_queue_wait_s: float | None = None) -> None:
+                 stats_interval_s: float = 0.25, max_queue_wait_s: float | None = None, warmup: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
@@ -202,6 +214,12 @@ class AsyncEngine:
         self._crashed: BaseException | None = None
         self._closed: str | None = None  # why the engine thread takes no more commands; set under _lock
         self._lock = threading.Lock()  # orders _submit against the thread's close, so no command is stranded
+        self._stopping = threading.Event()  # shutdown() was called: warm-up ends at the next program
+        self._ready = threading.Event()  # warm-up is over (or was not asked for): requests are taken
+        # read here, on the constructing thread, so the engine creates it before any other thread asks
+        self._progress = engine.warmup_progress if warmup else None
+        if not warmup:
+            self._ready.set()
 
     # ---- lifecycle ----
 
@@ -213,7 +231,9 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stops the engine thread after its current step; requests still in flight are aborted."""
+        """Stops the engine thread after its current step (or warm-up after its current program); requests still
+        in flight are aborted."""
+        self._stopping.set()
         if self._thread is None:
             return
         for rid in list(self._streams):
@@ -228,6 +248,23 @@ class AsyncEngine:
         self._streams.clear()
 
     @property
+    def ready(self) -> bool:
+        """Warm-up is over: requests are taken."""
+        return self._ready.is_set()
+
+    def warmup_status(self) -> dict[str, Any]:
+        """{"programs_ready", "programs", "programs_compiled", "eta_s", "done"}; any thread may call it."""
+        if self._progress is None:
+            return {"programs_ready": 0, "programs": 0, "programs_compiled": 0, "eta_s": None, "done": True}
+        return self._progress.snapshot()
+
+    def retry_after_s(self) -> int:
+        """Seconds a client refused during warm-up should wait: the ETA, within [1, 30] (the ETA of the first
+        programs is rough; a client that asks again sooner gets another 503)."""
+        eta = self.warmup_status().get("eta_s")
+        return 1 if eta is None else max(1, min(30, int(eta + 0.999)))
+
+    @property
     def alive(self) -> bool:
         """The engine thread runs and takes commands."""
         return self._thread is not None and self._closed is None and self._thread.is_alive()
@@ -238,8 +275,13 @@ class AsyncEngine:
                   session: str | None = None, *, arrival: float | None = None) -> RequestStream:
         """Queues a request; returns its stream once the engine has accepted it.
 
-        Raises what `Engine.add_request` raises (EngineError, QueueFull) or EngineDead; never affects others.
+        Raises what `Engine.add_request` raises (EngineError, QueueFull), WarmingUp or EngineDead; never affects
+        others.
         """
+        if not self._ready.is_set():
+            st = self.warmup_status()
+            raise WarmingUp(f"the server is warming up ({st['programs_ready']} of {st['programs']} programs ready); "
+                            f"retry in {self.retry_after_s()} s", self.retry_after_s())
         if request_id in self._streams:
             raise EngineError(f"request id {request_id!r} is already in flight; use a unique id per request")
         stream = RequestStream(self, request_id, len(prompt_ids), time.monotonic() if arrival is None else arrival)
@@ -285,7 +327,7 @@ class AsyncEngine:
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Fresh `Engine.stats()` from the engine thread (waits for a step in progress); the last snapshot if the
         engine thread is gone or busier than `timeout_s`."""
-        if not self.alive:
+        if not self.alive or not self._ready.is_set():  # warming up: the engine thread answers nothing
             return dict(self.last_stats)
         done: concurrent.futures.Future = concurrent.futures.Future()
         try:
@@ -356,6 +398,8 @@ class AsyncEngine:
         last_stats = 0.0
         failures = 0
         try:
+            if not self._ready.is_set():
+                self._warm_up()
             while True:
                 has_work = self.engine.has_work()
                 if not self._drain(active, block=not has_work):
@@ -397,6 +441,14 @@ class AsyncEngine:
             self._post(self._fail_requests, list(active), lambda rid: EngineDead(why))
         else:
             self._close("the engine thread stopped (server shutting down); retry on another replica")
+
+    def _warm_up(self) -> None:
+        """engine.warmup() on this thread (the engine is single-threaded); a raise crashes the thread, so /health
+        says the engine is dead. Stopped early by shutdown(): the _STOP it queued ends the loop next."""
+        self.engine.warmup(should_stop=self._stopping.is_set)
+        if not self._stopping.is_set():
+            self._refresh_stats()
+            self._ready.set()
 
     def _drain(self, active: set[str], *, block: bool) -> bool:
         """Runs queued commands; False on stop. Blocks for the first one when the engine is idle."""

@@ -10,6 +10,8 @@ import shutil
 import sys
 import time
 
+from serving import compilation_cache
+
 log = logging.getLogger("dsv41")
 
 
@@ -23,6 +25,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from serving.cli_serve import add_engram_tables_arg, add_kernel_backend_args, add_parallel_args
 
     add_engram_tables_arg(p)
+    compilation_cache.add_args(p)
     p.add_argument("--no-swa-bounded-replay", action="store_true",
                    help="run all layers on every prompt token (exact) instead of the decoder on the last 128")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -179,20 +182,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compilation_cache() -> None:
-    """Programs compiled once are reused by later runs (the first `generate` spends most of its time compiling)."""
-    import jax
-
-    path = os.environ.get("DSV41_COMPILATION_CACHE", os.path.expanduser("~/.cache/dsv41/jax-compilation-cache"))
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" on every start
-    _compilation_cache()
     ap = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference and serving in JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -246,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     bs.set_defaults(fn=cli_serve.run_bench)
 
     args = ap.parse_args(argv)
+    compilation_cache.configure(compilation_cache.dir_from_args(args))
     try:
         return int(args.fn(args) or 0)
     except (ValueError, FileNotFoundError) as e:

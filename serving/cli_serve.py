@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any
 
+from serving import compilation_cache
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PRESET = "tiny"
@@ -108,9 +110,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "tables --max-model-len wide): a request's tokens and logits are the same bits alone, in "
                         "any batch or after a prefix hit; more padding (overrides the --min-* buckets)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every program shape before listening, so no request waits for a compile "
-                        "(default: on with a GPU, off on CPU; fewer buckets = shorter warm-up)")
+                   help="compile every program shape before serving, so no request waits for a compile; the port "
+                        "opens first and /health answers 503 with the progress until warm-up ends (default: on "
+                        "with a GPU, off on CPU; fewer buckets = shorter warm-up)")
     g.add_argument("--seed", type=int, help="seed of the random weights of --preset")
+    compilation_cache.add_args(g)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
@@ -183,9 +187,10 @@ def check_server_args(args: argparse.Namespace) -> None:
                          "it out for no limit")
 
 
-def _serve_forever(engine: Any, args: argparse.Namespace) -> None:
+def _serve_forever(engine: Any, args: argparse.Namespace, warmup: bool = False) -> None:
     """uvicorn in this (the main) thread: on SIGINT / SIGTERM it stops accepting, lets the requests in flight
-    finish (drain), then the app's lifespan stops the engine thread."""
+    finish (drain), then the app's lifespan stops the engine thread. With `warmup` the engine thread compiles
+    every program first while the port is already open (/health: 503 with the progress until it is done)."""
     import uvicorn
 
     from serving.api import bind, create_app, uvicorn_config
@@ -194,13 +199,14 @@ def _serve_forever(engine: Any, args: argparse.Namespace) -> None:
 
     name = served_model_name(args)
     metrics = ServingMetrics(name)
-    aeng = AsyncEngine(engine, metrics=metrics, max_queue_wait_s=args.max_queue_wait)
+    aeng = AsyncEngine(engine, metrics=metrics, max_queue_wait_s=args.max_queue_wait, warmup=warmup)
     logging.getLogger("dsv41.access").setLevel(logging.INFO if args.access_log else logging.WARNING)
     sock = bind(args.host, args.port)  # OSError here: the caller names the port
     server = uvicorn.Server(uvicorn_config(create_app(aeng, model_name=name, metrics=metrics), host=args.host,
                                            port=args.port))
-    log.info("listening on http://%s:%d (model %r, max_model_len %d)", args.host, args.port, name,
-             engine.max_model_len)
+    log.info("listening on http://%s:%d (model %r, max_model_len %d)%s", args.host, args.port, name,
+             engine.max_model_len, "; warming up: /health answers 503 with the progress until ready" if warmup
+             else "")
     server.run(sockets=[sock])
 
 
@@ -228,12 +234,12 @@ def run_serve(args: argparse.Namespace) -> int:
     import jax
 
     warmup = args.warmup if args.warmup is not None else jax.default_backend() == "gpu"
-    if warmup and not args.demo:
-        engine.warmup()
     if args.demo:
+        if warmup:
+            engine.warmup()
         return run_demo(engine, args)
     try:
-        _serve_forever(engine, args)
+        _serve_forever(engine, args, warmup)
     except OSError as e:
         log.error("could not listen on %s:%d (%s); pick another --port or stop what holds it", args.host,
                   args.port, e)

@@ -229,3 +229,12 @@ class ErrorResponse(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+class HealthWarmingUp(BaseModel):
+    """/health's 503 while the engine compiles its programs (with Retry-After)."""
+    status: Literal["warming up"]
+    programs_ready: int  # compiled and loaded
+    programs: int  # to compile and load in all
+    programs_compiled: int  # compiled (compiles run first, loads after)
+    eta_s: float | None  # seconds left in the compile phase, estimated; None before the first program

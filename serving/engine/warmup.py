@@ -4,16 +4,22 @@ serving analog of capturing CUDA graphs at start-up). `Warmup` is mixed into `En
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import sys
+import threading
 import time
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import programs
+from serving.engine import compile_events, programs
+from serving.engine.warmup_progress import ProgramReport, WarmupProgress, report_line
 
 log = logging.getLogger(__name__)
+_PROGRESS_LOCK = threading.Lock()  # creates an engine's WarmupProgress once, whichever thread asks first
 
 
 class Warmup:
@@ -38,25 +44,119 @@ class Warmup:
             return progs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
         return progs.run_full, (self.params, self.pool, b, samp), static
 
-    def warmup(self, workers: int = 8) -> list[tuple[str, int, int, int]]:
+    @property
+    def warmup_progress(self) -> WarmupProgress:
+        """How far `warmup()` is; safe to read from any thread (the server's /health reads it while the engine
+        thread warms up)."""
+        p = self.__dict__.get("_warmup_progress")
+        if p is None:
+            with _PROGRESS_LOCK:
+                p = self.__dict__.setdefault("_warmup_progress", WarmupProgress())
+        return p
+
+    def warmup(self, workers: int = 8, should_stop: Callable[[], bool] | None = None
+               ) -> list[tuple[str, int, int, int]]:
         """Compiles and loads every program of `program_shapes()` so that no request waits for a compile (the
         serving analog of capturing CUDA graphs at start-up). With a persistent compilation cache configured,
         the programs are first compiled in `workers` threads at once (XLA compiles off the GIL), then each runs
-        once on an all-padding batch, which loads it from that cache. -> the shapes."""
+        once on an all-padding batch, which loads it from that cache. Logs one line per program (shape, lower
+        and compile time, whether it came from the persistent cache, ETA) and keeps `warmup_progress` current.
+        should_stop: checked between programs; True ends warm-up early (a server told to stop while warming).
+        -> the shapes."""
         shapes = self.program_shapes()
+        n = len(shapes)
+        progress = self.warmup_progress
+        progress.start(n)
+        stop = should_stop or (lambda: False)
         t0 = time.perf_counter()
-        if jax.config.jax_compilation_cache_dir and workers > 1:
-            def compile_one(shape):
+        parallel = bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir) \
+            and workers > 1
+        log.info("warm-up: %d programs to compile and load (%s)", n,
+                 f"{workers} compile threads, persistent cache {jax.config.jax_compilation_cache_dir}" if parallel
+                 else "one at a time, no persistent cache")
+        if parallel:
+            if not self._compile_in_threads(shapes, workers, stop, progress):
+                return []
+            log.info("warm-up: %d programs compiled in %.1f s; loading them", n, time.perf_counter() - t0)
+        with _progress_bar(n, "warm-up: loading" if parallel else "warm-up") as bar:
+            for shape in shapes:
+                if stop():
+                    log.info("warm-up stopped after %d of %d programs", progress.snapshot()["programs_ready"], n)
+                    return []
                 fn, args, static = self._padding_call(*shape)
-                fn.lower(*args, **static).compile()
-
-            with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-                list(ex.map(compile_one, shapes))
-            log.info("compiled %d programs in %.1f s (%d threads)", len(shapes), time.perf_counter() - t0, workers)
-        for shape in shapes:
-            fn, args, static = self._padding_call(*shape)
-            out = fn(*args, **static)
-            self.pool = out[0]
+                with compile_events.capture() as c:
+                    out = fn(*args, **static)
+                self.pool = out[0]
+                if not parallel:
+                    r = _report(shape, c)
+                    eta = progress.compiled(r)
+                    log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
+                elif c.source == compile_events.COMPILED:
+                    log.warning("warm-up: %s compiled again when loaded (%.1f s): the persistent cache did not "
+                                "keep it; check that %s is writable", shape, c.compile_s,
+                                jax.config.jax_compilation_cache_dir)
+                progress.loaded()
+                bar.update(1)
         jax.block_until_ready(self.pool)
-        log.info("warm-up: %d programs ready in %.1f s", len(shapes), time.perf_counter() - t0)
+        progress.finish()
+        log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
         return shapes
+
+    def _compile_in_threads(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress) -> bool:
+        """Compiles every shape into the persistent cache, `workers` at a time; False when stopped early."""
+        n = len(shapes)
+
+        def compile_one(shape) -> compile_events.Compiles | None:
+            if stop():
+                return None
+            fn, args, static = self._padding_call(*shape)
+            with compile_events.capture() as c:
+                fn.lower(*args, **static).compile()
+            return c
+
+        ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv41-compile")
+        try:
+            with _progress_bar(n, "warm-up: compiling") as bar:
+                futures = {ex.submit(compile_one, s): s for s in shapes}
+                pending = set(futures)
+                while pending:
+                    # a timeout, so that a stop is seen while long compiles run
+                    done, pending = concurrent.futures.wait(pending, timeout=0.25,
+                                                            return_when=concurrent.futures.FIRST_COMPLETED)
+                    if stop():
+                        log.info("warm-up stopped after compiling %d of %d programs (the compiles under way "
+                                 "finish in the background: XLA cannot interrupt them)",
+                                 progress.snapshot()["programs_compiled"], n)
+                        return False
+                    for fut in done:
+                        r = _report(futures[fut], fut.result())
+                        eta = progress.compiled(r)
+                        log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
+                        bar.update(1)
+        finally:
+            # not waiting: a stop (or an error) returns at once, and the queued compiles are dropped
+            ex.shutdown(wait=False, cancel_futures=True)
+        return True
+
+
+def _report(shape: tuple[str, int, int, int], c: compile_events.Compiles) -> ProgramReport:
+    kind, B, T, pages = shape
+    return ProgramReport(kind, B, T, pages, c.lower_s, c.compile_s, c.source)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, desc: str) -> Iterator[Any]:
+    """A tqdm bar on a terminal (log lines printed above it); nothing otherwise (the log lines say it all)."""
+    if not sys.stderr.isatty():
+        yield _NoBar()
+        return
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(), tqdm(total=total, desc=desc, unit="program", file=sys.stderr) as bar:
+        yield bar

@@ -4,7 +4,8 @@ injection (the real tiny engine's random weights never write DSML, and it does n
 Behaviour: prompts are prefilled in chunks of `max_num_batched_tokens` (shared by the batch), one token per
 decode step after that; pages of `page_size` tokens are held per running request and freed at finish/abort; full
 prompt pages of finished requests go to a prefix cache, so a later prompt with the same prefix reports
-num_cached_tokens. Output tokens are pseudo-random ids from the seed (or the prompt), or, when the decoded prompt
+num_cached_tokens. `warmup()` stands in for the compiles: `warmup_programs` programs of `warmup_delay_s` each,
+reported through the same `warmup_progress` as the real engine's. Output tokens are pseudo-random ids from the seed (or the prompt), or, when the decoded prompt
 contains a key of `replies`, the tokens of that reply text followed by EOS.
 """
 
@@ -19,6 +20,7 @@ from collections import deque
 
 from dsv41.tokenizer import load_tokenizer
 from serving.async_engine import EngineError, QueueFull, SamplingParams, StepOutput
+from serving.engine.warmup_progress import ProgramReport, WarmupProgress
 
 
 @dataclasses.dataclass
@@ -38,8 +40,13 @@ class _Req:
 class FakeEngine:
     def __init__(self, *, max_model_len: int = 2048, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  max_waiting: int = 64, page_size: int = 16, num_pages: int = 1024, step_delay_s: float = 0.001,
-                 replies: dict[str, str] | None = None) -> None:
+                 replies: dict[str, str] | None = None, warmup_programs: int = 4,
+                 warmup_delay_s: float = 0.0) -> None:
         self.tokenizer = load_tokenizer()
+        self.warmup_programs = warmup_programs
+        self.warmup_delay_s = warmup_delay_s
+        self.warmup_progress = WarmupProgress()
+        self.warmup_gate = None  # a threading.Semaphore: each program takes one release (tests step warm-up)
         self.cfg = None
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -62,6 +69,21 @@ class FakeEngine:
         self._normal_ids = [i for i in range(self.tokenizer.vocab_size) if i not in self.tokenizer.special_ids]
 
     # ---- API ----
+
+    def warmup(self, should_stop=None) -> list[tuple[str, int, int, int]]:
+        shapes = [("decode", 1 << i, 1, 1) for i in range(self.warmup_programs)]
+        self.warmup_progress.start(len(shapes))
+        for kind, B, T, pages in shapes:
+            if should_stop is not None and should_stop():
+                return []
+            while self.warmup_gate is not None and not self.warmup_gate.acquire(timeout=0.02):
+                if should_stop is not None and should_stop():
+                    return []
+            time.sleep(self.warmup_delay_s)
+            self.warmup_progress.compiled(ProgramReport(kind, B, T, pages, 0.0, self.warmup_delay_s, "compiled"))
+            self.warmup_progress.loaded()
+        self.warmup_progress.finish()
+        return shapes
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     session: str | None = None) -> None:

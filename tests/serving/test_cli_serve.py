@@ -110,3 +110,56 @@ def test_sigterm_drains_the_requests_in_flight(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+_SERVE_FAKE_WARMING = """
+import sys
+sys.path.insert(0, "tests/serving")
+from fake_engine import FakeEngine
+from serving.cli_serve import _ensure_logging, _serve_forever, add_serve_args
+import argparse
+_ensure_logging()
+args = add_serve_args(argparse.ArgumentParser()).parse_args(["--port", sys.argv[1]])
+_serve_forever(FakeEngine(warmup_programs=10000, warmup_delay_s=0.05), args, warmup=True)
+"""
+
+
+def test_sigterm_during_warmup_exits_promptly():
+    """`dsv41 serve --warmup`: the port answers /health with the progress while warming, and SIGTERM then ends the
+    server between two programs rather than after all of them."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE_WARMING, str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+                raise AssertionError("healthy before warm-up ended")
+            except urllib.error.HTTPError as e:
+                body = json.loads(e.read())
+                assert e.code == 503 and e.headers["Retry-After"], body
+                if body["programs_ready"] >= 1:
+                    break
+            except (ConnectionRefusedError, urllib.error.URLError):
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.1)
+        assert body["status"] == "warming up" and body["programs"] == 10000
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) in (0, -signal.SIGTERM)
+        assert "did not stop" not in proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

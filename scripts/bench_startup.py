@@ -1,0 +1,200 @@
+"""Start-up cost per program: the lower and compile time of every program of `Engine.program_shapes()` with
+`dsv41 serve`'s engine defaults (or the serve flags given), from an empty persistent compilation cache (cold) and
+again from the cache the cold run filled (warm: each program a cache hit), each run in a fresh process (jax
+opens its cache once per process, and keeps compiled programs in memory). Prints markdown tables.
+
+    PYTHONPATH=. python3 scripts/bench_startup.py --preset tiny                       # CPU, a minute or two
+    PYTHONPATH=. python3 scripts/bench_startup.py --preset bench --max-model-len 8192
+    PYTHONPATH=. python3 scripts/bench_startup.py --preset flash --abstract --max-model-len 65536  # one GPU
+
+--abstract: the weights and the KV pool as jax.ShapeDtypeStruct (nothing allocated; Engram tables one row), so a
+model larger than the device, Flash on one H200, is lowered and compiled as serving it would compile it.
+Programs are lowered and compiled one at a time (warm-up compiles several at once: its wall time is shorter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from unittest import mock
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import fmt, log, print_table  # noqa: E402
+
+logger = logging.getLogger("bench_startup")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from serving import cli_serve
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    cli_serve.add_serve_args(ap)  # the engine flags and their defaults exactly as `dsv41 serve` takes them
+    ap.set_defaults(preset="bench")
+    ap.add_argument("--abstract", action="store_true",
+                    help="ShapeDtypeStruct weights and KV pool: compile a model that does not fit the device")
+    ap.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)  # one run, JSON on stdout
+    return ap.parse_args(argv)
+
+
+# ---- the engine whose programs are measured ------------------------------------------------------------------
+
+
+def _one_row_tables(params: dict) -> dict:
+    """The abstract tree with each Engram table as one host row of zeros: warm-up's all-padding batches gather
+    row 0 only, and the tables (gigabytes for Flash) never reach the programs."""
+    from dsv41 import quant
+
+    def one_row(t):
+        return quant.Fp8Rows(np.zeros((1, *t.weight.shape[1:]), t.weight.dtype),
+                             np.zeros((1, *t.scale.shape[1:]), t.scale.dtype))
+
+    layers = [{**lp, "engram": {**lp["engram"], "embed": one_row(lp["engram"]["embed"])}} if "engram" in lp else lp
+              for lp in params["layers"]]
+    return {**params, "layers": layers}
+
+
+def abstract_engine(args: argparse.Namespace):
+    """The serve engine of `args` over ShapeDtypeStruct weights and KV pool. The engine allocates its pool and
+    prepares weights for the kernels in its constructor; both are swapped here for their shapes (kv_pool.allocate
+    -> abstract_pool; backends.build under jax.eval_shape) rather than taught an abstract mode."""
+    import jax
+
+    from dsv41 import model
+    from dsv41 import params as P
+    from dsv41 import tokenizer as T
+    from dsv41.config import preset
+    from serving import cli_serve
+    from serving.engine import backends, kv_pool
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
+
+    if args.checkpoint:
+        raise SystemExit("--abstract measures a preset (--preset tiny / bench / flash); drop --checkpoint")
+    cfg = preset(args.preset)
+    params = _one_row_tables(P.abstract_params(cfg))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def allocate(cfg, lay, sharding=None):  # committed like the real pool: the programs compile per commitment
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding or device),
+                                      kv_pool.abstract_pool(cfg, lay))
+
+    real_build = backends.build
+
+    def build(cfg, params, num, **kw):
+        chosen = {}
+
+        def prepare(p):
+            chosen["backends"], out = real_build(cfg, p, num, **kw)
+            return out
+
+        prepared = jax.eval_shape(prepare, params)
+        return chosen["backends"], prepared
+
+    config = EngineConfig(**cli_serve.engine_kwargs(args, EngineConfig.field_names()))
+    with mock.patch.object(kv_pool, "allocate", allocate), mock.patch.object(backends, "build", build):
+        return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config)
+
+
+def measure(eng) -> list[dict]:
+    """Lowers and compiles each program of the engine, one at a time (times undisturbed by the others)."""
+    import jax
+
+    from serving.engine import compile_events
+
+    rows = []
+    shapes = eng.program_shapes()
+    for i, shape in enumerate(shapes):
+        fn, fargs, static = eng._padding_call(*shape)
+        t0 = time.perf_counter()
+        lowered = fn.lower(*fargs, **static)
+        t1 = time.perf_counter()
+        with compile_events.capture() as c:
+            lowered.compile()
+        t2 = time.perf_counter()
+        # jax keeps every compiled executable in memory; on the CPU, ~80 of the tiny preset's exhausted the
+        # process's memory maps (LLVM: "Cannot allocate memory"). Each program is measured alone anyway.
+        del lowered
+        jax.clear_caches()
+        kind, B, T, pages = shape
+        rows.append({"kind": kind, "B": B, "T": T, "pages": pages, "lower_s": t1 - t0, "compile_s": t2 - t1,
+                     "source": c.source})
+        logger.info("%d/%d %s B=%d T=%d pages=%d: lower %.2f s, compile %.2f s (%s)", i + 1, len(shapes), kind, B,
+                    T, pages, t1 - t0, t2 - t1, c.source)
+    return rows
+
+
+def child(args: argparse.Namespace) -> None:
+    from serving import cli_serve, compilation_cache
+
+    compilation_cache.configure(compilation_cache.dir_from_args(args))
+    t0 = time.perf_counter()
+    eng = abstract_engine(args) if args.abstract else cli_serve.build_engine(args)
+    build_s = time.perf_counter() - t0
+    rows = measure(eng)
+    sys.stdout.write(json.dumps({"build_s": build_s, "programs": rows}) + "\n")
+
+
+# ---- the two runs and the tables -----------------------------------------------------------------------------
+
+
+def run_child(argv: list[str], which: str, cache_dir: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", which, "--compilation-cache-dir", cache_dir]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr (its progress) passes through
+    if out.returncode != 0:
+        raise SystemExit(f"the {which} run failed (exit {out.returncode}); its log is above")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["process_s"] = time.perf_counter() - t0
+    return res
+
+
+def report(cold: dict, warm: dict) -> None:
+    header = ["program", "B x T", "pages", "lower s (cold)", "compile s (cold)", "lower s (warm)", "compile s (warm)",
+              "warm"]
+    rows = [[c["kind"], f"{c['B']} x {c['T']}", c["pages"], fmt(c["lower_s"]), fmt(c["compile_s"]),
+             fmt(w["lower_s"]), fmt(w["compile_s"]), w["source"]]
+            for c, w in zip(cold["programs"], warm["programs"])]
+    print_table(header, rows, "lrrrrrrl")
+    print()
+    totals = []
+    for name, r in (("cold (empty cache)", cold), ("warm (cache hit)", warm)):
+        p = r["programs"]
+        hits = sum(x["source"] == "cache hit" for x in p)
+        totals.append([name, len(p), fmt(sum(x["lower_s"] for x in p)), fmt(sum(x["compile_s"] for x in p)),
+                       f"{hits}/{len(p)}", fmt(r["build_s"]), fmt(r["process_s"])])
+    print_table(["run", "programs", "lower s", "compile s", "cache hits", "engine build s", "process s"], totals)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" on every start
+    if args.child:
+        child(args)  # stdout: its one JSON line; its log goes to stderr
+        return 0
+    given = args.compilation_cache_dir
+    if given and os.path.isdir(given) and os.listdir(given):
+        raise SystemExit(f"--compilation-cache-dir {given} is not empty: the cold run would load from it; give an "
+                         "empty or new directory (default: a fresh temporary one)")
+    with tempfile.TemporaryDirectory(prefix="dsv41_bench_startup_") as tmp:
+        cache_dir = given or tmp
+        mode = "abstract weights" if args.abstract else "weights allocated"
+        log(f"preset {args.checkpoint or args.preset} ({mode}); compilation cache {cache_dir}")
+        cold = run_child(argv, "cold", cache_dir)
+        warm = run_child(argv, "warm", cache_dir)
+    report(cold, warm)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
