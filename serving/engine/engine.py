@@ -2,9 +2,10 @@
 
 One `step()` runs at most one prefill chunk (chunked prefill, FCFS) and one decode step over every running
 sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and the split layer's KV writes on
-every token (`run_encoder`, chunk by chunk), then the rest on its last `window` tokens (`run_decoder`). A prefix
-cache keeps full pages of global KV; on a hit the encoder re-runs [H - window, H) to rebuild its SWA rings
-without rewriting the cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
+every token (`run_encoder`, chunk by chunk), then the rest on its last `swa_replay_tokens` tokens
+(`run_decoder`). A prefix cache keeps full pages of global KV; on a hit the encoder re-runs
+[H - swa_replay_tokens, H) to rebuild its SWA rings and the decoder's rows without rewriting the cached KV
+(encoder-side replay). Not thread-safe: drive it from one thread.
 
 Around it: config.py (EngineConfig, every option), scheduler.py (request state, admission, pages, preemption,
 buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling arrays), programs.py
@@ -73,12 +74,18 @@ class Engine(Scheduler, Warmup):
             raise EngineError(f"max_num_batched_tokens={config.max_num_batched_tokens} is below the model's window "
                               f"({cfg.window_size}); raise it to at least {cfg.window_size}")
         self.chunk = config.max_num_batched_tokens
+        if config.swa_replay_tokens < cfg.window_size:
+            raise EngineError(f"swa_replay_tokens={config.swa_replay_tokens} is below the model's window "
+                              f"({cfg.window_size}): the decoder's first window would reach before its rows; "
+                              f"raise it to at least {cfg.window_size}")
+        self.replay_tokens = config.swa_replay_tokens
         pages_per_seq = -(-self.max_model_len // page_tokens)
         self.max_pages_per_seq = pages_per_seq
         self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
         self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
-        self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs)
+        self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs,
+                                 replay_tokens=self.replay_tokens)
         self.pool = kv_pool.allocate(cfg, self.layout)
         self.free_pages = collections.deque(range(num_pages))
         self.free_slots = collections.deque(range(max_num_seqs))
@@ -233,12 +240,12 @@ class Engine(Scheduler, Warmup):
         cfg = self.cfg
         last = end == N
         if self.replay:
-            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, **self.static)
+            Nr = self.replay_tokens
+            self.pool, h, pre = programs.run_encoder(self.params, self.pool, b, **self.static, replay_tokens=Nr)
             n = len(chunk)
-            W = cfg.window_size
-            h, pre = h[0, W - min(n, W):], pre[0, W - min(n, W):]
+            h, pre = h[0, Nr - min(n, Nr):], pre[0, Nr - min(n, Nr):]
             if r.tail is not None:
-                h, pre = jnp.concatenate([r.tail[0], h])[-W:], jnp.concatenate([r.tail[1], pre])[-W:]
+                h, pre = jnp.concatenate([r.tail[0], h])[-Nr:], jnp.concatenate([r.tail[1], pre])[-Nr:]
             r.tail = (h, pre)
             r.computed = end
             if r.replay_at and end == r.replay_at:
@@ -249,8 +256,8 @@ class Engine(Scheduler, Warmup):
             Td = h.shape[0]
             lo = self.pool.ring_lo.at[cfg.split_layer + 1:, r.slot].set(N - Td)
             self.pool = dataclasses.replace(self.pool, ring_lo=lo)
-            hp = jnp.zeros((1, W, *h.shape[1:]), h.dtype).at[0, :Td].set(h)
-            pp = jnp.zeros((1, W, *pre.shape[1:]), pre.dtype).at[0, :Td].set(pre)
+            hp = jnp.zeros((1, Nr, *h.shape[1:]), h.dtype).at[0, :Td].set(h)
+            pp = jnp.zeros((1, Nr, *pre.shape[1:]), pre.dtype).at[0, :Td].set(pre)
             bd = programs.Batch(b.tokens[:, :1], np.asarray([N - Td], np.int32), np.asarray([Td], np.int32),
                                 b.slot, b.block_table, b.write_lo, [])
             self.pool, logits, tok = programs.run_decoder(self.params, self.pool, bd, hp, pp,
@@ -269,9 +276,10 @@ class Engine(Scheduler, Warmup):
 
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
-        H, W = r.replay_at, self.cfg.window_size
+        H = r.replay_at
         r.replay_at = 0
-        r.write_lo, r.start, r.computed, r.tail = H, max(0, H - W), max(0, H - W), None
+        start = max(0, H - self.replay_tokens)
+        r.write_lo, r.start, r.computed, r.tail = H, start, start, None
         r.history = self._history_before(r, r.start)
         self.pool = dataclasses.replace(self.pool, ring_lo=self.pool.ring_lo.at[:, r.slot].set(r.start))
 

@@ -2,9 +2,9 @@
 
 - `run_full`: all layers on a chunk of tokens (exact prefill chunks, and decode with one token a row).
 - `run_encoder`: layers [0, split) plus the split layer's KV writes (SWA, compressed KV, index keys) for every
-  token of the chunk; returns the split layer's input stream for the chunk's last `window` rows.
-- `run_decoder`: the rest of the split layer and the layers after it on each request's last `window` prompt
-  tokens (SWA bounded replay: their windows start at N - window).
+  token of the chunk; returns the split layer's input stream for the chunk's last `replay_tokens` rows.
+- `run_decoder`: the rest of the split layer and the layers after it on each request's last `replay_tokens`
+  prompt tokens (SWA bounded replay: their windows start at N - replay_tokens).
 The layer math is dsv41's; what is new here is reading/writing the pool.
 """
 
@@ -23,7 +23,7 @@ from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
 from serving.engine.backends import Backends, KernelOptions
-from serving.engine.kv_pool import KVPool, ring_size
+from serving.engine.kv_pool import KVPool
 
 
 @jax.tree_util.register_dataclass
@@ -183,7 +183,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
             shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
                                                 opts)
 
-    R = ring_size(cfg, layer)
+    R = pool.swa_q[layer].shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
     win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
@@ -290,7 +290,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     role, r = cfg.role(layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
-    R = ring_size(cfg, layer)
+    R = pool.swa_q[layer].shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = pool.ring_lo[layer].at[b.slot].get(mode="fill", fill_value=0)
     rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
     rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
@@ -461,16 +461,17 @@ def run_full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig
     return pool, logits, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "backends", "replay_tokens"),
+                   donate_argnames=("pool",))
 def run_encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics,
-                backends: Backends = Backends()):
-    """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
-    [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
+                backends: Backends = Backends(), replay_tokens: int | None = None):
+    """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, n, hc, D] and pre-mix
+    [B, n, hc] at the split layer's input for each row's last n = replay_tokens (None: window) valid tokens)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backends)
-    W = cfg.window_size
-    return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
+    n = replay_tokens or cfg.window_size
+    return pool, _last_rows(h, b.n_valid, n), _last_rows(pre, b.n_valid, n)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num", "backends"), donate_argnames=("pool",))

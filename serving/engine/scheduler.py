@@ -33,7 +33,7 @@ class _Request:
     cached: int = 0
     block_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages, as far as hashed
     history: np.ndarray | None = None
-    tail: tuple | None = None  # (stream, pre) of the last `window` encoder rows, replay mode
+    tail: tuple | None = None  # (stream, pre) of the last swa_replay_tokens encoder rows, replay mode
     steps: int = 0
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
@@ -128,7 +128,6 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             r = self.waiting[0]
-            W = self.cfg.window_size
             hit: list[int] = []
             if self.prefix:
                 hit = self.prefix.match(self._block_keys(r, r.prefill_len - 1))
@@ -138,7 +137,8 @@ class Scheduler:
             r.pages = list(hit)
             r.cached = H
             r.write_lo = H
-            r.start = max(0, H - W) if H else 0
+            # the encoder re-runs the hit's last swa_replay_tokens: the SWA rings, and the decoder's rows
+            r.start = max(0, H - self.replay_tokens) if H else 0
             r.computed = r.start
             if not self._ensure_pages(r, min(r.prefill_len, r.start + self.chunk)):
                 for p in r.pages:

@@ -26,9 +26,9 @@ class Warmup:
         samp = self._sampling([], B)
         static = self.static
         if kind == "encoder":
-            return programs.run_encoder, (self.params, self.pool, b), static
+            return programs.run_encoder, (self.params, self.pool, b), {**static, "replay_tokens": self.replay_tokens}
         if kind == "decoder":
-            W, hc, on = self.cfg.window_size, self.cfg.hc_mult, self.pool.ring_lo.sharding
+            W, hc, on = self.replay_tokens, self.cfg.hc_mult, self.pool.ring_lo.sharding
             # committed like the step's, which come out of the encoder: a program compiles once per committed /
             # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
             h = jnp.zeros((1, W, hc, self.cfg.dim), self.num.jdtype, device=on)
