@@ -475,7 +475,8 @@ _BENCH = dict(
 
 # Flash's 40-layer schedule (roles, compress ratios, KV / index sources, the L20 candidate pool and split, Engram
 # before L1 and L14) at the tiny preset's widths: what a study of depth-compounding effects (SWA bounded replay:
-# docs/REPLAY.md) runs on the CPU. Not for the unit tests: 40 layers compile ~5x longer than tiny's 8.
+# docs/REPLAY.md) runs on the CPU. Not for the unit tests: its programs take up to ~80 s each to compile on the
+# CPU (XLA -O3), the reason tiny has 8 layers.
 _FLASH_SCHEDULE = ("n_layers", "compress_ratios", "kv_source_layers", "index_source_layers",
                    "candidate_source_layer", "engram_layer_ids")
 _TINY40 = {**_TINY, **{k: getattr(ModelConfig, k) for k in _FLASH_SCHEDULE}}
