@@ -479,7 +479,8 @@ _BENCH = dict(
 # CPU (XLA -O3), the reason tiny has 8 layers.
 _FLASH_SCHEDULE = ("n_layers", "compress_ratios", "kv_source_layers", "index_source_layers",
                    "candidate_source_layer", "engram_layer_ids")
-_TINY40 = {**_TINY, **{k: getattr(ModelConfig, k) for k in _FLASH_SCHEDULE}}
+# max_seq_len (a limit only): room for the study's 8K prompts and their continuations
+_TINY40 = {**_TINY, **{k: getattr(ModelConfig, k) for k in _FLASH_SCHEDULE}, "max_seq_len": 16384}
 
 PRESET_NAMES = ("tiny", "tiny40", "bench", "flash")
 
