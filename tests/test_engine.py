@@ -110,16 +110,32 @@ def _kl(p_logits, q_logits):
     return float((np.exp(lp) * (lp - lq)).sum())
 
 
+# prompts of up to 4 windows, a decoder prefill of up to 2: one prefill width and block-table width for the tests below
+WIDE = dict(max_model_len=640, num_pages=10, max_num_batched_tokens=256, min_prefill_bucket=256, min_ctx_pages=10)
+
+
 def test_more_replay_tokens_move_the_first_token_less(tiny):
     """A decoder prefill of 2 windows lets its first windows see real context: on a prompt of 4 windows its
     first-token distribution is no further from the exact path's than the 1-window replay's."""
     ids, one = prompt(512, seed=31), SamplingParams(max_tokens=1)
-    kw = dict(max_model_len=640, num_pages=10, max_num_batched_tokens=256, min_prefill_bucket=256,
-              min_ctx_pages=10, enable_prefix_caching=False)
+    kw = dict(WIDE, enable_prefix_caching=False)
     _, exact = run(make(tiny, swa_bounded_replay=False, **kw), ids, one)
     kls = [_kl(exact[0], run(make(tiny, swa_bounded_replay=True, swa_replay_tokens=n, **kw), ids, one)[1][0])
            for n in (128, 256)]
     assert 0 < kls[1] <= kls[0], kls
+
+
+def test_prefix_hit_equals_cold_replay_with_more_replay_tokens(tiny):
+    """With swa_replay_tokens = 2 windows a hit of H tokens re-runs the encoder from H - 256 (not H - window),
+    so that the decoder gets its 256 rows: exactly what a cold run with that boundary gives."""
+    first, second, one = prompt(400, seed=32), prompt(60, seed=33), SamplingParams(max_tokens=1)
+    eng = make(tiny, swa_bounded_replay=True, enable_prefix_caching=True, swa_replay_tokens=256, **WIDE)
+    run(eng, first, one)
+    _, logits = run(eng, first + second, one)
+    assert eng.stats()["prefix_cache_hit_tokens"] == 384  # 6 full pages of 64
+    _, cold = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False, swa_replay_tokens=256, **WIDE),
+                  first + second, one, replay_at=384)
+    assert np.abs(logits - cold).max() < TOL
 
 
 def test_replay_tokens_bounds():
