@@ -473,21 +473,30 @@ _BENCH = dict(
     max_seq_len=131072,
 )
 
-PRESET_NAMES = ("tiny", "bench", "flash")
+# Flash's 40-layer schedule (roles, compress ratios, KV / index sources, the L20 candidate pool and split, Engram
+# before L1 and L14) at the tiny preset's widths: what a study of depth-compounding effects (SWA bounded replay:
+# docs/REPLAY.md) runs on the CPU. Not for the unit tests: its programs take up to ~80 s each to compile on the
+# CPU (XLA -O3), the reason tiny has 8 layers.
+_FLASH_SCHEDULE = ("n_layers", "compress_ratios", "kv_source_layers", "index_source_layers",
+                   "candidate_source_layer", "engram_layer_ids")
+# max_seq_len (a limit only): room for the study's 8K prompts and their continuations
+_TINY40 = {**_TINY, **{k: getattr(ModelConfig, k) for k in _FLASH_SCHEDULE}, "max_seq_len": 16384}
+
+PRESET_NAMES = ("tiny", "tiny40", "bench", "flash")
 
 
 @functools.lru_cache(maxsize=None)
 def preset(name: str) -> ModelConfig:
-    """A named built-in config: 'tiny' (CPU tests, built-in tokenizer), 'bench' (Flash widths that fit one
-    H200) or 'flash' (the release)."""
+    """A named built-in config: 'tiny' (CPU tests, built-in tokenizer), 'tiny40' (tiny's widths, Flash's 40-layer
+    schedule), 'bench' (Flash widths that fit one H200) or 'flash' (the release)."""
     if name == "flash":
         return ModelConfig()
     if name == "bench":
         return ModelConfig(**_with_engram_rows(**_BENCH))
-    if name == "tiny":
+    if name in ("tiny", "tiny40"):
         from dsv41 import tokenizer  # the compressed-vocab size is a property of the tokenizer
 
-        kw = _with_engram_rows(**_TINY, engram_compressed_vocab_size=1)
+        kw = _with_engram_rows(**(_TINY if name == "tiny" else _TINY40), engram_compressed_vocab_size=1)
         return ModelConfig(**{**kw, "engram_compressed_vocab_size": tokenizer.builtin_compressed_vocab_size()})
     raise ConfigError(f"unknown preset {name!r}; choose one of {list(PRESET_NAMES)}")
 

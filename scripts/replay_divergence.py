@@ -1,9 +1,15 @@
-"""How far SWA bounded replay moves the model from the exact path, by prompt length (tiny preset, CPU): the same
-prompt through the engine with replay off (all layers on every prompt token) and on (the decoder layers see the
-last `window` prompt tokens), then greedy tokens; float32 activations with the serving KV formats, so the
-differences are replay's, not bf16 noise. Prints the markdown table of docs/REPLAY.md.
+"""What SWA bounded replay costs in fidelity, teacher-forced (docs/REPLAY.md): for each prompt length, a random
+prompt followed by one fixed continuation is scored by the exact path (replay off) and by replay with each
+`--replay-tokens` N, every path feeding the same continuation tokens (not its own samples), so that position i's
+next-token distributions compare like for like. Beside them, the exact path's own noise floor: its serving
+numerics (REFERENCE: bf16, FP8/FP4 KV) against float32 without quantization (EXACT_F32), and batch 1 against
+the batch of all prompts. Prints the markdown tables of docs/REPLAY.md and the wall time.
 
-    PYTHONPATH=. python scripts/replay_divergence.py [--lengths 256,512,1024,2048,4096] [--tokens 64]
+Every prompt of a path runs in one engine (decode batch 8, one program per kind: one prefill chunk size and one
+block-table width), so the exact and replay engines decode the same rows in the same steps.
+
+    PYTHONPATH=. python scripts/replay_divergence.py [--preset tiny40] [--lengths 256,...,8192]
+        [--replay-tokens 128,256] [--batch1-lengths 1024] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -21,64 +27,116 @@ from dsv41.config import preset
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, SamplingParams
 
-NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
+log = logging.getLogger("replay_divergence")
+
+
+class TeacherForced(Engine):
+    """Accepts each request's given continuation in place of the token it sampled: every path then scores the
+    same text, and logits[i] is the distribution of continuation token i."""
+
+    forced: dict[str, list[int]]
+
+    def _accept(self, r, tok):
+        return super()._accept(r, self.forced[r.id][len(r.output)])
 
 
 def log_softmax(x):
+    x = x.astype(np.float64)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def compare(ref: np.ndarray, other: np.ndarray) -> tuple[float, float, float, float]:
+    """[positions, V] logits -> mean KL(ref || other), max KL, KL at position 0, max |logit difference|."""
+    lp, lq = log_softmax(ref), log_softmax(other)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    return float(kl.mean()), float(kl.max()), float(kl[0]), float(np.abs(ref - other).max())
+
+
+def score(eng: TeacherForced, jobs: dict[str, tuple[list[int], list[int]]], together: bool) -> dict[str, np.ndarray]:
+    """jobs: id -> (prompt, continuation). together: all in one engine batch; else one after another (batch 1)."""
+    out = {}
+    for group in ([list(jobs)] if together else [[rid] for rid in jobs]):
+        for rid in group:
+            prompt, cont = jobs[rid]
+            eng.forced[rid] = cont
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=len(cont), ignore_eos=True))
+        while eng.has_work():
+            eng.step()
+        for rid in group:
+            out[rid] = np.stack(eng.finished_logits.pop(rid))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="256,512,1024,2048,4096")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--preset", default="tiny40")
+    ap.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
+    ap.add_argument("--tokens", type=int, default=64, help="continuation length (teacher-forced positions)")
+    ap.add_argument("--replay-tokens", default="128,256", help="swa_replay_tokens values to compare")
+    ap.add_argument("--batch1-lengths", default="1024", help="lengths rerun at batch 1 for the batch noise floor")
+    ap.add_argument("--no-f32", action="store_true", help="skip the float32 noise floor (one engine fewer)")
+    ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = preset("tiny")
-    params = P.dequantize_params(P.init_params(cfg, seed=0), "float32")
+    t_all = time.perf_counter()
+    cfg = preset(args.preset)
+    params = P.init_params(cfg, args.seed)
     lengths = [int(x) for x in args.lengths.split(",")]
-    max_len = max(lengths) + args.tokens + 64
-    engines = {
-        rep: Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(max_num_seqs=1,
-                    max_model_len=max_len, max_num_batched_tokens=512, swa_bounded_replay=rep,
-                    enable_prefix_caching=False, numerics=NUM, keep_logits=True, min_prefill_bucket=512))
-        for rep in (False, True)
-    }
-    sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    rows = []
-    for n in lengths:
-        stats = []
-        for seed in range(args.seeds):
-            ids = list(np.random.default_rng(100 + seed).integers(3, cfg.vocab_size, n))
-            out = {}
-            for rep, eng in engines.items():
-                t = time.perf_counter()
-                rid = f"{n}-{seed}-{rep}"
-                eng.add_request(rid, ids, sp)
-                toks = []
-                while eng.has_work():
-                    for o in eng.step():
-                        toks += o.new_token_ids
-                out[rep] = (toks, np.stack(eng.finished_logits.pop(rid)))
-                logging.info("n=%d seed=%d replay=%s %.1fs", n, seed, rep, time.perf_counter() - t)
-            (te, le), (tr, lr) = out[False], out[True]
-            first = le[0], lr[0]
-            lp, lq = log_softmax(first[0].astype(np.float64)), log_softmax(first[1].astype(np.float64))
-            kl = float((np.exp(lp) * (lp - lq)).sum())
-            agree = np.mean(np.array(te) == np.array(tr))
-            div = next((i for i, (a, b) in enumerate(zip(te, tr)) if a != b), len(te))
-            stats.append((float(np.abs(first[0] - first[1]).max()), kl, agree, div))
-        s = np.array(stats)
-        rows.append((n, s[:, 0].max(), s[:, 1].mean(), s[:, 2].mean(), s[:, 3].min()))
-    print(f"\ntiny preset (window {cfg.window_size}), float32 activations + serving KV formats, "
-          f"{args.seeds} prompts per length, {args.tokens} greedy tokens\n")
-    print("| prompt tokens | max |logit error| (1st token) | KL(exact || replay) (1st token) | "
-          "greedy agreement | first divergence (min) |")
-    print("|---|---|---|---|---|")
-    for n, e, kl, a, d in rows:
-        print(f"| {n} | {e:.3g} | {kl:.3g} | {100 * a:.0f}% | {int(d)} |")
+    replay_ns = [int(x) for x in args.replay_tokens.split(",")]
+    b1 = [int(x) for x in args.batch1_lengths.split(",") if x]
+    if len(lengths) > 8:
+        raise SystemExit(f"{len(lengths)} lengths: at most 8 (one engine batch); split the run")
+    max_len = max(lengths) + args.tokens
+    pages = -(-max_len // 64)
+    rng = np.random.default_rng(1000 + args.seed)
+    cont = [int(t) for t in rng.integers(3, cfg.vocab_size, args.tokens)]
+    jobs = {f"L{n}": ([int(t) for t in rng.integers(3, cfg.vocab_size, n)], cont) for n in lengths}
+
+    def engine(replay: bool, n_replay: int = 128, num=quant.REFERENCE, decode_bucket: int = 8) -> TeacherForced:
+        # one prefill chunk size, one block-table width and one decode batch: each program compiles once
+        ec = EngineConfig(max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=args.chunk,
+                          swa_bounded_replay=replay, swa_replay_tokens=n_replay, enable_prefix_caching=False,
+                          numerics=num, keep_logits=True, min_prefill_bucket=args.chunk, min_ctx_pages=pages,
+                          min_decode_bucket=decode_bucket)
+        eng = TeacherForced(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), ec)
+        eng.forced = {}
+        return eng
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = fn()
+        log.info("%s: %.0f s", name, time.perf_counter() - t)
+        return out
+
+    exact = timed("exact", lambda: score(engine(False), jobs, True))
+    cols: dict[str, dict[str, tuple]] = {}
+    for n in replay_ns:
+        rep = timed(f"replay N={n}", lambda n=n: score(engine(True, n), jobs, True))
+        cols[f"replay N={n}"] = {k: compare(exact[k], rep[k]) for k in jobs}
+    if not args.no_f32:
+        f32 = timed("exact f32", lambda: score(engine(False, num=quant.EXACT_F32), jobs, True))
+        cols["floor: bf16 vs f32"] = {k: compare(f32[k], exact[k]) for k in jobs}
+    if b1:
+        sub = {f"L{n}": jobs[f"L{n}"] for n in b1}
+        one = timed("exact batch 1", lambda: score(engine(False, decode_bucket=1), sub, False))
+        cols["floor: batch 8 vs 1"] = {k: compare(one[k], exact[k]) for k in sub}
+
+    print(f"\n{args.preset} (window {cfg.window_size}, {cfg.n_layers} layers, split L{cfg.split_layer}), seed "
+          f"{args.seed} random weights, REFERENCE numerics; {args.tokens} teacher-forced positions after each prompt\n")
+    names = list(cols)
+    for title, fmt in (("KL(exact || other): mean / max over positions / at position 0",
+                        lambda c: f"{c[0]:.2g} / {c[1]:.2g} / {c[2]:.2g}"),
+                       ("max |logit difference| over positions", lambda c: f"{c[3]:.3g}")):
+        print(f"{title}\n")
+        print("| prompt tokens | " + " | ".join(names) + " |")
+        print("|---" * (len(names) + 1) + "|")
+        for n in lengths:
+            cells = [fmt(cols[c][f"L{n}"]) if f"L{n}" in cols[c] else "-" for c in names]
+            print(f"| {n} | " + " | ".join(cells) + " |")
+        print()
+    print(f"wall time {time.perf_counter() - t_all:.0f} s")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     compilation_cache.add_args(p)
     p.add_argument("--no-swa-bounded-replay", action="store_true",
                    help="run all layers on every prompt token (exact) instead of the decoder on the last 128")
+    p.add_argument("--swa-replay-tokens", type=int, default=128,
+                   help="prompt tokens the decoder layers run on under bounded replay (>= the window; docs/REPLAY.md)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
@@ -43,6 +45,7 @@ def build_engine(args: argparse.Namespace):
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           swa_bounded_replay=not args.no_swa_bounded_replay,
+                          swa_replay_tokens=args.swa_replay_tokens,
                           attention_backend=args.attention_backend, moe_backend=args.moe_backend,
                           mhc_backend=args.mhc_backend, router_backend=args.router_backend,
                           linear_backend=args.linear_backend, tensor_parallel_size=args.tensor_parallel_size or 1,

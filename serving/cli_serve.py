@@ -88,6 +88,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-swa-bounded-replay", dest="swa_bounded_replay", action="store_false", default=None,
                    help="exact prefill: run every layer on every prompt token instead of the decoder layers on "
                         "the last 128 (SWA bounded replay); also turns prefix caching off unless enabled")
+    g.add_argument("--swa-replay-tokens", type=int,
+                   help="prompt tokens the decoder layers run on under SWA bounded replay: at least the window "
+                        "(128), at most --max-num-batched-tokens (default: the engine's, 128; docs/REPLAY.md)")
     add_kernel_backend_args(g, default=None)
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
@@ -132,7 +135,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # Engine keyword argument -> the flag that sets it.
 _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
                  "max_num_batched_tokens": "--max-num-batched-tokens",
-                 "swa_bounded_replay": "--no-swa-bounded-replay", "attention_backend": "--attention-backend",
+                 "swa_bounded_replay": "--no-swa-bounded-replay", "swa_replay_tokens": "--swa-replay-tokens",
+                 "attention_backend": "--attention-backend",
                  "moe_backend": "--moe-backend", "mhc_backend": "--mhc-backend",
                  "router_backend": "--router-backend", "linear_backend": "--linear-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",

@@ -24,6 +24,23 @@ def test_tiny_has_every_layer_kind():
     assert any(c.uses_candidates(i) for i in range(c.n_layers))
 
 
+def test_tiny40_has_flash_schedule_at_tiny_widths():
+    t40, flash, tiny = preset("tiny40"), preset("flash"), preset("tiny")
+    assert t40.n_layers == flash.n_layers == 40
+    for i in range(40):
+        assert t40.role(i) is flash.role(i), i
+        assert t40.compress_ratios[i] == flash.compress_ratios[i], i
+        assert (i in t40.engram_layer_ids) == (i in flash.engram_layer_ids), i
+        assert t40.uses_candidates(i) == flash.uses_candidates(i), i
+        if flash.compress_ratios[i]:
+            assert t40.kv_source_of(i) == flash.kv_source_of(i), i
+            assert t40.index_source_of(i) == flash.index_source_of(i), i
+    assert t40.candidate_source_layer == t40.split_layer == flash.split_layer == 20
+    assert (t40.dim, t40.n_heads, t40.head_dim, t40.window_size) == (tiny.dim, tiny.n_heads, tiny.head_dim,
+                                                                     tiny.window_size)
+    assert t40.engram_num_embeddings == tiny.engram_num_embeddings
+
+
 def test_nested_and_flat_forms_round_trip():
     c = preset("flash")
     d = c.to_hf_dict()

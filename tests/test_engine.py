@@ -94,6 +94,57 @@ def test_prefix_hit_equals_cold_replay(tiny):
     assert toks == cold_t and np.abs(logits - cold_l).max() < TOL
 
 
+def test_replay_tokens_at_the_window_reproduce_window_replay(tiny):
+    """swa_replay_tokens = window is the replay the engine ran before the option existed: tokens and logits
+    recorded from that engine (2026-12-04, under the suite's XLA -O0; at -O3 FP8 bin flips move these logits by
+    up to 2.4e-3) for a prompt whose decoder windows are clipped."""
+    toks, logits = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False, swa_replay_tokens=128),
+                       prompt(300, seed=30))
+    assert toks == [906, 509, 403, 309]
+    assert np.abs(logits[0, :4] - [-0.42925271, 1.25267196, 1.77353561, -0.70392036]).max() < TOL
+
+
+def _kl(p_logits, q_logits):
+    """KL(p || q) of two logit rows, in float64."""
+    lp, lq = (np.float64(x) - np.logaddexp.reduce(np.float64(x)) for x in (p_logits, q_logits))
+    return float((np.exp(lp) * (lp - lq)).sum())
+
+
+# prompts of up to 4 windows, a decoder prefill of up to 2: one prefill width and block-table width for the tests below
+WIDE = dict(max_model_len=640, num_pages=10, max_num_batched_tokens=256, min_prefill_bucket=256, min_ctx_pages=10)
+
+
+def test_more_replay_tokens_move_the_first_token_less(tiny):
+    """A decoder prefill of 2 windows lets its first windows see real context: on a prompt of 4 windows its
+    first-token distribution is no further from the exact path's than the 1-window replay's."""
+    ids, one = prompt(512, seed=31), SamplingParams(max_tokens=1)
+    kw = dict(WIDE, enable_prefix_caching=False)
+    _, exact = run(make(tiny, swa_bounded_replay=False, **kw), ids, one)
+    kls = [_kl(exact[0], run(make(tiny, swa_bounded_replay=True, swa_replay_tokens=n, **kw), ids, one)[1][0])
+           for n in (128, 256)]
+    assert 0 < kls[1] <= kls[0], kls
+
+
+def test_prefix_hit_equals_cold_replay_with_more_replay_tokens(tiny):
+    """With swa_replay_tokens = 2 windows a hit of H tokens re-runs the encoder from H - 256 (not H - window),
+    so that the decoder gets its 256 rows: exactly what a cold run with that boundary gives."""
+    first, second, one = prompt(400, seed=32), prompt(60, seed=33), SamplingParams(max_tokens=1)
+    eng = make(tiny, swa_bounded_replay=True, enable_prefix_caching=True, swa_replay_tokens=256, **WIDE)
+    run(eng, first, one)
+    _, logits = run(eng, first + second, one)
+    assert eng.stats()["prefix_cache_hit_tokens"] == 384  # 6 full pages of 64
+    _, cold = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False, swa_replay_tokens=256, **WIDE),
+                  first + second, one, replay_at=384)
+    assert np.abs(logits - cold).max() < TOL
+
+
+def test_replay_tokens_bounds():
+    with pytest.raises(EngineError, match="swa_replay_tokens=600 exceeds max_num_batched_tokens=512"):
+        EngineConfig(swa_replay_tokens=600)
+    with pytest.raises(EngineError, match="below the model's window"):
+        tiny_engine.make(swa_replay_tokens=64)
+
+
 # the defaults, and every option at its other setting (the suite's time: ~25 s a program on CI, so both settings'
 # kernel paths share one program a phase with the XLA path: layer_paths.attention_diffs_each)
 KERNEL_OPTIONS = {"default": KernelOptions(),

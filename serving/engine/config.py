@@ -22,7 +22,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # the prefill chunk; at least the model's window
     page_tokens: int = 64  # tokens per KV page; even, so ratio-2 compression groups never straddle pages
     num_pages: int | None = None  # None: room for max_num_seqs sequences of max_model_len
-    swa_bounded_replay: bool = True  # prompt: all layers to the split, the rest on the last `window` tokens
+    swa_bounded_replay: bool = True  # prompt: all layers to the split, the rest on the last swa_replay_tokens
+    # the decoder's share of a replayed prompt: >= the window (more lets the first decoder windows see real
+    # context: docs/REPLAY.md), <= max_num_batched_tokens; 128 = vLLM's choice = Flash's window
+    swa_replay_tokens: int = 128
     enable_prefix_caching: bool | None = None  # None: on with bounded replay
     max_waiting: int = 1024  # waiting-queue bound; add_request raises QueueFull beyond it
     numerics: Numerics = quant.REFERENCE
@@ -60,7 +63,8 @@ class EngineConfig:
         if not isinstance(self.batch_invariant, bool):
             raise EngineError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("page_tokens", 2),
-                         ("max_waiting", 0), ("tensor_parallel_size", 1), ("data_parallel_size", 1)):
+                         ("max_waiting", 0), ("swa_replay_tokens", 1), ("tensor_parallel_size", 1),
+                         ("data_parallel_size", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise EngineError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -68,6 +72,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise EngineError(f"{name} must be a positive integer or None (the default), got {v!r}")
+        if self.swa_replay_tokens > self.max_num_batched_tokens:
+            raise EngineError(f"swa_replay_tokens={self.swa_replay_tokens} exceeds max_num_batched_tokens="
+                              f"{self.max_num_batched_tokens} (the decoder prefill is at most one chunk); lower it "
+                              f"or raise max_num_batched_tokens")
         if self.page_tokens % 2:
             raise EngineError("page_tokens must be even (ratio-2 groups may not straddle pages)")
         if min(self.min_prefill_bucket, self.min_ctx_pages, self.min_decode_bucket) < 1:

@@ -1,17 +1,18 @@
 """The engine: requests in, tokens out, over the paged KV pool.
 
 One `step()` runs at most one prefill chunk per data-parallel rank (chunked prefill, FCFS; one call for all
-ranks) and one decode step over every running sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and the split layer's KV writes on
-every token (`run_encoder`, chunk by chunk), then the rest on its last `window` tokens (`run_decoder`). A prefix
-cache keeps full pages of global KV; on a hit the encoder re-runs [H - window, H) to rebuild its SWA rings
-without rewriting the cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
+ranks) and one decode step over every running sequence. With SWA bounded replay (default) a prompt runs layers
+[0, split) and the split layer's KV writes on every token (`run_encoder`, chunk by chunk), then the rest on its
+last `swa_replay_tokens` tokens (`run_decoder`). A prefix cache keeps full pages of global KV; on a hit the
+encoder re-runs [H - swa_replay_tokens, H) to rebuild its SWA rings and the decoder's rows without rewriting the
+cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
 
 On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
 pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
 
 Around it: config.py (EngineConfig, every option), scheduler.py (request state, admission and routing to a rank,
-pages, preemption, buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling arrays), programs.py
-(the jitted programs and the device-side sampling).
+pages, preemption, buckets, batch arrays), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling
+arrays), programs.py (the jitted programs and the device-side sampling).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class Engine(Scheduler, Warmup):
             raise EngineError(f"max_num_batched_tokens={config.max_num_batched_tokens} is below the model's window "
                               f"({cfg.window_size}); raise it to at least {cfg.window_size}")
         self.chunk = config.max_num_batched_tokens
+        if config.swa_replay_tokens < cfg.window_size:
+            raise EngineError(f"swa_replay_tokens={config.swa_replay_tokens} is below the model's window "
+                              f"({cfg.window_size}): the decoder's first window would reach before its rows; "
+                              f"raise it to at least {cfg.window_size}")
+        self.replay_tokens = config.swa_replay_tokens
         pages_per_seq = -(-self.max_model_len // page_tokens)
         self.max_pages_per_seq = pages_per_seq
         self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
@@ -98,7 +104,7 @@ class Engine(Scheduler, Warmup):
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
         # per data-parallel rank, as vLLM's --max-num-seqs is per DP engine
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs,
-                                 ranks=par.data)
+                                 ranks=par.data, replay_tokens=self.replay_tokens)
         self.pool = kv_pool.allocate(cfg, self.layout, None if self.mesh is None else
                                      sharding.rank_sharding(self.mesh))
         self.prefix_caching = self.replay if config.enable_prefix_caching is None else config.enable_prefix_caching
@@ -291,8 +297,8 @@ class Engine(Scheduler, Warmup):
             for r in reqs:
                 r.computed = ends[r.id]
             return self._first_tokens(last, logits, tok)
-        self.pool, h, pre = self.programs.run_encoder(self.params, self.pool, b, **self.static)
-        W = self.cfg.window_size
+        W = self.replay_tokens
+        self.pool, h, pre = self.programs.run_encoder(self.params, self.pool, b, **self.static, replay_tokens=W)
         last: list[_Request | None] = [None] * len(rows)
         for i, r in enumerate(rows):
             if r is None:
@@ -317,9 +323,9 @@ class Engine(Scheduler, Warmup):
         return self._first_tokens(last, logits, tok)
 
     def _decoder_inputs(self, rows: list[_Request | None], ctx_pages: int):
-        """The replayed decoder's batch for the rows whose prompt is complete: each runs its last Td <= window
-        rows (its tail) at positions [N - Td, N), its decoder rings clipped at N - Td."""
-        B, W, L = len(rows), self.cfg.window_size, self.cfg.n_layers
+        """The replayed decoder's batch for the rows whose prompt is complete: each runs its last
+        Td <= swa_replay_tokens rows (its tail) at positions [N - Td, N), its decoder rings clipped at N - Td."""
+        B, W, L = len(rows), self.replay_tokens, self.cfg.n_layers
         hp = jnp.zeros((B, W, self.cfg.hc_mult, self.cfg.dim), self.num.jdtype)
         pp = jnp.zeros((B, W, self.cfg.hc_mult), jnp.float32)
         pos0, n_valid = np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -351,9 +357,10 @@ class Engine(Scheduler, Warmup):
 
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
-        H, W = r.replay_at, self.cfg.window_size
+        H = r.replay_at
         r.replay_at = 0
-        r.write_lo, r.start, r.computed, r.tail = H, max(0, H - W), max(0, H - W), None
+        start = max(0, H - self.replay_tokens)
+        r.write_lo, r.start, r.computed, r.tail = H, start, start, None
         r.decoder_lo = 0
         r.history = self._history_before(r, r.start)
 

@@ -5,7 +5,8 @@ Per KV-source layer (Flash: L2, L8, L14 at ratio 2; L20 at ratio 1), paged by to
   index K   e2m1 packed [pages, page_entries, ID/2] + UE8M0 scale per 32 [.., ID/32]             (68 B)
 page_entries = page_tokens / ratio. One block table per sequence slot serves every source layer.
 Per layer and sequence slot, an SWA ring in FP8: e4m3 [slots, R, Dh] + UE8M0 per 32 [slots, R, Dh/32] (528 B a
-slot); R = window, twice that for the first decoder layer (the trimmed decoder prefill reads its window back).
+slot); R = window, and for the first decoder layer swa_replay_tokens + window (the trimmed decoder prefill
+reads the windows of its swa_replay_tokens rows back from it).
 Per ratio-2 source and slot, the fp32 compressor state of an open group (kv || score). The first position each
 ring may serve (bounded replay clips windows there) is request state: it travels in the batch (`Batch.ring_lo`).
 
@@ -48,13 +49,17 @@ class PoolLayout:
     page_tokens: int
     num_slots: int
     ranks: int = 1
+    replay_tokens: int | None = None  # EngineConfig.swa_replay_tokens; None: the window
 
     def entries_per_page(self, ratio: int) -> int:
         return self.page_tokens // ratio
 
 
-def ring_size(cfg: ModelConfig, layer: int) -> int:
-    return 2 * cfg.window_size if layer == cfg.split_layer else cfg.window_size
+def ring_size(cfg: ModelConfig, layer: int, replay_tokens: int | None = None) -> int:
+    """SWA ring slots of `layer`; the programs read it off the pool's shape."""
+    if layer == cfg.split_layer:
+        return (replay_tokens or cfg.window_size) + cfg.window_size
+    return cfg.window_size
 
 
 def _specs(cfg: ModelConfig, lay: PoolLayout) -> dict:
@@ -73,7 +78,7 @@ def _specs(cfg: ModelConfig, lay: PoolLayout) -> dict:
         # XLA's SPMD partitioner (jaxlib 0.11.2, CPU)
         out["comp_state"].append(sd((S, 2 * Dh), jnp.float32) if r > 1 else None)
     for layer in range(cfg.n_layers):
-        R = ring_size(cfg, layer)
+        R = ring_size(cfg, layer, lay.replay_tokens)
         out["swa_q"].append(sd((S, R, Dh), jnp.float8_e4m3fn))
         out["swa_s"].append(sd((S, R, Dh // 32), jnp.uint8))
     return out

@@ -2,9 +2,9 @@
 
 - `run_full`: all layers on a chunk of tokens (exact prefill chunks, and decode with one token a row).
 - `run_encoder`: layers [0, split) plus the split layer's KV writes (SWA, compressed KV, index keys) for every
-  token of the chunk; returns the split layer's input stream for the chunk's last `window` rows.
-- `run_decoder`: the rest of the split layer and the layers after it on each request's last `window` prompt
-  tokens (SWA bounded replay: their windows start at N - window).
+  token of the chunk; returns the split layer's input stream for the chunk's last `replay_tokens` rows.
+- `run_decoder`: the rest of the split layer and the layers after it on each request's last `replay_tokens`
+  prompt tokens (SWA bounded replay: their windows start at N - replay_tokens).
 The layer math is dsv41's; what is new here is reading/writing the pool.
 """
 
@@ -24,7 +24,7 @@ from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
 from serving.engine.backends import Backends, KernelOptions
-from serving.engine.kv_pool import KVPool, ring_size
+from serving.engine.kv_pool import KVPool
 
 
 @jax.tree_util.register_dataclass
@@ -186,7 +186,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
             shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
                                                 opts)
 
-    R = ring_size(cfg, layer)
+    R = pool.swa_q[layer].shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = b.ring_lo[:, layer]
     win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
@@ -293,7 +293,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     role, r = cfg.role(layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
-    R = ring_size(cfg, layer)
+    R = pool.swa_q[layer].shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = b.ring_lo[:, layer]
     rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
     rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
@@ -463,14 +463,15 @@ def _full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, n
     return pool, logits, tok
 
 
-def _encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends()):
-    """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, window, hc, D] and pre-mix
-    [B, window, hc] at the split layer's input for each row's last `window` valid tokens)."""
+def _encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(),
+             replay_tokens: int | None = None):
+    """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, n, hc, D] and pre-mix
+    [B, n, hc] at the split layer's input for each row's last n = replay_tokens (None: window) valid tokens)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backends)
-    W = cfg.window_size
-    return pool, _last_rows(h, b.n_valid, W), _last_rows(pre, b.n_valid, W)
+    n = replay_tokens or cfg.window_size
+    return pool, _last_rows(h, b.n_valid, n), _last_rows(pre, b.n_valid, n)
 
 
 def _decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
@@ -484,6 +485,7 @@ def _decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: Mod
 
 
 _STATIC = ("cfg", "num", "backends")
+_ENCODER_STATIC = _STATIC + ("replay_tokens",)
 
 
 class Programs:
@@ -499,8 +501,10 @@ class Programs:
     def __init__(self, mesh=None, param_shardings=None):
         self.mesh = mesh
         if mesh is None:
-            jit = functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("pool",))
-            self.run_full, self.run_encoder, self.run_decoder = jit(_full), jit(_encoder), jit(_decoder)
+            jit = functools.partial(jax.jit, donate_argnames=("pool",))
+            self.run_full = jit(_full, static_argnames=_STATIC)
+            self.run_decoder = jit(_decoder, static_argnames=_STATIC)
+            self.run_encoder = jit(_encoder, static_argnames=_ENCODER_STATIC)
             return
         rank = sharding.rank_sharding(mesh)
         specs = jax.tree_util.tree_map(sharding.manual_spec, param_shardings)
@@ -509,8 +513,8 @@ class Programs:
         manual = set(mesh.axis_names) if mesh.shape[sharding.TENSOR] == 1 else {sharding.DATA}
 
         def per_rank(body, n_rank_args):
-            def fn(params, *args, cfg, num, backends):
-                f = functools.partial(body, cfg=cfg, num=num, backends=backends)
+            def fn(params, *args, **static):
+                f = functools.partial(body, **static)
                 return jax.shard_map(f, mesh=mesh, in_specs=(specs,) + (R,) * n_rank_args, out_specs=R,
                                      axis_names=manual, check_vma=False)(params, *args)
             return fn
@@ -520,17 +524,18 @@ class Programs:
         def run_full(params, pool, b, samp, *, cfg, num, backends=Backends()):
             return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends)
 
-        def run_encoder(params, pool, b, *, cfg, num, backends=Backends()):
-            return enc(params, pool, b, cfg=cfg, num=num, backends=backends)
+        def run_encoder(params, pool, b, *, cfg, num, backends=Backends(), replay_tokens=None):
+            return enc(params, pool, b, cfg=cfg, num=num, backends=backends, replay_tokens=replay_tokens)
 
         def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends()):
             return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends)
 
-        def jit(fn):
-            return _PerRankArgs(jax.jit(fn, static_argnames=_STATIC, donate_argnames=("pool",), out_shardings=rank),
+        def jit(fn, static=_STATIC):
+            return _PerRankArgs(jax.jit(fn, static_argnames=static, donate_argnames=("pool",), out_shardings=rank),
                                 rank)
 
-        self.run_full, self.run_encoder, self.run_decoder = jit(run_full), jit(run_encoder), jit(run_decoder)
+        self.run_full, self.run_decoder = jit(run_full), jit(run_decoder)
+        self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
 
 
 @dataclasses.dataclass(frozen=True)

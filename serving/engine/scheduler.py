@@ -37,7 +37,7 @@ class _Request:
     cached: int = 0
     block_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages, as far as hashed
     history: np.ndarray | None = None
-    tail: tuple | None = None  # (stream, pre) of the last `window` encoder rows, replay mode
+    tail: tuple | None = None  # (stream, pre) of the last swa_replay_tokens encoder rows, replay mode
     steps: int = 0
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
     decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - window after the prefill)
@@ -174,14 +174,14 @@ class Scheduler:
             if i < 0:
                 break
             rank = self.ranks[i]
-            W = self.cfg.window_size
             H = len(hit) * self.layout.page_tokens
             for p in hit:
                 rank.prefix.acquire(p)
             r.rank, r.pages = i, list(hit)
             r.cached = H
             r.write_lo = H
-            r.start = max(0, H - W) if H else 0
+            # the encoder re-runs the hit's last swa_replay_tokens: the SWA rings, and the decoder's rows
+            r.start = max(0, H - self.replay_tokens) if H else 0
             r.computed = r.start
             r.decoder_lo = 0
             if not self._ensure_pages(r, min(r.prefill_len, r.start + self.chunk)):

@@ -33,9 +33,9 @@ class Warmup:
         samp = self._sampling([None] * B)
         static, progs = self.static, self.programs
         if kind == "encoder":
-            return progs.run_encoder, (self.params, self.pool, b), static
+            return progs.run_encoder, (self.params, self.pool, b), {**static, "replay_tokens": self.replay_tokens}
         if kind == "decoder":
-            W, hc = self.cfg.window_size, self.cfg.hc_mult
+            W, hc = self.replay_tokens, self.cfg.hc_mult
             # committed like the step's, which come out of the encoder: a program compiles once per committed /
             # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
             on = self.pool.swa_q[0].sharding

@@ -13,10 +13,12 @@ def _serve(argv):
 
 def test_serve_flags_map_to_engine_kwargs():
     args = _serve(["--preset", "tiny", "--port", "9001", "--max-model-len", "2048", "--max-num-seqs", "4",
-                   "--max-num-batched-tokens", "256", "--no-swa-bounded-replay", "--no-enable-prefix-caching"])
+                   "--max-num-batched-tokens", "256", "--no-swa-bounded-replay", "--no-enable-prefix-caching",
+                   "--swa-replay-tokens", "256"])
     assert (args.host, args.port) == ("127.0.0.1", 9001)
     assert engine_kwargs(args) == {"max_model_len": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 256,
-                                   "swa_bounded_replay": False, "enable_prefix_caching": False}
+                                   "swa_bounded_replay": False, "enable_prefix_caching": False,
+                                   "swa_replay_tokens": 256}
     assert engine_kwargs(_serve([])) == {}
     assert engine_kwargs(_serve(["--batch-invariant"])) == {"batch_invariant": True}
     assert served_model_name(args) == "tiny"
