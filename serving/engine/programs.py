@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from dsv41 import attention as A
 from dsv41 import compressor, engram, indexer, mhc, model, quant, sharding
-from dsv41.config import AttnRole, ModelConfig
+from dsv41.config import ModelConfig
+from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
@@ -142,22 +143,22 @@ def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
     return lat, g, complete, pool.comp_state[si].at[b.slot].set(new_state, mode="drop")
 
 
-def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict, freqs,
+def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry, freqs,
                          backend: str, opts: KernelOptions, ops):
     """Decode (one token a row, phase 'full') through the fused kernels: the token's KV writes (ring, and on
     KV-source layers the compressed entry, index key and pending state) in one kernel, the indexer's scores and
     top-k straight from the MXFP4 pool (candidate entries only after the candidate source layer), and the sparse
-    attention over the FP8 ring and the selected FP4 entries. -> (output [B, 1, D], pool).
+    attention over the FP8 ring and the selected FP4 entries. -> (output [B, 1, D], pool, carry).
     backend: 'pallas' (Mosaic GPU), 'interpret' (the kernels in the interpreter) or 'reference' (their jnp
     references on the kernels' inputs: checks this wiring, not the kernels)."""
     from pallas_kernels import kv_write as kvw
     from pallas_kernels import sparse_attention as sa
 
     kb = "xla" if backend == "reference" else backend
-    role, r = cfg.role(layer), cfg.compress_ratios[layer]
+    plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None]
-    ratio = r if role is AttnRole.FULL else 0  # other layers only write their ring
-    si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
+    ratio = r if plan.writes_kv else 0  # other layers only write their ring
+    si = None if plan.swa_only else cfg.kv_source_layers.index(plan.kv_source)
 
     with jax.named_scope("kv_write"):  # (sub-scopes of "attention" for scripts/profile_step.py)
         kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
@@ -180,11 +181,10 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     fuse = opts.fuse_rope
     with jax.named_scope("q_proj"):
         q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
-    if role in (AttnRole.FULL, AttnRole.REINDEX):
+    if plan.runs_indexer:
         with jax.named_scope("indexer"):
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
-            shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
-                                                opts)
+            carry = _kernel_index_topk(qi, wi, pool, si, b, pos, r, plan, carry, cfg, num, backend, opts)
 
     R = ring_size(cfg, layer)
     lo = b.ring_lo[:, layer]
@@ -193,7 +193,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     valid &= (b.slot < pool.swa_q[layer].shape[0])[:, None]  # padding rows: slot == num_slots, no ring
     # the window's rows straight in the pool's ring buffer (no per-row copy of the rings)
     swa_rows = jnp.where(valid, b.slot[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None], -1)
-    topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if si is None else shared["topk"][:, 0]
+    topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if si is None else carry.topk[:, 0]
     src = 0 if si is None else si  # SWA-only layers select no entry; any source's pages do
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     with jax.named_scope("attend"):
@@ -202,7 +202,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
                                 pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw,
                                 **_rope_kw(b.pos0, freqs, fuse))
     with jax.named_scope("output"):
-        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool
+        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
 
 
 def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
@@ -233,13 +233,13 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
                 config=sa.KernelConfig(fuse_rope=True))
 
 
-def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, layer: int, shared: dict, cfg,
-                       num: Numerics, backend: str, opts: KernelOptions):
+def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, plan: LayerPlan, carry: Carry, cfg,
+                       num: Numerics, backend: str, opts: KernelOptions) -> Carry:
     """One indexer layer through the scoring kernel, straight from the MXFP4 pool (decode, and prefill chunks
     with KernelOptions.prefill_indexer_kernel): the encoder indexers and the candidate source layer score every
     visible entry (a chunk's queries in groups that share one pass over the entries), the layers after it only
-    their candidates. qi [B, T, IH, ID], wi [B, T, IH], pos [B, T] -> top-k entry ids int32 [B, T, k];
-    shared["cand"] holds candidate block ids (the XLA path: an entry mask)."""
+    their candidates. qi [B, T, IH, ID], wi [B, T, IH], pos [B, T] -> the carry with the top-k entry ids
+    int32 [B, T, k] and, from the candidate source, the candidate block ids."""
     from pallas_kernels import indexer_logits as il
 
     ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
@@ -248,21 +248,20 @@ def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, lay
     method = "radix" if backend == "reference" and opts.indexer_topk == "kernel" else opts.indexer_topk
     icfg = dataclasses.replace(il.IndexerConfig.from_model(cfg), topk_method=method)
     kw = dict(cfg=icfg, backend="xla" if backend == "reference" else backend, dtype=num.jdtype)
-    if cfg.uses_candidates(layer):
-        topk, _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=shared["cand"], **kw)
-        return topk
-    want = layer == cfg.candidate_source_layer
+    if plan.uses_candidates:
+        topk, _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=carry.cand_blocks, **kw)
+        return dataclasses.replace(carry, topk=topk)
+    want = plan.makes_candidates
     topk, cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
                                num_entries=b.block_table.shape[1] * ikp.shape[1], want_candidates=want, **kw)
-    if want:
-        shared["cand"] = cand
-    return topk
+    return dataclasses.replace(carry, topk=topk, **({"cand_blocks": cand} if want else {}))
 
 
-def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink, backend: str,
+def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, topk, sink, backend: str,
                               rope: dict):
     """Many queries a row through the fused sparse-attention kernel, one kernel row per query token: its window
-    rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries.
+    rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries (topk
+    [B, T, K]; None on SWA-only layers).
     q [B, T, H, Dh] -> [B, T, H, Dh]. rope: `_rope_kw` of the B * T query positions."""
     from pallas_kernels import sparse_attention as sa
 
@@ -270,7 +269,7 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batc
     if si is None:
         topk, src = jnp.full((B * T, 64), -1, jnp.int32), 0
     else:
-        topk, src = shared["topk"].reshape(B * T, -1), si
+        topk, src = topk.reshape(B * T, -1), si
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     o = sa.sparse_attention(q.reshape(B * T, H, Dh), keys_q, keys_s, None, topk,
                             jnp.repeat(b.block_table, T, axis=0), pool.kv_packed[src], pool.kv_scale[src], sink,
@@ -278,19 +277,20 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batc
     return o.reshape(B, T, H, Dh)
 
 
-def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
+def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry,
                      freqs, phase: str, backends: Backends = Backends()):
     """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
     split layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
     backends: the attention backend (decode: the fused kernels unless 'xla'), its options, the linears' ops.
-    -> (output [B, T, D] or None, pool)."""
+    carry: what earlier layers handed on (the latest top-k, the candidates). -> (output [B, T, D] or None, pool,
+    carry)."""
     p = lp
     backend, opts, ops = backends.attention, backends.options, backends.ops
     B, T, _ = x.shape
     if backend != "xla" and T == 1 and phase == "full":
-        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend, opts, ops)
+        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, carry, freqs, backend, opts, ops)
     fuse = opts.fuse_rope and backend != "xla"
-    role, r = cfg.role(layer), cfg.compress_ratios[layer]
+    plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
     R = ring_size(cfg, layer)
@@ -323,9 +323,9 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     pool = dataclasses.replace(pool, swa_q=swa_q, swa_s=swa_s)
 
     comp_k = comp_valid = None
-    if role is not AttnRole.SWA:
-        si = cfg.kv_source_layers.index(cfg.kv_source_of(layer))
-        if role is AttnRole.FULL and phase != "attn_only":
+    si = None if plan.swa_only else cfg.kv_source_layers.index(plan.kv_source)
+    if not plan.swa_only:
+        if plan.writes_kv and phase != "attn_only":
             lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, pool, si, b)
             gpos = g * r
             ik = indexer.index_keys(lat, p["indexer"], gpos, freqs, cfg, num)
@@ -342,42 +342,40 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
             lists["comp_state"][si] = new_state
             pool = dataclasses.replace(pool, **lists)
         if phase == "kv_only":
-            return None, pool
-        if role in (AttnRole.FULL, AttnRole.REINDEX):
+            return None, pool, carry
+        if plan.runs_indexer:
             q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
             if backend != "xla" and opts.prefill_indexer_kernel:
-                shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
-                                                    opts)
+                carry = _kernel_index_topk(qi, wi, pool, si, b, pos, r, plan, carry, cfg, num, backend, opts)
             else:
                 keys = _context_index_keys(pool, si, b.block_table, cfg)
                 s = indexer.scores(qi, wi, keys, pos, r, num)
-                if layer == cfg.candidate_source_layer:
-                    shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
-                elif cfg.uses_candidates(layer):
-                    s = jnp.where(shared["cand"], s, -jnp.inf)
-                shared["topk"] = indexer.select_topk(s, pos, r, cfg)
+                if plan.makes_candidates:
+                    carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg))
+                elif plan.uses_candidates:
+                    s = jnp.where(carry.cand_mask, s, -jnp.inf)
+                carry = dataclasses.replace(carry, topk=indexer.select_topk(s, pos, r, cfg))
         else:
             q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
-        comp_k, comp_valid = _gather_kv(pool, si, b.block_table, shared["topk"], cfg)
+        comp_k, comp_valid = _gather_kv(pool, si, b.block_table, carry.topk, cfg)
     else:
         if phase == "kv_only":
-            return None, pool
+            return None, pool, carry
         q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
     if backend != "xla":
         rows = _window_rows(pos, ring_pos, R, chunk_start, T, cfg.window_size)
-        si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
-        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pool, si, b, shared, p["attn_sink"], backend,
+        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pool, si, b, carry.topk, p["attn_sink"], backend,
                                       _rope_kw(pos.reshape(-1), freqs, fuse))
     else:
         o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
-    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool
+    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
 
 
 def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict,
             backends: Backends = Backends()):
     freqs = model.freqs_for(cfg)
-    shared: dict = {}
+    carry = Carry()
     for i in range(first, last):
         lp = params["layers"][i]
         phase = phases.get(i, "full")
@@ -388,15 +386,16 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         if phase == "kv_only":
             with jax.named_scope("attention"):
                 x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
-                _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backends)
+                _, pool, carry = cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry, freqs[i], phase,
+                                                  backends)
             break
 
-        def attn_fn(x, lp=lp, i=i, phase=phase):
-            nonlocal pool
-            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backends)
-            return y
+        def attn_fn(x, state, lp=lp, i=i, phase=phase):
+            pool, carry = state
+            y, pool, carry = cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry, freqs[i], phase, backends)
+            return y, (pool, carry)
 
-        h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn, ops=backends.ops)
+        h, pre, (pool, carry) = model.block(h, pre, lp, i, cfg, num, attn_fn, (pool, carry), ops=backends.ops)
     return h, pre, pool
 
 

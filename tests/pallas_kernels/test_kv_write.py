@@ -19,6 +19,7 @@ import pytest
 from dsv41 import attention as A
 from dsv41 import compressor, model, quant, rope
 from dsv41.config import ModelConfig, preset
+from dsv41.layer_plan import Carry
 from pallas_kernels import kv_write as kw
 
 gpu = pytest.mark.gpu
@@ -193,7 +194,7 @@ def test_reference_equals_programs(tiny, layer):
     kc = kw.KVWriteConfig(ratio, cfg.norm_eps)
 
     def both(x, p, pool, b):  # one jit (one CPU compile) for the engine's path and the reference
-        _, want = programs.cached_attention(x, p, layer, cfg, num, pool, b, {}, freqs, "kv_only")
+        _, want, _ = programs.cached_attention(x, p, layer, cfg, num, pool, b, Carry(), freqs, "kv_only")
         lkv = kw.LayerKV.of_pool(pool, layer, si, ratio)
         extra = {}
         if ratio:
