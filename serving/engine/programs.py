@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from dsv41 import attention as A
 from dsv41 import compressor, engram, indexer, mhc, model, quant, sharding
+from dsv41 import kv_layout as kl
 from dsv41.config import ModelConfig
 from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import rms_norm
@@ -57,41 +58,12 @@ def _dequant_fp8_rows(q, s):
     return quant.fp8_dequantize(q, quant.ue8m0_decode(s))
 
 
-def _ring_positions(end: jax.Array, R: int, lo: jax.Array) -> jax.Array:
-    """Position each ring slot holds when `end` tokens are written: slot j holds the newest p < end with
-    p % R == j. -> int32 [B, R], NO_POS where empty or below lo."""
-    j = jnp.arange(R, dtype=jnp.int32)[None]
-    last = end[:, None] - 1
-    p = last - jnp.mod(last - j, R)
-    return jnp.where((p >= 0) & (p >= lo[:, None]), p, A.NO_POS)
-
-
-def _write_ring(ring: jax.Array, new: jax.Array, pos0, n_valid) -> jax.Array:
-    """ring [B, R, ...] <- the newest of the chunk's valid tokens new [B, T, ...] at slot pos % R."""
-    R, T = ring.shape[1], new.shape[1]
-    j = jnp.arange(R, dtype=jnp.int32)[None]
-    last = pos0[:, None] + n_valid[:, None] - 1
-    t = n_valid[:, None] - 1 - jnp.mod(last - j, R)  # newest chunk token landing in slot j
-    ok = (t >= 0) & (n_valid[:, None] > 0)
-    picked = jnp.take_along_axis(new, jnp.clip(t, 0, T - 1).reshape(*t.shape, *([1] * (new.ndim - 2))), axis=1)
-    return jnp.where(ok.reshape(*ok.shape, *([1] * (new.ndim - 2))), picked, ring)
-
-
-def _page_index(block_table, g, E):
-    """Entry ids g [B, ...] -> (page [B, ...], offset) through the block table."""
-    col = jnp.clip(g // E, 0, block_table.shape[1] - 1)
-    page = jnp.take_along_axis(block_table, col.reshape(col.shape[0], -1), axis=1).reshape(g.shape)
-    return page, g % E
-
-
 def _gather_kv(pool: KVPool, si: int, block_table, idx, cfg):
     """Compressed main-KV entries idx [B, S, K] (-1 = none) -> dequantized [B, S, K, Dh], valid [B, S, K]."""
-    E = pool.kv_packed[si].shape[1]
-    valid = idx >= 0
-    page, off = _page_index(block_table, jnp.maximum(idx, 0), E)
-    packed = pool.kv_packed[si].at[page, off].get(mode="fill", fill_value=0)
-    scale = pool.kv_scale[si].at[page, off].get(mode="fill", fill_value=0)
-    return quant.fp4_dequantize(packed, scale.astype(jnp.float32), 16), valid
+    g = jnp.maximum(idx, 0)
+    packed = kl.read_entries(pool.kv_packed[si], block_table, g)
+    scale = kl.read_entries(pool.kv_scale[si], block_table, g)
+    return quant.fp4_dequantize(packed, scale.astype(jnp.float32), 16), idx >= 0
 
 
 def _context_index_keys(pool: KVPool, si: int, block_table, cfg):
@@ -105,42 +77,13 @@ def _context_index_keys(pool: KVPool, si: int, block_table, cfg):
     return k.reshape(bt.shape[0], -1, cfg.index_head_dim)
 
 
-def _write_entries(arr, block_table, g, ok, values):
-    """arr [pages, E, ...] <- values [B, G, ...] at entry ids g [B, G] where ok."""
-    E = arr.shape[1]
-    page, off = _page_index(block_table, g, E)
-    page = jnp.where(ok, page, arr.shape[0])  # out of range: dropped
-    return arr.at[page, off].set(values.astype(arr.dtype), mode="drop")
-
-
 def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
-    """Latents of the groups that complete inside this chunk. -> latent [B, G, Dh], abs group ids [B, G],
-    complete [B, G], new pending state."""
-    B, T, _ = x.shape
-    if r == 1:
-        lat = compressor.compress(x, p, 1, cfg, num)
-        g = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-        return lat, g, jnp.arange(T)[None] < b.n_valid[:, None], pool.comp_state[si]
-    Dh = cfg.head_dim
+    """Latents of the groups the chunk reaches (`kv_layout.compress_step`). -> latent [B, G, Dh], abs group ids
+    [B, G], complete [B, G], the source's new pending state [S, 2 * Dh] (ratio 1: None)."""
     kv, score = compressor.project(x, p, r, num)
-    state = pool.comp_state[si].at[b.slot].get(mode="fill", fill_value=0)
-    pend_kv, pend_sc = state[:, :Dh], state[:, Dh:]
-    has = (b.pos0 % 2 == 1)[:, None, None]
-    zero = jnp.zeros_like(kv[:, :1])
-    ekv = jnp.where(has, jnp.concatenate([pend_kv[:, None], kv], 1), jnp.concatenate([kv, zero], 1))
-    esc = jnp.where(has, jnp.concatenate([pend_sc[:, None], score], 1), jnp.concatenate([score, zero], 1))
-    G = (T + 1) // 2
-    ekv = ekv[:, : 2 * G].reshape(B, G, 2, Dh)
-    esc = esc[:, : 2 * G].reshape(B, G, 2, Dh)
-    lat = compressor.pool_groups(ekv, esc, p, cfg, num.jdtype)
-    g = (b.pos0 // 2)[:, None] + jnp.arange(G, dtype=jnp.int32)[None]
-    complete = g < ((b.pos0 + b.n_valid) // 2)[:, None]
-    end = b.pos0 + b.n_valid
-    last = jnp.clip(b.n_valid - 1, 0, T - 1)[:, None, None]
-    new_pend = jnp.concatenate([jnp.take_along_axis(kv, last, 1)[:, 0], jnp.take_along_axis(score, last, 1)[:, 0]], -1)
-    upd = (end % 2 == 1) & (b.n_valid > 0)
-    new_state = jnp.where(upd[:, None], new_pend, state)
-    return lat, g, complete, pool.comp_state[si].at[b.slot].set(new_state, mode="drop")
+    state = kl.read_slots(pool.comp_state[si], b.slot) if r == 2 else None
+    lat, g, complete, new_state = kl.compress_step(kv, score, state, b.pos0, b.n_valid, p, r, cfg, num.jdtype)
+    return lat, g, complete, kl.write_slots(pool.comp_state[si], b.slot, new_state) if r == 2 else None
 
 
 def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry, freqs,
@@ -188,7 +131,7 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
 
     R = ring_size(cfg, layer)
     lo = b.ring_lo[:, layer]
-    win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
+    win_pos = kl.ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
     valid &= (b.slot < pool.swa_q[layer].shape[0])[:, None]  # padding rows: slot == num_slots, no ring
     # the window's rows straight in the pool's ring buffer (no per-row copy of the rings)
@@ -295,13 +238,13 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
     R = ring_size(cfg, layer)
     lo = b.ring_lo[:, layer]
-    rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
-    rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
+    rq = kl.read_slots(pool.swa_q[layer], b.slot)
+    rs = kl.read_slots(pool.swa_s[layer], b.slot)
     swa_q, swa_s = list(pool.swa_q), list(pool.swa_s)
     Dh = cfg.head_dim
     if phase == "attn_only":
         win_k = _dequant_fp8_rows(rq, rs)
-        win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
+        win_pos = kl.ring_positions(b.pos0 + b.n_valid, R, lo)
         # the kernel's flat window buffer: the ring, which already holds this chunk
         keys_q, keys_s = rq.reshape(B * R, Dh), rs.reshape(B * R, -1)
         ring_pos, chunk_start = win_pos, None
@@ -309,17 +252,15 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
         kq, ks = quant.fp8_quantize(kv)
         ks = quant.ue8m0_encode(ks)
-        new_rq = _write_ring(rq, kq, b.pos0, b.n_valid)
-        new_rs = _write_ring(rs, ks, b.pos0, b.n_valid)
-        swa_q[layer] = pool.swa_q[layer].at[b.slot].set(new_rq, mode="drop")
-        swa_s[layer] = pool.swa_s[layer].at[b.slot].set(new_rs, mode="drop")
+        swa_q[layer] = kl.write_slots(pool.swa_q[layer], b.slot, kl.write_ring(rq, kq, b.pos0, b.n_valid))
+        swa_s[layer] = kl.write_slots(pool.swa_s[layer], b.slot, kl.write_ring(rs, ks, b.pos0, b.n_valid))
         win_k = jnp.concatenate([_dequant_fp8_rows(rq, rs), kv.astype(jnp.float32)], 1)
-        win_pos = jnp.concatenate([_ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
+        win_pos = jnp.concatenate([kl.ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
         # the kernel's flat window buffer: the ring as it was before this chunk, then the chunk's keys (FP8; with
         # the serving numerics the keys are FP8 values already, so this rounding changes nothing)
         keys_q = jnp.concatenate([rq.reshape(B * R, Dh), kq.astype(rq.dtype).reshape(B * T, Dh)])
         keys_s = jnp.concatenate([rs.reshape(B * R, -1), ks.astype(rs.dtype).reshape(B * T, -1)])
-        ring_pos, chunk_start = _ring_positions(b.pos0, R, lo), b.pos0
+        ring_pos, chunk_start = kl.ring_positions(b.pos0, R, lo), b.pos0
     pool = dataclasses.replace(pool, swa_q=swa_q, swa_s=swa_s)
 
     comp_k = comp_valid = None
@@ -335,10 +276,10 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
             cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
             lists = {k: list(getattr(pool, k))
                      for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state")}
-            lists["kv_packed"][si] = _write_entries(pool.kv_packed[si], b.block_table, g, ok, cep)
-            lists["kv_scale"][si] = _write_entries(pool.kv_scale[si], b.block_table, g, ok, quant.e4m3(ces))
-            lists["ik_packed"][si] = _write_entries(pool.ik_packed[si], b.block_table, g, ok, ikp)
-            lists["ik_scale"][si] = _write_entries(pool.ik_scale[si], b.block_table, g, ok, quant.ue8m0_encode(iks))
+            lists["kv_packed"][si] = kl.write_entries(pool.kv_packed[si], b.block_table, g, ok, cep)
+            lists["kv_scale"][si] = kl.write_entries(pool.kv_scale[si], b.block_table, g, ok, quant.e4m3(ces))
+            lists["ik_packed"][si] = kl.write_entries(pool.ik_packed[si], b.block_table, g, ok, ikp)
+            lists["ik_scale"][si] = kl.write_entries(pool.ik_scale[si], b.block_table, g, ok, quant.ue8m0_encode(iks))
             lists["comp_state"][si] = new_state
             pool = dataclasses.replace(pool, **lists)
         if phase == "kv_only":
