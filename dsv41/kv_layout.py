@@ -1,13 +1,15 @@
-"""The serving KV pool's layout (spec §4) as pure functions over arrays: entry ids to pool pages through a block
-table, entry writes and reads, the per-slot SWA rings (writes, and the position each slot holds) and the
-compressor's step over a chunk with its pending state. The engine's programs (serving/engine/programs.py) and
-the fused write kernel's reference (pallas_kernels/kv_write.py) both write the pool through these, so the two
-agree byte for byte by construction.
+"""The serving KV pool's layout (spec §4): one layer's record of pool arrays (`LayerKV`), and pure functions over
+arrays: entry ids to pool pages through a block table, entry writes and reads, the per-slot SWA rings (writes,
+and the position each slot holds) and the compressor's step over a chunk with its pending state. The engine's
+programs (serving/engine/programs.py) and the fused write kernel's reference (pallas_kernels/kv_write.py) both
+write the pool through these, so the two agree byte for byte by construction.
 
 Shapes: B rows, T tokens a row, pages P of E entries, slots S, rings of R positions, C block-table columns.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,28 @@ import jax.numpy as jnp
 from dsv41 import compressor
 from dsv41.attention import NO_POS
 from dsv41.nn import rms_norm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One layer's arrays of the KV pool (serving/engine/kv_pool.py), also the fused write kernel's operand
+    (pallas_kernels/kv_write.py). Every layer has its SWA ring; a KV source also its compressed-KV and index-key
+    pages and, at ratio 2, the open group's pending state. Entry arrays are None on other layers (they read their
+    source's: `layer_plan.LayerPlan.kv_source`), comp_state None unless ratio 2: None, not an empty array, as a
+    zero-sized array split over data ranks crashes XLA's SPMD partitioner (jaxlib 0.11.2, CPU).
+
+    swa_q float8_e4m3fn [S, R, Dh]; swa_s uint8 (UE8M0) [S, R, Dh/32];
+    kv_packed uint8 (e2m1 pairs) [P, E, Dh/2]; kv_scale float8_e4m3fn [P, E, Dh/16];
+    ik_packed uint8 [P, E, ID/2]; ik_scale uint8 (UE8M0) [P, E, ID/32]; comp_state float32 [S, 2*Dh] (kv || score)."""
+
+    swa_q: jax.Array
+    swa_s: jax.Array
+    kv_packed: jax.Array | None = None
+    kv_scale: jax.Array | None = None
+    ik_packed: jax.Array | None = None
+    ik_scale: jax.Array | None = None
+    comp_state: jax.Array | None = None
 
 
 def page_index(block_table: jax.Array, g: jax.Array, E: int) -> tuple[jax.Array, jax.Array]:

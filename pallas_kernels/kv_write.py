@@ -42,38 +42,11 @@ from jax import lax
 from dsv41 import attention as A
 from dsv41 import indexer, quant
 from dsv41 import kv_layout as kl
+from dsv41.kv_layout import LayerKV
 from dsv41.quant import Numerics
 
 BULK_ALIGN = 16  # cp.async.bulk: sizes and addresses are multiples of 16 bytes
 TMA_MAX_BOX = 256  # a TMA box holds at most 256 elements along each dimension
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerKV:
-    """One layer's slice of the KV pool (serving/engine/kv_pool.py). Entry arrays are None on SWA-only layers,
-    comp_state is None unless ratio 2.
-
-    swa_q float8_e4m3fn [S, R, Dh]; swa_s uint8 [S, R, Dh/32];
-    kv_packed uint8 [P, E, Dh/2]; kv_scale float8_e4m3fn [P, E, Dh/16];
-    ik_packed uint8 [P, E, ID/2]; ik_scale uint8 [P, E, ID/32]; comp_state float32 [S, 2*Dh]."""
-
-    swa_q: jax.Array
-    swa_s: jax.Array
-    kv_packed: jax.Array | None = None
-    kv_scale: jax.Array | None = None
-    ik_packed: jax.Array | None = None
-    ik_scale: jax.Array | None = None
-    comp_state: jax.Array | None = None
-
-    @classmethod
-    def of_pool(cls, pool, layer: int, source: int | None, ratio: int) -> LayerKV:
-        """Layer `layer`'s arrays of a serving KVPool: its SWA ring, and with ratio > 0 the pages of its KV source
-        `source` (index into the pool's per-source lists; the pending state only at ratio 2)."""
-        if not ratio:
-            return cls(pool.swa_q[layer], pool.swa_s[layer])
-        return cls(pool.swa_q[layer], pool.swa_s[layer], pool.kv_packed[source], pool.kv_scale[source],
-                   pool.ik_packed[source], pool.ik_scale[source], pool.comp_state[source] if ratio == 2 else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dsv41 import attention as A
 from dsv41 import compressor, engram, indexer, mhc, model, quant, sharding
 from dsv41 import kv_layout as kl
 from dsv41.config import ModelConfig
+from dsv41.kv_layout import LayerKV
 from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
@@ -58,32 +59,38 @@ def _dequant_fp8_rows(q, s):
     return quant.fp8_dequantize(q, quant.ue8m0_decode(s))
 
 
-def _gather_kv(pool: KVPool, si: int, block_table, idx, cfg):
-    """Compressed main-KV entries idx [B, S, K] (-1 = none) -> dequantized [B, S, K, Dh], valid [B, S, K]."""
+def _gather_kv(pages: LayerKV, block_table, idx):
+    """A KV source's compressed main-KV entries idx [B, S, K] (-1 = none) -> dequantized [B, S, K, Dh],
+    valid [B, S, K]."""
     g = jnp.maximum(idx, 0)
-    packed = kl.read_entries(pool.kv_packed[si], block_table, g)
-    scale = kl.read_entries(pool.kv_scale[si], block_table, g)
+    packed = kl.read_entries(pages.kv_packed, block_table, g)
+    scale = kl.read_entries(pages.kv_scale, block_table, g)
     return quant.fp4_dequantize(packed, scale.astype(jnp.float32), 16), idx >= 0
 
 
-def _context_index_keys(pool: KVPool, si: int, block_table, cfg):
-    """Every index key of the sequences' pages -> [B, ctx_pages * E, ID] (dequantized)."""
-    P = pool.ik_packed[si].shape[0]
+def _context_index_keys(pages: LayerKV, block_table, cfg):
+    """Every index key of the sequences' pages (a KV source's) -> [B, ctx_pages * E, ID] (dequantized)."""
     bt = block_table
-    packed = pool.ik_packed[si].at[bt].get(mode="fill", fill_value=0)
-    scale = pool.ik_scale[si].at[bt].get(mode="fill", fill_value=0)
+    packed = pages.ik_packed.at[bt].get(mode="fill", fill_value=0)
+    scale = pages.ik_scale.at[bt].get(mode="fill", fill_value=0)
     k = quant.fp4_dequantize(packed, quant.ue8m0_decode(scale), 32)
-    del P
     return k.reshape(bt.shape[0], -1, cfg.index_head_dim)
 
 
-def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
-    """Latents of the groups the chunk reaches (`kv_layout.compress_step`). -> latent [B, G, Dh], abs group ids
-    [B, G], complete [B, G], the source's new pending state [S, 2 * Dh] (ratio 1: None)."""
+def _compress_chunk(x, p, r, cfg, num, lkv: LayerKV, b: Batch):
+    """Latents of the groups the chunk reaches (`kv_layout.compress_step`) on a KV source (its record lkv).
+    -> latent [B, G, Dh], abs group ids [B, G], complete [B, G], the new pending state [S, 2 * Dh] (ratio 1:
+    None)."""
     kv, score = compressor.project(x, p, r, num)
-    state = kl.read_slots(pool.comp_state[si], b.slot) if r == 2 else None
+    state = kl.read_slots(lkv.comp_state, b.slot) if r == 2 else None
     lat, g, complete, new_state = kl.compress_step(kv, score, state, b.pos0, b.n_valid, p, r, cfg, num.jdtype)
-    return lat, g, complete, kl.write_slots(pool.comp_state[si], b.slot, new_state) if r == 2 else None
+    return lat, g, complete, kl.write_slots(lkv.comp_state, b.slot, new_state) if r == 2 else None
+
+
+def _pages(pool: KVPool, plan: LayerPlan, cfg: ModelConfig) -> LayerKV:
+    """The record of the KV source whose pages the layer reads. SWA-only layers select no entry, but the
+    attention kernel takes pages all the same: the first source's."""
+    return pool.layers[cfg.kv_source_layers[0] if plan.swa_only else plan.kv_source]
 
 
 def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry, freqs,
@@ -101,11 +108,10 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None]
     ratio = r if plan.writes_kv else 0  # other layers only write their ring
-    si = None if plan.swa_only else cfg.kv_source_layers.index(plan.kv_source)
 
     with jax.named_scope("kv_write"):  # (sub-scopes of "attention" for scripts/profile_step.py)
         kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
-        lkv = kvw.LayerKV.of_pool(pool, layer, si, ratio)
+        lkv = pool.layers[layer]  # the ring, and on a KV source its pages and state
         extra = {}
         if ratio:
             ck, cs = compressor.project(x, p["compressor"], ratio, num)
@@ -113,13 +119,8 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
                          p_idx=p["indexer"], freqs=freqs)
         new = kvw.kv_write_decode(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
                                   kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb, **extra)
-    lists = {k: list(getattr(pool, k)) for k in ("swa_q", "swa_s", "kv_packed", "kv_scale", "ik_packed", "ik_scale",
-                                                 "comp_state")}
-    lists["swa_q"][layer], lists["swa_s"][layer] = new.swa_q, new.swa_s
-    if ratio:
-        for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale") + (("comp_state",) if ratio == 2 else ()):
-            lists[k][si] = getattr(new, k)
-    pool = dataclasses.replace(pool, **lists)
+    pool = pool.with_layer(layer, new)
+    pages = _pages(pool, plan, cfg)
 
     fuse = opts.fuse_rope
     with jax.named_scope("q_proj"):
@@ -127,22 +128,22 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     if plan.runs_indexer:
         with jax.named_scope("indexer"):
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
-            carry = _kernel_index_topk(qi, wi, pool, si, b, pos, r, plan, carry, cfg, num, backend, opts)
+            carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
 
     R = ring_size(cfg, layer)
     lo = b.ring_lo[:, layer]
     win_pos = kl.ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
-    valid &= (b.slot < pool.swa_q[layer].shape[0])[:, None]  # padding rows: slot == num_slots, no ring
+    ring = pool.layers[layer]
+    valid &= (b.slot < ring.swa_q.shape[0])[:, None]  # padding rows: slot == num_slots, no ring
     # the window's rows straight in the pool's ring buffer (no per-row copy of the rings)
     swa_rows = jnp.where(valid, b.slot[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None], -1)
-    topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if si is None else carry.topk[:, 0]
-    src = 0 if si is None else si  # SWA-only layers select no entry; any source's pages do
+    topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if plan.swa_only else carry.topk[:, 0]
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     with jax.named_scope("attend"):
-        o = sa.sparse_attention(q[:, 0], pool.swa_q[layer].reshape(-1, cfg.head_dim),
-                                pool.swa_s[layer].reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
-                                pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw,
+        o = sa.sparse_attention(q[:, 0], ring.swa_q.reshape(-1, cfg.head_dim),
+                                ring.swa_s.reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
+                                pages.kv_packed, pages.kv_scale, p["attn_sink"], swa_rows=swa_rows, **kw,
                                 **_rope_kw(b.pos0, freqs, fuse))
     with jax.named_scope("output"):
         return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
@@ -176,7 +177,7 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
                 config=sa.KernelConfig(fuse_rope=True))
 
 
-def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, plan: LayerPlan, carry: Carry, cfg,
+def _kernel_index_topk(qi, wi, pages: LayerKV, b: Batch, pos, r: int, plan: LayerPlan, carry: Carry, cfg,
                        num: Numerics, backend: str, opts: KernelOptions) -> Carry:
     """One indexer layer through the scoring kernel, straight from the MXFP4 pool (decode, and prefill chunks
     with KernelOptions.prefill_indexer_kernel): the encoder indexers and the candidate source layer score every
@@ -185,7 +186,7 @@ def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, pla
     int32 [B, T, k] and, from the candidate source, the candidate block ids."""
     from pallas_kernels import indexer_logits as il
 
-    ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
+    ikp, iks = pages.ik_packed, pages.ik_scale
     # the reference backend (the kernels' jnp references, CPU tests) selects by XLA's radix select, the
     # threshold kernel's reference (same positions)
     method = "radix" if backend == "reference" and opts.indexer_topk == "kernel" else opts.indexer_topk
@@ -200,7 +201,7 @@ def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, pla
     return dataclasses.replace(carry, topk=topk, **({"cand_blocks": cand} if want else {}))
 
 
-def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, topk, sink, backend: str,
+def _prefill_attention_kernel(q, keys_q, keys_s, rows, pages: LayerKV, b: Batch, topk, sink, backend: str,
                               rope: dict):
     """Many queries a row through the fused sparse-attention kernel, one kernel row per query token: its window
     rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries (topk
@@ -209,13 +210,10 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batc
     from pallas_kernels import sparse_attention as sa
 
     B, T, H, Dh = q.shape
-    if si is None:
-        topk, src = jnp.full((B * T, 64), -1, jnp.int32), 0
-    else:
-        topk, src = topk.reshape(B * T, -1), si
+    topk = jnp.full((B * T, 64), -1, jnp.int32) if topk is None else topk.reshape(B * T, -1)
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     o = sa.sparse_attention(q.reshape(B * T, H, Dh), keys_q, keys_s, None, topk,
-                            jnp.repeat(b.block_table, T, axis=0), pool.kv_packed[src], pool.kv_scale[src], sink,
+                            jnp.repeat(b.block_table, T, axis=0), pages.kv_packed, pages.kv_scale, sink,
                             swa_rows=rows.reshape(B * T, -1), **kw, **rope)
     return o.reshape(B, T, H, Dh)
 
@@ -238,9 +236,9 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
     R = ring_size(cfg, layer)
     lo = b.ring_lo[:, layer]
-    rq = kl.read_slots(pool.swa_q[layer], b.slot)
-    rs = kl.read_slots(pool.swa_s[layer], b.slot)
-    swa_q, swa_s = list(pool.swa_q), list(pool.swa_s)
+    rec = pool.layers[layer]
+    rq = kl.read_slots(rec.swa_q, b.slot)
+    rs = kl.read_slots(rec.swa_s, b.slot)
     Dh = cfg.head_dim
     if phase == "attn_only":
         win_k = _dequant_fp8_rows(rq, rs)
@@ -252,8 +250,10 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
         kq, ks = quant.fp8_quantize(kv)
         ks = quant.ue8m0_encode(ks)
-        swa_q[layer] = kl.write_slots(pool.swa_q[layer], b.slot, kl.write_ring(rq, kq, b.pos0, b.n_valid))
-        swa_s[layer] = kl.write_slots(pool.swa_s[layer], b.slot, kl.write_ring(rs, ks, b.pos0, b.n_valid))
+        new_rq = kl.write_ring(rq, kq, b.pos0, b.n_valid)
+        new_rs = kl.write_ring(rs, ks, b.pos0, b.n_valid)
+        rec = dataclasses.replace(rec, swa_q=kl.write_slots(rec.swa_q, b.slot, new_rq),
+                                  swa_s=kl.write_slots(rec.swa_s, b.slot, new_rs))
         win_k = jnp.concatenate([_dequant_fp8_rows(rq, rs), kv.astype(jnp.float32)], 1)
         win_pos = jnp.concatenate([kl.ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
         # the kernel's flat window buffer: the ring as it was before this chunk, then the chunk's keys (FP8; with
@@ -261,53 +261,47 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         keys_q = jnp.concatenate([rq.reshape(B * R, Dh), kq.astype(rq.dtype).reshape(B * T, Dh)])
         keys_s = jnp.concatenate([rs.reshape(B * R, -1), ks.astype(rs.dtype).reshape(B * T, -1)])
         ring_pos, chunk_start = kl.ring_positions(b.pos0, R, lo), b.pos0
-    pool = dataclasses.replace(pool, swa_q=swa_q, swa_s=swa_s)
 
-    comp_k = comp_valid = None
-    si = None if plan.swa_only else cfg.kv_source_layers.index(plan.kv_source)
-    if not plan.swa_only:
-        if plan.writes_kv and phase != "attn_only":
-            lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, pool, si, b)
-            gpos = g * r
-            ik = indexer.index_keys(lat, p["indexer"], gpos, freqs, cfg, num)
-            ce = A.compressed_entries(lat, gpos, freqs, num)
-            ok = complete & (gpos >= b.write_lo[:, None])
-            ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
-            cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
-            lists = {k: list(getattr(pool, k))
-                     for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state")}
-            lists["kv_packed"][si] = kl.write_entries(pool.kv_packed[si], b.block_table, g, ok, cep)
-            lists["kv_scale"][si] = kl.write_entries(pool.kv_scale[si], b.block_table, g, ok, quant.e4m3(ces))
-            lists["ik_packed"][si] = kl.write_entries(pool.ik_packed[si], b.block_table, g, ok, ikp)
-            lists["ik_scale"][si] = kl.write_entries(pool.ik_scale[si], b.block_table, g, ok, quant.ue8m0_encode(iks))
-            lists["comp_state"][si] = new_state
-            pool = dataclasses.replace(pool, **lists)
-        if phase == "kv_only":
-            return None, pool, carry
-        if plan.runs_indexer:
-            q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
-            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
-            if backend != "xla" and opts.prefill_indexer_kernel:
-                carry = _kernel_index_topk(qi, wi, pool, si, b, pos, r, plan, carry, cfg, num, backend, opts)
-            else:
-                keys = _context_index_keys(pool, si, b.block_table, cfg)
-                s = indexer.scores(qi, wi, keys, pos, r, num)
-                if plan.makes_candidates:
-                    carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg))
-                elif plan.uses_candidates:
-                    s = jnp.where(carry.cand_mask, s, -jnp.inf)
-                carry = dataclasses.replace(carry, topk=indexer.select_topk(s, pos, r, cfg))
+    if plan.writes_kv and phase != "attn_only":  # a KV source: its own record holds its pages
+        lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, rec, b)
+        gpos = g * r
+        ik = indexer.index_keys(lat, p["indexer"], gpos, freqs, cfg, num)
+        ce = A.compressed_entries(lat, gpos, freqs, num)
+        ok = complete & (gpos >= b.write_lo[:, None])
+        ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
+        cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
+        bt = b.block_table
+        rec = dataclasses.replace(
+            rec, kv_packed=kl.write_entries(rec.kv_packed, bt, g, ok, cep),
+            kv_scale=kl.write_entries(rec.kv_scale, bt, g, ok, quant.e4m3(ces)),
+            ik_packed=kl.write_entries(rec.ik_packed, bt, g, ok, ikp),
+            ik_scale=kl.write_entries(rec.ik_scale, bt, g, ok, quant.ue8m0_encode(iks)), comp_state=new_state)
+    pool = pool.with_layer(layer, rec)
+    if phase == "kv_only":
+        return None, pool, carry
+    pages = _pages(pool, plan, cfg)
+    if plan.runs_indexer:
+        q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
+        qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
+        if backend != "xla" and opts.prefill_indexer_kernel:
+            carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
         else:
-            q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
-        comp_k, comp_valid = _gather_kv(pool, si, b.block_table, carry.topk, cfg)
+            keys = _context_index_keys(pages, b.block_table, cfg)
+            s = indexer.scores(qi, wi, keys, pos, r, num)
+            if plan.makes_candidates:
+                carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg))
+            elif plan.uses_candidates:
+                s = jnp.where(carry.cand_mask, s, -jnp.inf)
+            carry = dataclasses.replace(carry, topk=indexer.select_topk(s, pos, r, cfg))
     else:
-        if phase == "kv_only":
-            return None, pool, carry
         q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
+    comp_k = comp_valid = None
+    if not plan.swa_only:
+        comp_k, comp_valid = _gather_kv(pages, b.block_table, carry.topk)
     if backend != "xla":
         rows = _window_rows(pos, ring_pos, R, chunk_start, T, cfg.window_size)
-        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pool, si, b, carry.topk, p["attn_sink"], backend,
-                                      _rope_kw(pos.reshape(-1), freqs, fuse))
+        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pages, b, None if plan.swa_only else carry.topk,
+                                      p["attn_sink"], backend, _rope_kw(pos.reshape(-1), freqs, fuse))
     else:
         o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
     return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
