@@ -5,6 +5,7 @@ MoE, final collapse and head (spec §2). This is the exact path: no cache, no re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -14,7 +15,8 @@ import numpy as np
 
 from dsv41 import attention as attn_lib
 from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope
-from dsv41.config import AttnRole, ConfigError, ModelConfig
+from dsv41.config import ConfigError, ModelConfig
+from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import linear_f32, rms_norm
 from dsv41.ops import XLA, Ops
 from dsv41.quant import Numerics
@@ -48,48 +50,49 @@ def freqs_for(cfg: ModelConfig) -> list[np.ndarray]:
     return [rope.inv_freq(cfg, i) for i in range(cfg.n_layers)]
 
 
-def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, shared: dict,
-                   pos: jax.Array, freqs: np.ndarray, trace: dict | None = None, ops: Ops = XLA) -> jax.Array:
+def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, carry: Carry,
+                   pos: jax.Array, freqs: np.ndarray, trace: dict | None = None,
+                   ops: Ops = XLA) -> tuple[jax.Array, Carry]:
     """One layer's attention over a whole sequence. x [B, S, D] (attn_norm'd), pos [B, S] = arange.
 
-    `shared` carries what sources hand to later layers: comp_kv [B, G, Dh] (post-RoPE), index_k [B, G, ID],
-    topk [B, S, K] (group ids, -1 = none) and cand [B, S, G] (layer 20's pool).
-    """
-    role, r = cfg.role(layer), cfg.compress_ratios[layer]
-    B, S, _ = x.shape
+    `carry` holds what earlier layers handed on (`layer_plan.Carry`: compressed KV and index keys of the latest
+    KV source, the latest top-k, the candidate mask). -> (output [B, S, D], the carry for the next layer)."""
+    plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
     q, qr = attn_lib.project_q(x, p, pos, freqs, cfg, num, ops=ops)
     kv = attn_lib.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
     comp_k = comp_valid = None
-    if role is not AttnRole.SWA:
-        if role is AttnRole.FULL:
+    if not plan.swa_only:
+        if plan.writes_kv:
             latent = compressor.compress(x, p["compressor"], r, cfg, num)
             gpos = jnp.broadcast_to(jnp.arange(latent.shape[1], dtype=jnp.int32) * r, latent.shape[:2])
-            shared["index_k"] = indexer.index_keys(latent, p["indexer"], gpos, freqs, cfg, num)
-            shared["comp_kv"] = attn_lib.compressed_entries(latent, gpos, freqs, num)
+            carry = dataclasses.replace(carry, index_k=indexer.index_keys(latent, p["indexer"], gpos, freqs, cfg, num),
+                                        comp_kv=attn_lib.compressed_entries(latent, gpos, freqs, num))
             if trace is not None:
                 trace[f"layer{layer}.latent"] = latent
-        if role in (AttnRole.FULL, AttnRole.REINDEX):
+        if plan.runs_indexer:
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
-            s = indexer.scores(qi, wi, shared["index_k"], pos, r, num)
-            if layer == cfg.candidate_source_layer:
-                shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
+            s = indexer.scores(qi, wi, carry.index_k, pos, r, num)
+            if plan.makes_candidates:
+                carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg))
                 if trace is not None:
-                    trace[f"layer{layer}.candidates"] = shared["cand"]
-            elif cfg.uses_candidates(layer):
-                s = jnp.where(shared["cand"], s, -jnp.inf)
-            shared["topk"] = indexer.select_topk(s, pos, r, cfg)
+                    trace[f"layer{layer}.candidates"] = carry.cand_mask
+            elif plan.uses_candidates:
+                s = jnp.where(carry.cand_mask, s, -jnp.inf)
+            carry = dataclasses.replace(carry, topk=indexer.select_topk(s, pos, r, cfg))
             if trace is not None:
                 trace[f"layer{layer}.index_scores"] = s
-                trace[f"layer{layer}.topk"] = shared["topk"]
-        comp_k, comp_valid = attn_lib.gather_entries(shared["comp_kv"], shared["topk"])
+                trace[f"layer{layer}.topk"] = carry.topk
+        comp_k, comp_valid = attn_lib.gather_entries(carry.comp_kv, carry.topk)
     o = attn_lib.attend(q, pos, kv, pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
-    return attn_lib.output(o, pos, p, freqs, cfg, num, ops=ops)
+    return attn_lib.output(o, pos, p, freqs, cfg, num, ops=ops), carry
 
 
 def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, attn_fn,
-          trace: dict | None = None, image_mask=None, ops: Ops = XLA):
+          state: Any = None, trace: dict | None = None, image_mask=None, ops: Ops = XLA):
     """One mHC block with the delayed pre-mix: attention reads the copies through `pre_mix` (from the previous
-    block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre).
+    block's FFN site); the FFN reads them through the attention site's `pre`. -> (h', ffn pre, state').
+    attn_fn(x [B, S, D], state) -> (y [B, S, D], state'): the attention and whatever it threads from layer to
+    layer (the full-sequence model: a `layer_plan.Carry`; the engine: the KV pool and the carry).
     ops: which code runs the mHC sites, the linears and the MoE (`dsv41.ops`)."""
     # named scopes label the compiled program's ops by model part (scripts/profile_step.py sums kernels by them)
     def site(y, h, post, comb, pre, name, norm):
@@ -99,7 +102,7 @@ def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfi
     with jax.named_scope("mhc"):
         _, x, a_pre, a_post, a_comb = site(None, h, None, None, pre_mix, "attn", "attn_norm")
     with jax.named_scope("attention"):
-        y = attn_fn(x)
+        y, state = attn_fn(x, state)
     with jax.named_scope("mhc"):
         h1, x, f_pre, f_post, f_comb = site(y, h, a_post, a_comb, a_pre, "ffn", "ffn_norm")
     with jax.named_scope("moe"):
@@ -115,7 +118,7 @@ def block(h: jax.Array, pre_mix: jax.Array, p: dict, layer: int, cfg: ModelConfi
             f"layer{layer}.hc_attn_comb": a_comb, f"layer{layer}.moe.weights": routing[0],
             f"layer{layer}.moe.experts": routing[1],
         })
-    return h2, f_pre
+    return h2, f_pre, state
 
 
 def embed(params: dict, ids: jax.Array, cfg: ModelConfig, num: Numerics) -> tuple[jax.Array, jax.Array]:
@@ -169,7 +172,7 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
     freqs = freqs_for(cfg)
     trace: dict[str, Any] | None = {} if with_trace else None
     h, pre = embed(params, ids, cfg, num)
-    shared: dict[str, jax.Array] = {}
+    carry = Carry()
     for i, lp in enumerate(params["layers"]):
         if i in cfg.engram_layer_ids:
             if trace is not None:
@@ -178,10 +181,10 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
             if trace is not None:
                 trace[f"engram{i}.out"] = h
 
-        def attn_fn(x, lp=lp, i=i):
-            return attention_full(x, lp["attn"], i, cfg, num, shared, pos, freqs[i], trace, ops)
+        def attn_fn(x, carry, lp=lp, i=i):
+            return attention_full(x, lp["attn"], i, cfg, num, carry, pos, freqs[i], trace, ops)
 
-        h, pre = block(h, pre, lp, i, cfg, num, attn_fn, trace, ops=ops)
+        h, pre, carry = block(h, pre, lp, i, cfg, num, attn_fn, carry, trace, ops=ops)
     logits = head(params, h, pre, cfg)
     return (logits, trace) if with_trace else logits
 

@@ -40,40 +40,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv41 import attention as A
-from dsv41 import compressor, indexer, quant
-from dsv41.nn import rms_norm
+from dsv41 import indexer, quant
+from dsv41 import kv_layout as kl
+from dsv41.kv_layout import LayerKV
 from dsv41.quant import Numerics
 
 BULK_ALIGN = 16  # cp.async.bulk: sizes and addresses are multiples of 16 bytes
 TMA_MAX_BOX = 256  # a TMA box holds at most 256 elements along each dimension
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerKV:
-    """One layer's slice of the KV pool (serving/engine/kv_pool.py). Entry arrays are None on SWA-only layers,
-    comp_state is None unless ratio 2.
-
-    swa_q float8_e4m3fn [S, R, Dh]; swa_s uint8 [S, R, Dh/32];
-    kv_packed uint8 [P, E, Dh/2]; kv_scale float8_e4m3fn [P, E, Dh/16];
-    ik_packed uint8 [P, E, ID/2]; ik_scale uint8 [P, E, ID/32]; comp_state float32 [S, 2*Dh]."""
-
-    swa_q: jax.Array
-    swa_s: jax.Array
-    kv_packed: jax.Array | None = None
-    kv_scale: jax.Array | None = None
-    ik_packed: jax.Array | None = None
-    ik_scale: jax.Array | None = None
-    comp_state: jax.Array | None = None
-
-    @classmethod
-    def of_pool(cls, pool, layer: int, source: int | None, ratio: int) -> LayerKV:
-        """Layer `layer`'s arrays of a serving KVPool: its SWA ring, and with ratio > 0 the pages of its KV source
-        `source` (index into the pool's per-source lists; the pending state only at ratio 2)."""
-        if not ratio:
-            return cls(pool.swa_q[layer], pool.swa_s[layer])
-        return cls(pool.swa_q[layer], pool.swa_s[layer], pool.kv_packed[source], pool.kv_scale[source],
-                   pool.ik_packed[source], pool.ik_scale[source], pool.comp_state[source] if ratio == 2 else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,60 +60,22 @@ class KVWriteConfig:
 # ---- the reference: programs.py's cached_attention writes at T = 1 ------------------------------------
 
 
-def _page_index(block_table, g, E):
-    """Entry ids g [B, ...] -> (page [B, ...], offset) through the block table (programs._page_index)."""
-    col = jnp.clip(g // E, 0, block_table.shape[1] - 1)
-    page = jnp.take_along_axis(block_table, col.reshape(col.shape[0], -1), axis=1).reshape(g.shape)
-    return page, g % E
-
-
-def _write_entries(arr, block_table, g, ok, values):
-    E = arr.shape[1]
-    page, off = _page_index(block_table, g, E)
-    page = jnp.where(ok, page, arr.shape[0])
-    return arr.at[page, off].set(values.astype(arr.dtype), mode="drop")
-
-
-def _write_ring(ring, new, pos0, n_valid):
-    R, T = ring.shape[1], new.shape[1]
-    j = jnp.arange(R, dtype=jnp.int32)[None]
-    last = pos0[:, None] + n_valid[:, None] - 1
-    t = n_valid[:, None] - 1 - jnp.mod(last - j, R)
-    ok = (t >= 0) & (n_valid[:, None] > 0)
-    picked = jnp.take_along_axis(new, jnp.clip(t, 0, T - 1).reshape(*t.shape, *([1] * (new.ndim - 2))), axis=1)
-    return jnp.where(ok.reshape(*ok.shape, *([1] * (new.ndim - 2))), picked, ring)
-
-
-def _entry_values(lkv: LayerKV, comp_kv, comp_score, slot, pos, p_comp, p_idx, freqs, kcfg, num):
-    """The compressed entry and index key of the group each row's token may complete (programs._compress_chunk,
-    index_keys, compressed_entries and the quantization at T = 1, pos = the token's position).
-    -> (bytes {field: [B, 1, row]}, group ids g [B, 1], ratio 2: (kv, score, gathered state) else None)."""
+def _entry_values(lkv: LayerKV, comp_kv, comp_score, slot, pos, n_valid, p_comp, p_idx, freqs, kcfg, num):
+    """The compressed entry and index key of the group each row's token may complete (the engine's compressor
+    step `kv_layout.compress_step`, index_keys, compressed_entries and the quantization at T = 1, pos = the
+    token's position). -> (bytes {field: [B, 1, row]}, group ids g [B, 1], complete [B, 1], the new pending
+    state [B, 2 * Dh] (ratio 2) else None)."""
     r = kcfg.ratio
-    pos0 = pos
-    if r == 1:
-        lat = rms_norm(comp_kv[:, None], p_comp["norm"], kcfg.norm_eps)
-        g = pos0[:, None]
-        new_state = None
-    else:
-        Dh = comp_kv.shape[-1]
-        kv, score = comp_kv[:, None], comp_score[:, None]
-        state = lkv.comp_state.at[slot].get(mode="fill", fill_value=0)
-        pend_kv, pend_sc = state[:, :Dh], state[:, Dh:]
-        has = (pos0 % 2 == 1)[:, None, None]
-        zero = jnp.zeros_like(kv[:, :1])
-        ekv = jnp.where(has, jnp.concatenate([pend_kv[:, None], kv], 1), jnp.concatenate([kv, zero], 1))
-        esc = jnp.where(has, jnp.concatenate([pend_sc[:, None], score], 1), jnp.concatenate([score, zero], 1))
-        lat = compressor.pool_groups(ekv.reshape(-1, 1, 2, Dh), esc.reshape(-1, 1, 2, Dh), p_comp, _cfg(kcfg),
-                                     num.jdtype)
-        g = (pos0 // 2)[:, None]
-        new_state = (kv[:, 0], score[:, 0], state)
+    state = kl.read_slots(lkv.comp_state, slot) if r == 2 else None
+    lat, g, complete, new_state = kl.compress_step(comp_kv[:, None], None if r == 1 else comp_score[:, None], state,
+                                                   pos, n_valid, p_comp, r, _cfg(kcfg), num.jdtype)
     gpos = g * r
     ik = indexer.index_keys(lat, p_idx, gpos, freqs, _cfg(kcfg), num)
     ce = A.compressed_entries(lat, gpos, freqs, num)
     ikp, iks = quant.mxfp4_encode(ik)
     cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)  # the pool keeps E4M3 scales as float8: not bytes
     vals = {"kv_packed": cep, "kv_scale": quant.e4m3(ces), "ik_packed": ikp, "ik_scale": iks}
-    return vals, g, new_state
+    return vals, g, complete, new_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,24 +100,20 @@ def kv_write_reference(lkv: LayerKV, swa_kv, slot, pos, n_valid, block_table, wr
     dtype), p_comp = params["compressor"] (reads "norm"), p_idx = params["indexer"] (reads "wk", "k_norm"),
     freqs = the layer's RoPE frequencies. -> the updated LayerKV."""
     kq, ks = quant.fp8_quantize(swa_kv[:, None])
-    rq = lkv.swa_q.at[slot].get(mode="fill", fill_value=0)
-    rs = lkv.swa_s.at[slot].get(mode="fill", fill_value=0)
-    new_rq = _write_ring(rq, kq, pos, n_valid)
-    new_rs = _write_ring(rs, quant.ue8m0_encode(ks), pos, n_valid)
-    out = {"swa_q": lkv.swa_q.at[slot].set(new_rq, mode="drop"), "swa_s": lkv.swa_s.at[slot].set(new_rs, mode="drop")}
+    rq = kl.read_slots(lkv.swa_q, slot)
+    rs = kl.read_slots(lkv.swa_s, slot)
+    new_rq = kl.write_ring(rq, kq, pos, n_valid)
+    new_rs = kl.write_ring(rs, quant.ue8m0_encode(ks), pos, n_valid)
+    out = {"swa_q": kl.write_slots(lkv.swa_q, slot, new_rq), "swa_s": kl.write_slots(lkv.swa_s, slot, new_rs)}
     if kcfg.ratio == 0:
         return dataclasses.replace(lkv, **out)
-    vals, g, st = _entry_values(lkv, comp_kv, comp_score, slot, pos, p_comp, p_idx, freqs, kcfg, num)
-    r = kcfg.ratio
-    complete = g < ((pos + n_valid) // r)[:, None]
-    ok = complete & (g * r >= write_lo[:, None])
+    vals, g, complete, new_state = _entry_values(lkv, comp_kv, comp_score, slot, pos, n_valid, p_comp, p_idx, freqs,
+                                                 kcfg, num)
+    ok = complete & (g * kcfg.ratio >= write_lo[:, None])
     for k, v in vals.items():
-        out[k] = _write_entries(getattr(lkv, k), block_table, g, ok, v)
-    if r == 2:
-        kv, score, state = st
-        upd = ((pos + n_valid) % 2 == 1) & (n_valid > 0)
-        new_state = jnp.where(upd[:, None], jnp.concatenate([kv, score], -1), state)
-        out["comp_state"] = lkv.comp_state.at[slot].set(new_state, mode="drop")
+        out[k] = kl.write_entries(getattr(lkv, k), block_table, g, ok, v)
+    if kcfg.ratio == 2:
+        out["comp_state"] = kl.write_slots(lkv.comp_state, slot, new_state)
     return dataclasses.replace(lkv, **out)
 
 
@@ -286,10 +217,12 @@ def token_bytes(lkv: LayerKV, swa_kv, slot, pos, *, kcfg: KVWriteConfig, comp_kv
     kq, ks = quant.fp8_encode(swa_kv)
     out = {"swa_q": kq, "swa_s": ks}
     if kcfg.ratio:
-        vals, _, st = _entry_values(lkv, comp_kv, comp_score, slot, pos, p_comp, p_idx, freqs, kcfg, num)
+        # as if every row held a token: the kernel writes only the rows that do
+        vals, _, _, new_state = _entry_values(lkv, comp_kv, comp_score, slot, pos, jnp.ones_like(pos), p_comp, p_idx,
+                                              freqs, kcfg, num)
         out.update({k: _as_bytes(v[:, 0]) for k, v in vals.items()})
         if kcfg.ratio == 2:
-            out["comp_state"] = jnp.concatenate([st[0], st[1]], -1).astype(jnp.float32)
+            out["comp_state"] = new_state.astype(jnp.float32)
     return out
 
 
@@ -333,18 +266,17 @@ def write_rows_reference(lkv: LayerKV, rows: dict, slot, pos, n_valid, block_tab
 
     out = {}
     for k in ("swa_q", "swa_s"):
-        ring = getattr(lkv, k).at[slot].get(mode="fill", fill_value=0)
-        out[k] = getattr(lkv, k).at[slot].set(_write_ring(ring, typed(k), pos, n_valid), mode="drop")
+        ring = kl.read_slots(getattr(lkv, k), slot)
+        out[k] = kl.write_slots(getattr(lkv, k), slot, kl.write_ring(ring, typed(k), pos, n_valid))
     if ratio:
         g = (pos // ratio)[:, None]
         ok = (g < ((pos + n_valid) // ratio)[:, None]) & (g * ratio >= write_lo[:, None])
         for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale"):
-            out[k] = _write_entries(getattr(lkv, k), block_table, g, ok, typed(k))
+            out[k] = kl.write_entries(getattr(lkv, k), block_table, g, ok, typed(k))
     if ratio == 2:
         upd = ((pos + n_valid) % 2 == 1) & (n_valid > 0)
-        state = lkv.comp_state.at[slot].get(mode="fill", fill_value=0)
-        out["comp_state"] = lkv.comp_state.at[slot].set(jnp.where(upd[:, None], rows["comp_state"], state),
-                                                        mode="drop")
+        state = kl.read_slots(lkv.comp_state, slot)
+        out["comp_state"] = kl.write_slots(lkv.comp_state, slot, jnp.where(upd[:, None], rows["comp_state"], state))
     return dataclasses.replace(lkv, **out)
 
 

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from dsv41 import engram, model, quant
+from dsv41.layer_plan import Carry
 from serving.engine import kv_pool, programs
 from serving.engine.backends import Backends, KernelOptions
 
@@ -70,28 +71,29 @@ def _both_paths(cfg, num, backend: str, opts_list: tuple, with_pool: bool):
     def both_paths(core, pool, b):  # params as an argument: a closure would embed them in the program
         h, pre = model.embed(core, b.tokens, cfg, num)
         freqs = model.freqs_for(cfg)
-        shared_xla, shared_k = {}, [{} for _ in opts_list]
+        carry_xla, carry_k = Carry(), [Carry() for _ in opts_list]
         valid = (jnp.arange(b.tokens.shape[1])[None] < b.n_valid[:, None])[..., None]  # [B, T, 1]
         diffs = [[] for _ in opts_list]
         for i, lp in enumerate(core["layers"]):
             if i in cfg.engram_layer_ids:
                 h = engram.engram(h, b.rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num)
 
-            def attn_fn(x, lp=lp, i=i):
-                nonlocal pool
+            def attn_fn(x, state, lp=lp, i=i):
+                pool, carry_xla, carry_k = state
                 # the kernel paths' pools are dropped after their attention, which read their own writes of this
                 # step (the decode token's ring row); the XLA path's pool carries the run
-                y_ks = [programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared_k[j], freqs[i],
-                                                  "full", Backends(backend, opts))[0]
-                        for j, opts in enumerate(opts_list)]
-                y, pool = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared_xla, freqs[i],
-                                                    "full")
+                outs_k = [programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry_k[j], freqs[i],
+                                                    "full", Backends(backend, opts))
+                          for j, opts in enumerate(opts_list)]
+                y, pool, carry_xla = programs.cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry_xla,
+                                                               freqs[i], "full")
                 yf = y.astype(jnp.float32)
-                for d, y_k in zip(diffs, y_ks):
+                for d, (y_k, _, _) in zip(diffs, outs_k):
                     d.append(jnp.max(jnp.abs(yf - y_k.astype(jnp.float32)) * valid) / jnp.max(jnp.abs(yf) * valid))
-                return y
+                return y, (pool, carry_xla, [c for _, _, c in outs_k])
 
-            h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn)
+            h, pre, (pool, carry_xla, carry_k) = model.block(h, pre, lp, i, cfg, num, attn_fn,
+                                                             (pool, carry_xla, carry_k))
         return [jnp.stack(d) for d in diffs], (pool if with_pool else None)
 
     return both_paths

@@ -148,14 +148,14 @@ def test_fused_sites_match_xla_in_a_block(bench):
     elements, which the MoE then carries through its own rounding."""
     cfg, params = bench
     lp = params["layers"][3]
-    attn = lambda x: (x.astype(jnp.float32) * 0.5).astype(x.dtype)  # noqa: E731
+    attn = lambda x, s: ((x.astype(jnp.float32) * 0.5).astype(x.dtype), s)  # noqa: E731
     for t in (64, 1):
         k = jax.random.split(jax.random.key(t), 2)
         h = (jax.random.normal(k[0], (1, t, cfg.hc_mult, cfg.dim)) * 2).astype(jnp.bfloat16)
         pre = jax.nn.softmax(jax.random.normal(k[1], (1, t, cfg.hc_mult)), -1)
         out = {}
         for name, ops in (("xla", BK.kernel_ops()), ("fused", BK.kernel_ops(mhc="pallas", router="pallas"))):
-            out[name] = jax.jit(lambda h, pre, lp, o=ops: model.block(h, pre, lp, 3, cfg, NUM, attn, ops=o))(
+            out[name] = jax.jit(lambda h, pre, lp, o=ops: model.block(h, pre, lp, 3, cfg, NUM, attn, ops=o)[:2])(
                 h, pre, lp)
         (hx, px), (hk, pk) = ((np.asarray(a, np.float32), np.asarray(b)) for a, b in (out["xla"], out["fused"]))
         rel = np.abs(hk - hx).max() / np.abs(hx).max()

@@ -96,7 +96,7 @@ def test_tensor_and_expert_parallel_match_the_one_device_engine(kw):
     w1 = eng.params["layers"][3]["ffn"]["experts"]["w1"]
     par = eng.config.parallelism
     assert w1.addressable_shards[0].data.shape[0] == eng.cfg.n_routed_experts // par.expert_ranks
-    assert len(eng.pool.swa_q[0].sharding.device_set) == par.devices
+    assert len(eng.pool.layers[0].swa_q.sharding.device_set) == par.devices
 
 
 @pytest.mark.xdist_group("mesh_engine_dp")

@@ -1,4 +1,5 @@
-"""The KV pool in the serving formats (spec §4), as a pytree of device arrays.
+"""The KV pool in the serving formats (spec §4), as a pytree of device arrays: one record a layer
+(`dsv41.kv_layout.LayerKV`; the pure functions that read and write it are there too).
 
 Per KV-source layer (Flash: L2, L8, L14 at ratio 2; L20 at ratio 1), paged by token blocks:
   main KV   e2m1 packed two per byte [pages, page_entries, Dh/2] + E4M3 scale per 16 [.., Dh/16]  (288 B)
@@ -25,19 +26,23 @@ import jax.numpy as jnp
 
 from dsv41 import sharding
 from dsv41.config import ModelConfig
+from dsv41.kv_layout import LayerKV
 from dsv41.sharding import Parallelism
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
-    kv_packed: list  # per KV source: uint8 [pages, E_p, Dh/2]
-    kv_scale: list  # per KV source: float8_e4m3fn [pages, E_p, Dh/16]
-    ik_packed: list  # per KV source: uint8 [pages, E_p, ID/2]
-    ik_scale: list  # per KV source: uint8 (UE8M0) [pages, E_p, ID/32]
-    swa_q: list  # per layer: float8_e4m3fn [slots, R_l, Dh]
-    swa_s: list  # per layer: uint8 (UE8M0) [slots, R_l, Dh/32]
-    comp_state: list  # per KV source: float32 [slots, 2*Dh] pending kv||score (ratio 2), None (ratio 1: no state)
+    """The pool: one `kv_layout.LayerKV` a layer (its SWA ring; on KV sources its pages and compressor state).
+    Every array has pages or slots on axis 0."""
+
+    layers: list  # per layer: kv_layout.LayerKV
+
+    def with_layer(self, layer: int, lkv: LayerKV) -> KVPool:
+        """The pool with layer `layer`'s record replaced."""
+        layers = list(self.layers)
+        layers[layer] = lkv
+        return KVPool(layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,31 +67,26 @@ def ring_size(cfg: ModelConfig, layer: int, replay_tokens: int | None = None) ->
     return cfg.window_size
 
 
-def _specs(cfg: ModelConfig, lay: PoolLayout) -> dict:
+def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
+    """The pool's shapes and dtypes, allocating nothing."""
     Dh, ID = cfg.head_dim, cfg.index_head_dim
     P, S = lay.num_pages * lay.ranks, lay.num_slots * lay.ranks
     sd = jax.ShapeDtypeStruct
-    out = {k: [] for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state", "swa_q", "swa_s")}
-    for src in cfg.kv_source_layers:
-        r = cfg.compress_ratios[src]
-        E = lay.entries_per_page(r)
-        out["kv_packed"].append(sd((P, E, Dh // 2), jnp.uint8))
-        out["kv_scale"].append(sd((P, E, Dh // 16), jnp.float8_e4m3fn))
-        out["ik_packed"].append(sd((P, E, ID // 2), jnp.uint8))
-        out["ik_scale"].append(sd((P, E, ID // 32), jnp.uint8))
-        # None, not an empty array, where there is no state: a zero-sized array split over data ranks crashes
-        # XLA's SPMD partitioner (jaxlib 0.11.2, CPU)
-        out["comp_state"].append(sd((S, 2 * Dh), jnp.float32) if r > 1 else None)
+    layers = []
     for layer in range(cfg.n_layers):
         R = ring_size(cfg, layer, lay.replay_tokens)
-        out["swa_q"].append(sd((S, R, Dh), jnp.float8_e4m3fn))
-        out["swa_s"].append(sd((S, R, Dh // 32), jnp.uint8))
-    return out
-
-
-def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
-    """The pool's shapes and dtypes, allocating nothing."""
-    return KVPool(**_specs(cfg, lay))
+        lkv = LayerKV(sd((S, R, Dh), jnp.float8_e4m3fn), sd((S, R, Dh // 32), jnp.uint8))
+        if layer in cfg.kv_source_layers:
+            r = cfg.compress_ratios[layer]
+            E = lay.entries_per_page(r)
+            lkv = dataclasses.replace(
+                lkv, kv_packed=sd((P, E, Dh // 2), jnp.uint8), kv_scale=sd((P, E, Dh // 16), jnp.float8_e4m3fn),
+                ik_packed=sd((P, E, ID // 2), jnp.uint8), ik_scale=sd((P, E, ID // 32), jnp.uint8),
+                # None, not an empty array, where there is no state: a zero-sized array split over data ranks
+                # crashes XLA's SPMD partitioner (jaxlib 0.11.2, CPU)
+                comp_state=sd((S, 2 * Dh), jnp.float32) if r > 1 else None)
+        layers.append(lkv)
+    return KVPool(layers)
 
 
 def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:
@@ -109,7 +109,8 @@ def global_bytes_per_token(cfg: ModelConfig, lay: PoolLayout | None = None) -> f
     """Global KV bytes one token costs, read off the pool's array layout (Flash: 890)."""
     lay = lay or PoolLayout(num_pages=1, page_tokens=64, num_slots=1)
     a = abstract_pool(cfg, lay)
-    per_page = sum(x.size * x.dtype.itemsize for x in (*a.kv_packed, *a.kv_scale, *a.ik_packed, *a.ik_scale))
+    per_page = sum(x.size * x.dtype.itemsize for lkv in a.layers
+                   for x in (lkv.kv_packed, lkv.kv_scale, lkv.ik_packed, lkv.ik_scale) if x is not None)
     return per_page / (lay.num_pages * lay.page_tokens)
 
 
@@ -117,7 +118,8 @@ def slot_bytes(cfg: ModelConfig) -> int:
     """Per-sequence state that does not grow with context: SWA rings and compressor state."""
     lay = PoolLayout(num_pages=1, page_tokens=64, num_slots=1)
     a = abstract_pool(cfg, lay)
-    return sum(x.size * x.dtype.itemsize for x in (*a.swa_q, *a.swa_s, *filter(None, a.comp_state)))
+    return sum(x.size * x.dtype.itemsize for lkv in a.layers for x in (lkv.swa_q, lkv.swa_s, lkv.comp_state)
+               if x is not None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,10 @@ import jax.numpy as jnp
 
 from dsv41 import attention as A
 from dsv41 import compressor, engram, indexer, mhc, model, quant, sharding
-from dsv41.config import AttnRole, ModelConfig
+from dsv41 import kv_layout as kl
+from dsv41.config import ModelConfig
+from dsv41.kv_layout import LayerKV
+from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
@@ -56,112 +59,59 @@ def _dequant_fp8_rows(q, s):
     return quant.fp8_dequantize(q, quant.ue8m0_decode(s))
 
 
-def _ring_positions(end: jax.Array, R: int, lo: jax.Array) -> jax.Array:
-    """Position each ring slot holds when `end` tokens are written: slot j holds the newest p < end with
-    p % R == j. -> int32 [B, R], NO_POS where empty or below lo."""
-    j = jnp.arange(R, dtype=jnp.int32)[None]
-    last = end[:, None] - 1
-    p = last - jnp.mod(last - j, R)
-    return jnp.where((p >= 0) & (p >= lo[:, None]), p, A.NO_POS)
+def _gather_kv(pages: LayerKV, block_table, idx):
+    """A KV source's compressed main-KV entries idx [B, S, K] (-1 = none) -> dequantized [B, S, K, Dh],
+    valid [B, S, K]."""
+    g = jnp.maximum(idx, 0)
+    packed = kl.read_entries(pages.kv_packed, block_table, g)
+    scale = kl.read_entries(pages.kv_scale, block_table, g)
+    return quant.fp4_dequantize(packed, scale.astype(jnp.float32), 16), idx >= 0
 
 
-def _write_ring(ring: jax.Array, new: jax.Array, pos0, n_valid) -> jax.Array:
-    """ring [B, R, ...] <- the newest of the chunk's valid tokens new [B, T, ...] at slot pos % R."""
-    R, T = ring.shape[1], new.shape[1]
-    j = jnp.arange(R, dtype=jnp.int32)[None]
-    last = pos0[:, None] + n_valid[:, None] - 1
-    t = n_valid[:, None] - 1 - jnp.mod(last - j, R)  # newest chunk token landing in slot j
-    ok = (t >= 0) & (n_valid[:, None] > 0)
-    picked = jnp.take_along_axis(new, jnp.clip(t, 0, T - 1).reshape(*t.shape, *([1] * (new.ndim - 2))), axis=1)
-    return jnp.where(ok.reshape(*ok.shape, *([1] * (new.ndim - 2))), picked, ring)
-
-
-def _page_index(block_table, g, E):
-    """Entry ids g [B, ...] -> (page [B, ...], offset) through the block table."""
-    col = jnp.clip(g // E, 0, block_table.shape[1] - 1)
-    page = jnp.take_along_axis(block_table, col.reshape(col.shape[0], -1), axis=1).reshape(g.shape)
-    return page, g % E
-
-
-def _gather_kv(pool: KVPool, si: int, block_table, idx, cfg):
-    """Compressed main-KV entries idx [B, S, K] (-1 = none) -> dequantized [B, S, K, Dh], valid [B, S, K]."""
-    E = pool.kv_packed[si].shape[1]
-    valid = idx >= 0
-    page, off = _page_index(block_table, jnp.maximum(idx, 0), E)
-    packed = pool.kv_packed[si].at[page, off].get(mode="fill", fill_value=0)
-    scale = pool.kv_scale[si].at[page, off].get(mode="fill", fill_value=0)
-    return quant.fp4_dequantize(packed, scale.astype(jnp.float32), 16), valid
-
-
-def _context_index_keys(pool: KVPool, si: int, block_table, cfg):
-    """Every index key of the sequences' pages -> [B, ctx_pages * E, ID] (dequantized)."""
-    P = pool.ik_packed[si].shape[0]
+def _context_index_keys(pages: LayerKV, block_table, cfg):
+    """Every index key of the sequences' pages (a KV source's) -> [B, ctx_pages * E, ID] (dequantized)."""
     bt = block_table
-    packed = pool.ik_packed[si].at[bt].get(mode="fill", fill_value=0)
-    scale = pool.ik_scale[si].at[bt].get(mode="fill", fill_value=0)
+    packed = pages.ik_packed.at[bt].get(mode="fill", fill_value=0)
+    scale = pages.ik_scale.at[bt].get(mode="fill", fill_value=0)
     k = quant.fp4_dequantize(packed, quant.ue8m0_decode(scale), 32)
-    del P
     return k.reshape(bt.shape[0], -1, cfg.index_head_dim)
 
 
-def _write_entries(arr, block_table, g, ok, values):
-    """arr [pages, E, ...] <- values [B, G, ...] at entry ids g [B, G] where ok."""
-    E = arr.shape[1]
-    page, off = _page_index(block_table, g, E)
-    page = jnp.where(ok, page, arr.shape[0])  # out of range: dropped
-    return arr.at[page, off].set(values.astype(arr.dtype), mode="drop")
-
-
-def _compress_chunk(x, p, r, cfg, num, pool, si, b: Batch):
-    """Latents of the groups that complete inside this chunk. -> latent [B, G, Dh], abs group ids [B, G],
-    complete [B, G], new pending state."""
-    B, T, _ = x.shape
-    if r == 1:
-        lat = compressor.compress(x, p, 1, cfg, num)
-        g = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
-        return lat, g, jnp.arange(T)[None] < b.n_valid[:, None], pool.comp_state[si]
-    Dh = cfg.head_dim
+def _compress_chunk(x, p, r, cfg, num, lkv: LayerKV, b: Batch):
+    """Latents of the groups the chunk reaches (`kv_layout.compress_step`) on a KV source (its record lkv).
+    -> latent [B, G, Dh], abs group ids [B, G], complete [B, G], the new pending state [S, 2 * Dh] (ratio 1:
+    None)."""
     kv, score = compressor.project(x, p, r, num)
-    state = pool.comp_state[si].at[b.slot].get(mode="fill", fill_value=0)
-    pend_kv, pend_sc = state[:, :Dh], state[:, Dh:]
-    has = (b.pos0 % 2 == 1)[:, None, None]
-    zero = jnp.zeros_like(kv[:, :1])
-    ekv = jnp.where(has, jnp.concatenate([pend_kv[:, None], kv], 1), jnp.concatenate([kv, zero], 1))
-    esc = jnp.where(has, jnp.concatenate([pend_sc[:, None], score], 1), jnp.concatenate([score, zero], 1))
-    G = (T + 1) // 2
-    ekv = ekv[:, : 2 * G].reshape(B, G, 2, Dh)
-    esc = esc[:, : 2 * G].reshape(B, G, 2, Dh)
-    lat = compressor.pool_groups(ekv, esc, p, cfg, num.jdtype)
-    g = (b.pos0 // 2)[:, None] + jnp.arange(G, dtype=jnp.int32)[None]
-    complete = g < ((b.pos0 + b.n_valid) // 2)[:, None]
-    end = b.pos0 + b.n_valid
-    last = jnp.clip(b.n_valid - 1, 0, T - 1)[:, None, None]
-    new_pend = jnp.concatenate([jnp.take_along_axis(kv, last, 1)[:, 0], jnp.take_along_axis(score, last, 1)[:, 0]], -1)
-    upd = (end % 2 == 1) & (b.n_valid > 0)
-    new_state = jnp.where(upd[:, None], new_pend, state)
-    return lat, g, complete, pool.comp_state[si].at[b.slot].set(new_state, mode="drop")
+    state = kl.read_slots(lkv.comp_state, b.slot) if r == 2 else None
+    lat, g, complete, new_state = kl.compress_step(kv, score, state, b.pos0, b.n_valid, p, r, cfg, num.jdtype)
+    return lat, g, complete, kl.write_slots(lkv.comp_state, b.slot, new_state) if r == 2 else None
 
 
-def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict, freqs,
+def _pages(pool: KVPool, plan: LayerPlan, cfg: ModelConfig) -> LayerKV:
+    """The record of the KV source whose pages the layer reads. SWA-only layers select no entry, but the
+    attention kernel takes pages all the same: the first source's."""
+    return pool.layers[cfg.kv_source_layers[0] if plan.swa_only else plan.kv_source]
+
+
+def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry, freqs,
                          backend: str, opts: KernelOptions, ops):
     """Decode (one token a row, phase 'full') through the fused kernels: the token's KV writes (ring, and on
     KV-source layers the compressed entry, index key and pending state) in one kernel, the indexer's scores and
     top-k straight from the MXFP4 pool (candidate entries only after the candidate source layer), and the sparse
-    attention over the FP8 ring and the selected FP4 entries. -> (output [B, 1, D], pool).
+    attention over the FP8 ring and the selected FP4 entries. -> (output [B, 1, D], pool, carry).
     backend: 'pallas' (Mosaic GPU), 'interpret' (the kernels in the interpreter) or 'reference' (their jnp
     references on the kernels' inputs: checks this wiring, not the kernels)."""
     from pallas_kernels import kv_write as kvw
     from pallas_kernels import sparse_attention as sa
 
     kb = "xla" if backend == "reference" else backend
-    role, r = cfg.role(layer), cfg.compress_ratios[layer]
+    plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None]
-    ratio = r if role is AttnRole.FULL else 0  # other layers only write their ring
-    si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
+    ratio = r if plan.writes_kv else 0  # other layers only write their ring
 
     with jax.named_scope("kv_write"):  # (sub-scopes of "attention" for scripts/profile_step.py)
         kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
-        lkv = kvw.LayerKV.of_pool(pool, layer, si, ratio)
+        lkv = pool.layers[layer]  # the ring, and on a KV source its pages and state
         extra = {}
         if ratio:
             ck, cs = compressor.project(x, p["compressor"], ratio, num)
@@ -169,40 +119,34 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
                          p_idx=p["indexer"], freqs=freqs)
         new = kvw.kv_write_decode(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
                                   kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb, **extra)
-    lists = {k: list(getattr(pool, k)) for k in ("swa_q", "swa_s", "kv_packed", "kv_scale", "ik_packed", "ik_scale",
-                                                 "comp_state")}
-    lists["swa_q"][layer], lists["swa_s"][layer] = new.swa_q, new.swa_s
-    if ratio:
-        for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale") + (("comp_state",) if ratio == 2 else ()):
-            lists[k][si] = getattr(new, k)
-    pool = dataclasses.replace(pool, **lists)
+    pool = pool.with_layer(layer, new)
+    pages = _pages(pool, plan, cfg)
 
     fuse = opts.fuse_rope
     with jax.named_scope("q_proj"):
         q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
-    if role in (AttnRole.FULL, AttnRole.REINDEX):
+    if plan.runs_indexer:
         with jax.named_scope("indexer"):
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
-            shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
-                                                opts)
+            carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
 
-    R = pool.swa_q[layer].shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
+    R = pool.layers[layer].swa_q.shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = b.ring_lo[:, layer]
-    win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
+    win_pos = kl.ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
-    valid &= (b.slot < pool.swa_q[layer].shape[0])[:, None]  # padding rows: slot == num_slots, no ring
+    ring = pool.layers[layer]
+    valid &= (b.slot < ring.swa_q.shape[0])[:, None]  # padding rows: slot == num_slots, no ring
     # the window's rows straight in the pool's ring buffer (no per-row copy of the rings)
     swa_rows = jnp.where(valid, b.slot[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None], -1)
-    topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if si is None else shared["topk"][:, 0]
-    src = 0 if si is None else si  # SWA-only layers select no entry; any source's pages do
+    topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if plan.swa_only else carry.topk[:, 0]
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     with jax.named_scope("attend"):
-        o = sa.sparse_attention(q[:, 0], pool.swa_q[layer].reshape(-1, cfg.head_dim),
-                                pool.swa_s[layer].reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
-                                pool.kv_packed[src], pool.kv_scale[src], p["attn_sink"], swa_rows=swa_rows, **kw,
+        o = sa.sparse_attention(q[:, 0], ring.swa_q.reshape(-1, cfg.head_dim),
+                                ring.swa_s.reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
+                                pages.kv_packed, pages.kv_scale, p["attn_sink"], swa_rows=swa_rows, **kw,
                                 **_rope_kw(b.pos0, freqs, fuse))
     with jax.named_scope("output"):
-        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool
+        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
 
 
 def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
@@ -233,75 +177,72 @@ def _rope_kw(pos, freqs, fuse: bool) -> dict:
                 config=sa.KernelConfig(fuse_rope=True))
 
 
-def _kernel_index_topk(qi, wi, pool: KVPool, si: int, b: Batch, pos, r: int, layer: int, shared: dict, cfg,
-                       num: Numerics, backend: str, opts: KernelOptions):
+def _kernel_index_topk(qi, wi, pages: LayerKV, b: Batch, pos, r: int, plan: LayerPlan, carry: Carry, cfg,
+                       num: Numerics, backend: str, opts: KernelOptions) -> Carry:
     """One indexer layer through the scoring kernel, straight from the MXFP4 pool (decode, and prefill chunks
     with KernelOptions.prefill_indexer_kernel): the encoder indexers and the candidate source layer score every
     visible entry (a chunk's queries in groups that share one pass over the entries), the layers after it only
-    their candidates. qi [B, T, IH, ID], wi [B, T, IH], pos [B, T] -> top-k entry ids int32 [B, T, k];
-    shared["cand"] holds candidate block ids (the XLA path: an entry mask)."""
+    their candidates. qi [B, T, IH, ID], wi [B, T, IH], pos [B, T] -> the carry with the top-k entry ids
+    int32 [B, T, k] and, from the candidate source, the candidate block ids."""
     from pallas_kernels import indexer_logits as il
 
-    ikp, iks = pool.ik_packed[si], pool.ik_scale[si]
+    ikp, iks = pages.ik_packed, pages.ik_scale
     # the reference backend (the kernels' jnp references, CPU tests) selects by XLA's radix select, the
     # threshold kernel's reference (same positions)
     method = "radix" if backend == "reference" and opts.indexer_topk == "kernel" else opts.indexer_topk
     icfg = dataclasses.replace(il.IndexerConfig.from_model(cfg), topk_method=method)
     kw = dict(cfg=icfg, backend="xla" if backend == "reference" else backend, dtype=num.jdtype)
-    if cfg.uses_candidates(layer):
-        topk, _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=shared["cand"], **kw)
-        return topk
-    want = layer == cfg.candidate_source_layer
+    if plan.uses_candidates:
+        topk, _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=carry.cand_blocks, **kw)
+        return dataclasses.replace(carry, topk=topk)
+    want = plan.makes_candidates
     topk, cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
                                num_entries=b.block_table.shape[1] * ikp.shape[1], want_candidates=want, **kw)
-    if want:
-        shared["cand"] = cand
-    return topk
+    return dataclasses.replace(carry, topk=topk, **({"cand_blocks": cand} if want else {}))
 
 
-def _prefill_attention_kernel(q, keys_q, keys_s, rows, pool: KVPool, si, b: Batch, shared, sink, backend: str,
+def _prefill_attention_kernel(q, keys_q, keys_s, rows, pages: LayerKV, b: Batch, topk, sink, backend: str,
                               rope: dict):
     """Many queries a row through the fused sparse-attention kernel, one kernel row per query token: its window
-    rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries.
+    rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries (topk
+    [B, T, K]; None on SWA-only layers).
     q [B, T, H, Dh] -> [B, T, H, Dh]. rope: `_rope_kw` of the B * T query positions."""
     from pallas_kernels import sparse_attention as sa
 
     B, T, H, Dh = q.shape
-    if si is None:
-        topk, src = jnp.full((B * T, 64), -1, jnp.int32), 0
-    else:
-        topk, src = shared["topk"].reshape(B * T, -1), si
+    topk = jnp.full((B * T, 64), -1, jnp.int32) if topk is None else topk.reshape(B * T, -1)
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     o = sa.sparse_attention(q.reshape(B * T, H, Dh), keys_q, keys_s, None, topk,
-                            jnp.repeat(b.block_table, T, axis=0), pool.kv_packed[src], pool.kv_scale[src], sink,
+                            jnp.repeat(b.block_table, T, axis=0), pages.kv_packed, pages.kv_scale, sink,
                             swa_rows=rows.reshape(B * T, -1), **kw, **rope)
     return o.reshape(B, T, H, Dh)
 
 
-def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, shared: dict,
+def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry,
                      freqs, phase: str, backends: Backends = Backends()):
     """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
     split layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
     backends: the attention backend (decode: the fused kernels unless 'xla'), its options, the linears' ops.
-    -> (output [B, T, D] or None, pool)."""
+    carry: what earlier layers handed on (the latest top-k, the candidates). -> (output [B, T, D] or None, pool,
+    carry)."""
     p = lp
     backend, opts, ops = backends.attention, backends.options, backends.ops
     B, T, _ = x.shape
     if backend != "xla" and T == 1 and phase == "full":
-        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, shared, freqs, backend, opts, ops)
+        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, carry, freqs, backend, opts, ops)
     fuse = opts.fuse_rope and backend != "xla"
-    role, r = cfg.role(layer), cfg.compress_ratios[layer]
+    plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
-    R = pool.swa_q[layer].shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
+    R = pool.layers[layer].swa_q.shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = b.ring_lo[:, layer]
-    rq = pool.swa_q[layer].at[b.slot].get(mode="fill", fill_value=0)
-    rs = pool.swa_s[layer].at[b.slot].get(mode="fill", fill_value=0)
-    swa_q, swa_s = list(pool.swa_q), list(pool.swa_s)
+    rec = pool.layers[layer]
+    rq = kl.read_slots(rec.swa_q, b.slot)
+    rs = kl.read_slots(rec.swa_s, b.slot)
     Dh = cfg.head_dim
     if phase == "attn_only":
         win_k = _dequant_fp8_rows(rq, rs)
-        win_pos = _ring_positions(b.pos0 + b.n_valid, R, lo)
+        win_pos = kl.ring_positions(b.pos0 + b.n_valid, R, lo)
         # the kernel's flat window buffer: the ring, which already holds this chunk
         keys_q, keys_s = rq.reshape(B * R, Dh), rs.reshape(B * R, -1)
         ring_pos, chunk_start = win_pos, None
@@ -309,75 +250,67 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
         kq, ks = quant.fp8_quantize(kv)
         ks = quant.ue8m0_encode(ks)
-        new_rq = _write_ring(rq, kq, b.pos0, b.n_valid)
-        new_rs = _write_ring(rs, ks, b.pos0, b.n_valid)
-        swa_q[layer] = pool.swa_q[layer].at[b.slot].set(new_rq, mode="drop")
-        swa_s[layer] = pool.swa_s[layer].at[b.slot].set(new_rs, mode="drop")
+        new_rq = kl.write_ring(rq, kq, b.pos0, b.n_valid)
+        new_rs = kl.write_ring(rs, ks, b.pos0, b.n_valid)
+        rec = dataclasses.replace(rec, swa_q=kl.write_slots(rec.swa_q, b.slot, new_rq),
+                                  swa_s=kl.write_slots(rec.swa_s, b.slot, new_rs))
         win_k = jnp.concatenate([_dequant_fp8_rows(rq, rs), kv.astype(jnp.float32)], 1)
-        win_pos = jnp.concatenate([_ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
+        win_pos = jnp.concatenate([kl.ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
         # the kernel's flat window buffer: the ring as it was before this chunk, then the chunk's keys (FP8; with
         # the serving numerics the keys are FP8 values already, so this rounding changes nothing)
         keys_q = jnp.concatenate([rq.reshape(B * R, Dh), kq.astype(rq.dtype).reshape(B * T, Dh)])
         keys_s = jnp.concatenate([rs.reshape(B * R, -1), ks.astype(rs.dtype).reshape(B * T, -1)])
-        ring_pos, chunk_start = _ring_positions(b.pos0, R, lo), b.pos0
-    pool = dataclasses.replace(pool, swa_q=swa_q, swa_s=swa_s)
+        ring_pos, chunk_start = kl.ring_positions(b.pos0, R, lo), b.pos0
 
-    comp_k = comp_valid = None
-    if role is not AttnRole.SWA:
-        si = cfg.kv_source_layers.index(cfg.kv_source_of(layer))
-        if role is AttnRole.FULL and phase != "attn_only":
-            lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, pool, si, b)
-            gpos = g * r
-            ik = indexer.index_keys(lat, p["indexer"], gpos, freqs, cfg, num)
-            ce = A.compressed_entries(lat, gpos, freqs, num)
-            ok = complete & (gpos >= b.write_lo[:, None])
-            ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
-            cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
-            lists = {k: list(getattr(pool, k))
-                     for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale", "comp_state")}
-            lists["kv_packed"][si] = _write_entries(pool.kv_packed[si], b.block_table, g, ok, cep)
-            lists["kv_scale"][si] = _write_entries(pool.kv_scale[si], b.block_table, g, ok, quant.e4m3(ces))
-            lists["ik_packed"][si] = _write_entries(pool.ik_packed[si], b.block_table, g, ok, ikp)
-            lists["ik_scale"][si] = _write_entries(pool.ik_scale[si], b.block_table, g, ok, quant.ue8m0_encode(iks))
-            lists["comp_state"][si] = new_state
-            pool = dataclasses.replace(pool, **lists)
-        if phase == "kv_only":
-            return None, pool
-        if role in (AttnRole.FULL, AttnRole.REINDEX):
-            q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
-            qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
-            if backend != "xla" and opts.prefill_indexer_kernel:
-                shared["topk"] = _kernel_index_topk(qi, wi, pool, si, b, pos, r, layer, shared, cfg, num, backend,
-                                                    opts)
-            else:
-                keys = _context_index_keys(pool, si, b.block_table, cfg)
-                s = indexer.scores(qi, wi, keys, pos, r, num)
-                if layer == cfg.candidate_source_layer:
-                    shared["cand"] = indexer.candidate_mask(s, pos, r, cfg)
-                elif cfg.uses_candidates(layer):
-                    s = jnp.where(shared["cand"], s, -jnp.inf)
-                shared["topk"] = indexer.select_topk(s, pos, r, cfg)
+    if plan.writes_kv and phase != "attn_only":  # a KV source: its own record holds its pages
+        lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, rec, b)
+        gpos = g * r
+        ik = indexer.index_keys(lat, p["indexer"], gpos, freqs, cfg, num)
+        ce = A.compressed_entries(lat, gpos, freqs, num)
+        ok = complete & (gpos >= b.write_lo[:, None])
+        ikp, iks = quant.fp4_quantize(ik, 32, e4m3_scales=False)
+        cep, ces = quant.fp4_quantize(ce, 16, e4m3_scales=True)
+        bt = b.block_table
+        rec = dataclasses.replace(
+            rec, kv_packed=kl.write_entries(rec.kv_packed, bt, g, ok, cep),
+            kv_scale=kl.write_entries(rec.kv_scale, bt, g, ok, quant.e4m3(ces)),
+            ik_packed=kl.write_entries(rec.ik_packed, bt, g, ok, ikp),
+            ik_scale=kl.write_entries(rec.ik_scale, bt, g, ok, quant.ue8m0_encode(iks)), comp_state=new_state)
+    pool = pool.with_layer(layer, rec)
+    if phase == "kv_only":
+        return None, pool, carry
+    pages = _pages(pool, plan, cfg)
+    if plan.runs_indexer:
+        q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
+        qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
+        if backend != "xla" and opts.prefill_indexer_kernel:
+            carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
         else:
-            q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
-        comp_k, comp_valid = _gather_kv(pool, si, b.block_table, shared["topk"], cfg)
+            keys = _context_index_keys(pages, b.block_table, cfg)
+            s = indexer.scores(qi, wi, keys, pos, r, num)
+            if plan.makes_candidates:
+                carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg))
+            elif plan.uses_candidates:
+                s = jnp.where(carry.cand_mask, s, -jnp.inf)
+            carry = dataclasses.replace(carry, topk=indexer.select_topk(s, pos, r, cfg))
     else:
-        if phase == "kv_only":
-            return None, pool
         q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
+    comp_k = comp_valid = None
+    if not plan.swa_only:
+        comp_k, comp_valid = _gather_kv(pages, b.block_table, carry.topk)
     if backend != "xla":
         rows = _window_rows(pos, ring_pos, R, chunk_start, T, cfg.window_size)
-        si = None if role is AttnRole.SWA else cfg.kv_source_layers.index(cfg.kv_source_of(layer))
-        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pool, si, b, shared, p["attn_sink"], backend,
-                                      _rope_kw(pos.reshape(-1), freqs, fuse))
+        o = _prefill_attention_kernel(q, keys_q, keys_s, rows, pages, b, None if plan.swa_only else carry.topk,
+                                      p["attn_sink"], backend, _rope_kw(pos.reshape(-1), freqs, fuse))
     else:
         o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
-    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool
+    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
 
 
 def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict,
             backends: Backends = Backends()):
     freqs = model.freqs_for(cfg)
-    shared: dict = {}
+    carry = Carry()
     for i in range(first, last):
         lp = params["layers"][i]
         phase = phases.get(i, "full")
@@ -388,15 +321,16 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         if phase == "kv_only":
             with jax.named_scope("attention"):
                 x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
-                _, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backends)
+                _, pool, carry = cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry, freqs[i], phase,
+                                                  backends)
             break
 
-        def attn_fn(x, lp=lp, i=i, phase=phase):
-            nonlocal pool
-            y, pool = cached_attention(x, lp["attn"], i, cfg, num, pool, b, shared, freqs[i], phase, backends)
-            return y
+        def attn_fn(x, state, lp=lp, i=i, phase=phase):
+            pool, carry = state
+            y, pool, carry = cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry, freqs[i], phase, backends)
+            return y, (pool, carry)
 
-        h, pre = model.block(h, pre, lp, i, cfg, num, attn_fn, ops=backends.ops)
+        h, pre, (pool, carry) = model.block(h, pre, lp, i, cfg, num, attn_fn, (pool, carry), ops=backends.ops)
     return h, pre, pool
 
 

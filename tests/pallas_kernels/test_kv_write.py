@@ -19,6 +19,7 @@ import pytest
 from dsv41 import attention as A
 from dsv41 import compressor, model, quant, rope
 from dsv41.config import ModelConfig, preset
+from dsv41.layer_plan import Carry
 from pallas_kernels import kv_write as kw
 
 gpu = pytest.mark.gpu
@@ -177,8 +178,8 @@ def test_reference_equals_programs(tiny, layer):
     ratio = r if layer in cfg.kv_source_layers else 0
     rng = np.random.default_rng(layer)
     p = _layer_params(cfg, ratio, rng)
-    B, S = 4, pool.swa_q[0].shape[0]
-    ctx = pool.kv_packed[0].shape[0] // B
+    B, S = 4, pool.layers[0].swa_q.shape[0]
+    ctx = pool.layers[cfg.kv_source_layers[0]].kv_packed.shape[0] // B
     slot = np.array([2, 0, S, 1], np.int32)
     n_valid = np.array([1, 1, 0, 1], np.int32)
     pos0 = np.array([7, 40, 0, 129], np.int32)  # odd, even, padding, odd (past a 128 window)
@@ -189,12 +190,11 @@ def test_reference_equals_programs(tiny, layer):
                        ring_lo=jnp.zeros((B, cfg.n_layers), jnp.int32), rows=[])
     x = jnp.asarray(rng.standard_normal((B, 1, cfg.dim)), jnp.bfloat16)
     freqs = model.freqs_for(cfg)[layer]
-    si = cfg.kv_source_layers.index(layer) if ratio else None
     kc = kw.KVWriteConfig(ratio, cfg.norm_eps)
 
     def both(x, p, pool, b):  # one jit (one CPU compile) for the engine's path and the reference
-        _, want = programs.cached_attention(x, p, layer, cfg, num, pool, b, {}, freqs, "kv_only")
-        lkv = kw.LayerKV.of_pool(pool, layer, si, ratio)
+        _, want, _ = programs.cached_attention(x, p, layer, cfg, num, pool, b, Carry(), freqs, "kv_only")
+        lkv = pool.layers[layer]
         extra = {}
         if ratio:
             ck, cs = compressor.project(x, p["compressor"], ratio, num)
@@ -206,11 +206,11 @@ def test_reference_equals_programs(tiny, layer):
         return want, got, lkv
 
     want, got, lkv = jax.jit(both)(x, p, pool, b)
-    pairs = [("swa_q", want.swa_q[layer]), ("swa_s", want.swa_s[layer])]
+    pairs = [(k, getattr(want.layers[layer], k)) for k in ("swa_q", "swa_s")]
     if ratio:
-        pairs += [(k, getattr(want, k)[si]) for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale")]
+        pairs += [(k, getattr(want.layers[layer], k)) for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale")]
         if ratio == 2:
-            pairs.append(("comp_state", want.comp_state[si]))
+            pairs.append(("comp_state", want.layers[layer].comp_state))
     n_changed = 0
     for k, w in pairs:
         np.testing.assert_array_equal(_bytes(getattr(got, k)), _bytes(w), err_msg=k)

@@ -122,11 +122,12 @@ def test_block_with_fused_sites_matches_xla():
     k = jax.random.split(jax.random.key(7), 2)
     h = (jax.random.normal(k[0], (1, 5, cfg.hc_mult, cfg.dim)) * 2).astype(jnp.bfloat16)
     pre = jax.nn.softmax(jax.random.normal(k[1], (1, 5, cfg.hc_mult)), -1)
-    attn = lambda x: (x.astype(jnp.float32) * 0.5).astype(x.dtype)  # noqa: E731
+    attn = lambda x, s: ((x.astype(jnp.float32) * 0.5).astype(x.dtype), s)  # noqa: E731
     outs = {}
     for be in ("xla", "interpret"):
         ops = BK.kernel_ops(mhc=be)
-        outs[be] = jax.jit(lambda h, pre, lp, ops=ops: model.block(h, pre, lp, 0, cfg, num, attn, ops=ops))(h, pre, lp)
+        outs[be] = jax.jit(lambda h, pre, lp, ops=ops: model.block(h, pre, lp, 0, cfg, num, attn, ops=ops)[:2])(
+            h, pre, lp)
         jax.block_until_ready(outs[be])  # the interpreter is not re-entrant
     (hx, px), (hk, pk) = outs["xla"], outs["interpret"]
     hx, hk = np.asarray(hx, np.float32), np.asarray(hk, np.float32)
@@ -150,7 +151,7 @@ def test_sites_above_their_token_limit_take_xla(tokens, kernels, monkeypatch):
     calls = []
     monkeypatch.setattr(BK, "mhc_fused", lambda *a, **kw: calls.append(kw["backend"]) or M.mhc_reference(*a[:10]))
     ops = BK.kernel_ops(mhc_site=BK.FusedMhcSite("interpret", max_tokens=4))
-    jax.eval_shape(lambda h, pre, lp: model.block(h, pre, lp, 0, cfg, quant.Numerics(), lambda x: x, ops=ops),
+    jax.eval_shape(lambda h, pre, lp: model.block(h, pre, lp, 0, cfg, quant.Numerics(), lambda x, s: (x, s), ops=ops),
                    h, pre, lp)
     assert calls == (["interpret"] * 2 if kernels else [])
 
