@@ -10,21 +10,17 @@ dot on a bf16 copy, and the roofline (bytes read / the HBM ceiling measured in t
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
+import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
-from dsv41.quant import Fp8Weight  # noqa: E402
-from pallas_kernels import fp8_linear as f8  # noqa: E402
+from dsv41.quant import Fp8Weight
+from pallas_kernels import fp8_linear as f8
 
 # name -> (N out, K in) at Flash's widths (dim 5120, q-LoRA 1280, 64x512 heads, 8x1024 output groups, 32x128
 # indexer, shared expert 2304, Engram 24 x 256 columns into 5 x 5120)
@@ -41,12 +37,10 @@ def random_fp8(key, n, k):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = timing.bench_args(__doc__)
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--only", default="", help="comma-separated names of SHAPES")
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="CPU: the interpreter at toy shapes")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     if not gpu and not args.tiny:
@@ -54,11 +48,11 @@ def main():
     shapes = {"tiny.a": (256, 512), "tiny.b": (128, 256)} if args.tiny else SHAPES
     if args.only:
         shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
-    ceil = timing.ceilings(quick=not gpu)
+    ceil = timing.bench_ceilings(quick=not gpu)
     hbm = ceil["hbm_TBps"] * 1e12
 
     def timer(fn, arg_sets):  # ms a call: CUPTI on the GPU, wall clock (one call at a time) in the interpreter
-        c, w = timing.time_calls(fn, arg_sets, args.reps if gpu else 1, serial=not gpu)
+        c, w = timing.time_calls(fn, arg_sets, 5 if gpu else 1, serial=not gpu)
         return (c if c is not None else w) * 1e3
 
     xla = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w.dequantize(jnp.bfloat16),
@@ -92,10 +86,7 @@ def main():
           f"{'CUPTI kernel sums' if gpu else 'wall'} per call, us\n")
     timing.print_table(["linear", "N x K", "rows", "K splits", "check", "kernel", "XLA dequantize + dot",
                         "XLA dot, bf16 weight", "roofline", "kernel of roofline", "vs XLA"], table, "ll" + "r" * 9)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_fp8_linear.json"), "w") as fh:
-            json.dump({"ceilings": ceil, "results": results}, fh, indent=1)
+    timing.write_json(args.out, "bench_fp8_linear.json", {"ceilings": ceil, "results": results})
     sys.exit(0 if all(r["check"] for r in results) else 1)
 
 

@@ -1,45 +1,36 @@
 #!/usr/bin/env python3
 """Check and time the sparse MQA indexer logits kernel + top-k (pallas_kernels/indexer_logits.py) at Flash shapes.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT
-    .venv/bin/python scripts/bench_indexer.py --cpu-smoke     # CPU: the script's logic, tiny shapes, interpreter
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT [--cases c:64:16,x:1:64]
 
-Flash shapes: 32 index heads of 128, one query a row, ratio 2 (G = ctx/2 entries), 64 entries a page, MXFP4 keys
-(68 bytes an entry), top-512, 2048 candidate blocks of 8. --cases: candidates mode (layers past 20: 16384 entries)
-and context mode (all G entries) at several B and ctx; row 0 of a B>1 case sees half its context. Per case: the
-kernel's scores against `entry_scores_reference` (-inf pattern equal, no NaN, max relative error <= 2 bf16 ulps,
-<= 1% not bit-identical), its top-k against the reference's and XLA's; CUPTI time (scripts/timing.py, L2 flushed)
-of the kernel alone, the whole `index_topk`, today's XLA path and each top-k method alone; roofline = bytes /
-the HBM ceiling of the same run. One table, results.json in --out.
+Flash shapes: 32 index heads of 128, ratio 2 (G = ctx/2 entries), 64 entries a page, MXFP4 keys, top-512, 2048
+candidate blocks of 8. --cases: candidates mode (layers past 20) and context mode (all G entries); row 0 of a B>1
+case sees half its context. Per case: the kernel's scores against `entry_scores_reference` (-inf pattern equal, no
+NaN, max rel. error <= 2 bf16 ulps, <= 1% not bit-identical), its top-k against the reference's and XLA's; CUPTI
+time (L2 flushed) of the kernel alone, the whole `index_topk`, today's XLA path and each top-k method alone;
+roofline = bytes / the HBM ceiling of the same run. One table, results.json in --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import timing  # noqa: E402  (first: puts the repository on sys.path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
 from pallas_kernels import indexer_logits as il  # noqa: E402
 from timing import log  # noqa: E402
 
 
 def time_gpu(f, args, *, iters, flush):  # -> (median us a call, us of its longest kernel, kernel count, method)
     tot, mx, names = timing.time_gpu(f, args, iters=iters, flush=flush)
-    wall = names == ["wall-clock"]
-    return tot * 1e3, mx * 1e3, 0 if wall else len(names), "wall" if wall else "cupti"
+    how = timing.how(names)
+    return tot * 1e3, mx * 1e3, len(names) if how == "cupti" else 0, how
 
 
 IH, ID, RATIO, E = 32, 128, 2, 64
@@ -178,10 +169,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             f"today={row['topk_overlap_vs_today']:.4f}")
         del s_k, s_r
     except Exception as ex:  # noqa: BLE001
-        row["check"] = "ERROR"
-        row["check_error"] = repr(ex)[:1000]
-        log(f"{mode} B={B} ctx={ctx}: check ERROR", repr(ex)[:300])
-        traceback.print_exc()
+        row.update(check="ERROR", check_error=timing.failure(f"{mode} B={B} ctx={ctx}: check", ex))
     # 2. timing
     kern = jax.jit(il.entry_scores_kernel)
     for name, f, a in (("kernel", kern, (q, w, pk, sc, rows)), ("path", path, path_args),
@@ -195,9 +183,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             row[f"{name}_nkernels"] = nk
             row["timing"] = how
         except Exception as ex:  # noqa: BLE001
-            row[f"{name}_error"] = repr(ex)[:1000]
-            log(f"{mode} B={B} ctx={ctx}: {name} timing ERROR", repr(ex)[:300])
-            traceback.print_exc()
+            row[f"{name}_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: {name} timing", ex)
     # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs the radix selects (dsv41/topk.py) vs the
     # threshold kernel (pallas_kernels/topk_select.py), same ids
     try:
@@ -215,9 +201,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             f"{row[f'topk_{m}_max_us']:.1f})" for m in methods) + f", same ids {row['topk_radix_same']}")
         del s_t, g_t
     except Exception as ex:  # noqa: BLE001
-        row["topk_error"] = repr(ex)[:1000]
-        log(f"{mode} B={B} ctx={ctx}: top-k timing ERROR", repr(ex)[:300])
-        traceback.print_exc()
+        row["topk_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: top-k timing", ex)
     if "kernel_us" in row:
         row["roofline_us"] = nbytes / (bw * 1e12) * 1e6
         row["pct_bw"] = 100 * row["roofline_us"] / row["kernel_us"]
@@ -243,55 +227,31 @@ def print_table(rows, bw):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--budget-s", type=float, default=100.0, help="skip the remaining cases after this")
+    ap = timing.bench_args(__doc__, out="out", iters=10, budget_s=100.0)
     ap.add_argument("--cases", default="c:64:256,c:1:256,c:8:64,c:64:64,c:1:64,c:8:256,c:64:16,c:8:16,c:1:16,"
                                       "x:64:64,x:1:64,x:8:16,x:64:16,x:1:16,x:8:64",
                     help="mode(c=candidates, x=context):B:ctx in K tokens, most important first")
     ap.add_argument("--no-xla", action="store_true", help="skip timing today's XLA path")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Mosaic GPU interpreter (CPU)")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    log("devices", jax.devices(), "jax", jax.__version__)
-    if args.cpu_smoke:
-        return cpu_smoke()
-    ceil = timing.ceilings()
+    ceil = timing.bench_ceilings()
     bw = ceil["hbm_TBps"]
-    log("ceilings", timing.ceiling_line(ceil))
     flush = timing.jax_flusher()
     rows = []
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "ceilings": ceil, "rows": rows}
     for spec in args.cases.split(","):
         m, b, k = spec.split(":")
         mode = {"c": "candidates", "x": "context"}[m]
-        if time.time() - timing.T0 > args.budget_s:
-            log(f"budget reached: skipping {spec}")
+        if timing.over_budget(args.budget_s, spec):
             rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "SKIP"})
             continue
         try:
             run_case(mode, int(b), int(k) * 1024, args, flush, bw, rows)
         except Exception as ex:  # noqa: BLE001
-            log(f"case {spec} ERROR", repr(ex)[:500])
-            traceback.print_exc()
-            rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "ERROR", "error": repr(ex)[:1000]})
-        with open(os.path.join(args.out, "results.json"), "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+            rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "ERROR",
+                         "error": timing.failure(f"case {spec}", ex)})
+        timing.write_json(args.out, "results.json", results)
     print_table(rows, bw)
     log("done")
-
-
-def cpu_smoke():
-    """The script's data + check logic at tiny shapes in the interpreter (no timing)."""
-    B, ctx = 2, 1024
-    c = make_case(0, B, ctx, "candidates")
-    cb = c["cb"][:, :8]                                           # 64 entries = one tile
-    s_k, _ = il.candidate_scores(c["q"], c["w"], c["pk"], c["sc"], c["bt"], cb, c["q_pos"], RATIO,
-                                 backend="interpret")
-    s_r, _ = il.candidate_scores(c["q"], c["w"], c["pk"], c["sc"], c["bt"], cb, c["q_pos"], RATIO, backend="xla")
-    ok, info = check_scores(s_k, s_r)
-    log("cpu smoke candidates:", "PASS" if ok else "FAIL", info)
 
 
 if __name__ == "__main__":

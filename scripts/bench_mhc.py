@@ -7,31 +7,21 @@
 Per T (decode first; then the first site, y=None, while --budget-s lasts): the pallas path against the XLA path
 (the dsv41.mhc composition the model runs). Checks: h1 within two bf16 ulps on <= 1% of elements; x and
 pre/post/comb (abs <= 2e-5) against the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves
-the mix by |fn| * ulp, not a kernel error); every output finite. Times (scripts/timing.py): CUPTI GPU time summed
-over a call's kernels (launch count matters), the longest kernel, and the wall clock of one blocking call;
-roofline = bytes (fn f32 + h, y read + h1, x written) / the HBM ceiling measured in the same run. One table.
+the mix by |fn| * ulp, not a kernel error); every output finite. Times: CUPTI GPU time summed over a call's
+kernels (launch count matters), the longest kernel, and the wall clock of one blocking call; roofline = bytes
+(fn f32 + h, y read + h1, x written) / the HBM ceiling measured in the same run. One table.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-import traceback
+import timing  # noqa: I001  (first: puts the repository on sys.path)
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-import timing  # noqa: E402
-from dsv41.config import ModelConfig  # noqa: E402
-from pallas_kernels import mhc as M  # noqa: E402
-from timing import fmt, log  # noqa: E402
+from dsv41.config import ModelConfig
+from pallas_kernels import mhc as M
+from timing import fmt, log
 
 ROWS: list[dict] = []
 
@@ -80,11 +70,8 @@ def op_bytes(t, hc, d, first):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap = timing.bench_args(__doc__, iters=20, budget_s=110)
     ap.add_argument("--tokens", default="64,1,8,512")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--budget-s", type=float, default=110)
     ap.add_argument("--tiny", action="store_true", help="CPU: toy shapes through the interpreter")
     args = ap.parse_args()
     cfg = ModelConfig()
@@ -93,16 +80,8 @@ def main():
     if args.tiny:
         d, args.tokens, args.iters, backend = 256, "2", 1, "interpret"
     tokens = [int(v) for v in args.tokens.split(",") if v]
-    log("devices", jax.devices())
-
-    ceil = {}
-    if not args.tiny:
-        try:
-            ceil = timing.ceilings()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-    bw = ceil.get("hbm_TBps", 4.3)
-    log("ceilings", timing.ceiling_line(ceil))
+    ceil = timing.bench_ceilings(quick=args.tiny)
+    bw = ceil["hbm_TBps"]
 
     def wall(f, a):  # median us of one blocking call: launch gaps and host work, which CUPTI's sum does not see
         jax.block_until_ready(f(*a))
@@ -136,15 +115,13 @@ def main():
             row.update(xla_us=tx * 1e3, xla_launches=len(nx), xla_kernels=nx, xla_wall_us=wall(xla, a))
             log({k: v for k, v in row.items() if not k.endswith("_kernels")})
         except Exception as ex:  # noqa: BLE001
-            traceback.print_exc()
-            row.update(check="ERROR", error=f"{type(ex).__name__}: {str(ex)[:300]}")
+            row.update(check="ERROR", error=timing.failure(f"T={t} {row['site']}", ex)[:300])
         dump(args, ceil)
 
     for t in tokens:
         run_case(t, False)
     for t in tokens:
-        if time.time() - timing.T0 > args.budget_s:
-            log("budget reached, skipping the rest")
+        if timing.over_budget(args.budget_s, "the remaining first-site cases"):
             break
         run_case(t, True)
     table(bw)
@@ -168,11 +145,7 @@ def table(bw):
 
 
 def dump(args, ceil):
-    if not args.out:
-        return
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_mhc.json"), "w") as fh:
-        json.dump({"ceilings": ceil, "rows": ROWS, "elapsed_s": time.time() - timing.T0}, fh, indent=1, default=str)
+    timing.write_json(args.out, "bench_mhc.json", {"ceilings": ceil, "rows": ROWS, "elapsed_s": timing.elapsed_s()})
 
 
 if __name__ == "__main__":

@@ -6,26 +6,19 @@
 
 Checks the kernel against the f32 reference at Flash shapes (H=64, D=512, W=128, K=512) per batch and key-split
 count, with a ragged case at B=8 (invalid ring slots, -1 indices, a sequence with no key): relative L2 < 1e-2, no
-NaN. Times (scripts/timing.py, CUPTI) the kernel's path cold (L2 flushed) and warm, the XLA reference, and the
-same attention in PyTorch over bf16 caches (scripts/torch_baselines.py); roofline on the HBM ceiling measured in
-the same run; bytes a sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2). One table, JSON in $OUT.
+NaN. Times (CUPTI) the kernel's path cold (L2 flushed) and warm, the XLA reference, and the same attention in
+PyTorch over bf16 caches (scripts/torch_baselines.py); roofline on the HBM ceiling measured in the same run;
+bytes a sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2). One table, JSON in --out.
 """
 
-import argparse
-import json
 import os
-import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_baselines
 
+import timing  # noqa: E402  (first: puts the repository on sys.path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-import timing  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 from timing import log, time_gpu  # noqa: E402
 
@@ -89,16 +82,12 @@ def torch_baseline(inp, ref32, iters):
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--iters", type=int, default=20)
+  ap = timing.bench_args(__doc__, out="out", iters=20)
   ap.add_argument("--variants", default="1:10:r,1:10:s,8:10:r,8:10:s,64:1:r,64:1:s,64:2:r,64:2:s",
                   help="B:S:mode entries (S key splits, 0: the default); mode r=redundant, s=split QK")
   ap.add_argument("--interpret", action="store_true",
                   help="CPU smoke test of this script (Mosaic GPU interpreter)")
   args = ap.parse_args()
-  out_dir = os.environ.get("OUT", "out")
-  os.makedirs(out_dir, exist_ok=True)
-  log("devices", jax.devices(), "jax", jax.__version__)
   h, d, w, k = 64, 512, 128, 512
   n_tiles = w // sa.TILE + k // sa.TILE
   variants = {}
@@ -108,11 +97,8 @@ def main():
         (int(ss), v, sa.KernelConfig(qk_mode={"r": "redundant", "s": "split"}[mode])))
   results = {"timings": []}
 
-  # correctness and timing per batch size
   flush = timing.jax_flusher()
-  bw = timing.ceilings(quick=args.interpret)
-  log("ceilings:", timing.ceiling_line(bw))
-  results["ceilings"] = bw
+  results["ceilings"] = bw = timing.bench_ceilings(quick=args.interpret)
   ceiling = bw["hbm_TBps"]
 
   ref_fn = jax.jit(sa.sparse_attention_reference)
@@ -171,9 +157,7 @@ def main():
         log(f"  cold: path {t_all * 1e3:.1f} us, main kernel {t_k * 1e3:.1f} us; "
             f"warm: path {t_warm * 1e3:.1f} us, kernel {t_kw * 1e3:.1f} us; kernels {names}")
       except Exception as ex:  # noqa: BLE001
-        log(f"{vname} B={b} S={s} FAILED:", repr(ex)[:3000])
-        traceback.print_exc()
-        entry["error"] = repr(ex)[:3000]
+        entry["error"] = timing.failure(f"{vname} B={b} S={s}", ex)
       rows.append(entry)
       results["timings"].append(entry)
 
@@ -192,8 +176,7 @@ def main():
                   f"{r['flops'] / (us * 1e-6) / 1e12:.1f}", f"{r['rel_l2']:.1e} {r['ok']}"])
   timing.print_table(["variant", "B", "S", "kernel us", "path us", "warm us", "XLA us", "speedup", "torch us",
                       "vs torch", "MB", "TB/s", "% HBM", "TFLOP/s", "rel_l2 ok"], table)
-  with open(os.path.join(out_dir, "bench_sparse_attention.json"), "w") as fh:
-    json.dump(results, fh, indent=1, default=str)
+  timing.write_json(args.out, "bench_sparse_attention.json", results)
   log("done")
 
 

@@ -4,18 +4,67 @@ A timed jitted function must take every array it reads as an argument: a closed-
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
 
+# the benches import this first (their own folder is on sys.path): the repository's packages then import without
+# PYTHONPATH
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T0 = time.time()
 _CUPTI_OK = None  # None: not tried yet; False after a failure (then wall clock only)
 
 
+def elapsed_s() -> float:
+    return time.time() - T0
+
+
 def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+    print(f"[{elapsed_s():6.1f}s]", *a, flush=True)
+
+
+def bench_args(doc: str, *, out: str = "", iters: int | None = None,
+               budget_s: float | None = None) -> argparse.ArgumentParser:
+    """A kernel bench's parser with the flags they share: --out (default $OUT), --iters, --budget-s."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", out), help="where the results JSON goes")
+    if iters is not None:
+        ap.add_argument("--iters", type=int, default=iters, help="timed calls a median is taken over")
+    if budget_s is not None:
+        ap.add_argument("--budget-s", type=float, default=budget_s, help="skip the remaining cases after this")
+    return ap
+
+
+def over_budget(budget_s: float, what: str) -> bool:
+    """True (logged) once the run has taken budget_s: the caller skips `what`, so a device call's limit is not hit
+    mid-case and the table of what was measured still prints."""
+    if elapsed_s() <= budget_s:
+        return False
+    log("budget reached, skipping", what)
+    return True
+
+
+def failure(what: str, ex: BaseException) -> str:
+    """Logs a failed case or path with its traceback -> the error text for its row (one failure must not lose
+    the rest of the table)."""
+    log(f"{what} FAILED: {type(ex).__name__}: {str(ex)[:500]}")
+    traceback.print_exc()
+    return repr(ex)[:1000]
+
+
+def write_json(out_dir: str, name: str, obj) -> None:
+    """obj as out_dir/name (nothing without out_dir); rewritten after each case, so a killed run keeps its rows."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as fh:
+            json.dump(obj, fh, indent=1, default=str)
 
 
 def median_wall_s(fn, reps=5):
@@ -47,6 +96,11 @@ def _cupti_runs(f, args, iters):  # one list of (kernel name, ms) a call of f(*a
 
     _, ts = profiler.measure(f, aggregate=False, iterations=iters)(*args)
     return [list(ts)] if iters == 1 else [list(r) for r in ts]
+
+
+def how(names: list[str]) -> str:
+    """How `time_gpu` timed a call, from the names it returned: 'cupti' or 'wall'."""
+    return "wall" if names == ["wall-clock"] else "cupti"
 
 
 def time_gpu(f, args, *, iters=20, flush=None):
@@ -171,6 +225,19 @@ def ceilings(quick=False) -> dict:
     res["hbm_TBps"] = max(v for k, v in res.items() if k.startswith("hbm"))
     res["mm_TFLOPs"] = max(v for k, v in res.items() if k.startswith("mm_"))
     return res
+
+
+def bench_ceilings(quick=False) -> dict:
+    """`ceilings`, logged with the devices; where measuring fails, the H200's usual figures marked 'assumed' (a
+    roofline column is still printed)."""
+    log("devices", jax.devices(), "jax", jax.__version__)
+    try:
+        c = ceilings(quick)
+    except Exception as ex:  # noqa: BLE001
+        failure("ceilings", ex)
+        c = {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0, "assumed": True}
+    log("ceilings", ceiling_line(c))
+    return c
 
 
 def ceiling_line(c: dict) -> str:
