@@ -3,9 +3,8 @@
     python scripts/bench_load.py [--layers 4]     # preset 'bench' (~20 GB on disk), on the GPU machine
     python scripts/bench_load.py --preset tiny    # CPU smoke test
 
-Writes a checkpoint of random bytes in the stored formats, evicts it from the page cache (fsync +
-POSIX_FADV_DONTNEED, no root needed), times a raw parallel read of the shards, cold and warm `load_checkpoint`,
-and orbax save / cold restore. Prints one table.
+Writes random bytes in the stored formats, evicts them from the page cache (fsync + POSIX_FADV_DONTNEED, no root
+needed), times a raw parallel read of the shards, cold and warm `load_checkpoint`, orbax save / cold restore.
 """
 
 from __future__ import annotations
@@ -17,21 +16,17 @@ import logging
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import timing  # noqa: E402
-from dsv41 import checkpoint as ckpt  # noqa: E402
-from dsv41 import quant  # noqa: E402
-from dsv41.config import ModelConfig, preset  # noqa: E402
-from dsv41.params import Params, abstract_params, is_weight_leaf  # noqa: E402
+import timing  # before dsv41: puts the repository on sys.path
+from dsv41 import checkpoint as ckpt
+from dsv41 import quant
+from dsv41.config import ModelConfig, preset
+from dsv41.params import Params, abstract_params, is_weight_leaf
 
 log = logging.getLogger("bench_load")
 
@@ -109,15 +104,12 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="bench", help="config preset (default: bench)")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
-    ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--workers", type=int, default=8, help="load_checkpoint threads")
-    ap.add_argument("--read-threads", type=int, default=8, help="threads of the raw read")
+    ap.add_argument("--workers", type=int, default=8, help="load_checkpoint threads, and those of the raw read")
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated load_checkpoint read modes to time, of {list(ckpt.READ_MODES)} "
                          "(default: the loader's default for this backend)")
     ap.add_argument("--no-orbax", action="store_true")
-    ap.add_argument("--keep", action="store_true", help="keep the written files")
-    ap.add_argument("--reuse", action="store_true", help="reuse a release checkpoint already in --dir")
+    ap.add_argument("--reuse", action="store_true", help="reuse a release checkpoint already in --dir, and keep it")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step at INFO
@@ -135,7 +127,7 @@ def main(argv=None) -> None:
             params = random_params(cfg)
             log.info("random params: %.1f s", time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ckpt.save_checkpoint(params, cfg, release, n_shards=args.shards, fsync=True)
+            ckpt.save_checkpoint(params, cfg, release, n_shards=8, fsync=True)
             size = sum(os.path.getsize(p) for p in files_under(release, ".safetensors"))
             rows.append(("write release (fsync)", size, time.perf_counter() - t0))
             del params
@@ -143,14 +135,14 @@ def main(argv=None) -> None:
 
         shards = files_under(release, ".safetensors")
         evict(shards)
-        n, dt = raw_read(shards, args.read_threads)
+        n, dt = raw_read(shards, args.workers)
         raw_rate = n / dt
-        rows.append((f"raw read, cold, {args.read_threads} threads", n, dt))
+        rows.append((f"raw read, cold, {args.workers} threads", n, dt))
         evict(shards)
         n1, dt1 = raw_read(shards, 1)
         rows.append(("raw read, cold, 1 thread", n1, dt1))
-        n2, dt2 = raw_read(shards, args.read_threads)
-        rows.append((f"raw read, page cache, {args.read_threads} threads", n2, dt2))
+        n2, dt2 = raw_read(shards, args.workers)
+        rows.append((f"raw read, page cache, {args.workers} threads", n2, dt2))
 
         # the first transfers of a process set up the runtime's copy machinery (~2 s on an H200): keep that out
         jax.device_put(np.zeros(64 << 20, np.uint8)).block_until_ready()
@@ -167,8 +159,7 @@ def main(argv=None) -> None:
                 jax.block_until_ready(loaded)
                 dt = time.perf_counter() - t0
                 dev, host = device_bytes(loaded)
-                rows.append((f"load {mode} x{args.workers}, {label} (+{host / 1e9:.1f} GB mapped)", dev,
-                             dt))
+                rows.append((f"load {mode} x{args.workers}, {label} (+{host / 1e9:.1f} GB mapped)", dev, dt))
 
         if not args.no_orbax:
             t0 = time.perf_counter()
@@ -184,7 +175,7 @@ def main(argv=None) -> None:
             rows.append(("orbax restore, cold", device_bytes(restored)[0], time.perf_counter() - t0))
             del restored
     finally:
-        if not args.keep:
+        if not args.reuse:
             shutil.rmtree(root, ignore_errors=True)
 
     print(f"\n{args.preset} preset, {cfg.n_layers} layers, {cfg.n_routed_experts} experts, "

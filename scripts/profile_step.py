@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import KERNELS, device_params, fake_decode_state, make_engine, with_fp4_experts  # the engine's set-up
-from timing import cupti_kernels, median_wall_s as timed, print_table
+from timing import cupti_kernels, median_wall_s as timed, print_table, write_json
 
 from dsv41 import params as P
 from dsv41.config import preset
@@ -75,13 +74,6 @@ def by_part(kernels: list[tuple[str, float]], parts: dict[str, str]) -> dict[str
     return {k: (n, ms) for k, (n, ms) in out.items()}
 
 
-def print_parts(parts: dict[str, tuple[int, float]]) -> None:
-    total = sum(ms for _, ms in parts.values())
-    print("\n| model part | kernels | ms | of kernel time |\n|---|---:|---:|---:|")
-    for k, (n, ms) in sorted(parts.items(), key=lambda kv: -kv[1][1]):
-        print(f"| {k} | {n} | {ms:.3f} | {100 * ms / total:.0f}% |")
-
-
 def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top: int) -> dict:
     by_kind, by_name = collections.defaultdict(float), collections.defaultdict(lambda: [0.0, 0])
     for name, ms in kernels:
@@ -111,7 +103,6 @@ def main():
     ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
     ap.add_argument("--no-replay", action="store_true", help="prefill on the exact path")
-    ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--no-parts", action="store_true", help="skip the by-model-part table (a second compile)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
@@ -138,12 +129,16 @@ def main():
             eng.step()  # compile
             wall = timed(eng.step, reps=10) * 1e3
             kernels = cupti_kernels(eng.step)
-            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall, kernels, args.top))
+            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
             if j == 0 and not args.no_parts:
                 b, s = eng.decode_inputs(list(eng.running.values()))
                 text = programs.run_full.lower(eng.params, eng.pool, b, s, **eng.static).compile().as_text()
                 parts = by_part(kernels, hlo_parts(text))
-                print_parts(parts)
+                total = sum(ms for _, ms in parts.values())
+                print()
+                print_table(["model part", "kernels", "ms", "of kernel time"], [
+                    [k, n, f"{ms:.3f}", f"{100 * ms / total:.0f}%"]
+                    for k, (n, ms) in sorted(parts.items(), key=lambda kv: -kv[1][1])])
                 results[-1]["by_part"] = parts
         del eng
     if args.prefill:
@@ -156,11 +151,8 @@ def main():
         wall = timed(run, reps=3) * 1e3
         mode = "exact" if args.no_replay else "replay"
         results.append(summarize(f"prefill of {n} tokens ({mode}, chunks of 2048)", wall, cupti_kernels(run),
-                                 args.top))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "profile_step.json"), "w") as fh:
-            json.dump({"args": vars(args), "results": results}, fh, indent=1)
+                                 20))
+    write_json(args.out, "profile_step.json", {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":
