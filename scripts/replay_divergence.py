@@ -1,12 +1,9 @@
-"""What SWA bounded replay costs in fidelity, teacher-forced (docs/REPLAY.md): for each prompt length, a random
-prompt followed by one fixed continuation is scored by the exact path (replay off) and by replay with each
-`--replay-tokens` N, every path feeding the same continuation tokens (not its own samples), so that position i's
-next-token distributions compare like for like. Beside them, the exact path's own noise floor: its serving
-numerics (REFERENCE: bf16, FP8/FP4 KV) against float32 without quantization (EXACT_F32), and batch 1 against
-the batch of all prompts. Prints the markdown tables of docs/REPLAY.md and the wall time.
-
-Every prompt of a path runs in one engine (decode batch 8, one program per kind: one prefill chunk size and one
-block-table width), so the exact and replay engines decode the same rows in the same steps.
+"""What SWA bounded replay costs in fidelity, teacher-forced (docs/REPLAY.md): a random prompt of each length and
+one fixed continuation, scored by the exact path (replay off) and by replay with each `--replay-tokens` N, every
+path fed the same continuation tokens (not its own samples) so position i's next-token distributions compare like
+for like. Beside them the exact path's own noise floor: its serving numerics (REFERENCE) against float32
+(EXACT_F32), and batch 1 against the batch of all prompts. Each path runs its prompts in one engine (decode batch
+8, one program per kind), so the exact and replay engines decode the same rows in the same steps.
 
     PYTHONPATH=. python scripts/replay_divergence.py [--preset tiny40] [--lengths 256,...,8192]
         [--replay-tokens 128,256] [--batch1-lengths 1024] [--tokens 64]
@@ -26,6 +23,7 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, SamplingParams
+from timing import print_table
 
 log = logging.getLogger("replay_divergence")
 
@@ -130,11 +128,8 @@ def main():
                         lambda c: f"{c[0]:.2g} / {c[1]:.2g} / {c[2]:.2g}"),
                        ("max |logit difference| over positions", lambda c: f"{c[3]:.3g}")):
         print(f"{title}\n")
-        print("| prompt tokens | " + " | ".join(names) + " |")
-        print("|---" * (len(names) + 1) + "|")
-        for n in lengths:
-            cells = [fmt(cols[c][f"L{n}"]) if f"L{n}" in cols[c] else "-" for c in names]
-            print(f"| {n} | " + " | ".join(cells) + " |")
+        print_table(["prompt tokens", *names], [[n] + [fmt(cols[c][f"L{n}"]) if f"L{n}" in cols[c] else "-"
+                                                      for c in names] for n in lengths], "l" * (len(names) + 1))
         print()
     print(f"wall time {time.perf_counter() - t_all:.0f} s")
 
