@@ -91,43 +91,37 @@ def cupti_kernels(fn) -> list[tuple[str, float]]:
     return list(timings or [])
 
 
-def _cupti_runs(f, args, iters):  # one list of (kernel name, ms) a call of f(*args)
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, ts = profiler.measure(f, aggregate=False, iterations=iters)(*args)
-    return [list(ts)] if iters == 1 else [list(r) for r in ts]
-
-
-def how(names: list[str]) -> str:
-    """How `time_gpu` timed a call, from the names it returned: 'cupti' or 'wall'."""
-    return "wall" if names == ["wall-clock"] else "cupti"
+def _cupti(runs):
+    """runs() -> its CUPTI result, or None (logged once) where CUPTI is unavailable: then wall clock only."""
+    global _CUPTI_OK
+    if _CUPTI_OK is False:
+        return None
+    try:
+        out, _CUPTI_OK = runs(), True
+        return out
+    except Exception as ex:  # noqa: BLE001
+        log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
+        _CUPTI_OK = False
 
 
 def time_gpu(f, args, *, iters=20, flush=None):
     """-> (median GPU ms of one call f(*args) summed over its kernels, median ms of its longest kernel, its kernel
     names or ['wall-clock']). flush() (untimed) before each call when given, so the data comes from HBM."""
-    global _CUPTI_OK
     jax.block_until_ready(f(*args))
-    if _CUPTI_OK is not False:
-        try:
-            runs = []
-            if flush is None:
-                runs = _cupti_runs(f, args, iters)
-            else:
-                for _ in range(iters):
-                    jax.block_until_ready(flush())
-                    runs += _cupti_runs(f, args, 1)
-            _CUPTI_OK = True
-            return (statistics.median(sum(t for _, t in r) for r in runs),
-                    statistics.median(max(t for _, t in r) for r in runs), [n for n, _ in runs[0]])
-        except Exception as ex:  # noqa: BLE001
-            log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
-            _CUPTI_OK = False
-    ts = []
-    for _ in range(iters):
+
+    def flushed(fn):
         if flush is not None:
             jax.block_until_ready(flush())
-        ts.append(_wall(lambda: jax.block_until_ready(f(*args))) * 1e3)
+        return fn(lambda: jax.block_until_ready(f(*args)))
+
+    def stats(runs):
+        return (statistics.median(sum(t for _, t in r) for r in runs),
+                statistics.median(max(t for _, t in r) for r in runs), [n for n, _ in runs[0]])
+
+    got = _cupti(lambda: stats([flushed(cupti_kernels) for _ in range(iters)]))
+    if got:
+        return got
+    ts = [flushed(_wall) * 1e3 for _ in range(iters)]
     return statistics.median(ts), statistics.median(ts), ["wall-clock"]
 
 
@@ -135,7 +129,6 @@ def time_calls(fn, arg_sets, reps=5, serial=False):
     """Median seconds a call of the jitted fn over `arg_sets` (rotated) -> (CUPTI kernel time or None, wall).
     Wall: calls queued back to back (one at a time with `serial`: the interpreter is not re-entrant), so where a
     call's GPU time is below JAX's dispatch cost it is the dispatch rate."""
-    global _CUPTI_OK
     for a in arg_sets:
         jax.block_until_ready(fn(*a))
 
@@ -147,15 +140,9 @@ def time_calls(fn, arg_sets, reps=5, serial=False):
         jax.block_until_ready(out)
 
     wall = median_wall_s(rotate, reps) / len(arg_sets)
-    cupti = None
-    if _CUPTI_OK is not False and not serial:
-        try:
-            per = [sum(ms for _, ms in cupti_kernels(lambda: jax.block_until_ready([fn(*a) for a in arg_sets])))
-                   / 1e3 / len(arg_sets) for _ in range(reps)]
-            cupti, _CUPTI_OK = statistics.median(per), True
-        except Exception as ex:  # noqa: BLE001
-            log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
-            _CUPTI_OK = False
+    cupti = None if serial else _cupti(lambda: statistics.median(
+        sum(ms for _, ms in cupti_kernels(lambda: jax.block_until_ready([fn(*a) for a in arg_sets])))
+        / 1e3 / len(arg_sets) for _ in range(reps)))
     return cupti, wall
 
 
