@@ -138,23 +138,20 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         today_args = path_args
         scores_k = jax.jit(lambda *a: il.context_scores(*a, RATIO, G))
 
-        @jax.jit
-        def scores_g(*a):
+        def visible(q_pos):  # [B, 1, G] entry ids, -1 past each row's visible count
             g = jnp.arange(G, dtype=jnp.int32)
-            visible = g[None, None] < il.visible_count(a[-1], RATIO)[..., None]
-            return il.context_scores(*a, RATIO, G), jnp.where(visible, g, -1)
+            return jnp.where(g[None, None] < il.visible_count(q_pos, RATIO)[..., None], g, -1)
+
+        scores_g = jax.jit(lambda *a: (il.context_scores(*a, RATIO, G), visible(a[-1])))
 
         @jax.jit
         def reference(*a):
             s_r = il.context_scores(*a, RATIO, G, backend="xla")
-            g = jnp.arange(G, dtype=jnp.int32)
-            g = jnp.where(g[None, None] < il.visible_count(a[-1], RATIO)[..., None], g, -1)
-            return s_r, il.topk_entries(s_r, g, k_top)
+            return s_r, il.topk_entries(s_r, visible(a[-1]), k_top)
 
         sargs = (q, w, pk, sc, bt, q_pos)
     nbytes = B * (n * ENTRY_BYTES + IH * ID * 2 + IH * 2 + n * 4 + n * 4)   # keys, q, w, row ids, f32 scores
-    row["entries"] = n
-    row["bytes"] = nbytes
+    row.update(entries=n, bytes=nbytes)
     # 1. correctness
     try:
         s_k = scores_k(*sargs)
@@ -179,9 +176,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         try:
             tot, mx, nk, how = time_gpu(f, a, iters=args.iters, flush=flush)
             row[f"{name}_us"] = mx if name == "kernel" else tot      # kernel: the Mosaic kernel alone
-            row[f"{name}_total_us"] = tot
-            row[f"{name}_nkernels"] = nk
-            row["timing"] = how
+            row.update({f"{name}_total_us": tot, f"{name}_nkernels": nk, "timing": how})
         except Exception as ex:  # noqa: BLE001
             row[f"{name}_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: {name} timing", ex)
     # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs the radix selects (dsv41/topk.py) vs the

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-import traceback
 
 import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
@@ -105,51 +104,39 @@ def main():
         flops = 2 * t * D * E
         roof_ms = max(byts / (ceil["hbm_TBps"] * 1e12), flops / (ceil["mm_TFLOPs"] * 1e12)) * 1e3
         case.update(bytes=byts, flops=flops, roofline_ms=roof_ms)
-        fns = {
-            "pallas": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend=backend)),
-            "xla": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="xla")),
-        }
+        fns = {"pallas": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend=backend)),
+               "xla": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="xla"))}
         try:
-            ref = jax.jit(lambda x, g: R.route_reference(x, g, rc))(x, gate)
-            jax.block_until_ready(ref)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            results["errors"].append(f"T={t} reference: {traceback.format_exc()[-500:]}")
+            ref = jax.block_until_ready(jax.jit(lambda x, g: R.route_reference(x, g, rc))(x, gate))
+        except Exception as ex:  # noqa: BLE001
+            results["errors"].append(f"T={t} reference: {timing.failure(f'T={t} reference', ex)}")
             ref = None
-        for name in ("pallas", "xla"):
-            if ref is None:
-                break
+        for name in ("pallas", "xla") if ref is not None else ():
             try:
                 t1 = time.time()
-                out = fns[name](x, gate)
-                jax.block_until_ready(out)
+                out = jax.block_until_ready(fns[name](x, gate))
                 log(f"T={t} {name}: compile+run {time.time() - t1:.1f}s")
                 case["checks"].append(check(name, out, ref, x, w, bias))
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                case["checks"].append({"path": name, "ok": False, "error": traceback.format_exc()[-800:]})
-        for name, fn in fns.items():
-            if time.time() - timing.T0 > args.budget_s + 10:
-                continue
+            except Exception as ex:  # noqa: BLE001
+                case["checks"].append({"path": name, "ok": False, "error": timing.failure(f"T={t} {name}", ex)})
+        late = timing.elapsed_s() > args.budget_s + 10  # past the budget mid-case: the timings are skipped
+        for name, fn in fns.items() if not late else ():
             try:
                 ms, _, names = timing.time_gpu(fn, (x, gate), iters=args.iters, flush=do_flush)
                 case["timings"][name] = {"us": ms * 1e3, "how": timing.how(names)}
                 log(f"T={t} {name}: {ms * 1e3:.2f} us ({timing.how(names)})")
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                case["timings"][name] = {"error": traceback.format_exc()[-800:]}
-        if ref is not None and not args.interpret and time.time() - timing.T0 <= args.budget_s + 10:
+            except Exception as ex:  # noqa: BLE001
+                case["timings"][name] = {"error": timing.failure(f"T={t} {name} timing", ex)}
+        if ref is not None and not args.interpret and not late:
             try:
                 res, us = torch_route(x, gate, rc, ref, args.iters)
                 case["checks"].append(res)
                 case["timings"]["torch"] = {"us": us, "how": "cuda events"}
                 log(f"T={t} torch: {us:.2f} us")
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                case["timings"]["torch"] = {"error": traceback.format_exc()[-800:]}
+            except Exception as ex:  # noqa: BLE001
+                case["timings"]["torch"] = {"error": timing.failure(f"T={t} torch", ex)}
         timing.write_json(args.out, "results.json", results)
 
-    # ---- the table
     print(f"\nFused MoE router, D={D} E={E} k={K}; GPU us per call (L2 flushed), roofline = "
           f"max(bytes / {ceil['hbm_TBps']:.2f} TB/s, FLOPs / {ceil['mm_TFLOPs']:.0f} TFLOP/s)")
     rows = []
