@@ -104,6 +104,11 @@ def _cupti(runs):
         _CUPTI_OK = False
 
 
+def how(names: list[str]) -> str:
+    """How `time_gpu` timed a call, from the names it returned: 'cupti' or 'wall'."""
+    return "wall" if names == ["wall-clock"] else "cupti"
+
+
 def time_gpu(f, args, *, iters=20, flush=None):
     """-> (median GPU ms of one call f(*args) summed over its kernels, median ms of its longest kernel, its kernel
     names or ['wall-clock']). flush() (untimed) before each call when given, so the data comes from HBM."""
