@@ -3,7 +3,6 @@
 w13 = w1 and w3 as one [4608, 5120] weight, w2 [5120, 2304]).
 
     PYTHONPATH=. python3 scripts/bench_expert_gemm.py [--decode-tokens 1,8,64] [--prefill-tokens 8192]
-    .venv/bin/python scripts/bench_expert_gemm.py --tiny   # CPU: the whole script at toy shapes, interpreter
 
 Each config is checked on random data (every e2m1 code) against a float32 reference (relative Frobenius error
 <= 5e-3, finite), then timed by CUPTI (median of 5, rotating over routings so the experts are not re-read from L2):
@@ -27,7 +26,6 @@ from dsv41.quant import Fp4Weight
 from pallas_kernels import expert_gemm as eg
 from timing import log
 
-INTERPRET = False  # --tiny: the whole script on the CPU through the interpreter
 ROWS: list[dict] = []
 
 
@@ -86,7 +84,7 @@ def kernel_only(x, pw, gs, cfg):
     m, e, n = x.shape[0], pw.weight.shape[0], pw.weight.shape[1]
     t_max = eg.max_tiles(m, e, cfg.tm)
     te, tr, src, _, _ = eg.tile_schedule(gs, m, cfg.tm, t_max)
-    kern = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], n, e, t_max, cfg, INTERPRET,
+    kern = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], n, e, t_max, cfg, False,
                             out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
     return jax.jit(kern), (eg.pack_schedule(te, tr),), src
 
@@ -137,15 +135,14 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args):
             continue
 
         def pallas(cfg=cfg):
-            f = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="interpret" if INTERPRET else "pallas",
-                                          config=cfg))
+            f = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="pallas", config=cfg))
             ok, rel = check(f"{kind} {mat} T={tokens} {label(cfg)}", f(x0, pw, gs0), ref)
-            add("pallas", cfg, *timing.time_calls(f, [(x, pw, g) for x, g in sets], serial=INTERPRET), ok, rel)
+            add("pallas", cfg, *timing.time_calls(f, [(x, pw, g) for x, g in sets]), ok, rel)
             kf, ksets = kernel_only(x0, pw, gs0, cfg)[0], []
             for x, gs in sets:  # x already in the kernel's padded row layout
                 _, sched, src = kernel_only(x, pw, gs, cfg)
                 ksets.append((*sched, jnp.take(x, src, axis=0, mode="fill", fill_value=0), pw.weight, pw.scale_t))
-            add("pallas-kernel", cfg, *timing.time_calls(kf, ksets, serial=INTERPRET), ok, rel)
+            add("pallas-kernel", cfg, *timing.time_calls(kf, ksets), ok, rel)
         guarded("pallas", pallas)
 
     def torch_mm():
@@ -168,7 +165,7 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args):
         wkn = jnp.swapaxes(wbf16, 1, 2)
         add("xla ragged_dot(bf16 w)", None, *timing.time_calls(fr, [(x, wkn, g) for x, g in sets], reps=3))
 
-    if not INTERPRET and not args.no_torch:
+    if not args.no_torch:
         guarded("torch", torch_mm)
     if not args.skip_baselines and kind == "decode":  # XLA's ragged_dot runs out of memory at prefill sizes
         guarded("xla", xla)
@@ -193,7 +190,6 @@ def dump(ceil, args):
 
 def main():
     ap = timing.bench_args(__doc__, budget_s=330)
-    ap.add_argument("--tiny", action="store_true", help="CPU: the whole script at toy shapes, interpreter")
     ap.add_argument("--rot", type=int, default=6, help="routings rotated through when timing decode")
     ap.add_argument("--decode-tokens", default="1,8,64")
     ap.add_argument("--prefill-tokens", default="8192", help="e.g. 2048,8192")
@@ -204,12 +200,8 @@ def main():
                     help="configs instead of default_config's, " + parse_configs.__doc__)
     ap.add_argument("--prefill-configs", default="", help="as --decode-configs, for the prefill cases")
     args = ap.parse_args()
-    global INTERPRET
-    INTERPRET = args.tiny
-    C = eg.KernelConfig
-    ceil = timing.bench_ceilings(quick=args.tiny)
-    e, shapes = (8, {"w13": (256, 256), "w2": (256, 128)}) if args.tiny else (384, {"w13": (4608, 5120),
-                                                                                    "w2": (5120, 2304)})
+    ceil = timing.bench_ceilings()
+    e, shapes = 384, {"w13": (4608, 5120), "w2": (5120, 2304)}
     weights = {}
     for i, (mat, (n, k)) in enumerate(shapes.items()):
         w = make_weight(jax.random.key(10 + i), e, n, k)
@@ -218,8 +210,6 @@ def main():
             for j in range(0, e, 32)])
         weights[mat] = jax.block_until_ready((n, k, w, eg.prepare_fp4_experts(w), wbf16))
     dec_cfgs, pre_cfgs = parse_configs(args.decode_configs), parse_configs(args.prefill_configs)
-    if args.tiny:
-        dec_cfgs, pre_cfgs = [C(tm=8, tk=64, num_wgs=1, stages=2)], [C(tm=16, tk=64, num_wgs=2, stages=2)]
     try:
         dec = sorted(int(t) for t in args.decode_tokens.split(",") if t)
         pre = [] if args.skip_prefill else [int(t) for t in args.prefill_tokens.split(",") if t]

@@ -2,7 +2,6 @@
 """Check and time the fused mHC site (pallas_kernels/mhc.py) at Flash shapes (hc=4, D=5120, fn [24, 20480]).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_mhc.py --out $OUT [--tokens 64,1,8,512]
-    .venv/bin/python scripts/bench_mhc.py --tiny     # CPU: the script's logic at toy shapes, interpreter
 
 Per T (decode first; then the first site, y=None, while --budget-s lasts): the pallas path against the XLA path
 (the dsv41.mhc composition the model runs). Checks: h1 within two bf16 ulps on <= 1% of elements; x and
@@ -72,15 +71,11 @@ def op_bytes(t, hc, d, first):
 def main():
     ap = timing.bench_args(__doc__, iters=20, budget_s=110)
     ap.add_argument("--tokens", default="64,1,8,512")
-    ap.add_argument("--tiny", action="store_true", help="CPU: toy shapes through the interpreter")
     args = ap.parse_args()
     cfg = ModelConfig()
     hc, d = cfg.hc_mult, cfg.dim
-    backend = "pallas"
-    if args.tiny:
-        d, args.tokens, args.iters, backend = 256, "2", 1, "interpret"
     tokens = [int(v) for v in args.tokens.split(",") if v]
-    ceil = timing.bench_ceilings(quick=args.tiny)
+    ceil = timing.bench_ceilings()
     bw = ceil["hbm_TBps"]
 
     def wall(f, a):  # median us of one blocking call: launch gaps and host work, which CUPTI's sum does not see
@@ -94,7 +89,7 @@ def main():
             a = make_inputs(jax.random.key(1000 + t), t, d)
             if first:
                 a[0] = a[2] = a[3] = None
-            pal = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend=backend))
+            pal = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend="pallas"))
             xla = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend="xla"))
             out = jax.block_until_ready(pal(*a))
             ref = jax.block_until_ready(xla(*a))

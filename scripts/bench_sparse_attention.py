@@ -2,7 +2,6 @@
 """Check and time the fused sparse-attention decode kernel (pallas_kernels/sparse_attention.py) on the H200.
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_sparse_attention.py [--variants 1:10:r,64:2:s]
-  .venv/bin/python scripts/bench_sparse_attention.py --interpret --variants 1:1:r --iters 1   # CPU
 
 Checks the kernel against the f32 reference at Flash shapes (H=64, D=512, W=128, K=512) per batch and key-split
 count, with a ragged case at B=8 (invalid ring slots, -1 indices, a sequence with no key): relative L2 < 1e-2, no
@@ -23,8 +22,7 @@ from pallas_kernels import sparse_attention as sa  # noqa: E402
 from timing import log, time_gpu  # noqa: E402
 
 
-def make_inputs(key, b, *, h=64, d=512, w=128, k=512, p=64, pages_per_seq=256,
-                ragged=False):
+def make_inputs(key, b, *, h=64, d=512, w=128, k=512, p=64, pages_per_seq=256, ragged=False):
   ks = jax.random.split(key, 12)
   q = jax.random.normal(ks[0], (b, h, d), jnp.float32).astype(jnp.bfloat16)
   bits = jax.random.randint(ks[1], (b, w, d), 0, 256, jnp.int32)
@@ -48,8 +46,7 @@ def make_inputs(key, b, *, h=64, d=512, w=128, k=512, p=64, pages_per_seq=256,
 
 
 def rel_err(out, ref):
-  out = jnp.asarray(out, jnp.float32)
-  ref = jnp.asarray(ref, jnp.float32)
+  out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
   nan = bool(jnp.any(jnp.isnan(out)))
   e = float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
   mx = float(jnp.max(jnp.abs(out - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
@@ -85,20 +82,16 @@ def main():
   ap = timing.bench_args(__doc__, out="out", iters=20)
   ap.add_argument("--variants", default="1:10:r,1:10:s,8:10:r,8:10:s,64:1:r,64:1:s,64:2:r,64:2:s",
                   help="B:S:mode entries (S key splits, 0: the default); mode r=redundant, s=split QK")
-  ap.add_argument("--interpret", action="store_true",
-                  help="CPU smoke test of this script (Mosaic GPU interpreter)")
   args = ap.parse_args()
   h, d, w, k = 64, 512, 128, 512
   n_tiles = w // sa.TILE + k // sa.TILE
   variants = {}
   for v in args.variants.split(","):
     bb, ss, mode = v.split(":")
-    variants.setdefault(int(bb), []).append(
-        (int(ss), v, sa.KernelConfig(qk_mode={"r": "redundant", "s": "split"}[mode])))
-  results = {"timings": []}
-
+    qk_mode = {"r": "redundant", "s": "split"}[mode]
+    variants.setdefault(int(bb), []).append((int(ss), v, sa.KernelConfig(qk_mode=qk_mode)))
   flush = timing.jax_flusher()
-  results["ceilings"] = bw = timing.bench_ceilings(quick=args.interpret)
+  results = {"timings": [], "ceilings": (bw := timing.bench_ceilings())}
   ceiling = bw["hbm_TBps"]
 
   ref_fn = jax.jit(sa.sparse_attention_reference)
@@ -116,19 +109,16 @@ def main():
       t_x, names_x = float("nan"), []
     log(f"B={b}: XLA reference {t_x * 1e3:.1f} us (cold), kernels {names_x[:6]}")
     t_torch = e_torch = float("nan")
-    if not args.interpret:
-      try:
-        t_torch, e_torch = torch_baseline(inp, ref32, args.iters)
-        log(f"B={b}: PyTorch over bf16 caches {t_torch:.1f} us (cold), rel_l2 {e_torch:.2e}")
-      except Exception as e:  # noqa: BLE001
-        log("torch baseline failed", repr(e)[:300])
+    try:
+      t_torch, e_torch = torch_baseline(inp, ref32, args.iters)
+      log(f"B={b}: PyTorch over bf16 caches {t_torch:.1f} us (cold), rel_l2 {e_torch:.2e}")
+    except Exception as e:  # noqa: BLE001
+      log("torch baseline failed", repr(e)[:300])
     for s, vname, cfg in variants[b]:
       s = s or sa.default_num_splits(b, n_tiles)
-      entry = {"B": b, "S": s, "variant": vname, "config": str(cfg),
-               "bytes": bytes_, "flops": flops}
+      entry = {"B": b, "S": s, "variant": vname, "config": str(cfg), "bytes": bytes_, "flops": flops}
       try:
-        f = jax.jit(lambda *a, _s=s, _c=cfg: sa.sparse_attention_decode(
-            *a, num_splits=_s, interpret=args.interpret, config=_c))
+        f = jax.jit(lambda *a, _s=s, _c=cfg: sa.sparse_attention_decode(*a, num_splits=_s, config=_c))
         t_c0 = time.time()
         out = jax.block_until_ready(f(*inp))
         entry["compile_run_s"] = time.time() - t_c0
@@ -145,8 +135,7 @@ def main():
           re_, rmx, rnan = rel_err(rout, rref)
           row1 = rel_err(rout[1], rref[1])[0]
           z0 = float(jnp.max(jnp.abs(rout[0].astype(jnp.float32))))
-          entry.update(ragged_rel_l2=re_, ragged_nan=rnan, ragged_row1=row1,
-                       ragged_row0_maxabs=z0)
+          entry.update(ragged_rel_l2=re_, ragged_nan=rnan, ragged_row1=row1, ragged_row0_maxabs=z0)
           log(f"  ragged: rel_l2={re_:.2e} nan={rnan} row1(5 keys)={row1:.2e} "
               f"row0(no keys) max|o|={z0:.2e}")
         t_all, t_k, names = time_gpu(f, inp, iters=args.iters, flush=flush)
