@@ -4,11 +4,10 @@ w13 = w1 and w3 as one [4608, 5120] weight, w2 [5120, 2304]).
 
     PYTHONPATH=. python3 scripts/bench_expert_gemm.py [--decode-tokens 1,8,64] [--prefill-tokens 8192]
 
-Each config is checked on random data (every e2m1 code) against a float32 reference (relative Frobenius error
-<= 5e-3, finite), then timed by CUPTI (median of 5, rotating over routings so the experts are not re-read from L2):
-the whole call, the kernel alone, XLA's dequantize + ragged_dot and ragged_dot on bf16 weights (decode), PyTorch's
-`torch._grouped_mm` on bf16 weights (CUDA events, L2 flushed). One table: us, TB/s on the FP4 bytes touched,
-TFLOP/s, both as % of the ceilings measured in the same run. (A whole MoE layer: scripts/profile_step.py.)
+Each config is checked on random data against a float32 reference (rel. Frobenius error <= 5e-3, finite), then
+timed by CUPTI (median of 5, rotating over routings so the experts are not re-read from L2): the call, the kernel
+alone, XLA's dequantize + ragged_dot and ragged_dot on bf16 weights (decode), PyTorch's `torch._grouped_mm` on bf16
+weights (CUDA events, L2 flushed); TB/s on the FP4 bytes touched and TFLOP/s as % of this run's ceilings.
 """
 
 from __future__ import annotations

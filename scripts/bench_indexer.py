@@ -3,12 +3,11 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT [--cases c:64:16,x:1:64]
 
-Flash shapes: 32 index heads of 128, ratio 2 (G = ctx/2 entries), 64 entries a page, MXFP4 keys, top-512, 2048
-candidate blocks of 8. --cases: candidates mode (layers past 20) and context mode (all G entries); row 0 of a B>1
-case sees half its context. Per case: the kernel's scores against `entry_scores_reference` (-inf pattern equal, no
-NaN, max rel. error <= 2 bf16 ulps, <= 1% not bit-identical), its top-k against the reference's and XLA's; CUPTI
-time (L2 flushed) of the kernel alone, the whole `index_topk`, today's XLA path and each top-k method alone;
-roofline = bytes / the HBM ceiling of the same run. One table, results.json in --out.
+Flash shapes: 32 index heads of 128, ratio 2, 64 entries a page, MXFP4 keys, top-512, 2048 candidate blocks of 8;
+candidates mode (layers past 20) or context mode (all ctx/2 entries); row 0 of a B>1 case sees half its context.
+Checks the kernel's scores against the XLA reference (-inf pattern equal, no NaN, <= 2 bf16 ulps, <= 1% not
+bit-identical) and its top-k against the reference's and XLA's; CUPTI time (L2 flushed) of the kernel alone, the
+whole `index_topk`, today's XLA path and each top-k method alone; roofline = bytes / the HBM ceiling of this run.
 """
 
 from __future__ import annotations

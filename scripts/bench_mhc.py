@@ -3,12 +3,11 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_mhc.py --out $OUT [--tokens 64,1,8,512]
 
-Per T (decode first; then the first site, y=None, while --budget-s lasts): the pallas path against the XLA path
-(the dsv41.mhc composition the model runs). Checks: h1 within two bf16 ulps on <= 1% of elements; x and
-pre/post/comb (abs <= 2e-5) against the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves
-the mix by |fn| * ulp, not a kernel error); every output finite. Times: CUPTI GPU time summed over a call's
-kernels (launch count matters), the longest kernel, and the wall clock of one blocking call; roofline = bytes
-(fn f32 + h, y read + h1, x written) / the HBM ceiling measured in the same run. One table.
+Per T (the expand site; then the first site, y=None, while --budget-s lasts): the pallas path against the XLA path
+(dsv41.mhc's composition). Checks: h1 within two bf16 ulps on <= 1% of elements; x and pre/post/comb (abs <= 2e-5)
+against the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves the mix by |fn| * ulp, not a
+kernel error); all finite. Times: CUPTI sum over a call's kernels, the longest kernel, one blocking call's wall
+clock; roofline = bytes (fn f32 + h, y read + h1, x written) / this run's HBM ceiling.
 """
 
 from __future__ import annotations

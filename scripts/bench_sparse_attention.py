@@ -4,10 +4,9 @@
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_sparse_attention.py [--variants 1:10:r,64:2:s]
 
 Checks the kernel against the f32 reference at Flash shapes (H=64, D=512, W=128, K=512) per batch and key-split
-count, with a ragged case at B=8 (invalid ring slots, -1 indices, a sequence with no key): relative L2 < 1e-2, no
-NaN. Times (CUPTI) the kernel's path cold (L2 flushed) and warm, the XLA reference, and the same attention in
-PyTorch over bf16 caches (scripts/torch_baselines.py); roofline on the HBM ceiling measured in the same run;
-bytes a sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2). One table, JSON in --out.
+count, with a ragged case at B=8 (invalid ring slots, -1 indices, a sequence with no key): rel. L2 < 1e-2, no NaN.
+Times (CUPTI) the kernel's path cold (L2 flushed) and warm, the XLA reference, and PyTorch over bf16 caches;
+bytes a sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2), against this run's HBM ceiling.
 """
 
 import os

@@ -1,12 +1,11 @@
-"""Where an engine step's device time goes: every kernel a decode step (or a prefill) launches, timed by CUPTI
-(scripts/timing.py), summed by kind (our Mosaic GPU kernels by name, XLA's GEMMs, XLA's other fusions), against
-the step's wall time ("gap": launch latency, host work, idle). Bench preset (Flash widths, 8 layers), GPU only.
+"""Where an engine step's device time goes: every kernel a decode step (or a prefill) launches, CUPTI-timed and
+summed by kind (our kernels by name, XLA's GEMMs, other fusions), against the step's wall time ("gap": launches,
+host work, idle). Bench preset (Flash widths, 8 layers), GPU only.
 
     PYTHONPATH=. python3 scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 [--out DIR]
 
-The first decode batch's kernels are also summed by model part: the named scopes (`embed`, `engram`, `mhc`,
-`attention`, `moe/router`, `moe/routed_experts`, `moe/shared_expert`, `head_sample`) read from the compiled
-program's HLO and matched to CUPTI's kernel names (cuBLAS kernels count as "unmatched").
+The first decode batch's kernels are also summed by model part (`mhc`, `attention`, `moe/router`, ...): the named
+scopes of the compiled program's HLO matched to CUPTI's kernel names (cuBLAS kernels count as "unmatched").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The benches' one timing module: a call's kernel time by CUPTI (wall clock where CUPTI is unavailable, e.g. on
-a CPU), medians, the HBM and matmul-rate ceilings measured in the same run, PyTorch's CUDA-event timing, tables.
+"""The benches' one shared module: CUPTI kernel time (wall clock where CUPTI is unavailable), PyTorch's CUDA-event
+time, the HBM and matmul-rate ceilings measured in the same run, the shared flags, tables and results files.
 A timed jitted function must take every array it reads as an argument: a closed-over array becomes a constant."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-# the benches import this first (their own folder is on sys.path): the repository's packages then import without
-# PYTHONPATH
+# the benches import this first (their folder is on sys.path): the repository's packages then import without PYTHONPATH
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T0 = time.time()
 _CUPTI_OK = None  # None: not tried yet; False after a failure (then wall clock only)
@@ -30,8 +29,7 @@ def log(*a):
     print(f"[{elapsed_s():6.1f}s]", *a, flush=True)
 
 
-def bench_args(doc: str, *, out: str = "", iters: int | None = None,
-               budget_s: float | None = None) -> argparse.ArgumentParser:
+def bench_args(doc: str, *, out: str = "", iters: int | None = None, budget_s: float | None = None):
     """A kernel bench's parser with the flags they share: --out (default $OUT), --iters, --budget-s."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", out), help="where the results JSON goes")
@@ -43,8 +41,7 @@ def bench_args(doc: str, *, out: str = "", iters: int | None = None,
 
 
 def over_budget(budget_s: float, what: str) -> bool:
-    """True (logged) once the run has taken budget_s: the caller skips `what`, so a device call's limit is not hit
-    mid-case and the table of what was measured still prints."""
+    """True (logged) past budget_s: the caller skips `what`, so the device call's limit does not cut the table."""
     if elapsed_s() <= budget_s:
         return False
     log("budget reached, skipping", what)
@@ -52,8 +49,7 @@ def over_budget(budget_s: float, what: str) -> bool:
 
 
 def failure(what: str, ex: BaseException) -> str:
-    """Logs a failed case or path with its traceback -> the error text for its row (one failure must not lose
-    the rest of the table)."""
+    """Logs a failure with its traceback -> the error text for its row (one failure must not lose the table)."""
     log(f"{what} FAILED: {type(ex).__name__}: {str(ex)[:500]}")
     traceback.print_exc()
     return repr(ex)[:1000]
@@ -172,15 +168,13 @@ def cuda_time_us(fn, iters=20, warmup=3, flush=None) -> float:
 def l2_flusher(mib=256):
     """PyTorch: a callable that writes `mib` MiB on the GPU (more than the H200's 60 MB of L2)."""
     import torch
-
     buf = torch.empty(mib << 18, dtype=torch.float32, device="cuda")
     return lambda: buf.add_(1.0)
 
 
 def jax_flusher(mib=256):
     """JAX: a callable that rewrites `mib` MiB on the device, to evict the L2 between timed calls."""
-    buf = jnp.zeros((mib << 18,), jnp.float32)
-    f = jax.jit(lambda b: b + 1.0)
+    buf, f = jnp.zeros((mib << 18,), jnp.float32), jax.jit(lambda b: b + 1.0)
     return lambda: f(buf)
 
 
@@ -219,12 +213,11 @@ def ceilings(quick=False) -> dict:
     return res
 
 
-def bench_ceilings(quick=False) -> dict:
-    """`ceilings`, logged with the devices; where measuring fails, the H200's usual figures marked 'assumed' (a
-    roofline column is still printed)."""
+def bench_ceilings() -> dict:
+    """`ceilings`, logged with the devices; where measuring fails, the H200's usual figures marked 'assumed'."""
     log("devices", jax.devices(), "jax", jax.__version__)
     try:
-        c = ceilings(quick)
+        c = ceilings()
     except Exception as ex:  # noqa: BLE001
         failure("ceilings", ex)
         c = {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0, "assumed": True}
