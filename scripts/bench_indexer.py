@@ -227,24 +227,20 @@ def main():
                     help="mode(c=candidates, x=context):B:ctx in K tokens, most important first")
     ap.add_argument("--no-xla", action="store_true", help="skip timing today's XLA path")
     args = ap.parse_args()
-    ceil = timing.bench_ceilings()
-    bw = ceil["hbm_TBps"]
-    flush = timing.jax_flusher()
-    rows = []
+    ceil, flush, rows = timing.bench_ceilings(), timing.jax_flusher(), []
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "ceilings": ceil, "rows": rows}
     for spec in args.cases.split(","):
         m, b, k = spec.split(":")
-        mode = {"c": "candidates", "x": "context"}[m]
+        case = {"mode": {"c": "candidates", "x": "context"}[m], "B": int(b), "ctx": int(k) * 1024}
         if timing.over_budget(args.budget_s, spec):
-            rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "SKIP"})
+            rows.append({**case, "check": "SKIP"})
             continue
         try:
-            run_case(mode, int(b), int(k) * 1024, args, flush, bw, rows)
+            run_case(*case.values(), args, flush, ceil["hbm_TBps"], rows)
         except Exception as ex:  # noqa: BLE001
-            rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "ERROR",
-                         "error": timing.failure(f"case {spec}", ex)})
+            rows.append({**case, "check": "ERROR", "error": timing.failure(f"case {spec}", ex)})
         timing.write_json(args.out, "results.json", results)
-    print_table(rows, bw)
+    print_table(rows, ceil["hbm_TBps"])
     log("done")
 
 

@@ -42,11 +42,9 @@ def compare(out, ref):
     """-> (ok, {name: error figure})."""
     errs, ok = {}, True
     for name, o, r in zip(("h1", "x", "pre", "post", "comb"), out, ref):
-        o = np.asarray(jnp.asarray(o, jnp.float32))
-        r = np.asarray(jnp.asarray(r, jnp.float32))
+        o, r = (np.asarray(jnp.asarray(v, jnp.float32)) for v in (o, r))
         if o.shape != r.shape or not np.all(np.isfinite(o)):
-            errs[name] = "shape/nonfinite"
-            ok = False
+            errs[name], ok = "shape/nonfinite", False
             continue
         if name in ("h1", "x"):  # the rule of tests/pallas_kernels/test_mhc.py: <= 2 bf16 ulps (+1e-6 absolute:
             # near-zero results of cancelling sums), on <= 1% of elements
@@ -63,8 +61,7 @@ def compare(out, ref):
 
 def op_bytes(t, hc, d, first):
     """fn (f32) + h read and h1 written (the first site writes no h1) + y read (not at the first site) + x."""
-    fn = 24 * hc * d * 4
-    return fn + t * hc * d * 2 * (1 if first else 2) + t * d * 2 * (1 if first else 2)
+    return 24 * hc * d * 4 + (t * hc * d * 2 + t * d * 2) * (1 if first else 2)
 
 
 def main():
@@ -76,6 +73,9 @@ def main():
     tokens = [int(v) for v in args.tokens.split(",") if v]
     ceil = timing.bench_ceilings()
     bw = ceil["hbm_TBps"]
+
+    def dump():
+        timing.write_json(args.out, "bench_mhc.json", {"ceilings": ceil, "rows": ROWS, "elapsed_s": timing.elapsed_s()})
 
     def wall(f, a):  # median us of one blocking call: launch gaps and host work, which CUPTI's sum does not see
         jax.block_until_ready(f(*a))
@@ -100,8 +100,7 @@ def main():
             errs["h1->coef (info)"] = compare(out, ref)[1]["pre"]
             row.update(check="PASS" if ok else "FAIL", errors=errs)
             nbytes = op_bytes(t, hc, d, first)
-            row["MB"] = nbytes / 1e6
-            row["roofline_us"] = nbytes / (bw * 1e12) * 1e6
+            row.update(MB=nbytes / 1e6, roofline_us=nbytes / (bw * 1e12) * 1e6)
             tot, mx, names = timing.time_gpu(pal, a, iters=args.iters)
             row.update(pallas_us=tot * 1e3, pallas_kernel_us=mx * 1e3, pallas_launches=len(names),
                        pallas_kernels=names, pallas_wall_us=wall(pal, a))
@@ -110,7 +109,7 @@ def main():
             log({k: v for k, v in row.items() if not k.endswith("_kernels")})
         except Exception as ex:  # noqa: BLE001
             row.update(check="ERROR", error=timing.failure(f"T={t} {row['site']}", ex)[:300])
-        dump(args, ceil)
+        dump()
 
     for t in tokens:
         run_case(t, False)
@@ -119,7 +118,7 @@ def main():
             break
         run_case(t, True)
     table(bw)
-    dump(args, ceil)
+    dump()
 
 
 def table(bw):
@@ -136,10 +135,6 @@ def table(bw):
                     r.get("errors", r.get("error", ""))])
     timing.print_table(["T", "site", "check", "pallas us", "kernel us", "#k", "xla us", "#k", "roof us", "xla/pal",
                         "roof/pal", "wall pal", "wall xla", "errors"], out, "rll" + "r" * 10 + "l")
-
-
-def dump(args, ceil):
-    timing.write_json(args.out, "bench_mhc.json", {"ceilings": ceil, "rows": ROWS, "elapsed_s": timing.elapsed_s()})
 
 
 if __name__ == "__main__":
