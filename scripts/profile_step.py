@@ -143,14 +143,11 @@ def main():
     if args.prefill:
         n = args.prefill
         eng = make_engine(cfg, params, not args.no_replay, -(-(n + 2048) // 64) * 64, 2, args.backend)
-        ids = list(range(3, 3 + n))
-        sp = SamplingParams(max_tokens=1)
-        run = lambda: eng.generate(ids, sp)
+        run = lambda: eng.generate(list(range(3, 3 + n)), SamplingParams(max_tokens=1))  # noqa: E731
         run()  # compile
         wall = timed(run, reps=3) * 1e3
         mode = "exact" if args.no_replay else "replay"
-        results.append(summarize(f"prefill of {n} tokens ({mode}, chunks of 2048)", wall, cupti_kernels(run),
-                                 20))
+        results.append(summarize(f"prefill of {n} tokens ({mode}, chunks of 2048)", wall, cupti_kernels(run), 20))
     write_json(args.out, "profile_step.json", {"args": vars(args), "results": results})
 
 
