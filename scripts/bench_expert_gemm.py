@@ -102,7 +102,7 @@ def padded_reference(x, gs, wbf16):
         yg[jnp.asarray(val)]))
 
 
-def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args):
+def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, args):
     topk = 6
     routs = make_routings(jax.random.key(hash((mat, tokens)) % 2**31), tokens, e, topk,
                           1 if kind == "prefill" else args.rot, k)
@@ -216,7 +216,7 @@ def main():
         for kind, tokens in [("decode", dec[-1])] + [("prefill", t) for t in pre] + [("decode", t) for t in dec[:-1]]:
             for mat, (n, k, w, pw, wbf16) in weights.items():
                 cfgs = (dec_cfgs if kind == "decode" else pre_cfgs) or [eg.default_config(tokens * 6, n, k, e)]
-                run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, cfgs, ceil, args)
+                run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, cfgs, args)
     except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
         log("interrupted")
     dump(ceil, args)

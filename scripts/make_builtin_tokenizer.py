@@ -1,15 +1,10 @@
 """Regenerates `dsv41/assets/tokenizer.json` (+ `tokenizer_config.json`): the built-in tokenizer of the `tiny` preset.
 
-A byte-level BPE with exactly 1024 ids, shaped like the DeepSeek-V4.1 tokenizer at toy size:
-- ids 0/1/2 are `<｜begin▁of▁sentence｜>` / `<｜end▁of▁sentence｜>` / `<｜▁pad▁｜>`, inside the BPE table
-  (as in the release);
-- the chat specials the V4.1 encoder uses sit at the top of the id range, in the release's relative order
-  (`<｜System｜>`, `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`, `｜DSML｜`, `<｜latest_reminder｜>`,
-  `<｜deepseek_image｜>`);
-- the pre-tokenizer is DeepSeek's (digits in runs of <= 3, a CJK+kana branch, punctuation-then-letters, ...).
-
-The corpus is embedded below (English prose, Python/shell/JSON code, a little multilingual text and chat-format
-text), so the output depends only on this file and the `tokenizers` version. Run:
+A byte-level BPE with exactly 1024 ids, shaped like the DeepSeek-V4.1 tokenizer at toy size: ids 0/1/2 are BOS /
+EOS / pad inside the BPE table (as in the release); the chat specials the V4.1 encoder uses (TOP_TOKENS) sit at the
+top of the id range in the release's relative order; the pre-tokenizer is DeepSeek's (digits in runs of <= 3, a
+CJK+kana branch, punctuation-then-letters, ...). The corpus is embedded below (English prose, code, a little
+multilingual and chat-format text), so the output depends only on this file and the `tokenizers` version. Run:
 
     .venv/bin/python scripts/make_builtin_tokenizer.py          # writes the assets
     .venv/bin/python scripts/make_builtin_tokenizer.py --check  # exits 1 if the assets are stale
