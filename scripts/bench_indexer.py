@@ -59,7 +59,7 @@ def make_case(seed, B, ctx, mode):
         else:
             cb = jax.vmap(lambda k: jnp.sort(jax.random.permutation(k, nb)[:2048]))(jax.random.split(ks[5], B))
             cb = cb.astype(jnp.int32)
-    return {"q": q, "w": w, "pk": pk, "sc": sc, "bt": bt, "q_pos": q_pos, "cb": cb, "G": G}
+    return q, w, pk, sc, bt, q_pos, cb, G
 
 
 def check_scores(s, ref):
@@ -89,8 +89,7 @@ def overlap(a, b):
 def run_case(mode, B, ctx, args, flush, bw, rows_out):
     row = {"mode": mode, "B": B, "ctx": ctx}
     rows_out.append(row)
-    c = make_case(1000 + B + ctx // 1024, B, ctx, mode)
-    q, w, pk, sc, bt, q_pos, cb, G = (c[k] for k in ("q", "w", "pk", "sc", "bt", "q_pos", "cb", "G"))
+    q, w, pk, sc, bt, q_pos, cb, G = make_case(1000 + B + ctx // 1024, B, ctx, mode)
     cfg = il.IndexerConfig()
     # Few, fused jits: op-by-op dispatch would compile every small op once per shape (seconds per case).
     k_top = cfg.index_topk
@@ -158,11 +157,9 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         ok, info = check_scores(s_k, s_r)
         row.update(check="PASS" if ok else "FAIL", **info)
         tk = path(*path_args)
-        row["topk_overlap_vs_ref"] = overlap(tk, tk_ref)
-        row["topk_overlap_vs_today"] = overlap(tk, today(*today_args))
-        log(f"{mode} B={B} ctx={ctx}: {row['check']} max_rel={info['max_rel']:.2e} "
-            f"not_identical={info['frac_not_identical']:.2e} topk overlap ref={row['topk_overlap_vs_ref']:.4f} "
-            f"today={row['topk_overlap_vs_today']:.4f}")
+        row.update(topk_overlap_vs_ref=overlap(tk, tk_ref), topk_overlap_vs_today=overlap(tk, today(*today_args)))
+        log(f"{mode} B={B} ctx={ctx}:", {k: row[k] for k in ("check", "max_rel", "frac_not_identical",
+                                                            "topk_overlap_vs_ref", "topk_overlap_vs_today")})
         del s_k, s_r
     except Exception as ex:  # noqa: BLE001
         row.update(check="ERROR", check_error=timing.failure(f"{mode} B={B} ctx={ctx}: check", ex))
@@ -182,17 +179,16 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
     # threshold kernel (pallas_kernels/topk_select.py), same ids
     try:
         s_t, g_t = scores_g(*sargs)
-        methods = SELECT_METHODS
-        tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in methods}
+        tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in SELECT_METHODS}
         want = np.asarray(tk_fns["lax"](s_t, g_t))
-        row["topk_radix_same"] = all(np.array_equal(np.asarray(tk_fns[m](s_t, g_t)), want) for m in methods[1:])
+        row["topk_radix_same"] = all(np.array_equal(np.asarray(f(s_t, g_t)), want) for f in tk_fns.values())
         for m, f in tk_fns.items():
             # the longest kernel too: for 'kernel' the threshold kernel, the rest being XLA's placement
             row[f"topk_{m}_us"], row[f"topk_{m}_max_us"], row[f"topk_{m}_nkernels"], _ = time_gpu(
                 f, (s_t, g_t), iters=args.iters, flush=flush)
         log(f"{mode} B={B} ctx={ctx}: top-k alone " + ", ".join(
             f"{m} {row[f'topk_{m}_us']:.1f} us ({row[f'topk_{m}_nkernels']} kernels, longest "
-            f"{row[f'topk_{m}_max_us']:.1f})" for m in methods) + f", same ids {row['topk_radix_same']}")
+            f"{row[f'topk_{m}_max_us']:.1f})" for m in SELECT_METHODS) + f", same ids {row['topk_radix_same']}")
         del s_t, g_t
     except Exception as ex:  # noqa: BLE001
         row["topk_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: top-k timing", ex)

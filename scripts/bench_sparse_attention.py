@@ -89,30 +89,26 @@ def main():
     bb, ss, mode = v.split(":")
     qk_mode = {"r": "redundant", "s": "split"}[mode]
     variants.setdefault(int(bb), []).append((int(ss), v, sa.KernelConfig(qk_mode=qk_mode)))
-  flush = timing.jax_flusher()
-  results = {"timings": [], "ceilings": (bw := timing.bench_ceilings())}
-  ceiling = bw["hbm_TBps"]
-
+  flush, bw, rows = timing.jax_flusher(), timing.bench_ceilings(), []
+  results, ceiling = {"timings": rows, "ceilings": bw}, bw["hbm_TBps"]
   ref_fn = jax.jit(sa.sparse_attention_reference)
-  rows = results["timings"]
   for b in variants:             # in the order given on the command line
     inp = make_inputs(jax.random.key(b), b)
     ref = ref_fn(*inp)
     ref32 = jax.jit(lambda *a: sa.sparse_attention_reference(*a, out_dtype=jnp.float32))(*inp)
     bytes_ = b * (h * d * 2 + w * 528 + k * 288 + h * d * 2)
     flops = b * 4 * h * d * (w + k)
+    t_x = t_torch = e_torch = float("nan")
     try:
-      t_x, t_xk, names_x = time_gpu(ref_fn, inp, iters=args.iters, flush=flush)
+      t_x, _, names_x = time_gpu(ref_fn, inp, iters=args.iters, flush=flush)
+      log(f"B={b}: XLA reference {t_x * 1e3:.1f} us (cold), kernels {names_x[:6]}")
     except Exception as e:  # noqa: BLE001
-      log("xla timing failed", repr(e)[:300])
-      t_x, names_x = float("nan"), []
-    log(f"B={b}: XLA reference {t_x * 1e3:.1f} us (cold), kernels {names_x[:6]}")
-    t_torch = e_torch = float("nan")
+      timing.failure(f"B={b} XLA timing", e)
     try:
       t_torch, e_torch = torch_baseline(inp, ref32, args.iters)
       log(f"B={b}: PyTorch over bf16 caches {t_torch:.1f} us (cold), rel_l2 {e_torch:.2e}")
     except Exception as e:  # noqa: BLE001
-      log("torch baseline failed", repr(e)[:300])
+      timing.failure(f"B={b} PyTorch baseline", e)
     for s, vname, cfg in variants[b]:
       s = s or sa.default_num_splits(b, n_tiles)
       entry = {"B": b, "S": s, "variant": vname, "config": str(cfg), "bytes": bytes_, "flops": flops}
@@ -121,22 +117,19 @@ def main():
         t_c0 = time.time()
         out = jax.block_until_ready(f(*inp))
         entry["compile_run_s"] = time.time() - t_c0
-        e, mx, nan = rel_err(out, ref32)
-        e_xla, _, _ = rel_err(ref, ref32)
-        ok = e < 1e-2 and not nan
-        entry.update(rel_l2=e, rel_max=mx, nan=nan, ok=ok, xla_rel_l2=e_xla)
+        (e, mx, nan), e_xla = rel_err(out, ref32), rel_err(ref, ref32)[0]
+        entry.update(rel_l2=e, rel_max=mx, nan=nan, ok=e < 1e-2 and not nan, xla_rel_l2=e_xla)
         log(f"{vname} B={b} S={s}: rel_l2={e:.2e} rel_max={mx:.2e} nan={nan} "
             f"(xla bf16 out vs f32: {e_xla:.2e}) compile+run {entry['compile_run_s']:.1f}s")
         if b == 8:
           rinp = make_inputs(jax.random.key(100 + b), b, ragged=True)
           rout = f(*rinp)
           rref = sa.sparse_attention_reference(*rinp, out_dtype=jnp.float32)
-          re_, rmx, rnan = rel_err(rout, rref)
+          re_, _, rnan = rel_err(rout, rref)
           row1 = rel_err(rout[1], rref[1])[0]
           z0 = float(jnp.max(jnp.abs(rout[0].astype(jnp.float32))))
           entry.update(ragged_rel_l2=re_, ragged_nan=rnan, ragged_row1=row1, ragged_row0_maxabs=z0)
-          log(f"  ragged: rel_l2={re_:.2e} nan={rnan} row1(5 keys)={row1:.2e} "
-              f"row0(no keys) max|o|={z0:.2e}")
+          log(f"  ragged: rel_l2={re_:.2e} nan={rnan} row1(5 keys)={row1:.2e} row0(no keys) max|o|={z0:.2e}")
         t_all, t_k, names = time_gpu(f, inp, iters=args.iters, flush=flush)
         t_warm, t_kw, _ = time_gpu(f, inp, iters=args.iters)
         entry.update(path_us=t_all * 1e3, kernel_us=t_k * 1e3, warm_path_us=t_warm * 1e3,
@@ -148,7 +141,6 @@ def main():
         entry["error"] = timing.failure(f"{vname} B={b} S={s}", ex)
       rows.append(entry)
 
-  # the table
   print(f"\nceilings: {timing.ceiling_line(bw)}")
   table = []
   for r in rows:
