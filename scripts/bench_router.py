@@ -11,7 +11,6 @@ PyTorch by CUDA events). Roofline = max(bytes / HBM, FLOPs / matmul rate), both 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
@@ -20,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41.config import ModelConfig
+from pallas_kernels import router as R
 from timing import fmt, log
 
 D, E, K = 5120, 384, 6
@@ -30,9 +31,7 @@ def check(name, out, ref, x, w, bias):
     """-> dict with PASS/FAIL and error numbers (see the module doc)."""
     wts, ids, order, sizes = (np.asarray(a) for a in out)
     rw, rids, rorder, rsizes = (np.asarray(a) for a in ref)
-    from pallas_kernels.router import scores_reference
-
-    keys = np.asarray(scores_reference(x, w)) + np.asarray(bias)[None]
+    keys = np.asarray(R.scores_reference(x, w)) + np.asarray(bias)[None]
     top = -np.sort(-keys, axis=1)[:, :K + 1]
     near = (np.diff(-top, axis=1) < TIE_GAP).any(axis=1)  # a near-tie among the top-7 keys
     bad_rows = (ids != rids).any(axis=1)
@@ -70,12 +69,8 @@ def main():
     ap = timing.bench_args(__doc__, out=".", iters=10, budget_s=160.0)
     ap.add_argument("--tokens", default="64,1,8,512,2048,4096")
     args = ap.parse_args()
-
-    from dsv41.config import ModelConfig
-    from pallas_kernels import router as R
-
-    cfg = dataclasses.replace(ModelConfig(), n_routed_experts=E)
-    assert cfg.n_activated_experts == K, cfg.n_activated_experts
+    cfg = ModelConfig()
+    assert (cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts) == (D, E, K)
     rc = R.RouteConfig.of(cfg)
     ceil = timing.bench_ceilings()
     results = {"ceilings": ceil, "cases": [], "errors": []}
