@@ -49,8 +49,7 @@ def _one_row_tables(params: dict) -> dict:
     from dsv41 import quant
 
     def one_row(t):
-        return quant.Fp8Rows(np.zeros((1, *t.weight.shape[1:]), t.weight.dtype),
-                             np.zeros((1, *t.scale.shape[1:]), t.scale.dtype))
+        return quant.Fp8Rows(*(np.zeros((1, *a.shape[1:]), a.dtype) for a in (t.weight, t.scale)))
 
     layers = [{**lp, "engram": {**lp["engram"], "embed": one_row(lp["engram"]["embed"])}} if "engram" in lp else lp
               for lp in params["layers"]]

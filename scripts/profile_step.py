@@ -10,7 +10,6 @@ scopes of the compiled program's HLO matched to CUPTI's kernel names (cuBLAS ker
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
 import os
@@ -23,7 +22,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import KERNELS, device_params, fake_decode_state, make_engine, with_fp4_experts  # the engine's set-up
-from timing import cupti_kernels, median_wall_s as timed, print_table, write_json
+from timing import bench_args, cupti_kernels, median_wall_s as timed, print_table, write_json
 
 from dsv41 import params as P
 from dsv41.config import preset
@@ -95,7 +94,7 @@ def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_args(__doc__)
     ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
     ap.add_argument("--weights", choices=["bf16", "release"], default="bf16")
     ap.add_argument("--batches", default="1,64")
@@ -103,7 +102,6 @@ def main():
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
     ap.add_argument("--no-replay", action="store_true", help="prefill on the exact path")
     ap.add_argument("--no-parts", action="store_true", help="skip the by-model-part table (a second compile)")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if jax.devices()[0].platform != "gpu":

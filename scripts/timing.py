@@ -189,9 +189,8 @@ def ceilings(quick=False) -> dict:
 
             assert torch.cuda.is_available()
             n = (1 << 31) // 4
-            x = torch.randn(n, device="cuda", dtype=torch.float32)
+            x, y = torch.randn(n, device="cuda", dtype=torch.float32), torch.empty(n, device="cuda")
             res["hbm_torch_sum_TBps"] = n * 4 / cuda_time_us(x.sum, iters=30) / 1e6
-            y = torch.empty_like(x)
             res["hbm_torch_copy_TBps"] = 2 * n * 4 / cuda_time_us(lambda: y.copy_(x), iters=10) / 1e6
             del x, y
             a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
