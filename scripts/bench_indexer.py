@@ -165,8 +165,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         row.update(check="ERROR", check_error=timing.failure(f"{mode} B={B} ctx={ctx}: check", ex))
     # 2. timing
     kern = jax.jit(il.entry_scores_kernel)
-    for name, f, a in (("kernel", kern, (q, w, pk, sc, rows)), ("path", path, path_args),
-                       ("xla", today, today_args)):
+    for name, f, a in (("kernel", kern, (q, w, pk, sc, rows)), ("path", path, path_args), ("xla", today, today_args)):
         if name == "xla" and args.no_xla:
             continue
         try:

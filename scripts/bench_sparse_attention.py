@@ -133,8 +133,7 @@ def main():
         t_all, t_k, names = time_gpu(f, inp, iters=args.iters, flush=flush)
         t_warm, t_kw, _ = time_gpu(f, inp, iters=args.iters)
         entry.update(path_us=t_all * 1e3, kernel_us=t_k * 1e3, warm_path_us=t_warm * 1e3,
-                     warm_kernel_us=t_kw * 1e3, xla_us=t_x * 1e3, torch_us=t_torch, torch_rel_l2=e_torch,
-                     kernels=names)
+                     warm_kernel_us=t_kw * 1e3, xla_us=t_x * 1e3, torch_us=t_torch, torch_rel_l2=e_torch, kernels=names)
         log(f"  cold: path {t_all * 1e3:.1f} us, main kernel {t_k * 1e3:.1f} us; "
             f"warm: path {t_warm * 1e3:.1f} us, kernel {t_kw * 1e3:.1f} us; kernels {names}")
       except Exception as ex:  # noqa: BLE001

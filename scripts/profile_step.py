@@ -89,8 +89,7 @@ def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top:
     print_table(["top kernels by time", "calls", "ms", "us / call"], [
         [f"`{name[:90]}`", n, f"{ms:.3f}", f"{1e3 * ms / n:.1f}"]
         for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]])
-    return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind),
-            "kernels": kernels}
+    return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind), "kernels": kernels}
 
 
 def main():

@@ -44,8 +44,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> t
     return out
 
 
-def route(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
-          gate_temp: float = 1.0):
+def route(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float, gate_temp: float = 1.0):
     """The MoE router as a PyTorch stack runs it (DeepSeek's Gate with float32 logits): x [T, D] bf16, w32 [E, D]
     float32 (the gate weight, converted once), bias float32 [E] -> (weights float32 [T, k], ids [T, k], order
     [T*k] (stable sort of the ids), group sizes [E]) = `pallas_kernels.router.route_reference`'s outputs."""
