@@ -99,8 +99,6 @@ def main():
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
-    ap.add_argument("--no-replay", action="store_true", help="prefill on the exact path")
-    ap.add_argument("--no-parts", action="store_true", help="skip the by-model-part table (a second compile)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if jax.devices()[0].platform != "gpu":
@@ -126,7 +124,7 @@ def main():
             wall = timed(eng.step, reps=10) * 1e3
             kernels = cupti_kernels(eng.step)
             results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
-            if j == 0 and not args.no_parts:
+            if j == 0:
                 b, s = eng.decode_inputs(list(eng.running.values()))
                 text = programs.run_full.lower(eng.params, eng.pool, b, s, **eng.static).compile().as_text()
                 parts = by_part(kernels, hlo_parts(text))
@@ -139,12 +137,11 @@ def main():
         del eng
     if args.prefill:
         n = args.prefill
-        eng = make_engine(cfg, params, not args.no_replay, -(-(n + 2048) // 64) * 64, 2, args.backend)
+        eng = make_engine(cfg, params, True, -(-(n + 2048) // 64) * 64, 2, args.backend)
         run = lambda: eng.generate(list(range(3, 3 + n)), SamplingParams(max_tokens=1))  # noqa: E731
         run()  # compile
         wall = timed(run, reps=3) * 1e3
-        mode = "exact" if args.no_replay else "replay"
-        results.append(summarize(f"prefill of {n} tokens ({mode}, chunks of 2048)", wall, cupti_kernels(run), 20))
+        results.append(summarize(f"prefill of {n} tokens (replay, chunks of 2048)", wall, cupti_kernels(run), 20))
     write_json(args.out, "profile_step.json", {"args": vars(args), "results": results})
 
 

@@ -73,8 +73,6 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="continuation length (teacher-forced positions)")
     ap.add_argument("--replay-tokens", default="128,256", help="swa_replay_tokens values to compare")
     ap.add_argument("--batch1-lengths", default="1024", help="lengths rerun at batch 1 for the batch noise floor")
-    ap.add_argument("--no-f32", action="store_true", help="skip the float32 noise floor (one engine fewer)")
-    ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -94,9 +92,9 @@ def main():
 
     def engine(replay: bool, n_replay: int = 128, num=quant.REFERENCE, decode_bucket: int = 8) -> TeacherForced:
         # one prefill chunk size, one block-table width and one decode batch: each program compiles once
-        ec = EngineConfig(max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=args.chunk,
+        ec = EngineConfig(max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=512,
                           swa_bounded_replay=replay, swa_replay_tokens=n_replay, enable_prefix_caching=False,
-                          numerics=num, keep_logits=True, min_prefill_bucket=args.chunk, min_ctx_pages=pages,
+                          numerics=num, keep_logits=True, min_prefill_bucket=512, min_ctx_pages=pages,
                           min_decode_bucket=decode_bucket)
         eng = TeacherForced(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), ec)
         eng.forced = {}
@@ -113,9 +111,8 @@ def main():
     for n in replay_ns:
         rep = timed(f"replay N={n}", lambda n=n: score(engine(True, n), jobs, True))
         cols[f"replay N={n}"] = {k: compare(exact[k], rep[k]) for k in jobs}
-    if not args.no_f32:
-        f32 = timed("exact f32", lambda: score(engine(False, num=quant.EXACT_F32), jobs, True))
-        cols["floor: bf16 vs f32"] = {k: compare(f32[k], exact[k]) for k in jobs}
+    f32 = timed("exact f32", lambda: score(engine(False, num=quant.EXACT_F32), jobs, True))
+    cols["floor: bf16 vs f32"] = {k: compare(f32[k], exact[k]) for k in jobs}
     if b1:
         sub = {f"L{n}": jobs[f"L{n}"] for n in b1}
         one = timed("exact batch 1", lambda: score(engine(False, decode_bucket=1), sub, False))
