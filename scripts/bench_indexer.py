@@ -150,7 +150,6 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         sargs = (q, w, pk, sc, bt, q_pos)
     nbytes = B * (n * ENTRY_BYTES + IH * ID * 2 + IH * 2 + n * 4 + n * 4)   # keys, q, w, row ids, f32 scores
     row.update(entries=n, bytes=nbytes)
-    # 1. correctness
     try:
         s_k = scores_k(*sargs)
         s_r, tk_ref = reference(*sargs)
@@ -163,7 +162,6 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         del s_k, s_r
     except Exception as ex:  # noqa: BLE001
         row.update(check="ERROR", check_error=timing.failure(f"{mode} B={B} ctx={ctx}: check", ex))
-    # 2. timing
     kern = jax.jit(il.entry_scores_kernel)
     for name, f, a in (("kernel", kern, (q, w, pk, sc, rows)), ("path", path, path_args), ("xla", today, today_args)):
         if name == "xla" and args.no_xla:
@@ -174,8 +172,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             row.update({f"{name}_total_us": tot, f"{name}_nkernels": nk, "timing": how})
         except Exception as ex:  # noqa: BLE001
             row[f"{name}_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: {name} timing", ex)
-    # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs the radix selects (dsv41/topk.py) vs the
-    # threshold kernel (pallas_kernels/topk_select.py), same ids
+    # the top-k alone on the kernel's scores: lax.top_k (a sort), the radix selects, the threshold kernel; same ids
     try:
         s_t, g_t = scores_g(*sargs)
         tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in SELECT_METHODS}

@@ -24,8 +24,7 @@ from unittest import mock
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import fmt, log, print_table  # noqa: E402
+from timing import fmt, log, print_table
 
 logger = logging.getLogger("bench_startup")
 
@@ -132,8 +131,7 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     eng = abstract_engine(args) if args.abstract else cli_serve.build_engine(args)
     build_s = time.perf_counter() - t0
-    rows = measure(eng)
-    sys.stdout.write(json.dumps({"build_s": build_s, "programs": rows}) + "\n")
+    sys.stdout.write(json.dumps({"build_s": build_s, "programs": measure(eng)}) + "\n")
 
 
 def run_child(argv: list[str], which: str, cache_dir: str) -> dict:
