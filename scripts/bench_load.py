@@ -105,9 +105,7 @@ def main(argv=None) -> None:
     rows: list[tuple[str, float, float]] = []
     try:
         if not (args.reuse and os.path.exists(os.path.join(release, ckpt.INDEX_NAME))):
-            t0 = time.perf_counter()
             params = random_params(cfg)
-            log.info("random params: %.1f s", time.perf_counter() - t0)
             t0 = time.perf_counter()
             ckpt.save_checkpoint(params, cfg, release, n_shards=8, fsync=True)
             size = sum(os.path.getsize(p) for p in files_under(release, ".safetensors"))

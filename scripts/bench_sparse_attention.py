@@ -59,8 +59,7 @@ def torch_baseline(inp, ref32, iters):
   import torch_baselines as tb
 
   q, swa_q, swa_s, swa_valid, topk, page_table, kv_packed, kv_scale, sink = inp
-  w, d = swa_q.shape[1:]
-  p = kv_packed.shape[1]
+  (w, d), p = swa_q.shape[1:], kv_packed.shape[1]
   g = jnp.maximum(topk, 0)
   rows = jnp.where(topk >= 0, jnp.take_along_axis(page_table, g // p, axis=1) * p + g % p, -1)
   pool = sa.dequant_kv_fp4(kv_packed.reshape(-1, d // 2), kv_scale.reshape(-1, d // 16))

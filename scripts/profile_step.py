@@ -112,8 +112,7 @@ def main():
     jax.block_until_ready(params)
     batches = [int(b) for b in args.batches.split(",") if b]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bench preset ({cfg.n_layers} layers, "
-          f"{cfg.n_routed_experts} experts), kernels={args.backend}, weights={args.weights}, "
-          f"{time.strftime('%Y-%m-%d')}")
+          f"{cfg.n_routed_experts} experts), kernels={args.backend}, weights={args.weights}, {time.strftime('%F')}")
     results = []
     if batches:
         max_len = -(-(args.decode_ctx + 256) // 64) * 64
