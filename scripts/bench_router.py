@@ -89,8 +89,7 @@ def main():
         x = jax.random.normal(jax.random.fold_in(key, t), (t, D), jnp.float32).astype(jnp.bfloat16)
         case = {"T": t, "config": repr(R.default_config(t, D, E)), "timings": {}, "checks": []}
         results["cases"].append(case)
-        byts = E * D * 2 + t * D * 2
-        flops = 2 * t * D * E
+        byts, flops = E * D * 2 + t * D * 2, 2 * t * D * E
         roof_ms = max(byts / (ceil["hbm_TBps"] * 1e12), flops / (ceil["mm_TFLOPs"] * 1e12)) * 1e3
         case.update(bytes=byts, flops=flops, roofline_ms=roof_ms)
         fns = {"pallas": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="pallas")),

@@ -95,8 +95,7 @@ def main():
     inp = make_inputs(jax.random.key(b), b)
     ref = ref_fn(*inp)
     ref32 = jax.jit(lambda *a: sa.sparse_attention_reference(*a, out_dtype=jnp.float32))(*inp)
-    bytes_ = b * (h * d * 2 + w * 528 + k * 288 + h * d * 2)
-    flops = b * 4 * h * d * (w + k)
+    bytes_, flops = b * (h * d * 2 + w * 528 + k * 288 + h * d * 2), b * 4 * h * d * (w + k)
     t_x = t_torch = e_torch = float("nan")
     try:
       t_x, _, names_x = time_gpu(ref_fn, inp, iters=args.iters, flush=flush)
