@@ -3,40 +3,28 @@
 w13 = w1 and w3 as one [4608, 5120] weight, w2 [5120, 2304]).
 
     PYTHONPATH=. python3 scripts/bench_expert_gemm.py [--decode-tokens 1,8,64] [--prefill-tokens 8192]
-    .venv/bin/python scripts/bench_expert_gemm.py --cpu-smoke | --tiny   # CPU: the kernel | the whole script
 
-Each config is checked on random data (every e2m1 code) against a float32 reference (relative Frobenius error
-<= 5e-3, finite), then timed by CUPTI (scripts/timing.py; median of 5, rotating over routings so the experts are
-not re-read from L2): the whole call, the kernel alone, XLA's dequantize + ragged_dot and ragged_dot on bf16
-weights (decode), PyTorch's `torch._grouped_mm` on bf16 weights (CUDA events, L2 flushed). One table: us, TB/s on
-the FP4 bytes touched, TFLOP/s, both as % of the ceilings measured in the same run. (A whole MoE layer's
-kernels: scripts/profile_step.py.)
+Each config is checked on random data against a float32 reference (rel. Frobenius error <= 5e-3, finite), then
+timed by CUPTI (median of 5, rotating over routings so the experts are not re-read from L2): the call, the kernel
+alone, XLA's dequantize + ragged_dot and ragged_dot on bf16 weights (decode), PyTorch's `torch._grouped_mm` on bf16
+weights (CUDA events, L2 flushed); TB/s on the FP4 bytes touched and TFLOP/s as % of this run's ceilings.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import os
 import re
 import statistics
-import sys
-import time
-import traceback
 
+import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
-from dsv41.quant import Fp4Weight  # noqa: E402
-from pallas_kernels import expert_gemm as eg  # noqa: E402
-from timing import log  # noqa: E402
+from dsv41.quant import Fp4Weight
+from pallas_kernels import expert_gemm as eg
+from timing import log
 
-INTERPRET = False  # --tiny: the whole script on the CPU through the interpreter
 ROWS: list[dict] = []
 
 
@@ -95,7 +83,7 @@ def kernel_only(x, pw, gs, cfg):
     m, e, n = x.shape[0], pw.weight.shape[0], pw.weight.shape[1]
     t_max = eg.max_tiles(m, e, cfg.tm)
     te, tr, src, _, _ = eg.tile_schedule(gs, m, cfg.tm, t_max)
-    kern = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], n, e, t_max, cfg, INTERPRET,
+    kern = eg._build_kernel(eg.padded_rows(m, e), x.shape[1], n, e, t_max, cfg, False,
                             out_dtype=jnp.float32 if cfg.ksplit > 1 else jnp.bfloat16)
     return jax.jit(kern), (eg.pack_schedule(te, tr),), src
 
@@ -114,7 +102,7 @@ def padded_reference(x, gs, wbf16):
         yg[jnp.asarray(val)]))
 
 
-def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args):
+def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, args):
     topk = 6
     routs = make_routings(jax.random.key(hash((mat, tokens)) % 2**31), tokens, e, topk,
                           1 if kind == "prefill" else args.rot, k)
@@ -132,13 +120,12 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args):
         log(f"{kind} {mat} T={tokens} {path} [{label(cfg)}]: {t * 1e6:.1f} us")
 
     def guarded(name, body):
-        if time.time() - timing.T0 > args.budget_s:
-            return log("budget reached, skipping", kind, mat, tokens, name)
+        if timing.over_budget(args.budget_s, f"{kind} {mat} T={tokens} {name}"):
+            return
         try:
             body()
         except Exception as ex:  # noqa: BLE001
-            log(f"FAILED {name} {kind} {mat}: {type(ex).__name__}: {str(ex)[:1000]}")
-            traceback.print_exc()
+            timing.failure(f"{name} {kind} {mat}", ex)
             ROWS.append({"case": f"{kind} {mat} T={tokens}", "path": name, "cfg": "", "ok": False})
 
     for cfg in configs:
@@ -147,15 +134,14 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args):
             continue
 
         def pallas(cfg=cfg):
-            f = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="interpret" if INTERPRET else "pallas",
-                                          config=cfg))
+            f = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="pallas", config=cfg))
             ok, rel = check(f"{kind} {mat} T={tokens} {label(cfg)}", f(x0, pw, gs0), ref)
-            add("pallas", cfg, *timing.time_calls(f, [(x, pw, g) for x, g in sets], serial=INTERPRET), ok, rel)
+            add("pallas", cfg, *timing.time_calls(f, [(x, pw, g) for x, g in sets]), ok, rel)
             kf, ksets = kernel_only(x0, pw, gs0, cfg)[0], []
             for x, gs in sets:  # x already in the kernel's padded row layout
                 _, sched, src = kernel_only(x, pw, gs, cfg)
                 ksets.append((*sched, jnp.take(x, src, axis=0, mode="fill", fill_value=0), pw.weight, pw.scale_t))
-            add("pallas-kernel", cfg, *timing.time_calls(kf, ksets, serial=INTERPRET), ok, rel)
+            add("pallas-kernel", cfg, *timing.time_calls(kf, ksets), ok, rel)
         guarded("pallas", pallas)
 
     def torch_mm():
@@ -178,7 +164,7 @@ def run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, configs, ceil, args):
         wkn = jnp.swapaxes(wbf16, 1, 2)
         add("xla ragged_dot(bf16 w)", None, *timing.time_calls(fr, [(x, wkn, g) for x, g in sets], reps=3))
 
-    if not INTERPRET and not args.no_torch:
+    if not args.no_torch:
         guarded("torch", torch_mm)
     if not args.skip_baselines and kind == "decode":  # XLA's ragged_dot runs out of memory at prefill sizes
         guarded("xla", xla)
@@ -197,18 +183,12 @@ def dump(ceil, args):
                      f"{100 * r['TFLOPs'] / ceil['mm_TFLOPs']:.0f}", chk])
     timing.print_table(["case", "path", "config", "us", "TB/s", "% HBM", "TFLOP/s", "% mm", "check"], rows,
                        "lll" + "r" * 5 + "l")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_expert_gemm.json"), "w") as fh:
-            json.dump({"ceilings": ceil, "rows": ROWS, "device": str(jax.devices())}, fh, indent=1, default=str)
+    timing.write_json(args.out, "bench_expert_gemm.json", {"ceilings": ceil, "rows": ROWS,
+                                                            "device": str(jax.devices())})
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="write bench_expert_gemm.json here")
-    ap.add_argument("--cpu-smoke", action="store_true", help="CPU: interpreter and XLA against the reference")
-    ap.add_argument("--tiny", action="store_true", help="CPU: the whole script at toy shapes, interpreter")
-    ap.add_argument("--budget-s", type=float, default=330)
+    ap = timing.bench_args(__doc__, budget_s=330)
     ap.add_argument("--rot", type=int, default=6, help="routings rotated through when timing decode")
     ap.add_argument("--decode-tokens", default="1,8,64")
     ap.add_argument("--prefill-tokens", default="8192", help="e.g. 2048,8192")
@@ -219,22 +199,8 @@ def main():
                     help="configs instead of default_config's, " + parse_configs.__doc__)
     ap.add_argument("--prefill-configs", default="", help="as --decode-configs, for the prefill cases")
     args = ap.parse_args()
-    global INTERPRET
-    INTERPRET = args.tiny
-    log("jax", jax.__version__, jax.devices())
-    C = eg.KernelConfig
-    if args.cpu_smoke:
-        x = jax.random.normal(jax.random.key(0), (12, 128), jnp.bfloat16)
-        w, gs = make_weight(jax.random.key(1), 4, 128, 128), jnp.array([5, 0, 4, 3], jnp.int32)
-        ref = eg.expert_gemm_reference(x, w, gs)
-        ok = check("cpu-smoke interpret", eg.grouped_fp4_matmul(x, w, gs, backend="interpret",
-                                                                config=C(tm=8, tk=64, num_wgs=1, stages=2)), ref)[0]
-        ok2 = check("cpu-smoke xla", eg.grouped_fp4_matmul(x, w, gs, backend="xla"), ref)[0]
-        sys.exit(0 if ok and ok2 else 1)
-    ceil = timing.ceilings(quick=args.tiny)
-    log("ceilings", timing.ceiling_line(ceil))
-    e, shapes = (8, {"w13": (256, 256), "w2": (256, 128)}) if args.tiny else (384, {"w13": (4608, 5120),
-                                                                                    "w2": (5120, 2304)})
+    ceil = timing.bench_ceilings()
+    e, shapes = 384, {"w13": (4608, 5120), "w2": (5120, 2304)}
     weights = {}
     for i, (mat, (n, k)) in enumerate(shapes.items()):
         w = make_weight(jax.random.key(10 + i), e, n, k)
@@ -243,8 +209,6 @@ def main():
             for j in range(0, e, 32)])
         weights[mat] = jax.block_until_ready((n, k, w, eg.prepare_fp4_experts(w), wbf16))
     dec_cfgs, pre_cfgs = parse_configs(args.decode_configs), parse_configs(args.prefill_configs)
-    if args.tiny:
-        dec_cfgs, pre_cfgs = [C(tm=8, tk=64, num_wgs=1, stages=2)], [C(tm=16, tk=64, num_wgs=2, stages=2)]
     try:
         dec = sorted(int(t) for t in args.decode_tokens.split(",") if t)
         pre = [] if args.skip_prefill else [int(t) for t in args.prefill_tokens.split(",") if t]
@@ -252,7 +216,7 @@ def main():
         for kind, tokens in [("decode", dec[-1])] + [("prefill", t) for t in pre] + [("decode", t) for t in dec[:-1]]:
             for mat, (n, k, w, pw, wbf16) in weights.items():
                 cfgs = (dec_cfgs if kind == "decode" else pre_cfgs) or [eg.default_config(tokens * 6, n, k, e)]
-                run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, cfgs, ceil, args)
+                run_case(kind, mat, tokens, n, k, e, w, pw, wbf16, cfgs, args)
     except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
         log("interrupted")
     dump(ceil, args)

@@ -1,7 +1,6 @@
 """FP8 linear kernel (pallas_kernels/fp8_linear.py) vs XLA at Flash's FP8 linear shapes, decode batch sizes.
 
-    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR]
-    PYTHONPATH=. python3 scripts/bench_fp8_linear.py --tiny     # CPU: the interpreter at toy shapes
+    PYTHONPATH=. python3 scripts/bench_fp8_linear.py [--rows 1,8,64] [--out DIR] [--only attn.wq_b,engram.wkv]
 
 Each linear (e4m3 + UE8M0 per 32x32) checked against the float32 reference, then timed (scripts/timing.py: CUPTI
 kernel sums a call, over weight copies past the L2) against XLA's dequantize + dot (`--linear-backend xla`), XLA's
@@ -10,21 +9,17 @@ dot on a bf16 copy, and the roofline (bytes read / the HBM ceiling measured in t
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
+import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
-from dsv41.quant import Fp8Weight  # noqa: E402
-from pallas_kernels import fp8_linear as f8  # noqa: E402
+from dsv41.quant import Fp8Weight
+from pallas_kernels import fp8_linear as f8
 
 # name -> (N out, K in) at Flash's widths (dim 5120, q-LoRA 1280, 64x512 heads, 8x1024 output groups, 32x128
 # indexer, shared expert 2304, Engram 24 x 256 columns into 5 x 5120)
@@ -41,24 +36,18 @@ def random_fp8(key, n, k):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = timing.bench_args(__doc__)
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--only", default="", help="comma-separated names of SHAPES")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--tiny", action="store_true", help="CPU: the interpreter at toy shapes")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
-    gpu = jax.default_backend() == "gpu"
-    if not gpu and not args.tiny:
-        sys.exit("bench_fp8_linear.py times the kernel on a GPU; --tiny runs it in the interpreter")
-    shapes = {"tiny.a": (256, 512), "tiny.b": (128, 256)} if args.tiny else SHAPES
-    if args.only:
-        shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
-    ceil = timing.ceilings(quick=not gpu)
+    if jax.default_backend() != "gpu":
+        sys.exit("bench_fp8_linear.py times the kernel on a GPU")
+    shapes = {k: v for k, v in SHAPES.items() if not args.only or k in args.only.split(",")}
+    ceil = timing.bench_ceilings()
     hbm = ceil["hbm_TBps"] * 1e12
 
-    def timer(fn, arg_sets):  # ms a call: CUPTI on the GPU, wall clock (one call at a time) in the interpreter
-        c, w = timing.time_calls(fn, arg_sets, args.reps if gpu else 1, serial=not gpu)
+    def timer(fn, arg_sets):  # ms a call: CUPTI (wall clock where CUPTI is unavailable)
+        c, w = timing.time_calls(fn, arg_sets)
         return (c if c is not None else w) * 1e3
 
     xla = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w.dequantize(jnp.bfloat16),
@@ -68,10 +57,10 @@ def main():
     kern = jax.jit(f8.fp8_linear)
     results, table = [], []
     for name, (n, k) in shapes.items():
-        copies = 1 if args.tiny else max(2, -(-200 * 2**20 // (n * k)))  # > 4x the L2 in all
+        copies = max(2, -(-200 * 2**20 // (n * k)))  # > 4x the L2 in all
         ws = [random_fp8(jax.random.key(i), n, k) for i in range(copies)]
-        pws = [f8.prepare_fp8_linear(w, interpret=not gpu) for w in ws]
-        bfs = [w.dequantize(jnp.bfloat16) for w in ws] if gpu else []
+        pws = [f8.prepare_fp8_linear(w) for w in ws]
+        bfs = [w.dequantize(jnp.bfloat16) for w in ws]
         for m in (int(r) for r in args.rows.split(",") if r):
             x = jax.random.normal(jax.random.key(m), (m, k)).astype(jnp.bfloat16)
             ref = np.asarray(f8.fp8_linear_reference(x, ws[0]), np.float64)
@@ -80,8 +69,7 @@ def main():
             r = {"linear": name, "N": n, "K": k, "rows": m, "splits": pws[0].splits,
                  "check": bool(np.isfinite(yf).all()) and rel < 5e-3, "rel": rel,
                  "kernel_ms": timer(kern, [(x, p) for p in pws]),
-                 "xla_ms": timer(xla, [(x, w) for w in ws]) if gpu else float("nan"),
-                 "bf16_ms": timer(dot, [(x, b) for b in bfs]) if gpu else float("nan"),
+                 "xla_ms": timer(xla, [(x, w) for w in ws]), "bf16_ms": timer(dot, [(x, b) for b in bfs]),
                  "roofline_ms": (n * k * (1 + 1 / 32) + m * k * 2 + m * n * 2) / hbm * 1e3}
             results.append(r)
             timing.log(json.dumps(r))
@@ -89,13 +77,10 @@ def main():
                           *(f"{r[c] * 1e3:.1f}" for c in ("kernel_ms", "xla_ms", "bf16_ms", "roofline_ms")),
                           f"{100 * r['roofline_ms'] / r['kernel_ms']:.0f}%", f"{r['xla_ms'] / r['kernel_ms']:.1f}x"])
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}; ceilings: {timing.ceiling_line(ceil)}; times: "
-          f"{'CUPTI kernel sums' if gpu else 'wall'} per call, us\n")
+          "CUPTI kernel sums per call, us\n")
     timing.print_table(["linear", "N x K", "rows", "K splits", "check", "kernel", "XLA dequantize + dot",
                         "XLA dot, bf16 weight", "roofline", "kernel of roofline", "vs XLA"], table, "ll" + "r" * 9)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_fp8_linear.json"), "w") as fh:
-            json.dump({"ceilings": ceil, "results": results}, fh, indent=1)
+    timing.write_json(args.out, "bench_fp8_linear.json", {"ceilings": ceil, "results": results})
     sys.exit(0 if all(r["check"] for r in results) else 1)
 
 

@@ -1,45 +1,35 @@
 #!/usr/bin/env python3
 """Check and time the sparse MQA indexer logits kernel + top-k (pallas_kernels/indexer_logits.py) at Flash shapes.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT
-    .venv/bin/python scripts/bench_indexer.py --cpu-smoke     # CPU: the script's logic, tiny shapes, interpreter
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_indexer.py --out $OUT [--cases c:64:16,x:1:64]
 
-Flash shapes: 32 index heads of 128, one query a row, ratio 2 (G = ctx/2 entries), 64 entries a page, MXFP4 keys
-(68 bytes an entry), top-512, 2048 candidate blocks of 8. --cases: candidates mode (layers past 20: 16384 entries)
-and context mode (all G entries) at several B and ctx; row 0 of a B>1 case sees half its context. Per case: the
-kernel's scores against `entry_scores_reference` (-inf pattern equal, no NaN, max relative error <= 2 bf16 ulps,
-<= 1% not bit-identical), its top-k against the reference's and XLA's; CUPTI time (scripts/timing.py, L2 flushed)
-of the kernel alone, the whole `index_topk`, today's XLA path and each top-k method alone; roofline = bytes /
-the HBM ceiling of the same run. One table, results.json in --out.
+Flash shapes: 32 index heads of 128, ratio 2, 64 entries a page, MXFP4 keys, top-512, 2048 candidate blocks of 8;
+candidates mode (layers past 20) or context mode (all ctx/2 entries); row 0 of a B>1 case sees half its context.
+Checks the kernel's scores against the XLA reference (-inf pattern equal, no NaN, <= 2 bf16 ulps, <= 1% not
+bit-identical) and its top-k against the reference's and XLA's; CUPTI time (L2 flushed) of the kernel alone, the
+whole `index_topk`, today's XLA path and each top-k method alone; roofline = bytes / the HBM ceiling of this run.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import timing  # noqa: E402  (first: puts the repository on sys.path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
 from pallas_kernels import indexer_logits as il  # noqa: E402
 from timing import log  # noqa: E402
 
 
 def time_gpu(f, args, *, iters, flush):  # -> (median us a call, us of its longest kernel, kernel count, method)
     tot, mx, names = timing.time_gpu(f, args, iters=iters, flush=flush)
-    wall = names == ["wall-clock"]
-    return tot * 1e3, mx * 1e3, 0 if wall else len(names), "wall" if wall else "cupti"
+    how = timing.how(names)
+    return tot * 1e3, mx * 1e3, len(names) if how == "cupti" else 0, how
 
 
 IH, ID, RATIO, E = 32, 128, 2, 64
@@ -69,7 +59,7 @@ def make_case(seed, B, ctx, mode):
         else:
             cb = jax.vmap(lambda k: jnp.sort(jax.random.permutation(k, nb)[:2048]))(jax.random.split(ks[5], B))
             cb = cb.astype(jnp.int32)
-    return {"q": q, "w": w, "pk": pk, "sc": sc, "bt": bt, "q_pos": q_pos, "cb": cb, "G": G}
+    return q, w, pk, sc, bt, q_pos, cb, G
 
 
 def check_scores(s, ref):
@@ -99,8 +89,7 @@ def overlap(a, b):
 def run_case(mode, B, ctx, args, flush, bw, rows_out):
     row = {"mode": mode, "B": B, "ctx": ctx}
     rows_out.append(row)
-    c = make_case(1000 + B + ctx // 1024, B, ctx, mode)
-    q, w, pk, sc, bt, q_pos, cb, G = (c[k] for k in ("q", "w", "pk", "sc", "bt", "q_pos", "cb", "G"))
+    q, w, pk, sc, bt, q_pos, cb, G = make_case(1000 + B + ctx // 1024, B, ctx, mode)
     cfg = il.IndexerConfig()
     # Few, fused jits: op-by-op dispatch would compile every small op once per shape (seconds per case).
     k_top = cfg.index_topk
@@ -147,77 +136,58 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         today_args = path_args
         scores_k = jax.jit(lambda *a: il.context_scores(*a, RATIO, G))
 
-        @jax.jit
-        def scores_g(*a):
+        def visible(q_pos):  # [B, 1, G] entry ids, -1 past each row's visible count
             g = jnp.arange(G, dtype=jnp.int32)
-            visible = g[None, None] < il.visible_count(a[-1], RATIO)[..., None]
-            return il.context_scores(*a, RATIO, G), jnp.where(visible, g, -1)
+            return jnp.where(g[None, None] < il.visible_count(q_pos, RATIO)[..., None], g, -1)
+
+        scores_g = jax.jit(lambda *a: (il.context_scores(*a, RATIO, G), visible(a[-1])))
 
         @jax.jit
         def reference(*a):
             s_r = il.context_scores(*a, RATIO, G, backend="xla")
-            g = jnp.arange(G, dtype=jnp.int32)
-            g = jnp.where(g[None, None] < il.visible_count(a[-1], RATIO)[..., None], g, -1)
-            return s_r, il.topk_entries(s_r, g, k_top)
+            return s_r, il.topk_entries(s_r, visible(a[-1]), k_top)
 
         sargs = (q, w, pk, sc, bt, q_pos)
     nbytes = B * (n * ENTRY_BYTES + IH * ID * 2 + IH * 2 + n * 4 + n * 4)   # keys, q, w, row ids, f32 scores
-    row["entries"] = n
-    row["bytes"] = nbytes
-    # 1. correctness
+    row.update(entries=n, bytes=nbytes)
     try:
         s_k = scores_k(*sargs)
         s_r, tk_ref = reference(*sargs)
         ok, info = check_scores(s_k, s_r)
         row.update(check="PASS" if ok else "FAIL", **info)
         tk = path(*path_args)
-        row["topk_overlap_vs_ref"] = overlap(tk, tk_ref)
-        row["topk_overlap_vs_today"] = overlap(tk, today(*today_args))
-        log(f"{mode} B={B} ctx={ctx}: {row['check']} max_rel={info['max_rel']:.2e} "
-            f"not_identical={info['frac_not_identical']:.2e} topk overlap ref={row['topk_overlap_vs_ref']:.4f} "
-            f"today={row['topk_overlap_vs_today']:.4f}")
+        row.update(topk_overlap_vs_ref=overlap(tk, tk_ref), topk_overlap_vs_today=overlap(tk, today(*today_args)))
+        log(f"{mode} B={B} ctx={ctx}:", {k: row[k] for k in ("check", "max_rel", "frac_not_identical",
+                                                            "topk_overlap_vs_ref", "topk_overlap_vs_today")})
         del s_k, s_r
     except Exception as ex:  # noqa: BLE001
-        row["check"] = "ERROR"
-        row["check_error"] = repr(ex)[:1000]
-        log(f"{mode} B={B} ctx={ctx}: check ERROR", repr(ex)[:300])
-        traceback.print_exc()
-    # 2. timing
+        row.update(check="ERROR", check_error=timing.failure(f"{mode} B={B} ctx={ctx}: check", ex))
     kern = jax.jit(il.entry_scores_kernel)
-    for name, f, a in (("kernel", kern, (q, w, pk, sc, rows)), ("path", path, path_args),
-                       ("xla", today, today_args)):
+    for name, f, a in (("kernel", kern, (q, w, pk, sc, rows)), ("path", path, path_args), ("xla", today, today_args)):
         if name == "xla" and args.no_xla:
             continue
         try:
             tot, mx, nk, how = time_gpu(f, a, iters=args.iters, flush=flush)
             row[f"{name}_us"] = mx if name == "kernel" else tot      # kernel: the Mosaic kernel alone
-            row[f"{name}_total_us"] = tot
-            row[f"{name}_nkernels"] = nk
-            row["timing"] = how
+            row.update({f"{name}_total_us": tot, f"{name}_nkernels": nk, "timing": how})
         except Exception as ex:  # noqa: BLE001
-            row[f"{name}_error"] = repr(ex)[:1000]
-            log(f"{mode} B={B} ctx={ctx}: {name} timing ERROR", repr(ex)[:300])
-            traceback.print_exc()
-    # 3. the top-k alone on the kernel's scores: lax.top_k (a sort) vs the radix selects (dsv41/topk.py) vs the
-    # threshold kernel (pallas_kernels/topk_select.py), same ids
+            row[f"{name}_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: {name} timing", ex)
+    # the top-k alone on the kernel's scores: lax.top_k (a sort), the radix selects, the threshold kernel; same ids
     try:
         s_t, g_t = scores_g(*sargs)
-        methods = SELECT_METHODS
-        tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in methods}
+        tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in SELECT_METHODS}
         want = np.asarray(tk_fns["lax"](s_t, g_t))
-        row["topk_radix_same"] = all(np.array_equal(np.asarray(tk_fns[m](s_t, g_t)), want) for m in methods[1:])
+        row["topk_radix_same"] = all(np.array_equal(np.asarray(f(s_t, g_t)), want) for f in tk_fns.values())
         for m, f in tk_fns.items():
             # the longest kernel too: for 'kernel' the threshold kernel, the rest being XLA's placement
             row[f"topk_{m}_us"], row[f"topk_{m}_max_us"], row[f"topk_{m}_nkernels"], _ = time_gpu(
                 f, (s_t, g_t), iters=args.iters, flush=flush)
         log(f"{mode} B={B} ctx={ctx}: top-k alone " + ", ".join(
             f"{m} {row[f'topk_{m}_us']:.1f} us ({row[f'topk_{m}_nkernels']} kernels, longest "
-            f"{row[f'topk_{m}_max_us']:.1f})" for m in methods) + f", same ids {row['topk_radix_same']}")
+            f"{row[f'topk_{m}_max_us']:.1f})" for m in SELECT_METHODS) + f", same ids {row['topk_radix_same']}")
         del s_t, g_t
     except Exception as ex:  # noqa: BLE001
-        row["topk_error"] = repr(ex)[:1000]
-        log(f"{mode} B={B} ctx={ctx}: top-k timing ERROR", repr(ex)[:300])
-        traceback.print_exc()
+        row["topk_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: top-k timing", ex)
     if "kernel_us" in row:
         row["roofline_us"] = nbytes / (bw * 1e12) * 1e6
         row["pct_bw"] = 100 * row["roofline_us"] / row["kernel_us"]
@@ -243,55 +213,27 @@ def print_table(rows, bw):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--budget-s", type=float, default=100.0, help="skip the remaining cases after this")
+    ap = timing.bench_args(__doc__, out="out", iters=10, budget_s=100.0)
     ap.add_argument("--cases", default="c:64:256,c:1:256,c:8:64,c:64:64,c:1:64,c:8:256,c:64:16,c:8:16,c:1:16,"
                                       "x:64:64,x:1:64,x:8:16,x:64:16,x:1:16,x:8:64",
                     help="mode(c=candidates, x=context):B:ctx in K tokens, most important first")
     ap.add_argument("--no-xla", action="store_true", help="skip timing today's XLA path")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Mosaic GPU interpreter (CPU)")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    log("devices", jax.devices(), "jax", jax.__version__)
-    if args.cpu_smoke:
-        return cpu_smoke()
-    ceil = timing.ceilings()
-    bw = ceil["hbm_TBps"]
-    log("ceilings", timing.ceiling_line(ceil))
-    flush = timing.jax_flusher()
-    rows = []
+    ceil, flush, rows = timing.bench_ceilings(), timing.jax_flusher(), []
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "ceilings": ceil, "rows": rows}
     for spec in args.cases.split(","):
         m, b, k = spec.split(":")
-        mode = {"c": "candidates", "x": "context"}[m]
-        if time.time() - timing.T0 > args.budget_s:
-            log(f"budget reached: skipping {spec}")
-            rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "SKIP"})
+        case = {"mode": {"c": "candidates", "x": "context"}[m], "B": int(b), "ctx": int(k) * 1024}
+        if timing.over_budget(args.budget_s, spec):
+            rows.append({**case, "check": "SKIP"})
             continue
         try:
-            run_case(mode, int(b), int(k) * 1024, args, flush, bw, rows)
+            run_case(*case.values(), args, flush, ceil["hbm_TBps"], rows)
         except Exception as ex:  # noqa: BLE001
-            log(f"case {spec} ERROR", repr(ex)[:500])
-            traceback.print_exc()
-            rows.append({"mode": mode, "B": int(b), "ctx": int(k) * 1024, "check": "ERROR", "error": repr(ex)[:1000]})
-        with open(os.path.join(args.out, "results.json"), "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
-    print_table(rows, bw)
+            rows.append({**case, "check": "ERROR", "error": timing.failure(f"case {spec}", ex)})
+        timing.write_json(args.out, "results.json", results)
+    print_table(rows, ceil["hbm_TBps"])
     log("done")
-
-
-def cpu_smoke():
-    """The script's data + check logic at tiny shapes in the interpreter (no timing)."""
-    B, ctx = 2, 1024
-    c = make_case(0, B, ctx, "candidates")
-    cb = c["cb"][:, :8]                                           # 64 entries = one tile
-    s_k, _ = il.candidate_scores(c["q"], c["w"], c["pk"], c["sc"], c["bt"], cb, c["q_pos"], RATIO,
-                                 backend="interpret")
-    s_r, _ = il.candidate_scores(c["q"], c["w"], c["pk"], c["sc"], c["bt"], cb, c["q_pos"], RATIO, backend="xla")
-    ok, info = check_scores(s_k, s_r)
-    log("cpu smoke candidates:", "PASS" if ok else "FAIL", info)
 
 
 if __name__ == "__main__":

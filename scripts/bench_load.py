@@ -1,11 +1,10 @@
 """Checkpoint load speed: release-format load and orbax save/restore, against the disk's raw read rate.
 
-    python scripts/bench_load.py [--layers 4]     # preset 'bench' (~20 GB on disk), on the GPU machine
+    python scripts/bench_load.py                  # preset 'bench' (~20 GB on disk), on the GPU machine
     python scripts/bench_load.py --preset tiny    # CPU smoke test
 
-Writes a checkpoint of random bytes in the stored formats, evicts it from the page cache (fsync +
-POSIX_FADV_DONTNEED, no root needed), times a raw parallel read of the shards, cold and warm `load_checkpoint`,
-and orbax save / cold restore. Prints one table.
+Writes random bytes in the stored formats, evicts them from the page cache (fsync + POSIX_FADV_DONTNEED, no root
+needed), times a raw parallel read of the shards, cold and warm `load_checkpoint`, orbax save / cold restore.
 """
 
 from __future__ import annotations
@@ -17,39 +16,22 @@ import logging
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import timing  # noqa: E402
-from dsv41 import checkpoint as ckpt  # noqa: E402
-from dsv41 import quant  # noqa: E402
-from dsv41.config import ModelConfig, preset  # noqa: E402
-from dsv41.params import Params, abstract_params, is_weight_leaf  # noqa: E402
+import timing  # before dsv41: puts the repository on sys.path
+from dsv41 import checkpoint as ckpt
+from dsv41 import quant
+from dsv41.config import preset
+from dsv41.params import Params, abstract_params, is_weight_leaf
 
 log = logging.getLogger("bench_load")
 
 
-def reduce_layers(cfg: ModelConfig, n: int) -> ModelConfig:
-    """The first n layers of cfg as a valid config (sources, candidate and Engram layers past n dropped)."""
-    if n >= cfg.n_layers:
-        return cfg
-    keep = lambda xs: tuple(x for x in xs if x < n)  # noqa: E731
-    engram = [(lay, rows) for lay, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if lay < n]
-    return cfg.replace(
-        n_layers=n, compress_ratios=cfg.compress_ratios[:n], kv_source_layers=keep(cfg.kv_source_layers),
-        index_source_layers=keep(cfg.index_source_layers),
-        candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
-        engram_layer_ids=tuple(lay for lay, _ in engram), engram_num_embeddings=tuple(r for _, r in engram))
-
-
-def random_params(cfg: ModelConfig, seed: int = 0) -> Params:
+def random_params(cfg, seed: int = 0) -> Params:
     """Host numpy arrays of random bytes with the stored-precision tree's shapes and dtypes."""
     rng = np.random.default_rng(seed)
 
@@ -107,68 +89,54 @@ def device_bytes(params: Params) -> tuple[int, int]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench", help="config preset (default: bench)")
-    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
-    ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--workers", type=int, default=8, help="load_checkpoint threads")
-    ap.add_argument("--read-threads", type=int, default=8, help="threads of the raw read")
-    ap.add_argument("--modes", default=None,
-                    help=f"comma-separated load_checkpoint read modes to time, of {list(ckpt.READ_MODES)} "
-                         "(default: the loader's default for this backend)")
+    ap.add_argument("--workers", type=int, default=8, help="load_checkpoint threads, and those of the raw read")
+    ap.add_argument("--modes", default="mmap", help=f"load_checkpoint read modes to time, of {list(ckpt.READ_MODES)}")
     ap.add_argument("--no-orbax", action="store_true")
-    ap.add_argument("--keep", action="store_true", help="keep the written files")
-    ap.add_argument("--reuse", action="store_true", help="reuse a release checkpoint already in --dir")
+    ap.add_argument("--reuse", action="store_true", help="reuse a release checkpoint already in --dir, and keep it")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step at INFO
 
     cfg = preset(args.preset)
-    if args.layers:
-        cfg = reduce_layers(cfg, args.layers)
     root = args.dir or tempfile.mkdtemp(prefix="dsv41_bench_")
     release, orbax_dir = os.path.join(root, "release"), os.path.join(root, "orbax")
     log.info("devices: %s; writing under %s", jax.devices(), root)
     rows: list[tuple[str, float, float]] = []
     try:
         if not (args.reuse and os.path.exists(os.path.join(release, ckpt.INDEX_NAME))):
-            t0 = time.perf_counter()
             params = random_params(cfg)
-            log.info("random params: %.1f s", time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ckpt.save_checkpoint(params, cfg, release, n_shards=args.shards, fsync=True)
+            ckpt.save_checkpoint(params, cfg, release, n_shards=8, fsync=True)
             size = sum(os.path.getsize(p) for p in files_under(release, ".safetensors"))
             rows.append(("write release (fsync)", size, time.perf_counter() - t0))
             del params
             gc.collect()
 
         shards = files_under(release, ".safetensors")
-        evict(shards)
-        n, dt = raw_read(shards, args.read_threads)
-        raw_rate = n / dt
-        rows.append((f"raw read, cold, {args.read_threads} threads", n, dt))
-        evict(shards)
-        n1, dt1 = raw_read(shards, 1)
-        rows.append(("raw read, cold, 1 thread", n1, dt1))
-        n2, dt2 = raw_read(shards, args.read_threads)
-        rows.append((f"raw read, page cache, {args.read_threads} threads", n2, dt2))
+        w = args.workers
+        for label, threads, cold in ((f"cold, {w} threads", w, True), ("cold, 1 thread", 1, True),
+                                     (f"page cache, {w} threads", w, False)):
+            if cold:
+                evict(shards)
+            rows.append((f"raw read, {label}", *raw_read(shards, threads)))
+        raw_rate = rows[-3][1] / rows[-3][2]
 
         # the first transfers of a process set up the runtime's copy machinery (~2 s on an H200): keep that out
         jax.device_put(np.zeros(64 << 20, np.uint8)).block_until_ready()
         loaded = None
-        modes = args.modes.split(",") if args.modes else ["mmap"]
-        for mode in modes:
+        for mode in args.modes.split(","):
             for label, cold in (("cold", True), ("page cache", False)):
                 loaded = None
                 gc.collect()
                 if cold:
                     evict(shards)
                 t0 = time.perf_counter()
-                _, loaded = ckpt.load_checkpoint(release, workers=args.workers, progress=False, read_mode=mode)
-                jax.block_until_ready(loaded)
+                _, loaded = jax.block_until_ready(ckpt.load_checkpoint(release, workers=w, progress=False,
+                                                                       read_mode=mode))
                 dt = time.perf_counter() - t0
                 dev, host = device_bytes(loaded)
-                rows.append((f"load {mode} x{args.workers}, {label} (+{host / 1e9:.1f} GB mapped)", dev,
-                             dt))
+                rows.append((f"load {mode} x{args.workers}, {label} (+{host / 1e9:.1f} GB mapped)", dev, dt))
 
         if not args.no_orbax:
             t0 = time.perf_counter()
@@ -184,7 +152,7 @@ def main(argv=None) -> None:
             rows.append(("orbax restore, cold", device_bytes(restored)[0], time.perf_counter() - t0))
             del restored
     finally:
-        if not args.keep:
+        if not args.reuse:
             shutil.rmtree(root, ignore_errors=True)
 
     print(f"\n{args.preset} preset, {cfg.n_layers} layers, {cfg.n_routed_experts} experts, "

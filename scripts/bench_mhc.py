@@ -2,36 +2,24 @@
 """Check and time the fused mHC site (pallas_kernels/mhc.py) at Flash shapes (hc=4, D=5120, fn [24, 20480]).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_mhc.py --out $OUT [--tokens 64,1,8,512]
-    .venv/bin/python scripts/bench_mhc.py --tiny     # CPU: the script's logic at toy shapes, interpreter
 
-Per T (decode first; then the first site, y=None, while --budget-s lasts): the pallas path against the XLA path
-(the dsv41.mhc composition the model runs). Checks: h1 within two bf16 ulps on <= 1% of elements; x and
-pre/post/comb (abs <= 2e-5) against the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves
-the mix by |fn| * ulp, not a kernel error); every output finite. Times (scripts/timing.py): CUPTI GPU time summed
-over a call's kernels (launch count matters), the longest kernel, and the wall clock of one blocking call;
-roofline = bytes (fn f32 + h, y read + h1, x written) / the HBM ceiling measured in the same run. One table.
+Per T (the expand site; then the first site, y=None, while --budget-s lasts): the pallas path against the XLA path
+(dsv41.mhc's composition). Checks: h1 within two bf16 ulps on <= 1% of elements; x and pre/post/comb (abs <= 2e-5)
+against the reference applied to the kernel's own h1 (a bf16 tie flip in h1 moves the mix by |fn| * ulp, not a
+kernel error); all finite. Times: CUPTI sum over a call's kernels, the longest kernel, one blocking call's wall
+clock; roofline = bytes (fn f32 + h, y read + h1, x written) / this run's HBM ceiling.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-import traceback
+import timing  # noqa: I001  (first: puts the repository on sys.path)
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-import timing  # noqa: E402
-from dsv41.config import ModelConfig  # noqa: E402
-from pallas_kernels import mhc as M  # noqa: E402
-from timing import fmt, log  # noqa: E402
+from dsv41.config import ModelConfig
+from pallas_kernels import mhc as M
+from timing import fmt, log
 
 ROWS: list[dict] = []
 
@@ -54,11 +42,9 @@ def compare(out, ref):
     """-> (ok, {name: error figure})."""
     errs, ok = {}, True
     for name, o, r in zip(("h1", "x", "pre", "post", "comb"), out, ref):
-        o = np.asarray(jnp.asarray(o, jnp.float32))
-        r = np.asarray(jnp.asarray(r, jnp.float32))
+        o, r = (np.asarray(jnp.asarray(v, jnp.float32)) for v in (o, r))
         if o.shape != r.shape or not np.all(np.isfinite(o)):
-            errs[name] = "shape/nonfinite"
-            ok = False
+            errs[name], ok = "shape/nonfinite", False
             continue
         if name in ("h1", "x"):  # the rule of tests/pallas_kernels/test_mhc.py: <= 2 bf16 ulps (+1e-6 absolute:
             # near-zero results of cancelling sums), on <= 1% of elements
@@ -75,34 +61,21 @@ def compare(out, ref):
 
 def op_bytes(t, hc, d, first):
     """fn (f32) + h read and h1 written (the first site writes no h1) + y read (not at the first site) + x."""
-    fn = 24 * hc * d * 4
-    return fn + t * hc * d * 2 * (1 if first else 2) + t * d * 2 * (1 if first else 2)
+    return 24 * hc * d * 4 + (t * hc * d * 2 + t * d * 2) * (1 if first else 2)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap = timing.bench_args(__doc__, iters=20, budget_s=110)
     ap.add_argument("--tokens", default="64,1,8,512")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--budget-s", type=float, default=110)
-    ap.add_argument("--tiny", action="store_true", help="CPU: toy shapes through the interpreter")
     args = ap.parse_args()
     cfg = ModelConfig()
     hc, d = cfg.hc_mult, cfg.dim
-    backend = "pallas"
-    if args.tiny:
-        d, args.tokens, args.iters, backend = 256, "2", 1, "interpret"
     tokens = [int(v) for v in args.tokens.split(",") if v]
-    log("devices", jax.devices())
+    ceil = timing.bench_ceilings()
+    bw = ceil["hbm_TBps"]
 
-    ceil = {}
-    if not args.tiny:
-        try:
-            ceil = timing.ceilings()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-    bw = ceil.get("hbm_TBps", 4.3)
-    log("ceilings", timing.ceiling_line(ceil))
+    def dump():
+        timing.write_json(args.out, "bench_mhc.json", {"ceilings": ceil, "rows": ROWS, "elapsed_s": timing.elapsed_s()})
 
     def wall(f, a):  # median us of one blocking call: launch gaps and host work, which CUPTI's sum does not see
         jax.block_until_ready(f(*a))
@@ -115,7 +88,7 @@ def main():
             a = make_inputs(jax.random.key(1000 + t), t, d)
             if first:
                 a[0] = a[2] = a[3] = None
-            pal = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend=backend))
+            pal = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend="pallas"))
             xla = jax.jit(lambda *b: M.mhc_fused(*b, cfg, backend="xla"))
             out = jax.block_until_ready(pal(*a))
             ref = jax.block_until_ready(xla(*a))
@@ -127,8 +100,7 @@ def main():
             errs["h1->coef (info)"] = compare(out, ref)[1]["pre"]
             row.update(check="PASS" if ok else "FAIL", errors=errs)
             nbytes = op_bytes(t, hc, d, first)
-            row["MB"] = nbytes / 1e6
-            row["roofline_us"] = nbytes / (bw * 1e12) * 1e6
+            row.update(MB=nbytes / 1e6, roofline_us=nbytes / (bw * 1e12) * 1e6)
             tot, mx, names = timing.time_gpu(pal, a, iters=args.iters)
             row.update(pallas_us=tot * 1e3, pallas_kernel_us=mx * 1e3, pallas_launches=len(names),
                        pallas_kernels=names, pallas_wall_us=wall(pal, a))
@@ -136,19 +108,17 @@ def main():
             row.update(xla_us=tx * 1e3, xla_launches=len(nx), xla_kernels=nx, xla_wall_us=wall(xla, a))
             log({k: v for k, v in row.items() if not k.endswith("_kernels")})
         except Exception as ex:  # noqa: BLE001
-            traceback.print_exc()
-            row.update(check="ERROR", error=f"{type(ex).__name__}: {str(ex)[:300]}")
-        dump(args, ceil)
+            row.update(check="ERROR", error=timing.failure(f"T={t} {row['site']}", ex)[:300])
+        dump()
 
     for t in tokens:
         run_case(t, False)
     for t in tokens:
-        if time.time() - timing.T0 > args.budget_s:
-            log("budget reached, skipping the rest")
+        if timing.over_budget(args.budget_s, "the remaining first-site cases"):
             break
         run_case(t, True)
     table(bw)
-    dump(args, ceil)
+    dump()
 
 
 def table(bw):
@@ -165,14 +135,6 @@ def table(bw):
                     r.get("errors", r.get("error", ""))])
     timing.print_table(["T", "site", "check", "pallas us", "kernel us", "#k", "xla us", "#k", "roof us", "xla/pal",
                         "roof/pal", "wall pal", "wall xla", "errors"], out, "rll" + "r" * 10 + "l")
-
-
-def dump(args, ceil):
-    if not args.out:
-        return
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_mhc.json"), "w") as fh:
-        json.dump({"ceilings": ceil, "rows": ROWS, "elapsed_s": time.time() - timing.T0}, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -1,50 +1,39 @@
+#!/usr/bin/env python3
 """Check and time the fused MoE router (pallas_kernels/router.py) at Flash's shapes (D 5120, E 384, top-6).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_router.py --out $OUT [--tokens 64,1,8,512,2048,4096]
-    .venv/bin/python scripts/bench_router.py --interpret --tokens 1 --d 256 --e 64   # CPU: the script's logic
 
-Checks route_fused (pallas and XLA) against route_reference (f32 HIGHEST): ids identical except near-ties (top-7
-keys closer than --tie-gap), weights within rtol 2e-5 / atol 1e-6, order and group sizes where ids agree. Times
-(scripts/timing.py: CUPTI, a call's kernels summed, L2 flushed before each call so the 3.9 MB gate weight comes
-from HBM): pallas, the XLA path, PyTorch's router (scripts/torch_baselines.py, CUDA
-events, checked like the others). Roofline = max(bytes / HBM, FLOPs / matmul rate), both measured in this run.
+Checks route_fused (pallas and XLA) and PyTorch's router (scripts/torch_baselines.py) against route_reference (f32
+HIGHEST): ids identical except near-ties (top-7 keys closer than TIE_GAP), weights within rtol 2e-5 / atol 1e-6,
+order and group sizes where ids agree. Times each (CUPTI, L2 flushed so the 3.9 MB gate weight comes from HBM;
+PyTorch by CUDA events). Roofline = max(bytes / HBM, FLOPs / matmul rate), both measured in this run.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
-import traceback
 
+import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
-from timing import fmt, log  # noqa: E402
+from dsv41.config import ModelConfig
+from pallas_kernels import router as R
+from timing import fmt, log
 
 D, E, K = 5120, 384, 6
+TIE_GAP = 1e-5
 
 
-def time_gpu(f, args, iters, flush):  # -> (median ms a call, its kernels summed, L2 flushed; 'cupti' or 'wall')
-    tot, _, names = timing.time_gpu(f, args, iters=iters, flush=flush)
-    return tot, "wall" if names == ["wall-clock"] else "cupti"
-
-
-def check(name, out, ref, x, w, bias, tie_gap):
+def check(name, out, ref, x, w, bias):
     """-> dict with PASS/FAIL and error numbers (see the module doc)."""
     wts, ids, order, sizes = (np.asarray(a) for a in out)
     rw, rids, rorder, rsizes = (np.asarray(a) for a in ref)
-    from pallas_kernels.router import scores_reference
-
-    keys = np.asarray(scores_reference(x, w)) + np.asarray(bias)[None]
+    keys = np.asarray(R.scores_reference(x, w)) + np.asarray(bias)[None]
     top = -np.sort(-keys, axis=1)[:, :K + 1]
-    near = (np.diff(-top, axis=1) < tie_gap).any(axis=1)  # a near-tie among the top-7 keys
+    near = (np.diff(-top, axis=1) < TIE_GAP).any(axis=1)  # a near-tie among the top-7 keys
     bad_rows = (ids != rids).any(axis=1)
     hard = bad_rows & ~near
     same = ~bad_rows
@@ -60,7 +49,7 @@ def check(name, out, ref, x, w, bias, tie_gap):
     return r
 
 
-def torch_route(x, gate, rc, ref, tie_gap, iters):
+def torch_route(x, gate, rc, ref, iters):
     """PyTorch's router on the same data (scripts/torch_baselines.py: float32 logits, torch.topk), shared with
     JAX through DLPack -> (check dict, us per call with L2 flushed)."""
     import torch
@@ -69,7 +58,7 @@ def torch_route(x, gate, rc, ref, tie_gap, iters):
     xt, bt = (torch.from_dlpack(jax.block_until_ready(a)) for a in (x, gate["bias"]))
     w32 = torch.from_dlpack(jax.block_until_ready(gate["weight"])).float()  # converted once, outside the timing
     fn = lambda: tb.route(xt, w32, bt, rc.k, rc.route_scale, rc.gate_temp)  # noqa: E731
-    res = check("torch", [a.cpu().numpy() for a in fn()], ref, x, gate["weight"], gate["bias"], tie_gap)
+    res = check("torch", [a.cpu().numpy() for a in fn()], ref, x, gate["weight"], gate["bias"])
     us = timing.cuda_time_us(fn, iters=iters, flush=timing.l2_flusher())
     del xt, bt, w32
     torch.cuda.empty_cache()
@@ -77,39 +66,15 @@ def torch_route(x, gate, rc, ref, tie_gap, iters):
 
 
 def main():
-    global D, E
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap = timing.bench_args(__doc__, out=".", iters=10, budget_s=160.0)
     ap.add_argument("--tokens", default="64,1,8,512,2048,4096")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--tie-gap", type=float, default=1e-5)
-    ap.add_argument("--budget-s", type=float, default=160.0, help="skip the remaining cases after this")
-    ap.add_argument("--interpret", action="store_true", help="CPU smoke test: Mosaic GPU interpreter, small D/E")
-    ap.add_argument("--d", type=int, default=D)
-    ap.add_argument("--e", type=int, default=E)
     args = ap.parse_args()
-    D, E = args.d, args.e
-    os.makedirs(args.out, exist_ok=True)
-
-    from dsv41.config import ModelConfig
-    from pallas_kernels import router as R
-
-    log("devices", jax.devices())
-    import dataclasses
-
-    cfg = dataclasses.replace(ModelConfig(), n_routed_experts=E)
-    assert cfg.n_activated_experts == K, cfg.n_activated_experts
-    backend = "interpret" if args.interpret else "pallas"
+    cfg = ModelConfig()
+    assert (cfg.dim, cfg.n_routed_experts, cfg.n_activated_experts) == (D, E, K)
     rc = R.RouteConfig.of(cfg)
-    results = {"ceilings": {}, "cases": [], "errors": []}
-    try:
-        results["ceilings"] = ceil = timing.ceilings() if not args.interpret else {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0}
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        ceil = results["ceilings"] = {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0, "ceilings_assumed": True}
-    log("ceilings", ceil)
-
-    do_flush = timing.jax_flusher(256 if not args.interpret else 1)
+    ceil = timing.bench_ceilings()
+    results = {"ceilings": ceil, "cases": [], "errors": []}
+    do_flush = timing.jax_flusher()
 
     key = jax.random.key(0)
     kw, kb = jax.random.split(key)
@@ -117,67 +82,49 @@ def main():
     bias = jax.random.normal(kb, (E,), jnp.float32) * 0.1
     gate = {"weight": w, "bias": bias, "bias_vl": bias}
 
-    def save():
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-
     for t in [int(v) for v in args.tokens.split(",")]:
-        if time.time() - timing.T0 > args.budget_s:
-            log(f"budget reached, skipping T={t}")
+        if timing.over_budget(args.budget_s, f"T={t}"):
             results["errors"].append(f"skipped T={t} (budget)")
             continue
         x = jax.random.normal(jax.random.fold_in(key, t), (t, D), jnp.float32).astype(jnp.bfloat16)
         case = {"T": t, "config": repr(R.default_config(t, D, E)), "timings": {}, "checks": []}
         results["cases"].append(case)
-        byts = E * D * 2 + t * D * 2
-        flops = 2 * t * D * E
+        byts, flops = E * D * 2 + t * D * 2, 2 * t * D * E
         roof_ms = max(byts / (ceil["hbm_TBps"] * 1e12), flops / (ceil["mm_TFLOPs"] * 1e12)) * 1e3
         case.update(bytes=byts, flops=flops, roofline_ms=roof_ms)
-        fns = {
-            "pallas": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend=backend)),
-            "xla": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="xla")),
-        }
+        fns = {"pallas": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="pallas")),
+               "xla": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="xla"))}
         try:
-            ref = jax.jit(lambda x, g: R.route_reference(x, g, rc))(x, gate)
-            jax.block_until_ready(ref)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            results["errors"].append(f"T={t} reference: {traceback.format_exc()[-500:]}")
+            ref = jax.block_until_ready(jax.jit(lambda x, g: R.route_reference(x, g, rc))(x, gate))
+        except Exception as ex:  # noqa: BLE001
+            results["errors"].append(f"T={t} reference: {timing.failure(f'T={t} reference', ex)}")
             ref = None
-        for name in ("pallas", "xla"):
-            if ref is None:
-                break
+        for name in ("pallas", "xla") if ref is not None else ():
             try:
                 t1 = time.time()
-                out = fns[name](x, gate)
-                jax.block_until_ready(out)
+                out = jax.block_until_ready(fns[name](x, gate))
                 log(f"T={t} {name}: compile+run {time.time() - t1:.1f}s")
-                case["checks"].append(check(name, out, ref, x, w, bias, args.tie_gap))
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                case["checks"].append({"path": name, "ok": False, "error": traceback.format_exc()[-800:]})
-        for name, fn in fns.items():
-            if time.time() - timing.T0 > args.budget_s + 10:
-                continue
+                case["checks"].append(check(name, out, ref, x, w, bias))
+            except Exception as ex:  # noqa: BLE001
+                case["checks"].append({"path": name, "ok": False, "error": timing.failure(f"T={t} {name}", ex)})
+        late = timing.elapsed_s() > args.budget_s + 10  # past the budget mid-case: the timings are skipped
+        for name, fn in fns.items() if not late else ():
             try:
-                ms, how = time_gpu(fn, (x, gate), args.iters, do_flush)
-                case["timings"][name] = {"us": ms * 1e3, "how": how}
-                log(f"T={t} {name}: {ms * 1e3:.2f} us ({how})")
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                case["timings"][name] = {"error": traceback.format_exc()[-800:]}
-        if ref is not None and not args.interpret and time.time() - timing.T0 <= args.budget_s + 10:
+                ms, _, names = timing.time_gpu(fn, (x, gate), iters=args.iters, flush=do_flush)
+                case["timings"][name] = {"us": ms * 1e3, "how": timing.how(names)}
+                log(f"T={t} {name}: {ms * 1e3:.2f} us ({timing.how(names)})")
+            except Exception as ex:  # noqa: BLE001
+                case["timings"][name] = {"error": timing.failure(f"T={t} {name} timing", ex)}
+        if ref is not None and not late:
             try:
-                res, us = torch_route(x, gate, rc, ref, args.tie_gap, args.iters)
+                res, us = torch_route(x, gate, rc, ref, args.iters)
                 case["checks"].append(res)
                 case["timings"]["torch"] = {"us": us, "how": "cuda events"}
                 log(f"T={t} torch: {us:.2f} us")
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-                case["timings"]["torch"] = {"error": traceback.format_exc()[-800:]}
-        save()
+            except Exception as ex:  # noqa: BLE001
+                case["timings"]["torch"] = {"error": timing.failure(f"T={t} torch", ex)}
+        timing.write_json(args.out, "results.json", results)
 
-    # ---- the table
     print(f"\nFused MoE router, D={D} E={E} k={K}; GPU us per call (L2 flushed), roofline = "
           f"max(bytes / {ceil['hbm_TBps']:.2f} TB/s, FLOPs / {ceil['mm_TFLOPs']:.0f} TFLOP/s)")
     rows = []
@@ -197,8 +144,7 @@ def main():
     timing.print_table(["T", "check pallas", "check xla", "pallas", "xla", "roofline", "xla/pallas", "pallas/roof",
                         "check torch", "torch"], rows, "r" * 10)
     print("check = PASS|FAIL max|w err| / hard id mismatches 'h' / rows with a near-tie in the top-7 'n'")
-    save()
-    log("wrote", os.path.join(args.out, "results.json"))
+    timing.write_json(args.out, "results.json", results)
     return 0
 
 

@@ -2,36 +2,26 @@
 """Check and time the fused sparse-attention decode kernel (pallas_kernels/sparse_attention.py) on the H200.
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_sparse_attention.py [--variants 1:10:r,64:2:s]
-  .venv/bin/python scripts/bench_sparse_attention.py --interpret --variants 1:1:r --iters 1   # CPU
 
 Checks the kernel against the f32 reference at Flash shapes (H=64, D=512, W=128, K=512) per batch and key-split
-count, with a ragged case at B=8 (invalid ring slots, -1 indices, a sequence with no key): relative L2 < 1e-2, no
-NaN. Times (scripts/timing.py, CUPTI) the kernel's path cold (L2 flushed) and warm, the XLA reference, and the
-same attention in PyTorch over bf16 caches (scripts/torch_baselines.py); roofline on the HBM ceiling measured in
-the same run; bytes a sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2). One table, JSON in $OUT.
+count, with a ragged case at B=8 (invalid ring slots, -1 indices, a sequence with no key): rel. L2 < 1e-2, no NaN.
+Times (CUPTI) the kernel's path cold (L2 flushed) and warm, the XLA reference, and PyTorch over bf16 caches;
+bytes a sequence = q (H*D*2) + ring (W*528) + K*288 + output (H*D*2), against this run's HBM ceiling.
 """
 
-import argparse
-import json
 import os
-import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # torch_baselines
 
+import timing  # noqa: E402  (first: puts the repository on sys.path)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-import timing  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 from timing import log, time_gpu  # noqa: E402
 
 
-def make_inputs(key, b, *, h=64, d=512, w=128, k=512, p=64, pages_per_seq=256,
-                ragged=False):
+def make_inputs(key, b, *, h=64, d=512, w=128, k=512, p=64, pages_per_seq=256, ragged=False):
   ks = jax.random.split(key, 12)
   q = jax.random.normal(ks[0], (b, h, d), jnp.float32).astype(jnp.bfloat16)
   bits = jax.random.randint(ks[1], (b, w, d), 0, 256, jnp.int32)
@@ -55,8 +45,7 @@ def make_inputs(key, b, *, h=64, d=512, w=128, k=512, p=64, pages_per_seq=256,
 
 
 def rel_err(out, ref):
-  out = jnp.asarray(out, jnp.float32)
-  ref = jnp.asarray(ref, jnp.float32)
+  out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
   nan = bool(jnp.any(jnp.isnan(out)))
   e = float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
   mx = float(jnp.max(jnp.abs(out - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
@@ -70,8 +59,7 @@ def torch_baseline(inp, ref32, iters):
   import torch_baselines as tb
 
   q, swa_q, swa_s, swa_valid, topk, page_table, kv_packed, kv_scale, sink = inp
-  w, d = swa_q.shape[1:]
-  p = kv_packed.shape[1]
+  (w, d), p = swa_q.shape[1:], kv_packed.shape[1]
   g = jnp.maximum(topk, 0)
   rows = jnp.where(topk >= 0, jnp.take_along_axis(page_table, g // p, axis=1) * p + g % p, -1)
   pool = sa.dequant_kv_fp4(kv_packed.reshape(-1, d // 2), kv_scale.reshape(-1, d // 16))
@@ -89,95 +77,67 @@ def torch_baseline(inp, ref32, iters):
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--iters", type=int, default=20)
+  ap = timing.bench_args(__doc__, out="out", iters=20)
   ap.add_argument("--variants", default="1:10:r,1:10:s,8:10:r,8:10:s,64:1:r,64:1:s,64:2:r,64:2:s",
                   help="B:S:mode entries (S key splits, 0: the default); mode r=redundant, s=split QK")
-  ap.add_argument("--interpret", action="store_true",
-                  help="CPU smoke test of this script (Mosaic GPU interpreter)")
   args = ap.parse_args()
-  out_dir = os.environ.get("OUT", "out")
-  os.makedirs(out_dir, exist_ok=True)
-  log("devices", jax.devices(), "jax", jax.__version__)
   h, d, w, k = 64, 512, 128, 512
   n_tiles = w // sa.TILE + k // sa.TILE
   variants = {}
   for v in args.variants.split(","):
     bb, ss, mode = v.split(":")
-    variants.setdefault(int(bb), []).append(
-        (int(ss), v, sa.KernelConfig(qk_mode={"r": "redundant", "s": "split"}[mode])))
-  results = {"timings": []}
-
-  # correctness and timing per batch size
-  flush = timing.jax_flusher()
-  bw = timing.ceilings(quick=args.interpret)
-  log("ceilings:", timing.ceiling_line(bw))
-  results["ceilings"] = bw
-  ceiling = bw["hbm_TBps"]
-
+    qk_mode = {"r": "redundant", "s": "split"}[mode]
+    variants.setdefault(int(bb), []).append((int(ss), v, sa.KernelConfig(qk_mode=qk_mode)))
+  flush, bw, rows = timing.jax_flusher(), timing.bench_ceilings(), []
+  results, ceiling = {"timings": rows, "ceilings": bw}, bw["hbm_TBps"]
   ref_fn = jax.jit(sa.sparse_attention_reference)
-  rows = []
   for b in variants:             # in the order given on the command line
     inp = make_inputs(jax.random.key(b), b)
     ref = ref_fn(*inp)
     ref32 = jax.jit(lambda *a: sa.sparse_attention_reference(*a, out_dtype=jnp.float32))(*inp)
-    bytes_ = b * (h * d * 2 + w * 528 + k * 288 + h * d * 2)
-    flops = b * 4 * h * d * (w + k)
+    bytes_, flops = b * (h * d * 2 + w * 528 + k * 288 + h * d * 2), b * 4 * h * d * (w + k)
+    t_x = t_torch = e_torch = float("nan")
     try:
-      t_x, t_xk, names_x = time_gpu(ref_fn, inp, iters=args.iters, flush=flush)
+      t_x, _, names_x = time_gpu(ref_fn, inp, iters=args.iters, flush=flush)
+      log(f"B={b}: XLA reference {t_x * 1e3:.1f} us (cold), kernels {names_x[:6]}")
     except Exception as e:  # noqa: BLE001
-      log("xla timing failed", repr(e)[:300])
-      t_x, names_x = float("nan"), []
-    log(f"B={b}: XLA reference {t_x * 1e3:.1f} us (cold), kernels {names_x[:6]}")
-    t_torch = e_torch = float("nan")
-    if not args.interpret:
-      try:
-        t_torch, e_torch = torch_baseline(inp, ref32, args.iters)
-        log(f"B={b}: PyTorch over bf16 caches {t_torch:.1f} us (cold), rel_l2 {e_torch:.2e}")
-      except Exception as e:  # noqa: BLE001
-        log("torch baseline failed", repr(e)[:300])
+      timing.failure(f"B={b} XLA timing", e)
+    try:
+      t_torch, e_torch = torch_baseline(inp, ref32, args.iters)
+      log(f"B={b}: PyTorch over bf16 caches {t_torch:.1f} us (cold), rel_l2 {e_torch:.2e}")
+    except Exception as e:  # noqa: BLE001
+      timing.failure(f"B={b} PyTorch baseline", e)
     for s, vname, cfg in variants[b]:
       s = s or sa.default_num_splits(b, n_tiles)
-      entry = {"B": b, "S": s, "variant": vname, "config": str(cfg),
-               "bytes": bytes_, "flops": flops}
+      entry = {"B": b, "S": s, "variant": vname, "config": str(cfg), "bytes": bytes_, "flops": flops}
       try:
-        f = jax.jit(lambda *a, _s=s, _c=cfg: sa.sparse_attention_decode(
-            *a, num_splits=_s, interpret=args.interpret, config=_c))
+        f = jax.jit(lambda *a, _s=s, _c=cfg: sa.sparse_attention_decode(*a, num_splits=_s, config=_c))
         t_c0 = time.time()
         out = jax.block_until_ready(f(*inp))
         entry["compile_run_s"] = time.time() - t_c0
-        e, mx, nan = rel_err(out, ref32)
-        e_xla, _, _ = rel_err(ref, ref32)
-        ok = e < 1e-2 and not nan
-        entry.update(rel_l2=e, rel_max=mx, nan=nan, ok=ok, xla_rel_l2=e_xla)
+        (e, mx, nan), e_xla = rel_err(out, ref32), rel_err(ref, ref32)[0]
+        entry.update(rel_l2=e, rel_max=mx, nan=nan, ok=e < 1e-2 and not nan, xla_rel_l2=e_xla)
         log(f"{vname} B={b} S={s}: rel_l2={e:.2e} rel_max={mx:.2e} nan={nan} "
             f"(xla bf16 out vs f32: {e_xla:.2e}) compile+run {entry['compile_run_s']:.1f}s")
         if b == 8:
           rinp = make_inputs(jax.random.key(100 + b), b, ragged=True)
           rout = f(*rinp)
           rref = sa.sparse_attention_reference(*rinp, out_dtype=jnp.float32)
-          re_, rmx, rnan = rel_err(rout, rref)
+          re_, _, rnan = rel_err(rout, rref)
           row1 = rel_err(rout[1], rref[1])[0]
           z0 = float(jnp.max(jnp.abs(rout[0].astype(jnp.float32))))
-          entry.update(ragged_rel_l2=re_, ragged_nan=rnan, ragged_row1=row1,
-                       ragged_row0_maxabs=z0)
-          log(f"  ragged: rel_l2={re_:.2e} nan={rnan} row1(5 keys)={row1:.2e} "
-              f"row0(no keys) max|o|={z0:.2e}")
+          entry.update(ragged_rel_l2=re_, ragged_nan=rnan, ragged_row1=row1, ragged_row0_maxabs=z0)
+          log(f"  ragged: rel_l2={re_:.2e} nan={rnan} row1(5 keys)={row1:.2e} row0(no keys) max|o|={z0:.2e}")
         t_all, t_k, names = time_gpu(f, inp, iters=args.iters, flush=flush)
         t_warm, t_kw, _ = time_gpu(f, inp, iters=args.iters)
         entry.update(path_us=t_all * 1e3, kernel_us=t_k * 1e3, warm_path_us=t_warm * 1e3,
-                     warm_kernel_us=t_kw * 1e3, xla_us=t_x * 1e3, torch_us=t_torch, torch_rel_l2=e_torch,
-                     kernels=names)
+                     warm_kernel_us=t_kw * 1e3, xla_us=t_x * 1e3, torch_us=t_torch, torch_rel_l2=e_torch, kernels=names)
         log(f"  cold: path {t_all * 1e3:.1f} us, main kernel {t_k * 1e3:.1f} us; "
             f"warm: path {t_warm * 1e3:.1f} us, kernel {t_kw * 1e3:.1f} us; kernels {names}")
       except Exception as ex:  # noqa: BLE001
-        log(f"{vname} B={b} S={s} FAILED:", repr(ex)[:3000])
-        traceback.print_exc()
-        entry["error"] = repr(ex)[:3000]
+        entry["error"] = timing.failure(f"{vname} B={b} S={s}", ex)
       rows.append(entry)
-      results["timings"].append(entry)
 
-  # the table
   print(f"\nceilings: {timing.ceiling_line(bw)}")
   table = []
   for r in rows:
@@ -192,8 +152,7 @@ def main():
                   f"{r['flops'] / (us * 1e-6) / 1e12:.1f}", f"{r['rel_l2']:.1e} {r['ok']}"])
   timing.print_table(["variant", "B", "S", "kernel us", "path us", "warm us", "XLA us", "speedup", "torch us",
                       "vs torch", "MB", "TB/s", "% HBM", "TFLOP/s", "rel_l2 ok"], table)
-  with open(os.path.join(out_dir, "bench_sparse_attention.json"), "w") as fh:
-    json.dump(results, fh, indent=1, default=str)
+  timing.write_json(args.out, "bench_sparse_attention.json", results)
   log("done")
 
 

@@ -1,15 +1,13 @@
-"""Start-up cost per program: the lower and compile time of every program of `Engine.program_shapes()` with
-`dsv41 serve`'s engine defaults (or the serve flags given), from an empty persistent compilation cache (cold) and
-again from the cache the cold run filled (warm: each program a cache hit), each run in a fresh process (jax
-opens its cache once per process, and keeps compiled programs in memory). Prints markdown tables.
+"""Start-up cost per program: lower and compile time of each program of `Engine.program_shapes()` with `dsv41
+serve`'s engine flags, from an empty persistent compilation cache (cold), then from the cache the cold run filled
+(warm), each run in a fresh process (jax opens its cache once per process and keeps compiled programs in memory).
 
     PYTHONPATH=. python3 scripts/bench_startup.py --preset tiny                       # CPU, a minute or two
     PYTHONPATH=. python3 scripts/bench_startup.py --preset bench --max-model-len 8192
     PYTHONPATH=. python3 scripts/bench_startup.py --preset flash --abstract --max-model-len 65536  # one GPU
 
---abstract: the weights and the KV pool as jax.ShapeDtypeStruct (nothing allocated; Engram tables one row), so a
-model larger than the device, Flash on one H200, is lowered and compiled as serving it would compile it.
-Programs are lowered and compiled one at a time (warm-up compiles several at once: its wall time is shorter).
+--abstract: weights and KV pool as jax.ShapeDtypeStruct (Engram tables one row), so a model larger than the device
+(Flash on one H200) compiles as serving would compile it. One program at a time (warm-up overlaps several).
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ from unittest import mock
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import fmt, log, print_table  # noqa: E402
+from timing import fmt, log, print_table
 
 logger = logging.getLogger("bench_startup")
 
@@ -45,17 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-# ---- the engine whose programs are measured ------------------------------------------------------------------
-
-
 def _one_row_tables(params: dict) -> dict:
     """The abstract tree with each Engram table as one host row of zeros: warm-up's all-padding batches gather
     row 0 only, and the tables (gigabytes for Flash) never reach the programs."""
     from dsv41 import quant
 
     def one_row(t):
-        return quant.Fp8Rows(np.zeros((1, *t.weight.shape[1:]), t.weight.dtype),
-                             np.zeros((1, *t.scale.shape[1:]), t.scale.dtype))
+        return quant.Fp8Rows(*(np.zeros((1, *a.shape[1:]), a.dtype) for a in (t.weight, t.scale)))
 
     layers = [{**lp, "engram": {**lp["engram"], "embed": one_row(lp["engram"]["embed"])}} if "engram" in lp else lp
               for lp in params["layers"]]
@@ -63,9 +56,8 @@ def _one_row_tables(params: dict) -> dict:
 
 
 def abstract_engine(args: argparse.Namespace):
-    """The serve engine of `args` over ShapeDtypeStruct weights and KV pool. The engine allocates its pool and
-    prepares weights for the kernels in its constructor; both are swapped here for their shapes (kv_pool.allocate
-    -> abstract_pool; backends.build under jax.eval_shape) rather than taught an abstract mode."""
+    """The serve engine of `args` over ShapeDtypeStruct weights and KV pool: the constructor's pool allocation and
+    kernel weight preparation are swapped for their shapes here rather than the engine taught an abstract mode."""
     import jax
 
     from dsv41 import model
@@ -139,11 +131,7 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     eng = abstract_engine(args) if args.abstract else cli_serve.build_engine(args)
     build_s = time.perf_counter() - t0
-    rows = measure(eng)
-    sys.stdout.write(json.dumps({"build_s": build_s, "programs": rows}) + "\n")
-
-
-# ---- the two runs and the tables -----------------------------------------------------------------------------
+    sys.stdout.write(json.dumps({"build_s": build_s, "programs": measure(eng)}) + "\n")
 
 
 def run_child(argv: list[str], which: str, cache_dir: str) -> dict:

@@ -1,15 +1,10 @@
 """Regenerates `dsv41/assets/tokenizer.json` (+ `tokenizer_config.json`): the built-in tokenizer of the `tiny` preset.
 
-A byte-level BPE with exactly 1024 ids, shaped like the DeepSeek-V4.1 tokenizer at toy size:
-- ids 0/1/2 are `<｜begin▁of▁sentence｜>` / `<｜end▁of▁sentence｜>` / `<｜▁pad▁｜>`, inside the BPE table
-  (as in the release);
-- the chat specials the V4.1 encoder uses sit at the top of the id range, in the release's relative order
-  (`<｜System｜>`, `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`, `｜DSML｜`, `<｜latest_reminder｜>`,
-  `<｜deepseek_image｜>`);
-- the pre-tokenizer is DeepSeek's (digits in runs of <= 3, a CJK+kana branch, punctuation-then-letters, ...).
-
-The corpus is embedded below (English prose, Python/shell/JSON code, a little multilingual text and chat-format
-text), so the output depends only on this file and the `tokenizers` version. Run:
+A byte-level BPE with exactly 1024 ids, shaped like the DeepSeek-V4.1 tokenizer at toy size: ids 0/1/2 are BOS /
+EOS / pad inside the BPE table (as in the release); the chat specials the V4.1 encoder uses (TOP_TOKENS) sit at the
+top of the id range in the release's relative order; the pre-tokenizer is DeepSeek's (digits in runs of <= 3, a
+CJK+kana branch, punctuation-then-letters, ...). The corpus is embedded below (English prose, code, a little
+multilingual and chat-format text), so the output depends only on this file and the `tokenizers` version. Run:
 
     .venv/bin/python scripts/make_builtin_tokenizer.py          # writes the assets
     .venv/bin/python scripts/make_builtin_tokenizer.py --check  # exits 1 if the assets are stale
@@ -33,16 +28,8 @@ VOCAB_SIZE = 1024
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 # (content, special): `special` tokens are dropped by decode(skip_special_tokens=True). <think>, </think> and
 # ｜DSML｜ stay visible so that reasoning / tool-call parsing also works on text decoded that way.
-TOP_TOKENS = (
-    ("<｜System｜>", True),
-    ("<｜User｜>", True),
-    ("<｜Assistant｜>", True),
-    ("<think>", False),
-    ("</think>", False),
-    ("｜DSML｜", False),
-    ("<｜latest_reminder｜>", True),
-    ("<｜deepseek_image｜>", True),
-)
+TOP_TOKENS = (("<｜System｜>", True), ("<｜User｜>", True), ("<｜Assistant｜>", True), ("<think>", False),
+              ("</think>", False), ("｜DSML｜", False), ("<｜latest_reminder｜>", True), ("<｜deepseek_image｜>", True))
 
 # DeepSeek-V3/V4 pre-tokenizer: three isolating regex splits, then byte-level mapping without its own regex.
 _DEEPSEEK_SPLITS = (
@@ -225,17 +212,11 @@ def build() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in _DEEPSEEK_SPLITS]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)]
-    )
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     bpe_size = VOCAB_SIZE - len(TOP_TOKENS)
-    trainer = trainers.BpeTrainer(
-        vocab_size=bpe_size,
-        min_frequency=0,
-        show_progress=False,
-        special_tokens=[BOS, EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    trainer = trainers.BpeTrainer(vocab_size=bpe_size, min_frequency=0, show_progress=False,
+                                  special_tokens=[BOS, EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer=trainer)
     got = tok.get_vocab_size(with_added_tokens=True)
     if got != bpe_size:
@@ -250,27 +231,17 @@ def build() -> Tokenizer:
 def _check(tok: Tokenizer) -> None:
     if tok.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, wanted {VOCAB_SIZE}")
-    for want, content in enumerate((BOS, EOS, PAD)):
-        if tok.token_to_id(content) != want:
-            raise RuntimeError(f"{content} has id {tok.token_to_id(content)}, wanted {want}")
-    for i, (content, _) in enumerate(TOP_TOKENS):
-        want = VOCAB_SIZE - len(TOP_TOKENS) + i
+    top = VOCAB_SIZE - len(TOP_TOKENS)
+    for want, content in [*enumerate((BOS, EOS, PAD)), *((top + i, c) for i, (c, _) in enumerate(TOP_TOKENS))]:
         if tok.token_to_id(content) != want:
             raise RuntimeError(f"{content} has id {tok.token_to_id(content)}, wanted {want}")
 
 
 def config_json() -> dict:
     """HF-style tokenizer_config.json, so that `transformers.AutoTokenizer` can also load the asset folder."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 8192,
-    }
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+            "model_max_length": 8192}
 
 
 def serialized() -> dict[str, str]:

@@ -1,19 +1,16 @@
-"""Where an engine step's device time goes: every kernel a decode step (or a prefill) launches, timed by CUPTI
-(scripts/timing.py), summed by kind (our Mosaic GPU kernels by name, XLA's GEMMs, XLA's other fusions), against
-the step's wall time ("gap": launch latency, host work, idle). Bench preset (Flash widths, 8 layers), GPU only.
+"""Where an engine step's device time goes: every kernel a decode step (or a prefill) launches, CUPTI-timed and
+summed by kind (our kernels by name, XLA's GEMMs, other fusions), against the step's wall time ("gap": launches,
+host work, idle). Bench preset (Flash widths, 8 layers), GPU only.
 
     PYTHONPATH=. python3 scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 [--out DIR]
 
-The first decode batch's kernels are also summed by model part: the named scopes (`embed`, `engram`, `mhc`,
-`attention`, `moe/router`, `moe/routed_experts`, `moe/shared_expert`, `head_sample`) read from the compiled
-program's HLO and matched to CUPTI's kernel names (cuBLAS kernels count as "unmatched").
+The first decode batch's kernels are also summed by model part (`mhc`, `attention`, `moe/router`, ...): the named
+scopes of the compiled program's HLO matched to CUPTI's kernel names (cuBLAS kernels count as "unmatched").
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import logging
 import os
 import re
@@ -25,7 +22,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import KERNELS, device_params, fake_decode_state, make_engine, with_fp4_experts  # the engine's set-up
-from timing import cupti_kernels, median_wall_s as timed, print_table
+from timing import bench_args, cupti_kernels, median_wall_s as timed, print_table, write_json
 
 from dsv41 import params as P
 from dsv41.config import preset
@@ -75,13 +72,6 @@ def by_part(kernels: list[tuple[str, float]], parts: dict[str, str]) -> dict[str
     return {k: (n, ms) for k, (n, ms) in out.items()}
 
 
-def print_parts(parts: dict[str, tuple[int, float]]) -> None:
-    total = sum(ms for _, ms in parts.values())
-    print("\n| model part | kernels | ms | of kernel time |\n|---|---:|---:|---:|")
-    for k, (n, ms) in sorted(parts.items(), key=lambda kv: -kv[1][1]):
-        print(f"| {k} | {n} | {ms:.3f} | {100 * ms / total:.0f}% |")
-
-
 def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top: int) -> dict:
     by_kind, by_name = collections.defaultdict(float), collections.defaultdict(lambda: [0.0, 0])
     for name, ms in kernels:
@@ -99,21 +89,16 @@ def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top:
     print_table(["top kernels by time", "calls", "ms", "us / call"], [
         [f"`{name[:90]}`", n, f"{ms:.3f}", f"{1e3 * ms / n:.1f}"]
         for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]])
-    return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind),
-            "kernels": kernels}
+    return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind), "kernels": kernels}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_args(__doc__)
     ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
     ap.add_argument("--weights", choices=["bf16", "release"], default="bf16")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
-    ap.add_argument("--no-replay", action="store_true", help="prefill on the exact path")
-    ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--no-parts", action="store_true", help="skip the by-model-part table (a second compile)")
-    ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if jax.devices()[0].platform != "gpu":
@@ -127,8 +112,7 @@ def main():
     jax.block_until_ready(params)
     batches = [int(b) for b in args.batches.split(",") if b]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bench preset ({cfg.n_layers} layers, "
-          f"{cfg.n_routed_experts} experts), kernels={args.backend}, weights={args.weights}, "
-          f"{time.strftime('%Y-%m-%d')}")
+          f"{cfg.n_routed_experts} experts), kernels={args.backend}, weights={args.weights}, {time.strftime('%F')}")
     results = []
     if batches:
         max_len = -(-(args.decode_ctx + 256) // 64) * 64
@@ -138,29 +122,26 @@ def main():
             eng.step()  # compile
             wall = timed(eng.step, reps=10) * 1e3
             kernels = cupti_kernels(eng.step)
-            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall, kernels, args.top))
-            if j == 0 and not args.no_parts:
+            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
+            if j == 0:
                 b, s = eng.decode_inputs(list(eng.running.values()))
                 text = programs.run_full.lower(eng.params, eng.pool, b, s, **eng.static).compile().as_text()
                 parts = by_part(kernels, hlo_parts(text))
-                print_parts(parts)
+                total = sum(ms for _, ms in parts.values())
+                print()
+                print_table(["model part", "kernels", "ms", "of kernel time"], [
+                    [k, n, f"{ms:.3f}", f"{100 * ms / total:.0f}%"]
+                    for k, (n, ms) in sorted(parts.items(), key=lambda kv: -kv[1][1])])
                 results[-1]["by_part"] = parts
         del eng
     if args.prefill:
         n = args.prefill
-        eng = make_engine(cfg, params, not args.no_replay, -(-(n + 2048) // 64) * 64, 2, args.backend)
-        ids = list(range(3, 3 + n))
-        sp = SamplingParams(max_tokens=1)
-        run = lambda: eng.generate(ids, sp)
+        eng = make_engine(cfg, params, True, -(-(n + 2048) // 64) * 64, 2, args.backend)
+        run = lambda: eng.generate(list(range(3, 3 + n)), SamplingParams(max_tokens=1))  # noqa: E731
         run()  # compile
         wall = timed(run, reps=3) * 1e3
-        mode = "exact" if args.no_replay else "replay"
-        results.append(summarize(f"prefill of {n} tokens ({mode}, chunks of 2048)", wall, cupti_kernels(run),
-                                 args.top))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "profile_step.json"), "w") as fh:
-            json.dump({"args": vars(args), "results": results}, fh, indent=1)
+        results.append(summarize(f"prefill of {n} tokens (replay, chunks of 2048)", wall, cupti_kernels(run), 20))
+    write_json(args.out, "profile_step.json", {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

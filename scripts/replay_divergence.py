@@ -1,12 +1,9 @@
-"""What SWA bounded replay costs in fidelity, teacher-forced (docs/REPLAY.md): for each prompt length, a random
-prompt followed by one fixed continuation is scored by the exact path (replay off) and by replay with each
-`--replay-tokens` N, every path feeding the same continuation tokens (not its own samples), so that position i's
-next-token distributions compare like for like. Beside them, the exact path's own noise floor: its serving
-numerics (REFERENCE: bf16, FP8/FP4 KV) against float32 without quantization (EXACT_F32), and batch 1 against
-the batch of all prompts. Prints the markdown tables of docs/REPLAY.md and the wall time.
-
-Every prompt of a path runs in one engine (decode batch 8, one program per kind: one prefill chunk size and one
-block-table width), so the exact and replay engines decode the same rows in the same steps.
+"""What SWA bounded replay costs in fidelity, teacher-forced (docs/REPLAY.md): a random prompt of each length and
+one fixed continuation, scored by the exact path (replay off) and by replay with each `--replay-tokens` N, every
+path fed the same continuation tokens (not its own samples) so position i's next-token distributions compare like
+for like. Beside them the exact path's own noise floor: its serving numerics (REFERENCE) against float32
+(EXACT_F32), and batch 1 against the batch of all prompts. Each path runs its prompts in one engine (decode batch
+8, one program per kind), so the exact and replay engines decode the same rows in the same steps.
 
     PYTHONPATH=. python scripts/replay_divergence.py [--preset tiny40] [--lengths 256,...,8192]
         [--replay-tokens 128,256] [--batch1-lengths 1024] [--tokens 64]
@@ -26,6 +23,7 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, SamplingParams
+from timing import print_table
 
 log = logging.getLogger("replay_divergence")
 
@@ -75,8 +73,6 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="continuation length (teacher-forced positions)")
     ap.add_argument("--replay-tokens", default="128,256", help="swa_replay_tokens values to compare")
     ap.add_argument("--batch1-lengths", default="1024", help="lengths rerun at batch 1 for the batch noise floor")
-    ap.add_argument("--no-f32", action="store_true", help="skip the float32 noise floor (one engine fewer)")
-    ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -96,9 +92,9 @@ def main():
 
     def engine(replay: bool, n_replay: int = 128, num=quant.REFERENCE, decode_bucket: int = 8) -> TeacherForced:
         # one prefill chunk size, one block-table width and one decode batch: each program compiles once
-        ec = EngineConfig(max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=args.chunk,
+        ec = EngineConfig(max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=512,
                           swa_bounded_replay=replay, swa_replay_tokens=n_replay, enable_prefix_caching=False,
-                          numerics=num, keep_logits=True, min_prefill_bucket=args.chunk, min_ctx_pages=pages,
+                          numerics=num, keep_logits=True, min_prefill_bucket=512, min_ctx_pages=pages,
                           min_decode_bucket=decode_bucket)
         eng = TeacherForced(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), ec)
         eng.forced = {}
@@ -115,9 +111,8 @@ def main():
     for n in replay_ns:
         rep = timed(f"replay N={n}", lambda n=n: score(engine(True, n), jobs, True))
         cols[f"replay N={n}"] = {k: compare(exact[k], rep[k]) for k in jobs}
-    if not args.no_f32:
-        f32 = timed("exact f32", lambda: score(engine(False, num=quant.EXACT_F32), jobs, True))
-        cols["floor: bf16 vs f32"] = {k: compare(f32[k], exact[k]) for k in jobs}
+    f32 = timed("exact f32", lambda: score(engine(False, num=quant.EXACT_F32), jobs, True))
+    cols["floor: bf16 vs f32"] = {k: compare(f32[k], exact[k]) for k in jobs}
     if b1:
         sub = {f"L{n}": jobs[f"L{n}"] for n in b1}
         one = timed("exact batch 1", lambda: score(engine(False, decode_bucket=1), sub, False))
@@ -130,11 +125,8 @@ def main():
                         lambda c: f"{c[0]:.2g} / {c[1]:.2g} / {c[2]:.2g}"),
                        ("max |logit difference| over positions", lambda c: f"{c[3]:.3g}")):
         print(f"{title}\n")
-        print("| prompt tokens | " + " | ".join(names) + " |")
-        print("|---" * (len(names) + 1) + "|")
-        for n in lengths:
-            cells = [fmt(cols[c][f"L{n}"]) if f"L{n}" in cols[c] else "-" for c in names]
-            print(f"| {n} | " + " | ".join(cells) + " |")
+        print_table(["prompt tokens", *names], [[n] + [fmt(cols[c][f"L{n}"]) if f"L{n}" in cols[c] else "-"
+                                                      for c in names] for n in lengths], "l" * (len(names) + 1))
         print()
     print(f"wall time {time.perf_counter() - t_all:.0f} s")
 

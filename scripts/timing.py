@@ -1,21 +1,66 @@
-"""The benches' one timing module: a call's kernel time by CUPTI (wall clock where CUPTI is unavailable, e.g. on
-a CPU), medians, the HBM and matmul-rate ceilings measured in the same run, PyTorch's CUDA-event timing, tables.
+"""The benches' one shared module: CUPTI kernel time (wall clock where CUPTI is unavailable), PyTorch's CUDA-event
+time, the HBM and matmul-rate ceilings measured in the same run, the shared flags, tables and results files.
 A timed jitted function must take every array it reads as an argument: a closed-over array becomes a constant."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
 
+# the benches import this first (their folder is on sys.path): the repository's packages then import without PYTHONPATH
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T0 = time.time()
 _CUPTI_OK = None  # None: not tried yet; False after a failure (then wall clock only)
 
 
+def elapsed_s() -> float:
+    return time.time() - T0
+
+
 def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+    print(f"[{elapsed_s():6.1f}s]", *a, flush=True)
+
+
+def bench_args(doc: str, *, out: str = "", iters: int | None = None, budget_s: float | None = None):
+    """A kernel bench's parser with the flags they share: --out (default $OUT), --iters, --budget-s."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", out), help="where the results JSON goes")
+    if iters is not None:
+        ap.add_argument("--iters", type=int, default=iters, help="timed calls a median is taken over")
+    if budget_s is not None:
+        ap.add_argument("--budget-s", type=float, default=budget_s, help="skip the remaining cases after this")
+    return ap
+
+
+def over_budget(budget_s: float, what: str) -> bool:
+    """True (logged) past budget_s: the caller skips `what`, so the device call's limit does not cut the table."""
+    if elapsed_s() <= budget_s:
+        return False
+    log("budget reached, skipping", what)
+    return True
+
+
+def failure(what: str, ex: BaseException) -> str:
+    """Logs a failure with its traceback -> the error text for its row (one failure must not lose the table)."""
+    log(f"{what} FAILED: {type(ex).__name__}: {str(ex)[:500]}")
+    traceback.print_exc()
+    return repr(ex)[:1000]
+
+
+def write_json(out_dir: str, name: str, obj) -> None:
+    """obj as out_dir/name (nothing without out_dir); rewritten after each case, so a killed run keeps its rows."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as fh:
+            json.dump(obj, fh, indent=1, default=str)
 
 
 def median_wall_s(fn, reps=5):
@@ -42,38 +87,42 @@ def cupti_kernels(fn) -> list[tuple[str, float]]:
     return list(timings or [])
 
 
-def _cupti_runs(f, args, iters):  # one list of (kernel name, ms) a call of f(*args)
-    from jax.experimental.mosaic.gpu import profiler
+def _cupti(runs):
+    """runs() -> its CUPTI result, or None (logged once) where CUPTI is unavailable: then wall clock only."""
+    global _CUPTI_OK
+    if _CUPTI_OK is False:
+        return None
+    try:
+        out, _CUPTI_OK = runs(), True
+        return out
+    except Exception as ex:  # noqa: BLE001
+        log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
+        _CUPTI_OK = False
 
-    _, ts = profiler.measure(f, aggregate=False, iterations=iters)(*args)
-    return [list(ts)] if iters == 1 else [list(r) for r in ts]
+
+def how(names: list[str]) -> str:
+    """How `time_gpu` timed a call, from the names it returned: 'cupti' or 'wall'."""
+    return "wall" if names == ["wall-clock"] else "cupti"
 
 
 def time_gpu(f, args, *, iters=20, flush=None):
     """-> (median GPU ms of one call f(*args) summed over its kernels, median ms of its longest kernel, its kernel
     names or ['wall-clock']). flush() (untimed) before each call when given, so the data comes from HBM."""
-    global _CUPTI_OK
     jax.block_until_ready(f(*args))
-    if _CUPTI_OK is not False:
-        try:
-            runs = []
-            if flush is None:
-                runs = _cupti_runs(f, args, iters)
-            else:
-                for _ in range(iters):
-                    jax.block_until_ready(flush())
-                    runs += _cupti_runs(f, args, 1)
-            _CUPTI_OK = True
-            return (statistics.median(sum(t for _, t in r) for r in runs),
-                    statistics.median(max(t for _, t in r) for r in runs), [n for n, _ in runs[0]])
-        except Exception as ex:  # noqa: BLE001
-            log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
-            _CUPTI_OK = False
-    ts = []
-    for _ in range(iters):
+
+    def flushed(fn):
         if flush is not None:
             jax.block_until_ready(flush())
-        ts.append(_wall(lambda: jax.block_until_ready(f(*args))) * 1e3)
+        return fn(lambda: jax.block_until_ready(f(*args)))
+
+    def stats(runs):
+        return (statistics.median(sum(t for _, t in r) for r in runs),
+                statistics.median(max(t for _, t in r) for r in runs), [n for n, _ in runs[0]])
+
+    got = _cupti(lambda: stats([flushed(cupti_kernels) for _ in range(iters)]))
+    if got:
+        return got
+    ts = [flushed(_wall) * 1e3 for _ in range(iters)]
     return statistics.median(ts), statistics.median(ts), ["wall-clock"]
 
 
@@ -81,7 +130,6 @@ def time_calls(fn, arg_sets, reps=5, serial=False):
     """Median seconds a call of the jitted fn over `arg_sets` (rotated) -> (CUPTI kernel time or None, wall).
     Wall: calls queued back to back (one at a time with `serial`: the interpreter is not re-entrant), so where a
     call's GPU time is below JAX's dispatch cost it is the dispatch rate."""
-    global _CUPTI_OK
     for a in arg_sets:
         jax.block_until_ready(fn(*a))
 
@@ -93,15 +141,9 @@ def time_calls(fn, arg_sets, reps=5, serial=False):
         jax.block_until_ready(out)
 
     wall = median_wall_s(rotate, reps) / len(arg_sets)
-    cupti = None
-    if _CUPTI_OK is not False and not serial:
-        try:
-            per = [sum(ms for _, ms in cupti_kernels(lambda: jax.block_until_ready([fn(*a) for a in arg_sets])))
-                   / 1e3 / len(arg_sets) for _ in range(reps)]
-            cupti, _CUPTI_OK = statistics.median(per), True
-        except Exception as ex:  # noqa: BLE001
-            log("CUPTI timing unavailable, wall clock only:", type(ex).__name__, str(ex)[:200])
-            _CUPTI_OK = False
+    cupti = None if serial else _cupti(lambda: statistics.median(
+        sum(ms for _, ms in cupti_kernels(lambda: jax.block_until_ready([fn(*a) for a in arg_sets])))
+        / 1e3 / len(arg_sets) for _ in range(reps)))
     return cupti, wall
 
 
@@ -126,15 +168,13 @@ def cuda_time_us(fn, iters=20, warmup=3, flush=None) -> float:
 def l2_flusher(mib=256):
     """PyTorch: a callable that writes `mib` MiB on the GPU (more than the H200's 60 MB of L2)."""
     import torch
-
     buf = torch.empty(mib << 18, dtype=torch.float32, device="cuda")
     return lambda: buf.add_(1.0)
 
 
 def jax_flusher(mib=256):
     """JAX: a callable that rewrites `mib` MiB on the device, to evict the L2 between timed calls."""
-    buf = jnp.zeros((mib << 18,), jnp.float32)
-    f = jax.jit(lambda b: b + 1.0)
+    buf, f = jnp.zeros((mib << 18,), jnp.float32), jax.jit(lambda b: b + 1.0)
     return lambda: f(buf)
 
 
@@ -149,9 +189,8 @@ def ceilings(quick=False) -> dict:
 
             assert torch.cuda.is_available()
             n = (1 << 31) // 4
-            x = torch.randn(n, device="cuda", dtype=torch.float32)
+            x, y = torch.randn(n, device="cuda", dtype=torch.float32), torch.empty(n, device="cuda")
             res["hbm_torch_sum_TBps"] = n * 4 / cuda_time_us(x.sum, iters=30) / 1e6
-            y = torch.empty_like(x)
             res["hbm_torch_copy_TBps"] = 2 * n * 4 / cuda_time_us(lambda: y.copy_(x), iters=10) / 1e6
             del x, y
             a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -171,6 +210,18 @@ def ceilings(quick=False) -> dict:
     res["hbm_TBps"] = max(v for k, v in res.items() if k.startswith("hbm"))
     res["mm_TFLOPs"] = max(v for k, v in res.items() if k.startswith("mm_"))
     return res
+
+
+def bench_ceilings() -> dict:
+    """`ceilings`, logged with the devices; where measuring fails, the H200's usual figures marked 'assumed'."""
+    log("devices", jax.devices(), "jax", jax.__version__)
+    try:
+        c = ceilings()
+    except Exception as ex:  # noqa: BLE001
+        failure("ceilings", ex)
+        c = {"hbm_TBps": 4.3, "mm_TFLOPs": 660.0, "assumed": True}
+    log("ceilings", ceiling_line(c))
+    return c
 
 
 def ceiling_line(c: dict) -> str:

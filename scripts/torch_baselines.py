@@ -13,10 +13,9 @@ import torch
 
 def decode_attention(q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor, pool: torch.Tensor,
                      rows: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """One query per sequence over its window and its selected compressed entries, all 64 heads sharing one
-    latent (K = V), a per-head sink in the denominator (`sparse_attention_reference`'s math).
-    q [B, H, D], win [B, W, D], win_valid bool [B, W], pool [N, D] (every entry of every page), rows int [B, K]
-    (pool rows of the selected entries, -1 = none), sink float32 [H] -> [B, H, D] in q's dtype."""
+    """`sparse_attention_reference`'s math: one query a sequence over its window and selected entries, the heads
+    sharing one latent (K = V), a per-head sink in the denominator. q [B, H, D], win [B, W, D], win_valid [B, W],
+    pool [N, D], rows [B, K] (pool rows of the selected entries, -1 = none), sink f32 [H] -> [B, H, D], q's dtype."""
     d = q.shape[-1]
     sel = pool[rows.clamp(min=0).long()]  # [B, K, D]: the gather a paged PyTorch kernel does
     kv = torch.cat([win, sel], 1)
@@ -31,9 +30,8 @@ def decode_attention(q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """Rows of x [M, K] sorted by group, group g's rows times w[g]^T (w [G, N, K]) -> [M, N] in x's dtype.
-    `torch._grouped_mm` (one launch, CUTLASS, bf16 on Hopper) where this torch has it on this device, else a loop
-    over the groups (the CPU, older torch)."""
+    """x [M, K] sorted by group, group g's rows times w[g]^T (w [G, N, K]) -> [M, N] in x's dtype: one
+    `torch._grouped_mm` (CUTLASS) where this torch has it on this device, else a loop (the CPU, older torch)."""
     ends = torch.cumsum(group_sizes.to(torch.int32), 0).to(torch.int32)
     if x.is_cuda and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
@@ -46,8 +44,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> t
     return out
 
 
-def route(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
-          gate_temp: float = 1.0):
+def route(x: torch.Tensor, w32: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float, gate_temp: float = 1.0):
     """The MoE router as a PyTorch stack runs it (DeepSeek's Gate with float32 logits): x [T, D] bf16, w32 [E, D]
     float32 (the gate weight, converted once), bias float32 [E] -> (weights float32 [T, k], ids [T, k], order
     [T*k] (stable sort of the ids), group sizes [E]) = `pallas_kernels.router.route_reference`'s outputs."""
