@@ -113,7 +113,7 @@ def test_one_rank_out_of_pages_preempts_only_there():
             toks.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert eng.counters["preemptions"] >= 1
     assert {k: len(v) for k, v in toks.items()} == {"a": 40, "b": 40, "c": 40}
-    ref = tiny_engine.make(num_pages=8)
+    ref = tiny_engine.make()  # the one-device engine of `one_device`: its programs are compiled in this group
     assert ref.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True)) == toks["c"]
 
 
@@ -180,15 +180,16 @@ def test_capacity_plan_is_what_the_engine_allocates(kw):
 
 @pytest.mark.xdist_group("mesh_engine_cli")
 def test_generate_prints_the_same_tokens_on_a_mesh(capsys):
-    """The README's `dsv41 generate --tensor-parallel-size 2` (and a DEP layout) against one device."""
+    """The README's `dsv41 generate --tensor-parallel-size 2` against one device (the DEP layouts' tokens are
+    checked on the engine above, `test_tensor_and_expert_parallel_match_the_one_device_engine`)."""
     from serving import cli
 
     base = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "6", "--max-num-seqs", "2"]
     outs = []
-    for extra in ([], ["--tensor-parallel-size", "2"], ["--data-parallel-size", "2", "--enable-expert-parallel"]):
+    for extra in ([], ["--tensor-parallel-size", "2"]):
         assert cli.main(base + extra) == 0
         outs.append(capsys.readouterr().out)
-    assert outs[0].strip() and outs[1:] == [outs[0]] * 2, outs
+    assert outs[0].strip() and outs[1] == outs[0], outs
 
 
 def test_kv_budget_plans(capsys):

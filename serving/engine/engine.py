@@ -303,11 +303,12 @@ class Engine(Scheduler, Warmup):
         for i, r in enumerate(rows):
             if r is None:
                 continue
-            n = len(chunks[r.id])
-            hr, pr = h[i, W - min(n, W):], pre[i, W - min(n, W):]
-            if r.tail is not None:
-                hr, pr = jnp.concatenate([r.tail[0], hr])[-W:], jnp.concatenate([r.tail[1], pr])[-W:]
-            r.tail = (hr, pr)
+            m = min(len(chunks[r.id]), W)  # the chunk's rows among its last W outputs (the rest are padding)
+            if r.tail is None:
+                r.tail = (h[i], pre[i], m)
+            else:
+                th, tp = programs.append_tail(r.tail[0], r.tail[1], h[i], pre[i], m)
+                r.tail = (th, tp, min(r.tail[2] + m, W))
             r.computed = ends[r.id]
             if r.replay_at and r.computed == r.replay_at:
                 self._restart_as_hit(r)
@@ -325,21 +326,23 @@ class Engine(Scheduler, Warmup):
     def _decoder_inputs(self, rows: list[_Request | None], ctx_pages: int):
         """The replayed decoder's batch for the rows whose prompt is complete: each runs its last
         Td <= swa_replay_tokens rows (its tail) at positions [N - Td, N), its decoder rings clipped at N - Td."""
-        B, W, L = len(rows), self.replay_tokens, self.cfg.n_layers
-        hp = jnp.zeros((B, W, self.cfg.hc_mult, self.cfg.dim), self.num.jdtype)
-        pp = jnp.zeros((B, W, self.cfg.hc_mult), jnp.float32)
+        B, L = len(rows), self.cfg.n_layers
+        live = next(r for r in rows if r is not None)
+        pad_h, pad_p = jnp.zeros_like(live.tail[0]), jnp.zeros_like(live.tail[1])
         pos0, n_valid = np.zeros(B, np.int32), np.zeros(B, np.int32)
         slot, wlo = np.full(B, self.layout.num_slots, np.int32), np.zeros(B, np.int32)
         bt, rlo = np.full((B, ctx_pages), self.layout.num_pages, np.int32), np.zeros((B, L), np.int32)
         for i, r in enumerate(rows):
             if r is None:
                 continue
-            Td = r.tail[0].shape[0]
+            Td = r.tail[2]
             r.decoder_lo = r.prefill_len - Td
-            hp, pp = hp.at[i, :Td].set(r.tail[0]), pp.at[i, :Td].set(r.tail[1])
             pos0[i], n_valid[i], slot[i], wlo[i] = r.prefill_len - Td, Td, r.slot, r.write_lo
             bt[i, : len(r.pages)] = r.page_row()
             rlo[i] = self._ring_lo(r)
+        # fixed shapes throughout: slicing each tail to its length would compile an op per distinct length
+        hp, pp = programs.left_align(jnp.stack([pad_h if r is None else r.tail[0] for r in rows]),
+                                     jnp.stack([pad_p if r is None else r.tail[1] for r in rows]), n_valid)
         b = programs.Batch(np.zeros((B, 1), np.int32), pos0, n_valid, slot, bt, wlo, rlo, [])
         return b, hp, pp
 

@@ -418,6 +418,27 @@ def _decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: Mod
     return pool, logits, tok
 
 
+@jax.jit
+def append_tail(tail_h, tail_p, new_h, new_p, m):
+    """A replayed prompt's encoder rows so far (right-aligned: the newest last) with the next chunk's appended:
+    new_* [R, ...] are a chunk's last R output rows, of which the last m are real. Fixed shapes, m traced: one
+    compile for every chunk length. -> (h [R, hc, D], pre [R, hc])."""
+    keep = jnp.arange(tail_h.shape[0]) < tail_h.shape[0] - m
+
+    def merge(t, n):
+        return jnp.where(keep.reshape(-1, *([1] * (t.ndim - 1))), jnp.roll(t, -m, axis=0), n)
+
+    return merge(tail_h, new_h), merge(tail_p, new_p)
+
+
+@jax.jit
+def left_align(h, pre, n):
+    """Rows [B, R, ...] whose last n[b] are real -> those rows first (the decoder's layout: positions N - n ..)."""
+    R = h.shape[1]
+    roll = jax.vmap(lambda x, k: jnp.roll(x, k - R, axis=0))
+    return roll(h, n), roll(pre, n)
+
+
 _STATIC = ("cfg", "num", "backends")
 _ENCODER_STATIC = _STATIC + ("replay_tokens",)
 

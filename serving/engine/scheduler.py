@@ -37,7 +37,9 @@ class _Request:
     cached: int = 0
     block_keys: list = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages, as far as hashed
     history: np.ndarray | None = None
-    tail: tuple | None = None  # (stream, pre) of the last swa_replay_tokens encoder rows, replay mode
+    # replay mode: (stream [R, hc, D], pre [R, hc], n) of the encoder's last R = swa_replay_tokens rows so far, the
+    # n <= R real ones at the end
+    tail: tuple | None = None
     steps: int = 0
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
     decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - window after the prefill)
