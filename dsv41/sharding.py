@@ -250,10 +250,6 @@ def weight_bytes_per_device(cfg: ModelConfig, par: Parallelism, dtype: str | Non
 # and inserts the reductions). Arrays that are per rank (pool, batch, outputs) stack the ranks on axis 0.
 
 
-def data_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape.get(DATA, 1)
-
-
 def rank_sharding(mesh: Mesh) -> NamedSharding:
     """Per-rank arrays (pool, batch, outputs): axis 0 split over data ranks, replicated over tensor ranks."""
     return NamedSharding(mesh, PartitionSpec(DATA))
@@ -284,7 +280,7 @@ class ExpertParallel:
     tensor: int = 1
 
     def __call__(self, x, w, idx, experts, cfg: ModelConfig, num, permutation=None):
-        T, k = idx.shape
+        # the router's permutation (if any) orders all experts; each rank makes its own below
         xg = jax.lax.all_gather(x, DATA, tiled=True)  # [ranks_data * T, D]
         wg = jax.lax.all_gather(w, DATA, tiled=True)
         ig = jax.lax.all_gather(idx, DATA, tiled=True)

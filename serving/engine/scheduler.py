@@ -42,7 +42,7 @@ class _Request:
     tail: tuple | None = None
     steps: int = 0
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
-    decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - window after the prefill)
+    decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - its tail, once prefilled)
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
