@@ -47,6 +47,7 @@ class _Request:
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
     _page_row: tuple = (None, 0, np.zeros(0, np.int32))
+    _ring_lo_row: tuple = (None, None)  # ((start, decoder_lo), int32 [L]): Scheduler._ring_lo's cache
 
     # views of the sequence prompt + output that build no O(context) list (they run every step)
     @property
@@ -236,9 +237,13 @@ class Scheduler:
         return rows
 
     def _ring_lo(self, r: _Request) -> np.ndarray:
-        """int32 [L]: the first position each layer's ring may serve for r (bounded replay's clip)."""
-        lo = np.full(self.cfg.n_layers, r.start, np.int32)
-        lo[self.cfg.split_layer + 1:] = max(r.start, r.decoder_lo)
+        """int32 [L]: the first position each layer's ring may serve for r (bounded replay's clip). Built when
+        (start, decoder_lo) changes, not every decode step."""
+        key, lo = r._ring_lo_row
+        if key != (r.start, r.decoder_lo):
+            lo = np.full(self.cfg.n_layers, r.start, np.int32)
+            lo[self.cfg.split_layer + 1:] = max(r.start, r.decoder_lo)
+            r._ring_lo_row = ((r.start, r.decoder_lo), lo)
         return lo
 
     def _batch(self, rows: list[_Request | None], toks: dict, pos0: dict, T: int) -> programs.Batch:

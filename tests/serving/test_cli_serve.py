@@ -78,16 +78,9 @@ def test_sigterm_drains_the_requests_in_flight(tmp_path):
     """`dsv41 serve` under uvicorn: SIGTERM stops new connections, lets a stream in flight finish, then exits."""
     import http.client
     import signal
-    import socket
-    import subprocess
-    import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE, str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc, port = _start_server(_SERVE_FAKE)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -114,6 +107,19 @@ def test_sigterm_drains_the_requests_in_flight(tmp_path):
             proc.kill()
 
 
+def _start_server(script: str):
+    """Runs a server script (`_SERVE_FAKE*`) on a free port in a subprocess. -> (process, port)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.Popen([sys.executable, "-c", script, str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT), port
+
+
 _SERVE_FAKE_WARMING = """
 import sys
 sys.path.insert(0, "tests/serving")
@@ -131,18 +137,11 @@ def test_sigterm_during_warmup_exits_promptly():
     server between two programs rather than after all of them."""
     import json
     import signal
-    import socket
-    import subprocess
-    import sys
     import time
     import urllib.error
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_FAKE_WARMING, str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc, port = _start_server(_SERVE_FAKE_WARMING)
     try:
         deadline = time.monotonic() + 60
         while True:
