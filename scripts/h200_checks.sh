@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The standing device runs, one group a device call (10 minutes), from the repository root; logs go to $OUT:
-#   tests [PATHS]  every @pytest.mark.gpu test under tests/ (or PATHS: `tests tests/pallas_kernels` ~3 min)
+#   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~8 min); SHARD 1-5: all @pytest.mark.gpu
+#                  tests in five parts that each fit one device call (the engine's GPU tests, shards 3-5, compile
+#                  bench-preset programs, ~2 min a test); PATHS: the gpu tests there
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
@@ -24,10 +26,19 @@ case "${1:-}" in
   tests)
     # tests/serving needs the openai client, absent on the device
     shift
+    k=""
+    case "${1:-}" in
+      1) set -- tests/pallas_kernels/test_{expert_gemm,fp8_linear,codec_ptx,indexer_chunk,indexer_logits,kv_write}.py ;;
+      2) set -- tests/pallas_kernels/test_{mhc,router,sparse_attention,topk_select}.py ;;
+      3) set -- tests/test_engine_gpu.py; k="layer_by_layer" ;;
+      4) set -- tests/test_engine_gpu.py; k="not layer_by_layer and not all_kernels" ;;
+      5) set -- tests/test_engine_gpu.py; k="all_kernels" ;;
+      "") set -- tests/pallas_kernels ;;
+    esac
     timeout -k 10 "${TESTS_TIMEOUT:-580}" $PY -m pytest -q -s -rA --tb=short -m gpu -p no:cacheprovider \
-      --ignore=tests/serving "${@:-tests}" > "$OUT/gpu_tests.txt" 2>&1
+      --durations=0 --ignore=tests/serving ${k:+-k "$k"} "$@" > "$OUT/gpu_tests.txt" 2>&1
     echo "pytest rc=$?"
-    grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -60
+    grep -E "rel\. max|PASSED|FAILED|ERROR|passed|failed|s call " "$OUT/gpu_tests.txt" | tail -60
     ;;
   engine)
     bench 560 engine scripts/bench_engine.py --backends xla,auto --batches "${ENGINE_BATCHES:-1,8,64}" --skip-prefill \
@@ -68,7 +79,7 @@ case "${1:-}" in
     grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/profile.txt" | head -120
     ;;
   *)
-    echo "usage: $0 tests [PATHS]|engine|prefill|kernels|serve|profile" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|serve|profile" >&2
     exit 2
     ;;
 esac
