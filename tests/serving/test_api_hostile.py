@@ -149,8 +149,12 @@ def test_access_log_line_per_request(fake_server, caplog):
         code, h, r = post(fake_server, CHAT, _chat("secret prompt text", max_tokens=3))
         assert code == 200
         assert post(fake_server, CHAT, _chat("x", temperature=9))[0] == 400
-        deadline = time.monotonic() + 5
-        while len([r for r in caplog.records if r.name == "dsv41.access"]) < 2 and time.monotonic() < deadline:
+        # each line is written after its response, and an earlier test's late line may land here too: wait for
+        # this test's two lines, not for any two
+        mine = ('"POST /v1/chat/completions" 200', '"POST /v1/chat/completions" 400')
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                any(m in r.getMessage() for r in caplog.records if r.name == "dsv41.access") for m in mine):
             time.sleep(0.01)
     lines = [r.getMessage() for r in caplog.records if r.name == "dsv41.access"]
     ok = next(line for line in lines if h["X-Request-Id"] in line)
