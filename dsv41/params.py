@@ -27,7 +27,7 @@ Params = dict[str, Any]
 
 # Leaves stored as given (no ".weight" suffix in the release).
 _BARE = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-         "attn_sink", "bias", "bias_vl", "q_weight", "k_weight")
+         "attn_sink", "bias", "bias_vl", "q_weight", "k_weight", "image_start", "image_end", "image_newline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +119,48 @@ def layer_specs(cfg: ModelConfig, layer: int) -> Params:
     return out
 
 
-def param_specs(cfg: ModelConfig) -> Params:
+def vision_specs(cfg: ModelConfig) -> Params:
+    """The vision tower (`vision`), the aligner (`aligner`) and the learned span delimiters, all stored bf16
+    (linears as [out, in] + bias, as the reference's torch modules). No logical axes: the tower is 0.5 B values
+    (1 GB) run once per image, so every device keeps a copy and no collective runs inside it."""
+    v = cfg.vision
+    Dv, F, D = v.dim, v.inter_dim, cfg.dim
+
+    def lin(n_out: int, n_in: int, bias: bool = True) -> Params:
+        out = {"weight": Spec((n_out, n_in), "bf16")}
+        if bias:
+            out["bias"] = Spec((n_out,), "bf16", "small")
+        return out
+
+    block = {
+        "norm1": Spec((Dv,), "bf16", "ones"),
+        "attn": {"wqkv": lin(3 * Dv, Dv), "wo": lin(Dv, Dv)},
+        "norm2": Spec((Dv,), "bf16", "ones"),
+        "mlp": {"w1": lin(2 * F, Dv, bias=False), "w2": lin(Dv, F, bias=False)},
+    }
     return {
+        "vision": {
+            "patch_embed": {"proj": lin(Dv, 3 * v.patch_size ** 2)},
+            "blocks": [block] * v.n_layers,
+            "norm": Spec((Dv,), "bf16", "ones"),
+        },
+        "aligner": {"w1": lin(D, Dv * v.downsample_ratio ** 2), "w2": lin(D, D)},
+        "image_start": Spec((D,), "bf16", "embed"),
+        "image_end": Spec((D,), "bf16", "embed"),
+        "image_newline": Spec((D,), "bf16", "embed"),
+    }
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    out = {
         "embed": Spec((cfg.vocab_size, cfg.dim), "bf16", "embed", axes=("vocab", "embed")),
         "layers": [layer_specs(cfg, i) for i in range(cfg.n_layers)],
         "norm": Spec((cfg.dim,), "bf16", "ones"),
         "head": Spec((cfg.vocab_size, cfg.dim), "bf16", axes=("vocab", "embed")),
     }
+    if cfg.vision is not None:
+        out.update(vision_specs(cfg))
+    return out
 
 
 def _is_spec(x) -> bool:
