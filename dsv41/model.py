@@ -19,6 +19,7 @@ from dsv41.config import ConfigError, ModelConfig
 from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import linear_f32, rms_norm
 from dsv41.ops import XLA, Ops
+from dsv41.params import VISION_KEYS
 from dsv41.quant import Numerics
 
 
@@ -310,9 +311,7 @@ def forward_with_trace(params: dict, cfg: ModelConfig, token_ids, numerics: Nume
     ids = check_tokens(token_ids, cfg)
     embeds, mask = image_rows(params, cfg, ids, images, numerics)
     core, ids, rows = prepare(params, cfg, ids, hasher, mask)
-    core = {k: v for k, v in core.items() if k not in _VISION_KEYS}  # the text program never reads them
+    core = {k: v for k, v in core.items() if k not in VISION_KEYS}  # the text program never reads them
     return _forward(core, jnp.asarray(ids), rows, cfg, numerics, with_trace=with_trace, ops=ops,
                     image_embeds=embeds, image_mask=mask)
 
-
-_VISION_KEYS = ("vision", "aligner", "image_start", "image_end", "image_newline")

@@ -151,6 +151,10 @@ def vision_specs(cfg: ModelConfig) -> Params:
     }
 
 
+VISION_KEYS = ("vision", "aligner", "image_start", "image_end", "image_newline")
+_VISION_SEED = 0x5EED
+
+
 def param_specs(cfg: ModelConfig) -> Params:
     out = {
         "embed": Spec((cfg.vocab_size, cfg.dim), "bf16", "embed", axes=("vocab", "embed")),
@@ -234,7 +238,11 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None) -> Pa
     dtype=None keeps the release's stored precision (FP8/FP4 + scales, bf16, f32); 'bfloat16' or 'float32'
     gives the dense tree of those same (quantization-rounded) values, for the exact reference path.
     """
-    params = init_tree(param_specs(cfg), cfg, seed)
+    specs = param_specs(cfg)
+    # the tower draws from its own stream, so a seed gives the text weights it gave before the tower existed
+    params = init_tree({k: v for k, v in specs.items() if k not in VISION_KEYS}, cfg, seed)
+    if cfg.vision is not None:
+        params.update(init_tree({k: specs[k] for k in VISION_KEYS}, cfg, seed + _VISION_SEED))
     return params if dtype is None else dequantize_params(params, dtype)
 
 

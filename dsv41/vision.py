@@ -24,6 +24,7 @@ import numpy as np
 from dsv41 import image_processing as ip
 from dsv41.config import ModelConfig, VisionConfig
 from dsv41.nn import rms_norm
+from dsv41.params import VISION_KEYS
 from dsv41.quant import Numerics
 
 NORM_EPS = 1e-6
@@ -119,4 +120,4 @@ def image_span(params: dict, inputs: ip.VisionInputs, cfg: ModelConfig, num: Num
 
 def vision_params(params: dict) -> dict:
     """The entries of a model tree the vision program reads."""
-    return {k: params[k] for k in ("vision", "aligner", "image_start", "image_end", "image_newline")}
+    return {k: params[k] for k in VISION_KEYS}
