@@ -30,7 +30,7 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
-def test_image(width: int = 40, height: int = 28, seed: int = 0, fmt: str = "PNG") -> bytes:
+def generated_image(width: int = 40, height: int = 28, seed: int = 0, fmt: str = "PNG") -> bytes:
     """A generated image: gradients plus noise (no flat regions, so a misplaced patch shows)."""
     from PIL import Image
 
@@ -43,7 +43,6 @@ def test_image(width: int = 40, height: int = 28, seed: int = 0, fmt: str = "PNG
     return buf.getvalue()
 
 
-test_image.__test__ = False  # a helper, not a test
 
 
 def messages(image: dict) -> list[dict]:
@@ -67,7 +66,7 @@ def setup(tmp_path_factory):
     params = P.init_params(cfg, seed=5)
     ck = tmp_path_factory.mktemp("vision_ckpt")
     checkpoint.save_checkpoint(params, cfg, ck, dense_dtype="float32", tokenizer_dir=T.BUILTIN_DIR, n_shards=1)
-    data = test_image()
+    data = generated_image()
     path = ck / "image.png"
     path.write_bytes(data)
     ref = run_reference(ck, None, "float32", chat=messages({"type": "image", "path": str(path)}), cache_qdq=False)
@@ -132,7 +131,7 @@ def test_padding_bucket_does_not_change_the_span():
     """The same image in a larger bucket (more padding patches, masked out) gives the same rows."""
     cfg = preset("tiny")
     pf = P.init_params(cfg, seed=1, dtype="float32")
-    inputs = ip.vision_inputs(ip.preprocess(ip.decode(test_image(seed=2)), cfg.vision), cfg.vision)
+    inputs = ip.vision_inputs(ip.preprocess(ip.decode(generated_image(seed=2)), cfg.vision), cfg.vision)
     n = inputs.patches.shape[0]
     pad = n + 64
     bigger = ip.VisionInputs(
