@@ -10,12 +10,12 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
 from dsv41 import image_processing as ip
-from serving.engine.images import PromptImage
 from serving.errors import bad_request
 
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
@@ -73,10 +73,26 @@ def _too_big(where: str, n: int, media: MediaConfig):
                        "messages", "image_too_large")
 
 
+class _AllowListedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an allowed host: the allow-list bounds what the server fetches, not only the
+    URL a client wrote."""
+
+    def __init__(self, hosts: tuple[str, ...]) -> None:
+        self.hosts = hosts
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        host = urllib.parse.urlsplit(newurl).hostname or ""
+        if host not in self.hosts:
+            raise urllib.error.HTTPError(newurl, code, f"redirected to {host!r}, which --allowed-media-domains does "
+                                                       "not list", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def _fetch(url: str, media: MediaConfig, where: str) -> bytes:
     req = urllib.request.Request(url, headers={"User-Agent": "dsv41"})
+    opener = urllib.request.build_opener(_AllowListedRedirects(media.allowed_media_domains))
     try:
-        with urllib.request.urlopen(req, timeout=FETCH_TIMEOUT_S) as resp:  # noqa: S310 (allow-listed hosts)
+        with opener.open(req, timeout=FETCH_TIMEOUT_S) as resp:
             data = resp.read(media.max_image_bytes + 1)
     except OSError as e:
         raise bad_request(f"{where}: fetching {url[:200]} failed ({e})", "messages", "image_fetch_failed") from None
@@ -112,5 +128,7 @@ def place(ids: list[int], images: list[tuple[bytes, ip.PreparedImage]], cfg) -> 
     """Prompt ids with one image token per image -> (ids with the spans expanded, the engine's PromptImages)."""
     if not images:
         return ids, ()
+    from serving.engine.images import PromptImage  # (jax: not imported by a server that gets no images)
+
     out, spans = ip.expand_spans(ids, [p.grid for _, p in images], cfg.image_token_id)
     return [int(t) for t in out], tuple(PromptImage.of(s, d, p, cfg.vision) for (s, _), (d, p) in zip(spans, images))
