@@ -55,18 +55,17 @@ def rotate(x: jax.Array, ang: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(x: jax.Array, p: dict, ang: jax.Array, valid: jax.Array, v: VisionConfig, num: Numerics):
-    """x [N, Dv] -> [N, Dv]: every patch attends to every valid patch of its image."""
+def attention(x: jax.Array, p: dict, ang: jax.Array, n_valid: jax.Array, v: VisionConfig, num: Numerics,
+              impl: str | None = None):
+    """x [N, Dv] -> [N, Dv]: every patch attends to the n_valid (int32 [1]) real patches, the first rows.
+    impl: jax.nn.dot_product_attention's implementation (None: XLA; 'cudnn': its fused kernel, GPUs, bf16)."""
     N = x.shape[0]
     H, hd = v.n_heads, v.head_dim
     q, k, val = jnp.split(dense(x, p["wqkv"], num), 3, axis=-1)
-    q, k, val = (t.reshape(N, H, hd) for t in (q, k, val))
-    q, k = rotate(q, ang), rotate(k, ang)
-    s = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
-    s = jnp.where(valid[None, None, :], s, -jnp.inf)
-    prob = jax.nn.softmax(s, axis=-1).astype(num.jdtype)
-    o = jnp.einsum("hqk,khd->qhd", prob, val, preferred_element_type=jnp.float32).astype(num.jdtype)
-    return dense(o.reshape(N, H * hd), p["wo"], num)
+    q, k, val = (t.reshape(1, N, H, hd) for t in (q, k, val))
+    q, k = rotate(q[0], ang)[None], rotate(k[0], ang)[None]
+    o = jax.nn.dot_product_attention(q, k, val, key_value_seq_lengths=n_valid, implementation=impl)
+    return dense(o.reshape(N, H * hd).astype(num.jdtype), p["wo"], num)
 
 
 def mlp(x: jax.Array, p: dict, num: Numerics) -> jax.Array:
@@ -75,12 +74,13 @@ def mlp(x: jax.Array, p: dict, num: Numerics) -> jax.Array:
 
 
 def encode(p: dict, patches: jax.Array, pos: jax.Array, valid: jax.Array, v: VisionConfig,
-           num: Numerics) -> jax.Array:
-    """The ViT: patches [N, 3 * P * P], pos int32 [N, 2], valid bool [N] -> patch states [N, Dv]."""
+           num: Numerics, impl: str | None = None) -> jax.Array:
+    """The ViT: patches [N, 3 * P * P], pos int32 [N, 2], valid bool [N] (a prefix) -> patch states [N, Dv]."""
     x = dense(patches, p["patch_embed"]["proj"], num)
     ang = rope_angles(pos, v)
+    n_valid = jnp.sum(valid, dtype=jnp.int32)[None]
     for b in p["blocks"]:
-        x = x + attention(rms_norm(x, b["norm1"], NORM_EPS), b["attn"], ang, valid, v, num)
+        x = x + attention(rms_norm(x, b["norm1"], NORM_EPS), b["attn"], ang, n_valid, v, num, impl)
         x = x + mlp(rms_norm(x, b["norm2"], NORM_EPS), b["mlp"], num)
     return rms_norm(x, p["norm"], NORM_EPS)
 
@@ -94,13 +94,14 @@ def align(p: dict, x: jax.Array, merge: jax.Array, num: Numerics) -> jax.Array:
     return dense(jax.nn.gelu(h.astype(jnp.float32), approximate=False).astype(num.jdtype), p["w2"], num)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num"))
+@functools.partial(jax.jit, static_argnames=("cfg", "num", "attention"))
 def span_embeddings(params: dict, patches: jax.Array, pos: jax.Array, valid: jax.Array, merge: jax.Array,
-                    types: jax.Array, cfg: ModelConfig, num: Numerics) -> jax.Array:
+                    types: jax.Array, cfg: ModelConfig, num: Numerics, attention: str | None = None) -> jax.Array:
     """One image's span rows [S, D] (`VisionInputs`' arrays; S = max_image_tokens, zeros past the span):
     aligned features on IMAGE rows, the learned delimiters on START / NEWLINE / END.
-    params: the model's tree (its `vision`, `aligner` and `image_*` entries are read)."""
-    x = encode(params["vision"], patches, pos, valid, cfg.vision, num)
+    params: the model's tree (its `vision`, `aligner` and `image_*` entries are read). attention: `attention`'s
+    impl."""
+    x = encode(params["vision"], patches, pos, valid, cfg.vision, num, attention)
     feats = align(params["aligner"], x, merge, num)
     dt = num.jdtype
     rows = jnp.zeros_like(feats)
