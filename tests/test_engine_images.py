@@ -9,6 +9,7 @@ import base64
 import http.client
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny_engine
@@ -18,7 +19,7 @@ from dsv41 import chat, model
 from dsv41 import image_processing as ip
 from dsv41 import tokenizer as T
 from serving.engine.engine import EngineError, SamplingParams
-from serving.engine.images import PromptImage
+from serving.engine.images import PromptImage, chunk_rows
 from tiny_engine import NUM
 
 pytestmark = pytest.mark.xdist_group(tiny_engine.GROUP)
@@ -58,25 +59,36 @@ def forward(ids, images, toks):
     return np.asarray(model.forward(params, cfg, np.asarray([ids + toks[:-1]]), NUM, images=places))[0, len(ids) - 1:]
 
 
-def test_exact_prefill_with_images_equals_forward():
-    """Two images, the second one's span across the first prefill chunk's end (128 tokens); tokens decode after."""
+def test_chunks_take_their_slice_of_each_span():
+    """Two images, the second one's span across the first prefill chunk's end (128 tokens): each chunk's rows
+    are the spans' rows at its positions (the gather the prefill programs read), nothing elsewhere."""
     cfg, _ = tiny_engine.tiny()
     ids, images = image_prompt(cfg, [generated_image(seed=3), generated_image(72, 40, seed=4)], "x " * 88)
     assert images[1].start < 128 < images[1].end
-    eng = tiny_engine.make(swa_bounded_replay=False)
-    toks, logits = run(eng, ids, images, SamplingParams(max_tokens=3, ignore_eos=True))
-    full = forward(ids, images, toks)
-    assert np.abs(logits - full).max() < TOL_FORWARD
-    assert eng.stats()["images_encoded"] == 2  # (tests/test_vision.py: the forward's image rows matter)
+    S, D = cfg.vision.max_image_tokens, 8
+    span = {id(x): np.random.default_rng(k).standard_normal((S, D)).astype(np.float32)
+            for k, x in enumerate(images)}
+    want = np.zeros((len(ids), D), np.float32)
+    for x in images:
+        want[x.start:x.end] = span[id(x)][: x.end - x.start]
+    for pos0 in (0, 128):  # row 1 of the batch; row 0 is padding
+        n = min(128, len(ids) - pos0)
+        rows, mask = chunk_rows([None, (pos0, n, tuple(images))], lambda x: jnp.asarray(span[id(x)]), 2, 128,
+                                jnp.float32)
+        np.testing.assert_array_equal(np.asarray(rows)[1, :n], want[pos0:pos0 + n])
+        np.testing.assert_array_equal(mask[1, :n], want[pos0:pos0 + n].any(-1))
+        assert not mask[0].any() and not mask[1, n:].any()
 
 
 def test_replayed_prefill_with_an_image_equals_forward(engine):
-    """The encoder places the rows, the replayed decoder routes the span's rows with bias_vl."""
+    """The encoder places the rows, the replayed decoder routes the span's rows with bias_vl (a prompt within
+    swa_replay_tokens replays exactly); then a token decodes after them."""
     cfg, _ = tiny_engine.tiny()
     ids, images = image_prompt(cfg, [generated_image(72, 40, seed=8)], "z " * 30)
     assert len(ids) <= engine.replay_tokens
     toks, logits = run(engine, ids, images, SamplingParams(max_tokens=2, ignore_eos=True))
     assert np.abs(logits - forward(ids, images, toks)).max() < TOL_FORWARD
+    assert engine.stats()["images_encoded"] == 1
 
 
 def test_prefix_cache_keys_follow_the_image_bytes(engine):

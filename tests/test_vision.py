@@ -107,9 +107,6 @@ def test_logits_with_an_image_match_the_reference(setup):
     ids, places, _ = our_prompt(cfg, data)
     logits = np.asarray(model.forward(pf, cfg, ids, quant.EXACT_F32, images=places))
     assert rel(logits, ref["logits"]) < F32_REL
-    # the span matters: the same ids without the image (image-token embeddings, text routing) are far off
-    plain = np.asarray(model.forward(pf, cfg, ids, quant.EXACT_F32))
-    assert rel(plain, ref["logits"]) > 100 * F32_REL
 
 
 @pytest.mark.reference
