@@ -451,6 +451,8 @@ def _plan(cfg: ModelConfig, loc: _Located, path: str) -> tuple[list[_Plan], list
             absent_layers.setdefault(m.group(1), []).append(key)
             return
         where = f" (the index says {fn})" if fn else ""
+        if key.startswith(VISION_PREFIXES):  # a text-only checkpoint under a config with a vision_config
+            why += "; for a text-only model set vision_config.num_hidden_layers to 0 in config.json"
         problems.append((3, f"missing tensor {key}{where}: {why}"))
 
     for slot in slots:

@@ -155,8 +155,9 @@ def test_chat_with_an_image_through_the_server(server):
     assert code == 200, body
     ids, _ = image_prompt(cfg, [data], "what is this")
     assert body["usage"]["prompt_tokens"] == len(ids)  # the span, expanded
-    code, body = post(server, chat_body(data_url(_encoded(data, "WEBP"), "webp")))
-    assert code == 200, body
+    for fmt in ("JPEG", "WEBP"):
+        code, body = post(server, chat_body(data_url(_encoded(data, fmt), fmt.lower())))
+        assert code == 200, body
 
 
 def _encoded(png: bytes, fmt: str) -> bytes:
@@ -165,7 +166,7 @@ def _encoded(png: bytes, fmt: str) -> bytes:
     from PIL import Image
 
     out = io.BytesIO()
-    Image.open(io.BytesIO(png)).save(out, fmt, lossless=True)
+    Image.open(io.BytesIO(png)).save(out, fmt, **({"lossless": True} if fmt == "WEBP" else {}))
     return out.getvalue()
 
 
