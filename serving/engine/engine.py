@@ -70,7 +70,7 @@ class Engine(Scheduler, Warmup):
             params = sharding.place_params(params, cfg, par, self.mesh)
         self.params, tables = model.strip_tables(params)
         # the vision program's weights, apart: the text programs never read them
-        self.vision_params = ({k: self.params[k] for k in VISION_KEYS} if cfg.vision is not None else None)
+        self.vision_params = {k: self.params[k] for k in VISION_KEYS} if cfg.vision is not None else None
         self.params = {k: v for k, v in self.params.items() if k not in VISION_KEYS}
         try:
             self.backends, self.params = backends.build(
@@ -268,22 +268,22 @@ class Engine(Scheduler, Warmup):
             return []
         rid = np.zeros((B, T, len(self.cfg.engram_layer_ids), self.cfg.engram_n_cols), np.int64)
         live = [i for i, r in enumerate(reqs) if r is not None]
-        def dead(i, n):
-            return None if image_mask is None else image_mask[i:i + 1, :n]
+
+        def dead(rows: list[int], n: int) -> np.ndarray | None:
+            return None if image_mask is None else image_mask[rows, :n]
 
         if live and len({len(toks[i]) for i in live}) == 1:  # decode: every row hashes one token, in one call
             n = len(toks[live[0]])
             ids, hist = self.hasher.hash_step(np.asarray([toks[i] for i in live], np.int64),
-                                              np.concatenate([reqs[i].history for i in live]),
-                                              None if image_mask is None else image_mask[live, :n])
-            rid[live, : len(toks[live[0]])] = ids
+                                              np.concatenate([reqs[i].history for i in live]), dead(live, n))
+            rid[live, :n] = ids
             for j, i in enumerate(live):
                 reqs[i].history = hist[j:j + 1]
         else:
             for i in live:
-                rid[i, : len(toks[i])], reqs[i].history = self.hasher.hash_step(np.asarray([toks[i]], np.int64),
-                                                                                reqs[i].history,
-                                                                                dead(i, len(toks[i])))
+                n = len(toks[i])
+                rid[i, :n], reqs[i].history = self.hasher.hash_step(np.asarray([toks[i]], np.int64),
+                                                                    reqs[i].history, dead([i], n))
         return model.engram_rows(self.tables, rid)
 
     def _decode_rows(self, reqs: list[_Request]) -> list[_Request | None]:
