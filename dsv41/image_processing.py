@@ -146,13 +146,15 @@ def preprocess(image, v: VisionConfig) -> PreparedImage:
 # ---- the tower's padded inputs ---------------------------------------------------------------------------------
 
 
-def patch_bucket(n: int) -> int:
+def patch_bucket(n: int, v: VisionConfig) -> int:
     """Padded patch count: n rounded up to an eighth of its power of two (at most 12.5% padding; a few
-    compiled programs per doubling of image area)."""
+    compiled programs per doubling of image area), and to no more than the most patches a span can hold
+    (rows x columns <= max_image_tokens - 3 cells of ratio^2 patches), rounded up to 64."""
     if n <= 64:
         return 64
     step = 1 << (math.ceil(math.log2(n)) - 3)
-    return -(-n // step) * step
+    most = -(-(v.max_image_tokens - 3) * v.downsample_ratio ** 2 // 64) * 64
+    return min(-(-n // step) * step, max(most, n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +179,7 @@ def vision_inputs(prepared: PreparedImage, v: VisionConfig) -> VisionInputs:
     g = prepared.grid
     r = g.ratio
     n = g.n_patches
-    N, S = patch_bucket(n), v.max_image_tokens
+    N, S = patch_bucket(n, v), v.max_image_tokens
     patches = np.zeros((N, prepared.patches.shape[1]), np.float32)
     patches[:n] = prepared.patches
     rows, cols = np.divmod(np.arange(n, dtype=np.int32), g.vit_w)
