@@ -79,9 +79,15 @@ def encode(p: dict, patches: jax.Array, pos: jax.Array, valid: jax.Array, v: Vis
     x = dense(patches, p["patch_embed"]["proj"], num)
     ang = rope_angles(pos, v)
     n_valid = jnp.sum(valid, dtype=jnp.int32)[None]
-    for b in p["blocks"]:
+
+    def block(x, b):
         x = x + attention(rms_norm(x, b["norm1"], NORM_EPS), b["attn"], ang, n_valid, v, num, impl)
-        x = x + mlp(rms_norm(x, b["norm2"], NORM_EPS), b["mlp"], num)
+        return x + mlp(rms_norm(x, b["norm2"], NORM_EPS), b["mlp"], num), None
+
+    # one compiled block for all of them (Flash: 32, and a program per patch bucket): the blocks' weights are
+    # stacked per call, a copy of the tower's weights that is small next to its compute
+    blocks = jax.tree_util.tree_map(lambda *w: jnp.stack(w), *p["blocks"])
+    x, _ = jax.lax.scan(block, x, blocks)
     return rms_norm(x, p["norm"], NORM_EPS)
 
 
