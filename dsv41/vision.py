@@ -2,12 +2,12 @@
 patches, then a ratio x ratio merge of neighbouring patches and a GELU MLP into the text width; the span's
 delimiter rows take the learned `image_start` / `image_newline` / `image_end` vectors.
 
-Semantics of the reference (nemo-automodel `deepseek_v4/vision.py`, which V4.1 reuses): RMSNorms with eps 1e-6
-(not the text model's 1e-20); `wqkv` split q | k | v, then heads; RoPE on each head's halves (first half x
-second half, not adjacent pairs) with angles row * f for the first quarter of the head dim and column * f for
-the second, f = theta^(-4i / head_dim); bidirectional softmax attention over the whole image; SwiGLU MLP
-`w1` = gate | up, no clamp, no biases; the merge concatenates a cell's patches channel-major (the feature of patch (ki, kj) of channel c at
-c * ratio^2 + ki * ratio + kj, as torch's unfold), zeros past the grid's ragged edge; exact (erf) GELU.
+Semantics of the reference (nemo-automodel `deepseek_v4/vision.py`, which V4.1 reuses): RMSNorms with eps 1e-6 (not
+the text model's 1e-20); `wqkv` split q | k | v, then heads; RoPE on each head's halves (first half x second half,
+not adjacent pairs) with angles row * f for the first quarter of the head dim and column * f for the second, f =
+theta^(-4i / head_dim); bidirectional softmax attention over the whole image; SwiGLU MLP `w1` = gate | up, no clamp,
+no biases; the merge concatenates a cell's patches channel-major (the feature of patch (ki, kj) of channel c at c *
+ratio^2 + ki * ratio + kj, as torch's unfold), zeros past the grid's ragged edge; exact (erf) GELU.
 
 Inputs are padded (`image_processing.VisionInputs`): padding patches are masked out of the attention keys and
 never merged, so an image's result does not depend on its bucket.
