@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny_engine
-from test_vision import generated_image
 
 from dsv41 import chat, model
 from dsv41 import image_processing as ip
 from dsv41 import tokenizer as T
 from serving.engine.engine import EngineError, SamplingParams
 from serving.engine.images import PromptImage, chunk_rows
+from tests.image_helpers import generated_image
 from tiny_engine import NUM
 
 pytestmark = pytest.mark.xdist_group(tiny_engine.GROUP)

@@ -9,8 +9,6 @@ skip inside the span), all in float32.
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 
@@ -19,6 +17,7 @@ from dsv41 import image_processing as ip
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import ModelConfig, VisionConfig, preset
+from tests.image_helpers import generated_image
 from tests.reference.driver import reference_available, run_reference
 
 # float32 on both sides, as tests/test_reference_equivalence.py
@@ -28,21 +27,6 @@ F32_REL = 2e-5
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
-
-
-def generated_image(width: int = 40, height: int = 28, seed: int = 0, fmt: str = "PNG") -> bytes:
-    """A generated image: gradients plus noise (no flat regions, so a misplaced patch shows)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    px = np.stack([x * 255 // width, y * 255 // height, (x + y) * 127 // (width + height)], -1)
-    px = np.clip(px + rng.integers(-40, 40, px.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(px, "RGB").save(buf, fmt)
-    return buf.getvalue()
-
-
 
 
 def messages(image: dict) -> list[dict]:
