@@ -91,6 +91,8 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 """
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_IMAGE_ROLES = ("user", "developer")
+_IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 class ChatFormatError(ValueError):
@@ -112,7 +114,8 @@ def encode_chat(
     """Renders OpenAI-style messages as a V4.1 prompt (BOS included, as text).
 
     messages: dicts with `role` in system/developer/user/assistant/tool; `content` a string, None, or a list of
-      {"type": "text"} / {"type": "image_url"} parts (images become `<｜deepseek_image｜>` placeholders);
+      {"type": "text"} / {"type": "image_url"} parts (images become `<｜deepseek_image｜>` placeholders, one image
+      token each, in message order; `image_parts` lists the parts);
       assistants may carry `reasoning_content` and `tool_calls`; tool messages may carry `tool_call_id`.
     reasoning_effort: 1..100 or one of REASONING_EFFORT_PRESETS (thinking mode only; validated always).
     tools: OpenAI tool definitions; rendered into the first system message (one is created if absent).
@@ -166,9 +169,9 @@ def encode_chat_segments(
                 out.append((SYSTEM, False))
             out += [(m["content"], True), *_tools_suffix(m)]
         elif role == "developer":
-            out += [(USER, False), (m["content"], True), *_tools_suffix(m)]
+            out += [(USER, False), *_content_segments(m["content"]), *_tools_suffix(m)]
         elif role == "user":
-            out += [(USER, False), (m["content"], True)]
+            out += [(USER, False), *_content_segments(m["content"])]
         else:  # assistant
             if thinking and (not drop or i > last_user):
                 out += [(m.get("reasoning_content", ""), True), (THINK_END, False)]
@@ -183,6 +186,23 @@ def encode_chat_segments(
             opens_thinking = thinking and (not drop or i >= last_user)
             out.append((ASSISTANT + (THINK_START if opens_thinking else THINK_END), False))
     return [seg for seg in out if seg[0]]
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The image content parts of `messages`, in the order of their image tokens in the encoded prompt."""
+    return [part for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS]
+
+
+def _content_segments(content: str) -> list[Segment]:
+    """A message's text with its image placeholders as template text (the image token, which the engine expands
+    into the image's span); `_text_of` refuses the placeholder in client text, so every one is an image part."""
+    out: list[Segment] = []
+    for k, piece in enumerate(content.split(IMAGE)):
+        if k:
+            out.append((IMAGE, False))
+        out.append((piece, True))
+    return out
 
 
 def _effort_value(effort: int | str | None) -> int:
@@ -216,7 +236,7 @@ def _text_of(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             parts.append(_text_of(part.get("text") or "", f"{where} part {j}"))
-        elif kind in ("image_url", "image", "input_image"):
+        elif kind in _IMAGE_PARTS:
             parts.append(IMAGE)
         else:
             raise ChatFormatError(f"{where} part {j}: unsupported content part type {kind!r} (text and images only)")
@@ -231,6 +251,9 @@ def _normalize_message(i: int, msg: dict[str, Any]) -> dict[str, Any]:
         raise ChatFormatError(f"message {i}: role {role!r} is not one of {list(_ROLES)}")
     where = f"message {i} ({role})"
     out: dict[str, Any] = {"role": role, "content": _text_of(msg.get("content"), where)}
+    if role not in _IMAGE_ROLES and IMAGE in out["content"]:
+        raise ChatFormatError(f"{where}: images are accepted in user messages only; move the image_url part "
+                              "into a user message")
     if role == "assistant":
         rc = msg.get("reasoning_content", msg.get("reasoning"))
         if rc is not None:

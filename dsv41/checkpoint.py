@@ -45,8 +45,11 @@ log = logging.getLogger(__name__)
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# Release tensors we do not model yet: DSpark draft stages and the vision tower (spec §5).
+# Release tensors a config may not use, skipped with one log line: DSpark draft stages (not modelled yet) and
+# the vision tower, aligner and span delimiters under a text-only config (`vision_config` absent or 0 layers).
 SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
+# The vision tower's tensors: BF16 in the release; F32 taken too (the reference keeps its norms in F32).
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
 # Where our tree's stored dtype differs from the Hugging Face release (spec §5); the loader accepts both forms
 # and converts exactly, the writer produces the release's with hf_layout=True.
 # - kept BF16 here (as the reference's convert.py leaves it), FP8 + 32x32 UE8M0 scales in the release:
@@ -134,7 +137,8 @@ def _forms(slot: _Slot, dense_ckpt: bool) -> list[_Form]:
         return [rows, _Form("dense", (_Part(None, ("BF16", "F32"), shape),))] if dense_ckpt else [rows]
     if slot.fmt == "f32":
         return [_Form("dense", (_Part(None, ("F32", "BF16") if _in(slot, BF16_IN_RELEASE) else ("F32",), shape),))]
-    dense = [_Form("dense", (_Part(None, ("BF16", "F32") if dense_ckpt else ("BF16",), shape),))]
+    wide = dense_ckpt or slot.key.startswith(VISION_PREFIXES)
+    dense = [_Form("dense", (_Part(None, ("BF16", "F32") if wide else ("BF16",), shape),))]
     if _in(slot, FP8_IN_RELEASE):
         dense.append(_fp8_form(shape))
     return dense
@@ -447,6 +451,8 @@ def _plan(cfg: ModelConfig, loc: _Located, path: str) -> tuple[list[_Plan], list
             absent_layers.setdefault(m.group(1), []).append(key)
             return
         where = f" (the index says {fn})" if fn else ""
+        if key.startswith(VISION_PREFIXES):  # a text-only checkpoint under a config with a vision_config
+            why += "; for a text-only model set vision_config.num_hidden_layers to 0 in config.json"
         problems.append((3, f"missing tensor {key}{where}: {why}"))
 
     for slot in slots:
@@ -513,7 +519,8 @@ def _plan(cfg: ModelConfig, loc: _Located, path: str) -> tuple[list[_Plan], list
         problems.append((2, f"the config says n_layers={cfg.n_layers}, but no shard holds any tensor of {which} "
                             f"(e.g. {eg}): the config contradicts the checkpoint; {fix}"))
     if skipped:
-        log.info("skipping %d tensors not modelled here (DSpark / vision): %s", sum(skipped.values()),
+        log.info("skipping %d tensors this config does not use (DSpark; vision under a text-only config): %s",
+                 sum(skipped.values()),
                  ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())))
     if problems:
         problems.sort(key=lambda p: p[0])
@@ -734,7 +741,8 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     dequantize: None keeps stored precision (Fp8Weight / Fp4Weight with UE8M0 bytes); 'bfloat16' / 'float32'
       gives dequantize_params(stored, dequantize). Engram tables stay host memory-mapped Fp8Rows either way.
     Every tensor is validated before anything is built; any problem raises CheckpointError naming each bad
-    tensor and its file. `mtp.*` (DSpark) and vision tensors are skipped with one log line.
+    tensor and its file. `mtp.*` (DSpark) tensors, and vision tensors under a text-only config, are skipped with
+    one log line.
     workers: threads reading and transferring weights in parallel.
     read_mode: one of READ_MODES (see there).
     With a tokenizer.json in `path`, the tree also holds that tokenizer's Engram compressed token map under

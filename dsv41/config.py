@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A config field is missing, has the wrong type, or contradicts another field."""
 
 
+def _need(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: {msg}")
+
+
 class AttnRole(enum.Enum):
     """What the compressed (global) branch of a layer's attention does (spec §2.4)."""
 
@@ -27,6 +32,79 @@ class AttnRole(enum.Enum):
     FULL = "full"  # KV source: compresses its own KV, owns index keys, runs its own indexer
     REINDEX = "reindex"  # index source that is not a KV source: own indexer query over latest keys
     REUSE = "reuse"  # reads the latest compressed KV and the latest top-k
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower and image sizing (the release's nested `vision_config`, spec §1). Names follow the
+    flat `inference/config.json`'s `vision_*` keys without the prefix."""
+
+    n_layers: int = 32
+    dim: int = 1024
+    n_heads: int = 16
+    inter_dim: int = 2816
+    patch_size: int = 14
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3
+    max_image_tokens: int = 1024  # a whole span: start + rows x (columns + newline) + end
+    min_pixels: int = 295936  # smaller images are scaled up to this area (544^2)
+    max_wh_ratio: float | None = None  # wider images are squeezed to this width/height (None: never)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "dim", "n_heads", "inter_dim", "patch_size", "downsample_ratio",
+                     "max_image_tokens", "min_pixels"):
+            v = getattr(self, name)
+            _need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"vision_config.{name}",
+                  f"must be a positive integer, got {v!r}")
+        _need(self.dim % self.n_heads == 0 and self.head_dim % 4 == 0, "vision_config.hidden_size",
+              f"{self.dim} / {self.n_heads} heads must give a head dim divisible by 4 (2D RoPE: half rows, "
+              "half columns, in pairs)")
+        _need(self.max_image_tokens >= 4, "vision_config.max_image_tokens", "must be >= 4")
+        _need(math.isfinite(self.rope_theta) and self.rope_theta > 0, "vision_config.rope_theta",
+              "must be finite and > 0")
+        _need(self.max_wh_ratio is None or (math.isfinite(self.max_wh_ratio) and self.max_wh_ratio >= 1),
+              "vision_config.max_wh_ratio", f"must be null or >= 1, got {self.max_wh_ratio!r}")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any] | None) -> "VisionConfig | None":
+        """The nested `vision_config`; None (a text-only model) when absent or with num_hidden_layers 0."""
+        if not d or d.get("num_hidden_layers", 1) == 0:
+            return None
+        return cls(**{ours: d[hf] for hf, ours in _HF_VISION_NAMES.items() if hf in d})
+
+    @classmethod
+    def from_flat_dict(cls, d: dict[str, Any]) -> "VisionConfig | None":
+        """The flat file's `vision_*` keys; None when there are none or vision_n_layers is 0."""
+        kw = {k[len("vision_"):]: v for k, v in d.items() if k.startswith("vision_")}
+        if "max_n_token" in kw:
+            kw["max_image_tokens"] = kw.pop("max_n_token")
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in kw.items() if k in known}
+        if not kw or kw.get("n_layers", 1) == 0:
+            return None
+        return cls(**kw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {"model_type": "deepseek_v41_vision",
+                **{hf: getattr(self, ours) for hf, ours in _HF_VISION_NAMES.items()}}
+
+
+_HF_VISION_NAMES = {
+    "num_hidden_layers": "n_layers",
+    "hidden_size": "dim",
+    "num_attention_heads": "n_heads",
+    "intermediate_size": "inter_dim",
+    "patch_size": "patch_size",
+    "rope_theta": "rope_theta",
+    "downsample_ratio": "downsample_ratio",
+    "max_image_tokens": "max_image_tokens",
+    "min_pixels": "min_pixels",
+    "max_wh_ratio": "max_wh_ratio",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +164,9 @@ class ModelConfig:
     # tokens
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # images: spans of this id whose embeddings the vision tower and aligner replace (None: text only)
+    image_token_id: int = 129264
+    vision: VisionConfig | None = VisionConfig()
     # weights as released: FP8 e4m3 with UE8M0 32x32 block scales, routed experts FP4
     dtype: str = "fp8"
     expert_dtype: str = "fp4"
@@ -154,6 +235,10 @@ class ModelConfig:
         kwargs = {k: v for k, v in d.items() if k in known}
         if "n_layers" not in kwargs:
             raise ConfigError("config has neither `text_config` (nested form) nor `n_layers` (flat form)")
+        v = d.get("vision", ())  # dataclasses.asdict's form (an orbax checkpoint's config), else `vision_*` keys
+        if v == ():
+            v = VisionConfig.from_flat_dict(d)
+        kwargs["vision"] = VisionConfig(**v) if isinstance(v, dict) else v
         return cls(**_trim_to_backbone(kwargs))
 
     @classmethod
@@ -186,6 +271,9 @@ class ModelConfig:
                 kw[k] = t.get(k, d.get(k))
         if "num_hidden_layers" not in kw and "n_layers" not in kw:
             raise ConfigError("text_config.num_hidden_layers is missing")
+        kw["vision"] = VisionConfig.from_hf_dict(d.get("vision_config"))
+        if "image_token_id" in d:
+            kw["image_token_id"] = d["image_token_id"]
         return cls(**_trim_to_backbone(kw))
 
     @classmethod
@@ -228,6 +316,8 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "text_config": t,
+            "image_token_id": self.image_token_id,
+            "vision_config": {"num_hidden_layers": 0} if self.vision is None else self.vision.to_hf_dict(),
         }
         if self.dtype == "fp8":
             d["quantization_config"] = {
@@ -294,11 +384,6 @@ def _trim_to_backbone(kw: dict[str, Any]) -> dict[str, Any]:
     if n is not None and cr is not None and len(cr) > n:
         kw["compress_ratios"] = tuple(cr)[:n]
     return kw
-
-
-def _need(cond: bool, field: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{field}: {msg}")
 
 
 def _validate(c: ModelConfig) -> None:
@@ -372,6 +457,9 @@ def _validate(c: ModelConfig) -> None:
     _need(c.expert_dtype in ("fp4", "fp8", "bf16"), "expert_dtype",
           f"must be 'fp4', 'fp8' or 'bf16', got {c.expert_dtype!r}")
     _need(c.window_size > 0, "window_size", "must be > 0")
+    if c.vision is not None:
+        _need(0 <= c.image_token_id < c.vocab_size, "image_token_id",
+              f"{c.image_token_id} must be a token id < vocab_size={c.vocab_size}")
 
 
 def _is_prime(n: int) -> bool:
@@ -456,6 +544,11 @@ _TINY = dict(
     engram_n_heads=8,
     engram_head_dim=32,
     engram_vocab_size=1000,
+    # the tower at toy widths: 4-pixel patches, so a 40x28 test image is a 10x7 grid, padded to 12x9 by the
+    # 3x3 merge (both ragged edges exercised) into a 4x3 span of 17 tokens
+    image_token_id=1023,  # the built-in tokenizer's <｜deepseek_image｜>
+    vision=VisionConfig(n_layers=2, dim=64, n_heads=2, inter_dim=96, patch_size=4, downsample_ratio=3,
+                        max_image_tokens=64, min_pixels=576),
 )
 
 # Flash's per-layer widths (hidden 5120, 64x512 heads, q-LoRA 1280, 8x1024 output groups, 32x128 indexer,

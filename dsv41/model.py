@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import attention as attn_lib
-from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope
+from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope, vision
 from dsv41.config import ConfigError, ModelConfig
 from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import linear_f32, rms_norm
 from dsv41.ops import XLA, Ops
+from dsv41.params import VISION_KEYS
 from dsv41.quant import Numerics
 
 
@@ -164,27 +165,37 @@ def engram_rows(tables: list, hash_ids: np.ndarray) -> list:
     return [engram.gather_rows(t, hash_ids[:, :, i]) for i, t in enumerate(tables)]
 
 
+def place_images(h: jax.Array, image_embeds: jax.Array | None, image_mask: jax.Array | None) -> jax.Array:
+    """The 4 copies [B, S, hc, D] with the image spans' rows (image_embeds [B, S, D], read where image_mask
+    [B, S]) in place of the image tokens' embeddings."""
+    if image_embeds is None:
+        return h
+    return jnp.where(image_mask[:, :, None, None], image_embeds[:, :, None, :].astype(h.dtype), h)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "num", "with_trace", "ops"))
 def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Numerics, with_trace: bool = False,
-             ops: Ops = XLA):
+             ops: Ops = XLA, image_embeds: jax.Array | None = None, image_mask: jax.Array | None = None):
     B, S = ids.shape
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     freqs = freqs_for(cfg)
     trace: dict[str, Any] | None = {} if with_trace else None
     h, pre = embed(params, ids, cfg, num)
+    h = place_images(h, image_embeds, image_mask)
+    text_mask = None if image_mask is None else ~image_mask
     carry = Carry()
     for i, lp in enumerate(params["layers"]):
         if i in cfg.engram_layer_ids:
             if trace is not None:
                 trace[f"layer{i}.block_in_raw"] = h
-            h = engram.engram(h, rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num, ops=ops)
+            h = engram.engram(h, rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num, text_mask, ops=ops)
             if trace is not None:
                 trace[f"engram{i}.out"] = h
 
         def attn_fn(x, carry, lp=lp, i=i):
             return attention_full(x, lp["attn"], i, cfg, num, carry, pos, freqs[i], trace, ops)
 
-        h, pre, carry = block(h, pre, lp, i, cfg, num, attn_fn, carry, trace, ops=ops)
+        h, pre, carry = block(h, pre, lp, i, cfg, num, attn_fn, carry, trace, image_mask, ops=ops)
     logits = head(params, h, pre, cfg)
     return (logits, trace) if with_trace else logits
 
@@ -233,35 +244,74 @@ def hasher_for(params: dict, cfg: ModelConfig):
     return hit[1]
 
 
-def prepare(params: dict, cfg: ModelConfig, token_ids, hasher=None):
-    """Host side of a forward: validate ids, hash the n-grams (with `hasher`, default `hasher_for(params)`) and
-    fetch Engram rows."""
+@dataclasses.dataclass(frozen=True)
+class ImagePlacement:
+    """One image of a forward: its prepared tower inputs and where its span starts (row `batch`, position
+    `start`; the span's tokens must all be the image token)."""
+
+    batch: int
+    start: int
+    inputs: Any  # image_processing.VisionInputs
+
+
+def image_rows(params: dict, cfg: ModelConfig, ids: np.ndarray, images, num: Numerics):
+    """The image spans of a batch: (rows [B, S, D] with each span's embeddings in place, mask bool [B, S]), or
+    (None, None) without images. Each image runs through the vision program (`vision.image_span`) once."""
+    if not images:
+        return None, None
+    B, S = ids.shape
+    mask = np.zeros((B, S), bool)
+    rows = jnp.zeros((B, S, cfg.dim), num.jdtype)
+    for im in images:
+        n = im.inputs.span_len
+        if not (0 <= im.batch < B and 0 <= im.start and im.start + n <= S):
+            raise InputError(f"an image span of {n} tokens at [{im.batch}, {im.start}] does not fit the token ids "
+                             f"of shape {ids.shape}")
+        span = slice(im.start, im.start + n)
+        if (ids[im.batch, span] != cfg.image_token_id).any() or mask[im.batch, span].any():
+            raise InputError(f"the span at [{im.batch}, {im.start}:{im.start + n}] must hold only the image token "
+                             f"{cfg.image_token_id} and no other image; expand the prompt with "
+                             "image_processing.expand_spans")
+        mask[im.batch, span] = True
+        rows = rows.at[im.batch, span].set(vision.image_span(params, im.inputs, cfg, num))
+    return rows, jnp.asarray(mask)
+
+
+def prepare(params: dict, cfg: ModelConfig, token_ids, hasher=None, image_mask=None):
+    """Host side of a forward: validate ids, hash the n-grams (with `hasher`, default `hasher_for(params)`; image
+    tokens take part in no n-gram) and fetch Engram rows."""
     ids = check_tokens(token_ids, cfg)
     core, tables = strip_tables(params)
     rows = []
     if cfg.engram_layer_ids:
         if hasher is None:
             hasher = hasher_for(params, cfg)
-        rows = engram_rows(tables, hasher.hash_ids(ids))
+        dead = None if image_mask is None else np.asarray(image_mask)
+        rows = engram_rows(tables, hasher.hash_ids(ids, dead_mask=dead))
     return core, ids, rows
 
 
 def forward(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quant.REFERENCE, hasher=None,
-            ops: Ops = XLA) -> jax.Array:
+            ops: Ops = XLA, images=None) -> jax.Array:
     """token_ids int32 [batch, seq] -> float32 logits [batch, seq, vocab]: the exact full-sequence path.
 
     `numerics` picks the reference's rounding points (default: all of them, bf16 activations);
     `quant.EXACT_F32` turns them off. `hasher` maps ids to Engram rows (default `hasher_for(params)`: the
     checkpoint's tokenizer for a loaded checkpoint, the built-in one for presets). `ops`: which code
-    runs the linears, MoE and mHC sites (`dsv41.ops`; default the plain XLA composition).
+    runs the linears, MoE and mHC sites (`dsv41.ops`; default the plain XLA composition). `images`:
+    `ImagePlacement`s; their spans take the tower's embeddings, route with `bias_vl` and skip the Engram.
     """
-    core, ids, rows = prepare(params, cfg, token_ids, hasher)
-    return _forward(core, jnp.asarray(ids), rows, cfg, numerics, ops=ops)
+    return forward_with_trace(params, cfg, token_ids, numerics, hasher, ops, images, with_trace=False)
 
 
 def forward_with_trace(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quant.REFERENCE,
-                       hasher=None, ops: Ops = XLA) -> tuple[jax.Array, dict[str, jax.Array]]:
+                       hasher=None, ops: Ops = XLA, images=None, with_trace: bool = True):
     """forward() plus named intermediates (per layer: block_in/out, attn_out, ffn_out, hc coefficients, MoE
     routing, compressor latents, index scores, top-k, candidates; engram outputs)."""
-    core, ids, rows = prepare(params, cfg, token_ids, hasher)
-    return _forward(core, jnp.asarray(ids), rows, cfg, numerics, with_trace=True, ops=ops)
+    ids = check_tokens(token_ids, cfg)
+    embeds, mask = image_rows(params, cfg, ids, images, numerics)
+    core, ids, rows = prepare(params, cfg, ids, hasher, mask)
+    core = {k: v for k, v in core.items() if k not in VISION_KEYS}  # the text program never reads them
+    return _forward(core, jnp.asarray(ids), rows, cfg, numerics, with_trace=with_trace, ops=ops,
+                    image_embeds=embeds, image_mask=mask)
+

@@ -27,7 +27,7 @@ Params = dict[str, Any]
 
 # Leaves stored as given (no ".weight" suffix in the release).
 _BARE = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
-         "attn_sink", "bias", "bias_vl", "q_weight", "k_weight")
+         "attn_sink", "bias", "bias_vl", "q_weight", "k_weight", "image_start", "image_end", "image_newline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +119,52 @@ def layer_specs(cfg: ModelConfig, layer: int) -> Params:
     return out
 
 
-def param_specs(cfg: ModelConfig) -> Params:
+def vision_specs(cfg: ModelConfig) -> Params:
+    """The vision tower (`vision`), the aligner (`aligner`) and the learned span delimiters, all stored bf16
+    (linears as [out, in] + bias, as the reference's torch modules). No logical axes: the tower is 0.5 B values
+    (1 GB) run once per image, so every device keeps a copy and no collective runs inside it."""
+    v = cfg.vision
+    Dv, F, D = v.dim, v.inter_dim, cfg.dim
+
+    def lin(n_out: int, n_in: int, bias: bool = True) -> Params:
+        out = {"weight": Spec((n_out, n_in), "bf16")}
+        if bias:
+            out["bias"] = Spec((n_out,), "bf16", "small")
+        return out
+
+    block = {
+        "norm1": Spec((Dv,), "bf16", "ones"),
+        "attn": {"wqkv": lin(3 * Dv, Dv), "wo": lin(Dv, Dv)},
+        "norm2": Spec((Dv,), "bf16", "ones"),
+        "mlp": {"w1": lin(2 * F, Dv, bias=False), "w2": lin(Dv, F, bias=False)},
+    }
     return {
+        "vision": {
+            "patch_embed": {"proj": lin(Dv, 3 * v.patch_size ** 2)},
+            "blocks": [block] * v.n_layers,
+            "norm": Spec((Dv,), "bf16", "ones"),
+        },
+        "aligner": {"w1": lin(D, Dv * v.downsample_ratio ** 2), "w2": lin(D, D)},
+        "image_start": Spec((D,), "bf16", "embed"),
+        "image_end": Spec((D,), "bf16", "embed"),
+        "image_newline": Spec((D,), "bf16", "embed"),
+    }
+
+
+VISION_KEYS = ("vision", "aligner", "image_start", "image_end", "image_newline")
+_VISION_SEED = 0x5EED
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    out = {
         "embed": Spec((cfg.vocab_size, cfg.dim), "bf16", "embed", axes=("vocab", "embed")),
         "layers": [layer_specs(cfg, i) for i in range(cfg.n_layers)],
         "norm": Spec((cfg.dim,), "bf16", "ones"),
         "head": Spec((cfg.vocab_size, cfg.dim), "bf16", axes=("vocab", "embed")),
     }
+    if cfg.vision is not None:
+        out.update(vision_specs(cfg))
+    return out
 
 
 def _is_spec(x) -> bool:
@@ -199,7 +238,11 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: str | None = None) -> Pa
     dtype=None keeps the release's stored precision (FP8/FP4 + scales, bf16, f32); 'bfloat16' or 'float32'
     gives the dense tree of those same (quantization-rounded) values, for the exact reference path.
     """
-    params = init_tree(param_specs(cfg), cfg, seed)
+    specs = param_specs(cfg)
+    # the tower draws from its own stream, so a seed gives the text weights it gave before the tower existed
+    params = init_tree({k: v for k, v in specs.items() if k not in VISION_KEYS}, cfg, seed)
+    if cfg.vision is not None:
+        params.update(init_tree({k: specs[k] for k in VISION_KEYS}, cfg, seed + _VISION_SEED))
     return params if dtype is None else dequantize_params(params, dtype)
 
 

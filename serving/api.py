@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.async_engine import (AsyncEngine, EngineDead, EngineError, EngineStepError, QueueFull, QueueTimeout,
                                   RequestStream, WarmingUp)
 from serving.errors import ApiError, bad_request
+from serving.media import MediaConfig
 from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -237,7 +238,8 @@ class _AccessLog:
 class OpenAIServer:
     """The FastAPI application's state and handlers. `app` is the ASGI application (the access log around it)."""
 
-    def __init__(self, async_engine: AsyncEngine, *, model_name: str, metrics: ServingMetrics | None = None) -> None:
+    def __init__(self, async_engine: AsyncEngine, *, model_name: str, metrics: ServingMetrics | None = None,
+                 media: MediaConfig | None = None) -> None:
         self.engine = async_engine
         self.metrics = metrics or async_engine.metrics or ServingMetrics(model_name)
         if async_engine.metrics is None:
@@ -245,7 +247,8 @@ class OpenAIServer:
         tok = async_engine.tokenizer
         self.tokenizer = tok
         self.cfg = ServerConfig(model_name=model_name, max_model_len=async_engine.max_model_len,
-                                vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id)
+                                vocab_size=tok.vocab_size, eos_id=tok.eos_id, bos_id=tok.bos_id,
+                                model_cfg=getattr(async_engine.engine, "cfg", None), media=media or MediaConfig())
         self.created = int(time.time())
         api = FastAPI(title="dsv41", version="0.1.0", lifespan=self._lifespan,
                       description="OpenAI-compatible API of dsv41 (DeepSeek-V4.1-Flash).")
@@ -353,7 +356,8 @@ class OpenAIServer:
         arrival = time.monotonic()
         session = request.headers.get("x-session-id") or None
         try:
-            if len(request._body) > _TOKENIZE_OFF_LOOP_BYTES:  # long prompts: keep the event loop responsive
+            # long prompts and images (decoding, resizing, fetching): keep the event loop responsive
+            if len(request._body) > _TOKENIZE_OFF_LOOP_BYTES or b"image_url" in request._body:
                 req = await asyncio.to_thread(convert, body, self.cfg, self.tokenizer, session)
             else:
                 req = convert(body, self.cfg, self.tokenizer, session)
@@ -363,7 +367,8 @@ class OpenAIServer:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         gen = request.state.gen = {"id": rid, "prompt_tokens": len(req.prompt_ids)}
         try:
-            stream = await self.engine.add(rid, req.prompt_ids, req.sampling, req.session, arrival=arrival)
+            stream = await self.engine.add(rid, req.prompt_ids, req.sampling, req.session, arrival=arrival,
+                                           images=req.images)
         except QueueFull as e:
             self.metrics.request_rejected("queue_full")
             raise ApiError(503, f"the server is at capacity ({e}); retry after {RETRY_AFTER_S} s",
@@ -506,9 +511,11 @@ def _ttft(stream: RequestStream) -> float | None:
     return None if stream.first_token_time is None else stream.first_token_time - stream.arrival
 
 
-def create_app(async_engine: AsyncEngine, *, model_name: str, metrics: ServingMetrics | None = None) -> Any:
-    """The ASGI application; its lifespan starts the engine thread and stops it at shutdown."""
-    return OpenAIServer(async_engine, model_name=model_name, metrics=metrics).app
+def create_app(async_engine: AsyncEngine, *, model_name: str, metrics: ServingMetrics | None = None,
+               media: MediaConfig | None = None) -> Any:
+    """The ASGI application; its lifespan starts the engine thread and stops it at shutdown. media: the image
+    limits (`serving.media.MediaConfig`; None: the defaults)."""
+    return OpenAIServer(async_engine, model_name=model_name, metrics=metrics, media=media).app
 
 
 def uvicorn_config(app: Any, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
@@ -537,8 +544,9 @@ class BackgroundServer:
 
     def __init__(self, engine: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  metrics: ServingMetrics | None = None, max_queue_wait_s: float | None = None,
-                 warmup: bool = False) -> None:
+                 warmup: bool = False, media: MediaConfig | None = None) -> None:
         self.metrics = metrics or ServingMetrics(model_name)
+        self.media = media
         self.async_engine = AsyncEngine(engine, metrics=self.metrics, max_queue_wait_s=max_queue_wait_s,
                                         warmup=warmup)
         self.model_name = model_name
@@ -556,7 +564,7 @@ class BackgroundServer:
     def start(self, timeout_s: float = 60.0) -> "BackgroundServer":
         sock = bind(self.host, self.port)
         self.port = sock.getsockname()[1]
-        app = create_app(self.async_engine, model_name=self.model_name, metrics=self.metrics)
+        app = create_app(self.async_engine, model_name=self.model_name, metrics=self.metrics, media=self.media)
         self._server = uvicorn.Server(uvicorn_config(app, host=self.host, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._main, args=(sock,), name="dsv41-http", daemon=True)
         self._thread.start()

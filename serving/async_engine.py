@@ -72,6 +72,7 @@ class _Add:
     session: str | None
     done: concurrent.futures.Future
     arrival: float = 0.0
+    images: tuple = ()
 
 
 @dataclasses.dataclass
@@ -272,7 +273,7 @@ class AsyncEngine:
     # ---- requests ----
 
     async def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                  session: str | None = None, *, arrival: float | None = None) -> RequestStream:
+                  session: str | None = None, *, arrival: float | None = None, images: tuple = ()) -> RequestStream:
         """Queues a request; returns its stream once the engine has accepted it.
 
         Raises what `Engine.add_request` raises (EngineError, QueueFull), WarmingUp or EngineDead; never affects
@@ -288,7 +289,7 @@ class AsyncEngine:
         self._streams[request_id] = stream  # before the engine sees it, so no output can arrive unrouted
         done: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self._submit(_Add(request_id, list(prompt_ids), sampling, session, done, stream.arrival))
+            self._submit(_Add(request_id, list(prompt_ids), sampling, session, done, stream.arrival, tuple(images)))
         except EngineDead:
             self._streams.pop(request_id, None)
             raise
@@ -466,7 +467,9 @@ class AsyncEngine:
                 if cmd.done.cancelled():
                     continue
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling, session=cmd.session)
+                    extra = {"images": cmd.images} if cmd.images else {}  # (engines without vision take none)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling, session=cmd.session,
+                                            **extra)
                 except Exception as e:  # EngineError / QueueFull / anything: that request's problem only
                     _settle(cmd.done, exc=e)
                 else:

@@ -129,7 +129,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(no prompt text; logger dsv41.access)")
     g.add_argument("--demo", action="store_true",
                    help="start on a free port, send one chat request over HTTP, print request and answer, stop")
+    g = parser.add_argument_group("images (image_url content parts; a model with a vision_config)")
+    g.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                   help="hosts the server may fetch http(s) image URLs from (default: none; data: URLs only)")
+    g.add_argument("--max-image-bytes", type=int, help="largest encoded image, in bytes (default: 20 MiB)")
+    g.add_argument("--max-images-per-request", type=int, help="(default: 8)")
+    g.add_argument("--max-image-pixels", type=int,
+                   help="largest image, width x height, refused before it is decoded (default: 8192 x 8192)")
     return parser
+
+
+def media_config(args: argparse.Namespace):
+    """The image flags as a serving.media.MediaConfig (unset ones keep its defaults)."""
+    from serving.media import MediaConfig
+
+    kw = {}
+    for flag, field in (("max_image_bytes", "max_image_bytes"), ("max_images_per_request", "max_images"),
+                        ("max_image_pixels", "max_image_pixels")):
+        v = getattr(args, flag, None)
+        if v is not None:
+            if v < 1:
+                raise SystemExit(f"--{flag.replace('_', '-')} {v}: give a positive integer")
+            kw[field] = v
+    return MediaConfig(allowed_media_domains=tuple(getattr(args, "allowed_media_domains", ()) or ()), **kw)
 
 
 # Engine keyword argument -> the flag that sets it.
@@ -206,8 +228,8 @@ def _serve_forever(engine: Any, args: argparse.Namespace, warmup: bool = False) 
     aeng = AsyncEngine(engine, metrics=metrics, max_queue_wait_s=args.max_queue_wait, warmup=warmup)
     logging.getLogger("dsv41.access").setLevel(logging.INFO if args.access_log else logging.WARNING)
     sock = bind(args.host, args.port)  # OSError here: the caller names the port
-    server = uvicorn.Server(uvicorn_config(create_app(aeng, model_name=name, metrics=metrics), host=args.host,
-                                           port=args.port))
+    app = create_app(aeng, model_name=name, metrics=metrics, media=media_config(args))
+    server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port))
     log.info("listening on http://%s:%d (model %r, max_model_len %d)%s", args.host, args.port, name,
              engine.max_model_len, "; warming up: /health answers 503 with the progress until ready" if warmup
              else "")

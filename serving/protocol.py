@@ -65,8 +65,9 @@ class TextPart(_Strict):
 
 
 class ImageUrl(_Strict):
-    url: str
-    detail: str | None = None
+    url: str = Field(description="a data: URL (base64 PNG / JPEG / WebP), or http(s) from a host the server lists "
+                                 "in --allowed-media-domains")
+    detail: str | None = Field(None, description="accepted and ignored: the release's sizing decides the tokens")
 
 
 class ImagePart(_Strict):

@@ -10,9 +10,10 @@ import dataclasses
 from typing import Any, Sequence
 
 from dsv41 import chat as chat_format
+from serving import media as media_lib
 from serving.async_engine import SamplingParams
 from serving.errors import ApiError, bad_request
-from serving.protocol import ChatCompletionRequest, CompletionRequest, ImagePart, SamplingFields
+from serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 # OpenAI reasoning_effort names that the V4.1 presets lack, mapped onto the nearest preset.
@@ -33,6 +34,7 @@ class GenRequest:
     continuous_usage: bool = False
     thinking: bool = False
     skip_special_tokens: bool = True
+    images: tuple = ()  # serving.engine.images.PromptImage per image span of prompt_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,8 @@ class ServerConfig:
     vocab_size: int
     eos_id: int
     bos_id: int
+    model_cfg: Any = None  # the engine's ModelConfig (its vision_config and image token), None if unknown
+    media: media_lib.MediaConfig = media_lib.MediaConfig()
 
 
 def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
@@ -182,13 +186,7 @@ def _thinking_options(r: ChatCompletionRequest) -> tuple[bool, int | str | None]
 
 
 def _messages(r: ChatCompletionRequest) -> list[dict[str, Any]]:
-    out = []
-    for i, m in enumerate(r.messages):
-        if isinstance(m.content, list) and any(isinstance(p, ImagePart) for p in m.content):
-            raise bad_request(f"messages[{i}].content has an image_url part: this server has no vision input; "
-                              "send text parts only", "messages", "unsupported")
-        out.append(m.model_dump(exclude_none=True))
-    return out
+    return [m.model_dump(exclude_none=True) for m in r.messages]
 
 
 def chat_request(r: ChatCompletionRequest, cfg: ServerConfig, tokenizer: Any,
@@ -217,6 +215,7 @@ def chat_request(r: ChatCompletionRequest, cfg: ServerConfig, tokenizer: Any,
     for text, _ in segments:
         _check_text(text, "messages")
     ids = tokenizer.encode_segments(segments)
+    ids, images = media_lib.place(ids, media_lib.prompt_images(messages, cfg.media, cfg.model_cfg), cfg.model_cfg)
     max_tokens = r.max_tokens if r.max_tokens is not None else r.max_completion_tokens
     return GenRequest(ids, **_common(r, cfg, ids, chat=True, max_tokens=max_tokens, session_header=session_header),
-                      chat=True, thinking=thinking)
+                      chat=True, thinking=thinking, images=images)

@@ -354,18 +354,25 @@ def test_config_disagreeing_with_cfg_argument(cfg, ckpt_dir):
 
 
 def test_dspark_and_vision_are_skipped_with_one_log_line(ckpt_dir, stored, tmp_path, caplog):
+    """DSpark tensors are always skipped; the vision tower's are skipped under a text-only config.json."""
     path = str(tmp_path / "extra")
     shutil.copytree(ckpt_dir, path)
     extra = {"mtp.0.main_norm.weight": ("BF16", np.ones((8,), jnp.bfloat16)),
-             "mtp.2.markov_head.embed.weight": ("BF16", np.ones((4, 8), jnp.bfloat16)),
-             "vision.blocks.0.norm.weight": ("BF16", np.ones((8,), jnp.bfloat16)),
-             "image_newline": ("BF16", np.ones((8,), jnp.bfloat16))}
+             "mtp.2.markov_head.embed.weight": ("BF16", np.ones((4, 8), jnp.bfloat16))}
     _rewrite_shard(path, "model-00004-of-00004.safetensors", lambda t: {**t, **extra})
+    with open(os.path.join(path, "config.json")) as f:
+        conf = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**conf, "vision_config": {"num_hidden_layers": 0}}, f)
     with caplog.at_level(logging.INFO, logger="dsv41.checkpoint"):
-        _, params = ckpt.load_checkpoint(path)
-    assert_trees_bit_equal(stored, params)
+        cfg, params = ckpt.load_checkpoint(path)
+    assert cfg.vision is None
+    text_only = {k: v for k, v in stored.items() if k not in ("vision", "aligner") and not k.startswith("image_")}
+    assert_trees_bit_equal(text_only, params)
+    n_vision = len(jax.tree_util.tree_leaves(stored["vision"]))
     lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
-    assert len(lines) == 1 and "mtp.* 2" in lines[0] and "vision.* 1" in lines[0], lines
+    assert len(lines) == 1 and "mtp.* 2" in lines[0] and f"vision.* {n_vision}" in lines[0], lines
+    assert "aligner.* 4" in lines[0] and "image_* 3" in lines[0], lines
 
 
 def test_refuses_what_cannot_fit():

@@ -415,7 +415,8 @@ def test_prefix_keys_chain_and_are_hashed_once(tiny, monkeypatch):
     assert len(whole) == 9 and pc.keys(toks[:12]) + pc.keys(toks[12:], pc.keys(toks[:12])[-1]) == whole
     hashed = []
     real = PrefixCache.keys
-    monkeypatch.setattr(PrefixCache, "keys", lambda self, t, prev=b"": hashed.append(len(t)) or real(self, t, prev))
+    monkeypatch.setattr(PrefixCache, "keys", lambda self, t, prev=b"", salts=(): hashed.append(len(t))
+                        or real(self, t, prev, salts))
     eng = make(tiny)
     ids = prompt(190, seed=3)
     run(eng, ids, SamplingParams(max_tokens=20, ignore_eos=True))  # 209 tokens computed: a third full page

@@ -27,8 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import model, quant, sharding
+from dsv41 import vision
 from dsv41.config import ModelConfig
+from dsv41.params import VISION_KEYS
 from serving.engine import backends, kv_pool, programs
+from serving.engine import images as im
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-exported)
 from serving.engine.kv_pool import PoolLayout
@@ -66,6 +69,9 @@ class Engine(Scheduler, Warmup):
         if self.mesh is not None:
             params = sharding.place_params(params, cfg, par, self.mesh)
         self.params, tables = model.strip_tables(params)
+        # the vision program's weights, apart: the text programs never read them
+        self.vision_params = {k: self.params[k] for k in VISION_KEYS} if cfg.vision is not None else None
+        self.params = {k: v for k, v in self.params.items() if k not in VISION_KEYS}
         try:
             self.backends, self.params = backends.build(
                 cfg, self.params, numerics, attention=config.attention_backend, moe_backend=config.moe_backend,
@@ -156,10 +162,11 @@ class Engine(Scheduler, Warmup):
     # ---- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids, sampling: SamplingParams = SamplingParams(),
-                    session: str | None = None, replay_at: int = 0) -> None:
+                    session: str | None = None, replay_at: int = 0, images=()) -> None:
         """Queues a request. `replay_at` (tests, studies): compute as a prefix-cache hit of that many tokens
         would, without the cache: the global KV of [0, replay_at) is computed here, then the encoder's SWA
-        is rebuilt from replay_at - window exactly as after a hit."""
+        is rebuilt from replay_at - window exactly as after a hit. `images`: `images.PromptImage` per image span
+        of the prompt (`image_processing.expand_spans` lays the spans out)."""
         sampling.validate()
         ids = list(map(int, prompt_ids))
         if not ids:
@@ -175,8 +182,42 @@ class Engine(Scheduler, Warmup):
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max {self.max_waiting})")
         if replay_at and not (self.replay and 0 < replay_at < len(ids)):
             raise EngineError(f"replay_at={replay_at} needs bounded replay and 0 < replay_at < {len(ids)}")
+        images = tuple(sorted(images, key=lambda x: x.start))
+        self._check_images(ids, images)
         self.waiting.append(_Request(request_id, ids, sampling, session, time.monotonic(), prefill_len=len(ids),
-                                     replay_at=replay_at))
+                                     replay_at=replay_at, images=images))
+
+    def _check_images(self, ids: list[int], images: tuple) -> None:
+        if not images:
+            return
+        if self.cfg.vision is None:
+            raise EngineError("this model has no vision tower (its config.json has no vision_config); send text only")
+        tok, end = self.cfg.image_token_id, 0
+        for x in images:
+            if x.start < end or x.end > len(ids) or any(t != tok for t in ids[x.start:x.end]):
+                raise EngineError(f"an image span [{x.start}, {x.end}) must lie inside the prompt, overlap no other "
+                                  f"span and hold only the image token {tok}; lay the prompt out with "
+                                  "image_processing.expand_spans")
+            if x.inputs.types.shape[0] != self.cfg.vision.max_image_tokens:
+                raise EngineError("an image's inputs were prepared for another vision_config; prepare them with "
+                                  "this model's config")
+            end = x.end
+
+    def _image_rows(self, chunks: list, B: int, T: int):
+        """The image rows and mask of a prefill chunk (`images.chunk_rows`); each image's span rows are computed
+        by the vision program when first needed and kept until its request's prefill ends."""
+        by_id = {id(x): r for r in self.running.values() for x in r.images}
+
+        def span_rows(x):
+            cache = by_id[id(x)].image_rows
+            if id(x) not in cache:
+                i = x.inputs
+                cache[id(x)] = vision.span_embeddings(self.vision_params, i.patches, i.pos, i.valid, i.merge,
+                                                      i.types, cfg=self.cfg, num=self.num)
+                self.counters["images_encoded"] += 1
+            return cache[id(x)]
+
+        return im.chunk_rows(chunks, span_rows, B, T, self.num.jdtype)
 
     def abort(self, request_id: str) -> None:
         for r in list(self.waiting):
@@ -219,23 +260,30 @@ class Engine(Scheduler, Warmup):
 
     # ---- batches ------------------------------------------------------------------------------
 
-    def _rows(self, reqs: list, toks: list[list[int]], B: int, T: int) -> list:
+    def _rows(self, reqs: list, toks: list[list[int]], B: int, T: int, image_mask: np.ndarray | None = None) -> list:
         """Engram rows [B, T, n_cols, d] per Engram layer for each row's valid tokens, advancing its history.
-        reqs / toks: per row, a request and its tokens, or None and [] for padding."""
+        reqs / toks: per row, a request and its tokens, or None and [] for padding. image_mask bool [B, T]: image
+        tokens, which take part in no n-gram."""
         if self.hasher is None or not self.cfg.engram_layer_ids:
             return []
         rid = np.zeros((B, T, len(self.cfg.engram_layer_ids), self.cfg.engram_n_cols), np.int64)
         live = [i for i, r in enumerate(reqs) if r is not None]
+
+        def dead(rows: list[int], n: int) -> np.ndarray | None:
+            return None if image_mask is None else image_mask[rows, :n]
+
         if live and len({len(toks[i]) for i in live}) == 1:  # decode: every row hashes one token, in one call
+            n = len(toks[live[0]])
             ids, hist = self.hasher.hash_step(np.asarray([toks[i] for i in live], np.int64),
-                                              np.concatenate([reqs[i].history for i in live]))
-            rid[live, : len(toks[live[0]])] = ids
+                                              np.concatenate([reqs[i].history for i in live]), dead(live, n))
+            rid[live, :n] = ids
             for j, i in enumerate(live):
                 reqs[i].history = hist[j:j + 1]
         else:
             for i in live:
-                rid[i, : len(toks[i])], reqs[i].history = self.hasher.hash_step(np.asarray([toks[i]], np.int64),
-                                                                                reqs[i].history)
+                n = len(toks[i])
+                rid[i, :n], reqs[i].history = self.hasher.hash_step(np.asarray([toks[i]], np.int64),
+                                                                    reqs[i].history, dead([i], n))
         return model.engram_rows(self.tables, rid)
 
     def _decode_rows(self, reqs: list[_Request]) -> list[_Request | None]:
@@ -343,7 +391,14 @@ class Engine(Scheduler, Warmup):
         # fixed shapes throughout: slicing each tail to its length would compile an op per distinct length
         hp, pp = programs.left_align(jnp.stack([pad_h if r is None else r.tail[0] for r in rows]),
                                      jnp.stack([pad_p if r is None else r.tail[1] for r in rows]), n_valid)
-        b = programs.Batch(np.zeros((B, 1), np.int32), pos0, n_valid, slot, bt, wlo, rlo, [])
+        mask = None
+        if any(r is not None and r.images for r in rows):  # bias_vl for the tail's image tokens
+            mask = np.zeros(hp.shape[:2], bool)
+            for i, r in enumerate(rows):
+                m = None if r is None else im.mask(r.images, int(pos0[i]), r.prefill_len)
+                if m is not None:
+                    mask[i, : len(m)] = m
+        b = programs.Batch(np.zeros((B, 1), np.int32), pos0, n_valid, slot, bt, wlo, rlo, [], None, mask)
         return b, hp, pp
 
     def _first_tokens(self, rows, logits, tok) -> list[tuple[_Request, int]]:
@@ -353,6 +408,7 @@ class Engine(Scheduler, Warmup):
             if r is None:
                 continue
             self.counters["prefill_tokens"] += r.prefill_len - r.start
+            r.image_rows.clear()  # computed again if the request is preempted and prefilled anew
             if self.keep_logits:
                 r.logits.append(np.asarray(logits[i]))
             out.append((r, int(tok[i])))

@@ -20,15 +20,16 @@ class PrefixCache:
         self.hit_tokens = 0
         self.query_tokens = 0
 
-    def keys(self, tokens: list[int], prev: bytes = b"") -> list[bytes]:
+    def keys(self, tokens: list[int], prev: bytes = b"", salts=()) -> list[bytes]:
         """Chained hashes of the full pages of `tokens`, continuing the chain from `prev` (the key of the page
-        before them, b"" at the start of a sequence)."""
+        before them, b"" at the start of a sequence). salts: per page, bytes hashed with it (what its tokens do
+        not say: the images whose spans it holds, `images.page_salts`)."""
         out, h = [], prev
         n = len(tokens) // self.page_tokens * self.page_tokens
         buf = np.asarray(tokens[:n], np.int32).tobytes()
         step = self.page_tokens * 4
-        for i in range(0, len(buf), step):
-            h = hashlib.blake2b(h + buf[i:i + step], digest_size=16).digest()
+        for j, i in enumerate(range(0, len(buf), step)):
+            h = hashlib.blake2b(h + buf[i:i + step] + (salts[j] if j < len(salts) else b""), digest_size=16).digest()
             out.append(h)
         return out
 

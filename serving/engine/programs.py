@@ -44,6 +44,10 @@ class Batch:
     write_lo: jax.Array  # int32 [B]: global KV is written only for positions >= write_lo (prefix replay)
     ring_lo: jax.Array  # int32 [B, L]: the first position each layer's ring may serve (bounded replay clips there)
     rows: list  # per Engram layer: quant.Fp8Rows [B, T, n_cols, d] (dequantized in the program)
+    # steps that hold image tokens (None otherwise, so text steps keep their programs): the image spans' rows
+    # in place of their embeddings (prefill chunks) and where the spans are (bias_vl routing, no Engram)
+    image_embeds: jax.Array | None = None  # [B, T, D]
+    image_mask: jax.Array | None = None  # bool [B, T]
 
 
 @jax.tree_util.register_dataclass
@@ -317,7 +321,8 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         if i in cfg.engram_layer_ids and phase != "attn_only":
             with jax.named_scope("engram"):
                 rows = b.rows[cfg.engram_layer_ids.index(i)]
-                h = engram.engram(h, rows, lp["engram"], cfg, num, ops=backends.ops)
+                text = None if b.image_mask is None else ~b.image_mask
+                h = engram.engram(h, rows, lp["engram"], cfg, num, text, ops=backends.ops)
         if phase == "kv_only":
             with jax.named_scope("attention"):
                 x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
@@ -330,7 +335,8 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
             y, pool, carry = cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry, freqs[i], phase, backends)
             return y, (pool, carry)
 
-        h, pre, (pool, carry) = model.block(h, pre, lp, i, cfg, num, attn_fn, (pool, carry), ops=backends.ops)
+        h, pre, (pool, carry) = model.block(h, pre, lp, i, cfg, num, attn_fn, (pool, carry),
+                                            image_mask=b.image_mask, ops=backends.ops)
     return h, pre, pool
 
 
@@ -391,6 +397,7 @@ def _full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, n
     ops run the linears, MoE and mHC sites."""
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
+        h = model.place_images(h, b.image_embeds, b.image_mask)
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends)
     with jax.named_scope("head_sample"):
         logits, tok = _head_sample(params, h, pre, b, cfg, samp)
@@ -402,6 +409,7 @@ def _encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics,
     """Layers [0, split) and the split layer's KV writes. -> (pool, stream [B, n, hc, D] and pre-mix
     [B, n, hc] at the split layer's input for each row's last n = replay_tokens (None: window) valid tokens)."""
     h, pre = model.embed(params, b.tokens, cfg, num)
+    h = model.place_images(h, b.image_embeds, b.image_mask)
     split = cfg.split_layer
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, split + 1, {split: "kv_only"}, backends)
     n = replay_tokens or cfg.window_size

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from serving.engine import images as im
 from serving.engine import programs
 from serving.engine.errors import EngineError
 from serving.engine.prefix_cache import PrefixCache
@@ -44,6 +45,8 @@ class _Request:
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
     decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - its tail, once prefilled)
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
+    images: tuple = ()  # images.PromptImage per image span of the prompt, in order
+    image_rows: dict = dataclasses.field(default_factory=dict)  # id(image) -> its span rows, during a prefill
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
     _page_row: tuple = (None, 0, np.zeros(0, np.int32))
@@ -122,8 +125,10 @@ class Scheduler:
         """The Engram hasher's history after r's first `pos` tokens (it reads only the last few)."""
         if self.hasher is None:
             return None
-        tail = r.token_range(max(0, pos - self.hasher.history_len), pos)
-        return self.hasher.history_from_ids(np.asarray([tail], np.int64))
+        lo = max(0, pos - self.hasher.history_len)
+        tail = r.token_range(lo, pos)
+        dead = im.mask(r.images, lo, pos)
+        return self.hasher.history_from_ids(np.asarray([tail], np.int64), None if dead is None else dead[None])
 
     def _block_keys(self, r: _Request, upto: int) -> list[bytes]:
         """Prefix-cache keys of the full pages in r's first `upto` tokens. Hashed once per page over the request's
@@ -132,7 +137,8 @@ class Scheduler:
         done = len(r.block_keys)
         if upto // P > done:
             keyer = self.ranks[0].prefix  # every rank keys pages alike
-            r.block_keys += keyer.keys(r.token_range(done * P, upto), r.block_keys[-1] if done else b"")
+            salts = im.page_salts(r.images, done, upto // P, P) if r.images else ()
+            r.block_keys += keyer.keys(r.token_range(done * P, upto), r.block_keys[-1] if done else b"", salts)
         return r.block_keys[: upto // P]
 
     def _release_pages(self, rank: Rank, pages: list[int]) -> None:
@@ -271,9 +277,12 @@ class Scheduler:
                 rlo[i] = self._ring_lo(r)
             except (OverflowError, ValueError, TypeError) as e:
                 self._fail(r, f"request {r.id}: its tokens or positions do not fit the step's arrays ({e})")
-        erows = self._rows(rows, [toks[r.id] if r is not None else [] for r in rows], B, T)
+        chunks = [None if r is None or not r.images else (int(p0[i]), int(n_valid[i]), r.images)
+                  for i, r in enumerate(rows)]
+        embeds, mask = (None, None) if not any(chunks) else self._image_rows(chunks, B, T)
+        erows = self._rows(rows, [toks[r.id] if r is not None else [] for r in rows], B, T, mask)
         # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too)
-        return programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rlo, erows)
+        return programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rlo, erows, embeds, mask)
 
     def program_shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape

@@ -14,6 +14,7 @@ torch. See the runner's docstring for the output names and docs/REFERENCE_NOTES.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -100,7 +101,7 @@ def reference_available() -> bool:
 
 def run_reference(
     checkpoint_dir: str | os.PathLike,
-    tokens: np.ndarray,
+    tokens: np.ndarray | None,
     dtype: str = "float32",
     dump: bool = False,
     *,
@@ -109,6 +110,7 @@ def run_reference(
     attn: str = "eager",
     threads: int | None = None,
     timeout: float | None = 900,
+    chat: list | None = None,
 ) -> dict[str, np.ndarray]:
     """Run nemo's DeepSeek-V4.1 forward on ``tokens`` and return its outputs.
 
@@ -124,6 +126,8 @@ def run_reference(
       attn: nemo attention backend, "eager" (fp32 softmax) or "sdpa".
       threads: torch threads in the child (default $DSV41_REF_THREADS or 1).
       timeout: seconds before the child is killed.
+      chat: instead of tokens (pass None): a message list, content blocks may be {"type": "image", "path": FILE};
+        nemo's processor renders and tokenizes it and preprocesses the images (outputs: the runner's --chat).
 
     Returns:
       dict name -> array; always "logits" float32 [batch, seq, vocab].
@@ -136,22 +140,30 @@ def run_reference(
         raise ReferenceUnavailable(REFERENCE_MISSING)
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    tokens = np.asarray(tokens)
-    if tokens.ndim == 1:
-        tokens = tokens[None]
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"tokens must be integer [batch, seq], got {tokens.dtype} {tokens.shape}")
+    if (tokens is None) == (chat is None):
+        raise ValueError("pass exactly one of tokens and chat")
+    if tokens is not None:
+        tokens = np.asarray(tokens)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be integer [batch, seq], got {tokens.dtype} {tokens.shape}")
     checkpoint_dir = Path(checkpoint_dir).resolve()
     with tempfile.TemporaryDirectory(prefix="dsv41-ref-") as tmp:
         tmp_path = Path(tmp)
         tokens_path = tmp_path / "tokens.npy"
         out_path = tmp_path / "out.npz"
-        np.save(tokens_path, tokens.astype(np.int32))
+        if chat is None:
+            np.save(tokens_path, tokens.astype(np.int32))
+            source = ["--tokens", str(tokens_path)]
+        else:
+            source = ["--chat", str(tmp_path / "chat.json")]
+            (tmp_path / "chat.json").write_text(json.dumps(chat))
         cmd = [
             str(REF_PYTHON),
             str(RUNNER),
             "--checkpoint", str(checkpoint_dir),
-            "--tokens", str(tokens_path),
+            *source,
             "--out", str(out_path),
             "--dtype", dtype,
             "--attn", attn,

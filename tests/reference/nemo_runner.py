@@ -3,8 +3,8 @@
 Runs under ``<repo>/.venv-ref/bin/python`` (Python 3.11, built by ``scripts/setup_reference_env.sh``),
 never in the project's 3.12 venv. Our tests drive it through ``tests/reference/driver.py``.
 
-    .venv-ref/bin/python tests/reference/nemo_runner.py --checkpoint DIR --tokens TOKENS.npy --out OUT.npz \
-        [--dtype float32|bfloat16] [--dump] [--layer-inputs FORCED.npz] [--attn eager|sdpa] [--threads N]
+    .venv-ref/bin/python tests/reference/nemo_runner.py --checkpoint DIR (--tokens TOKENS.npy | --chat MSGS.json) \
+        --out OUT.npz [--dtype float32|bfloat16] [--dump] [--layer-inputs FORCED.npz] [--attn eager|sdpa] [--threads N]
 
 Input
   --checkpoint DIR  ``config.json`` (the released nested layout: top-level ``text_config`` / ``vision_config``;
@@ -12,14 +12,22 @@ Input
                     layer is active), ``*.safetensors`` (+ optional ``model.safetensors.index.json``) with the released
                     key names (``embed.weight``, ``layers.{l}.attn.wq_a.weight``, ``layers.{l}.ffn.experts.{e}.w1.weight``,
                     ...). F32/BF16 weights; FP8/FP4 weights with ``.scale`` tensors are dequantized by nemo's adapter to
-                    the run dtype (untested here). ``mtp.*``, ``vision.*`` and layers >= num_hidden_layers are ignored.
+                    the run dtype (untested here). ``mtp.*`` and layers >= num_hidden_layers are ignored; the vision
+                    tower (``vision.*``, ``aligner.*``, ``image_*``) is built and loaded only with ``--chat``.
   --tokens FILE     int32/int64 ``[batch, seq]`` token ids (a 1-D array is taken as batch 1). Full sequences from
                     position 0, no padding.
   --dtype           float32: every module stored/computed in fp32 (BF16 checkpoint weights are upcast exactly; F32
                     weights are used as-is). bfloat16: the release layout (bf16 weights and activations, fp32 mHC,
                     sinks, router, compressor projections and head).
 
+  --chat FILE       instead of --tokens: a JSON message list (one conversation) whose content blocks may be
+                    ``{"type": "image", "path": FILE}``; nemo's DeepseekV41Processor renders, tokenizes and
+                    preprocesses it (chat mode), and the forward takes the images.
+
 Output npz (always): ``logits`` float32 [batch, seq, vocab].
+With ``--chat`` also: ``tokens`` int32 [1, s] (image spans expanded), ``vision_token_types`` int32 [1, s] (-1 text,
+0 start, 1 image, 2 newline, 3 end), ``pixel_values`` [patches, 3, p, p], ``image_grid_hws`` int64 [images, 2],
+``image_embeds`` [span tokens, D] (the embeddings of every span position, in sequence order).
 With ``--dump`` also (bf16 tensors are widened to float32; b=batch, s=seq, D=hidden, hd=head_dim, r=ratio):
   tokens                     int32 [b,s]       the input ids
   embed                      [b,s,D]           token embedding (before stream expansion)
@@ -136,7 +144,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build_config(checkpoint: Path, dtype: str):
+def build_config(checkpoint: Path, dtype: str, vision: bool = False):
     path = checkpoint / "config.json"
     if not path.is_file():
         raise InputError(f"{path} not found")
@@ -153,7 +161,8 @@ def build_config(checkpoint: Path, dtype: str):
     text["dtype"] = dtype  # nemo builds every module with this storage/compute dtype
     vision = dict(raw.get("vision_config") or {})
     vision.pop("model_type", None)
-    vision["num_hidden_layers"] = 0  # text-only reference: do not build the ViT
+    if not vision:
+        vision["num_hidden_layers"] = 0  # text-only run: do not build the ViT
     raw["text_config"] = text
     raw["vision_config"] = vision
     raw["dtype"] = dtype
@@ -187,10 +196,11 @@ def checkpoint_files(checkpoint: Path) -> list[Path]:
 
 def load_weights(model, checkpoint: Path) -> None:
     hf_state = {}
+    text_only = model.model.vision is None
     for file in checkpoint_files(checkpoint):
         for key, value in load_file(str(file)).items():
-            if key.startswith(("mtp.", "vision.", "aligner.")) or key in ("image_start", "image_end", "image_newline"):
-                continue  # DSpark draft and vision tower are not part of this text-only reference
+            if key.startswith("mtp.") or (text_only and (key.startswith(("vision.", "aligner.", "image_")))):
+                continue  # the DSpark draft is not part of this reference; the tower only when built
             if key in hf_state:
                 raise InputError(f"tensor {key} appears in more than one shard")
             hf_state[key] = value
@@ -225,8 +235,8 @@ def disable_cache_qdq() -> None:
     attention.quantize_cache = lambda values, *, format, block_size: values
 
 
-def build_model(checkpoint: Path, dtype: str, attn: str):
-    config = build_config(checkpoint, dtype)
+def build_model(checkpoint: Path, dtype: str, attn: str, vision: bool = False):
+    config = build_config(checkpoint, dtype, vision)
     text = config.text_config
     needs_tokenizer = any(i < text.num_hidden_layers for i in text.engram_layer_ids)
     tokenizer = load_tokenizer(checkpoint) if needs_tokenizer else None
@@ -456,7 +466,9 @@ def load_tokens(path: Path, vocab_size: int):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path, help="release-format checkpoint directory")
-    parser.add_argument("--tokens", required=True, type=Path, help="int32 .npy [batch, seq]")
+    inputs = parser.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--tokens", type=Path, help="int32 .npy [batch, seq]")
+    inputs.add_argument("--chat", type=Path, help="JSON message list with image content blocks")
     parser.add_argument("--out", required=True, type=Path, help="output .npz")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--dump", action="store_true", help="also save per-layer intermediates")
@@ -474,6 +486,34 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def process_chat(model, checkpoint: Path, chat: Path):
+    """nemo's processor on a message list -> (the forward's keyword arguments, the arrays to save)."""
+    from nemo_automodel.components.models.deepseek_v41.processing import DeepseekV41Processor
+
+    if not chat.is_file():
+        raise InputError(f"{chat} not found")
+    processor = DeepseekV41Processor(tokenizer=load_tokenizer(checkpoint), config=model.config)
+    try:
+        batch = processor.apply_chat_template(json.loads(chat.read_text()), tokenize=True, return_dict=True,
+                                              return_tensors="pt")
+    except (ValueError, TypeError, OSError) as exc:
+        raise InputError(f"nemo's processor rejected {chat}: {exc}") from exc
+    dtype = model.model.embed_tokens.weight.dtype
+    kwargs = {"input_ids": batch["input_ids"], "vision_token_types": batch["vision_token_types"]}
+    extra = {"tokens": batch["input_ids"].numpy().astype(np.int32),
+             "vision_token_types": batch["vision_token_types"].numpy().astype(np.int32)}
+    if "pixel_values" in batch:
+        kwargs["pixel_values"] = batch["pixel_values"].to(dtype)
+        kwargs["image_grid_hws"] = batch["image_grid_hws"]
+        with torch.no_grad():
+            embedded = model.model._image_embeddings(kwargs["input_ids"], kwargs["pixel_values"],
+                                                     kwargs["image_grid_hws"], kwargs["vision_token_types"])
+        extra["pixel_values"] = batch["pixel_values"].float().numpy()
+        extra["image_grid_hws"] = batch["image_grid_hws"].numpy()
+        extra["image_embeds"] = embedded[kwargs["vision_token_types"] >= 0].float().numpy()
+    return kwargs, extra
+
+
 def run(args) -> None:
     start = time.perf_counter()
     torch.set_num_threads(max(1, args.threads))
@@ -481,9 +521,14 @@ def run(args) -> None:
         disable_cache_qdq()
     if torch.distributed.is_available() and torch.distributed.is_initialized():  # pragma: no cover
         raise InputError("torch.distributed must not be initialized (nemo's Engram would shard its tables)")
-    model = build_model(args.checkpoint, args.dtype, args.attn)
+    model = build_model(args.checkpoint, args.dtype, args.attn, vision=args.chat is not None)
     built = time.perf_counter()
-    tokens = load_tokens(args.tokens, model.config.text_config.vocab_size)
+    images, extra = {}, {}
+    if args.chat is not None:
+        images, extra = process_chat(model, args.checkpoint, args.chat)
+        tokens = images["input_ids"].numpy()
+    else:
+        tokens = load_tokens(args.tokens, model.config.text_config.vocab_size)
     forced = {}
     if args.layer_inputs is not None:
         if not args.layer_inputs.is_file():
@@ -492,11 +537,11 @@ def run(args) -> None:
             forced = {key: data[key] for key in data.files}
     recorder = Recorder(model, tokens.shape[0], tokens.shape[1], args.dump, forced)
     with torch.no_grad():
-        output = model(input_ids=torch.from_numpy(tokens))
+        output = model(**images) if images else model(input_ids=torch.from_numpy(tokens))
     recorder.check_forced_used()
     recorder.remove()
-    results = {"logits": output.logits.float().numpy()}
-    if args.dump:
+    results = {"logits": output.logits.float().numpy(), **extra}
+    if args.dump and "tokens" not in results:
         results["tokens"] = tokens.astype(np.int32)
         results.update(recorder.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
