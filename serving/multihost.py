@@ -1,0 +1,479 @@
+"""One engine over several processes (hosts) with `jax.distributed`: a replicated scheduler, driven by process 0.
+
+Every process builds the same `Engine` over the global mesh (`jax.devices()`: every process's devices, the
+layouts of `dsv41.sharding` unchanged) and makes the same sequence of engine calls, so that every jitted program
+and every eager op on a global array runs on every process with the same shapes, in the same order. The host
+scheduler is deterministic given its inputs, so what crosses hosts is those inputs, not its decisions: process 0
+(the leader) runs the HTTP server and the engine; before each step it sends the other processes (followers) the
+requests added and aborted since the last step, in one small JSON frame over a TCP side channel (`Links`), and
+they apply them and run the same step (`follow`). Pages, slots, ranks, batch arrays and Engram row gathers are
+then computed on every host from the same state; each host reads only its devices' shards of the batch.
+
+Each frame also carries a digest of the leader's scheduler state after the previous step; a follower whose own
+digest differs stops with an error (it has diverged) rather than run programs that no longer match.
+
+Liveness: both sides send a heartbeat every `HEARTBEAT_S`; a closed connection or `timeout_s` of silence is a
+lost process. The leader then fails every request in flight and every new one with 503 naming the process, logs
+it and exits non-zero after `grace_s` (its engine thread may be blocked in a collective that will never return,
+so it is not waited for). A follower that loses the leader exits non-zero at once.
+
+Shutdown: `Leader.stop()` (after the server drained its requests) sends a stop frame; followers leave their loop
+and every process leaves `jax.distributed` together.
+
+Why not `multihost_utils.broadcast_one_to_all`: it is a device collective with fixed shapes (a variable-length
+plan needs two), it has no timeout (a dead peer blocks it), and it runs a jitted program per step. The side
+channel costs one `sendall` of a few hundred bytes per step (scripts/bench_multihost.py measures it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # both sides send one this often while idle
+_LEN = struct.Struct("!I")
+_MAX_FRAME = 1 << 30
+
+
+class LostProcess(RuntimeError):
+    """A process of the multi-host engine stopped answering; the engine cannot go on without it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """This process's place among the engine's processes (`jax.distributed`'s terms).
+
+    coordinator_address: host:port of jax's coordinator on process 0; the side channel listens on the next port.
+    timeout_s: silence after which a process counts as lost. grace_s: how long the leader answers 503 after a
+    loss before it exits."""
+
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator_address: str | None = None
+    timeout_s: float = 30.0
+    grace_s: float = 2.0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+    def channel_address(self) -> tuple[str, int]:
+        if not self.coordinator_address or ":" not in self.coordinator_address:
+            raise ValueError(f"coordinator address {self.coordinator_address!r}: give host:port")
+        host, port = self.coordinator_address.rsplit(":", 1)
+        return host.strip("[]"), int(port) + 1
+
+
+def cluster_env_present() -> bool:
+    """Whether the environment describes a multi-process job that `jax.distributed.initialize()` can read with no
+    arguments (JAX_COORDINATOR_ADDRESS, or a cluster JAX detects: Slurm, Open MPI, Kubernetes, ... with more than
+    one process)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    try:  # JAX's own detectors (no public API lists them)
+        from jax._src.clusters import ClusterEnv
+
+        for env in ClusterEnv._cluster_types:
+            if not env.opt_in_only_method and env.is_env_present() and env.get_process_count() > 1:
+                return True
+    except Exception:  # a detector that needs what is not here: no such cluster
+        log.debug("cluster detection failed", exc_info=True)
+    return False
+
+
+def initialize(cluster: Cluster | None) -> Cluster | None:
+    """`jax.distributed.initialize` for `cluster` (None: from the environment where it describes a multi-process
+    job, see `cluster_env_present`). Call before anything touches a device. CPU devices exchange data through
+    gloo. -> the cluster as JAX resolved it, or None for one process (nothing initialized)."""
+    import jax
+
+    if cluster is None and not cluster_env_present() or cluster is not None and cluster.num_processes <= 1:
+        return None
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    c = cluster or Cluster()
+    kw = {} if cluster is None else {"coordinator_address": c.coordinator_address,
+                                     "num_processes": c.num_processes, "process_id": c.process_id}
+    jax.distributed.initialize(**kw)
+    from jax._src import distributed  # the address JAX resolved (from the environment when not given)
+
+    addr = distributed.global_state.coordinator_address
+    out = dataclasses.replace(c, num_processes=jax.process_count(), process_id=jax.process_index(),
+                              coordinator_address=addr)
+    log.info("process %d of %d (coordinator %s): %d local devices, %d in all", out.process_id, out.num_processes,
+             addr, jax.local_device_count(), jax.device_count())
+    return out
+
+
+# ---- the side channel ------------------------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, msg: dict, lock: threading.Lock) -> int:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    with lock:
+        sock.sendall(_LEN.pack(len(data)) + data)
+    return len(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > _MAX_FRAME:
+        raise ConnectionError(f"frame of {n} bytes: not a dsv41 peer")
+    return json.loads(_recv_exact(sock, n))
+
+
+class _Peer:
+    """One connection with a heartbeat sender and a reader that records when the peer was last heard."""
+
+    def __init__(self, sock: socket.socket, name: str, on_frame: Callable[[dict], None],
+                 on_lost: Callable[[str], None], timeout_s: float):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.name, self.timeout_s = sock, name, timeout_s
+        self.lock = threading.Lock()
+        self.last_seen = time.monotonic()
+        self.lost: str | None = None
+        self.closing = False
+        self._on_frame, self._on_lost = on_frame, on_lost
+        for fn, what in ((self._read, "reader"), (self._beat, "heartbeat")):
+            threading.Thread(target=fn, name=f"dsv41-{name}-{what}", daemon=True).start()
+
+    def send(self, msg: dict) -> int:
+        if self.lost:
+            raise LostProcess(self.lost)
+        try:
+            return _send(self.sock, msg, self.lock)
+        except OSError as e:
+            self._lose(f"{self.name}: sending failed ({e})")
+            raise LostProcess(self.lost) from None
+
+    def _lose(self, why: str) -> None:
+        if self.lost is None and not self.closing:
+            self.lost = why
+            self._on_lost(why)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = _recv(self.sock)
+            except (OSError, ValueError) as e:
+                self._lose(f"{self.name}: connection closed ({e})")
+                return
+            self.last_seen = time.monotonic()
+            if msg.get("op") != "heartbeat":
+                self._on_frame(msg)
+
+    def _beat(self) -> None:
+        while self.lost is None and not self.closing:
+            try:
+                _send(self.sock, {"op": "heartbeat"}, self.lock)
+            except OSError as e:
+                self._lose(f"{self.name}: sending failed ({e})")
+                return
+            time.sleep(HEARTBEAT_S)
+            silent = time.monotonic() - self.last_seen
+            if silent > self.timeout_s:
+                self._lose(f"{self.name}: no heartbeat for {silent:.0f} s")
+                return
+
+    def close(self) -> None:
+        self.closing = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _process_name(cluster: Cluster, i: int) -> str:
+    return f"process {i} of {cluster.num_processes}"
+
+
+class Links:
+    """The leader's connections to every follower (process id -> `_Peer`). on_lost(process id, why)."""
+
+    def __init__(self, cluster: Cluster, on_lost: Callable[[int, str], None], connect_timeout_s: float = 300.0):
+        self.cluster = cluster
+        host, port = cluster.channel_address()
+        srv = socket.create_server(("", port), reuse_port=False)
+        srv.settimeout(connect_timeout_s)
+        self.peers: dict[int, _Peer] = {}
+        want = cluster.num_processes - 1
+        try:
+            while len(self.peers) < want:
+                try:
+                    sock, addr = srv.accept()
+                except socket.timeout:
+                    missing = sorted(set(range(1, cluster.num_processes)) - set(self.peers))
+                    raise LostProcess(f"processes {missing} did not connect to the leader's side channel on port "
+                                      f"{port} within {connect_timeout_s:.0f} s; start them, or check that the "
+                                      f"port is reachable from their hosts") from None
+                sock.settimeout(None)
+                hello = _recv(sock)
+                i = int(hello["process_id"])
+                self.peers[i] = _Peer(sock, _process_name(cluster, i), self._frame(i),
+                                      lambda why, i=i: on_lost(i, why), cluster.timeout_s)
+                log.info("side channel: %s connected from %s", _process_name(cluster, i), addr[0])
+        finally:
+            srv.close()
+
+    def _frame(self, i: int) -> Callable[[dict], None]:
+        def on_frame(msg: dict) -> None:
+            if msg.get("op") == "error":
+                self.peers[i]._lose(f"{_process_name(self.cluster, i)} failed: {msg.get('message')}")
+        return on_frame
+
+    def send_all(self, msg: dict) -> int:
+        return sum(p.send(msg) for p in self.peers.values())
+
+    def status(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"process": i, "alive": p.lost is None, "last_seen_s": round(now - p.last_seen, 3),
+                 **({"error": p.lost} if p.lost else {})} for i, p in sorted(self.peers.items())]
+
+    def close(self) -> None:
+        for p in self.peers.values():
+            p.close()
+
+
+# ---- leader and follower -----------------------------------------------------------------------------------------
+
+
+def digest(engine) -> int:
+    """A checksum of the scheduler state every process must agree on after each step."""
+    state = [(r.id, r.rank, r.slot, r.computed, r.num_tokens, len(r.pages), r.pages[-1] if r.pages else -1)
+             for r in engine.running.values()]
+    return zlib.crc32(repr((state, [r.id for r in engine.waiting])).encode())
+
+
+class Leader:
+    """Process 0's engine: every call that changes the engine's state is recorded and sent to the followers
+    before the next step, so they make the same calls; reads (stats, has_work, ...) pass through."""
+
+    def __init__(self, engine, cluster: Cluster, links: Links):
+        from serving.engine.errors import EngineError
+
+        if engine.keep_logits:
+            raise EngineError("keep_logits reads every rank's logits on the host; it needs one process")
+        self.engine, self.cluster, self.links = engine, cluster, links
+        self._events: list[list] = []
+        self._seq = 0
+        self._digest = digest(engine)
+        self.frame_bytes = 0  # the last step frame's size, summed over followers
+        self.send_s = 0.0  # the last step frame's send time
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def add_request(self, request_id: str, prompt_ids, sampling=None, session: str | None = None,
+                    replay_at: int = 0) -> None:
+        from serving.engine.sampling import SamplingParams
+
+        s = sampling or SamplingParams()
+        if s.seed is None:  # the engine's default seed hashes the id, and str hashes differ between processes
+            s = dataclasses.replace(s, seed=hash(request_id) & 0xFFFFFFFF)
+        ids = [int(t) for t in prompt_ids]
+        self.engine.add_request(request_id, ids, s, session=session, replay_at=replay_at)
+        self._events.append(["add", request_id, ids, dataclasses.asdict(s), session, replay_at])
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._events.append(["abort", request_id])
+
+    def step(self):
+        self._seq += 1
+        t = time.perf_counter()
+        self.frame_bytes = self.links.send_all({"op": "step", "seq": self._seq, "events": self._events,
+                                                "digest": self._digest})
+        self.send_s = time.perf_counter() - t
+        self._events = []
+        try:
+            return self.engine.step()
+        finally:
+            self._digest = digest(self.engine)
+
+    def warmup(self, workers: int = 8, should_stop=None):
+        """Every process compiles every program; not stopped early (a follower cannot see should_stop, and
+        the programs it would run past the leader's stop would wait for the leader forever)."""
+        self.links.send_all({"op": "warmup", "workers": workers})
+        return self.engine.warmup(workers)
+
+    def generate(self, prompt_ids, sampling=None, **kw) -> list[int]:
+        """`Engine.generate` through this leader."""
+        rid = f"gen-{time.monotonic_ns()}"
+        self.add_request(rid, prompt_ids, sampling, **kw)
+        out: list[int] = []
+        while True:
+            for o in self.step():
+                if o.request_id == rid:
+                    out += o.new_token_ids
+                    if o.finished:
+                        return out
+
+    def processes(self) -> list[dict[str, Any]]:
+        """Every process's state for /health: process 0 (this one) and each follower's link."""
+        return [{"process": 0, "alive": True, "last_seen_s": 0.0}] + self.links.status()
+
+    def stop(self) -> None:
+        """Tells the followers to leave their loop (after the server drained its requests)."""
+        try:
+            self.links.send_all({"op": "stop"})
+        except LostProcess as e:
+            log.warning("stopping: %s", e)
+        for p in self.links.peers.values():
+            p.closing = True
+
+
+def _apply(engine, events: list[list]) -> None:
+    from serving.engine.sampling import SamplingParams
+
+    for ev in events:
+        if ev[0] == "add":
+            _, rid, ids, s, session, replay_at = ev
+            s["stop_token_ids"] = tuple(s["stop_token_ids"])
+            engine.add_request(rid, ids, SamplingParams(**s), session=session, replay_at=replay_at)
+        elif ev[0] == "abort":
+            engine.abort(ev[1])
+        else:
+            raise ValueError(f"unknown event {ev[0]!r}")
+
+
+def connect(cluster: Cluster, on_lost: Callable[[str], None], connect_timeout_s: float = 300.0) -> tuple[_Peer, Any]:
+    """A follower's link to the leader's side channel -> (peer, queue of the leader's frames)."""
+    import queue
+
+    host, port = cluster.channel_address()
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=5.0)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise LostProcess(f"cannot reach the leader's side channel at {host}:{port} ({e}); start process 0 "
+                                  "first, or check that the port is reachable") from None
+            time.sleep(0.2)
+    sock.settimeout(None)
+    _send(sock, {"process_id": cluster.process_id}, threading.Lock())
+    frames: queue.SimpleQueue = queue.SimpleQueue()
+    return _Peer(sock, "process 0 (the leader)", frames.put, on_lost, cluster.timeout_s), frames
+
+
+def follow(engine, peer: _Peer, frames) -> int:
+    """A follower's loop: the leader's frames, applied in order, until it says stop. -> exit status (0)."""
+    from serving.engine.errors import EngineError
+
+    mine = digest(engine)
+    steps = 0
+    while True:
+        msg = frames.get()
+        op = msg["op"]
+        if op == "stop":
+            log.info("the leader stopped the engine after %d steps", steps)
+            peer.closing = True
+            return 0
+        if op == "warmup":
+            engine.warmup(msg.get("workers", 8))
+            continue
+        if op != "step":
+            raise ValueError(f"unknown frame {op!r} from the leader")
+        if msg["digest"] != mine:
+            why = (f"scheduler state differs from the leader's before step {msg['seq']} (digest {mine} vs "
+                   f"{msg['digest']}): the processes run different code or options; start every process from the "
+                   "same build with the same flags")
+            peer.send({"op": "error", "message": why})
+            raise LostProcess(why)
+        _apply(engine, msg["events"])
+        try:
+            engine.step()
+        except EngineError as e:  # the leader's step raised the same; its aborts arrive with the next frame
+            log.debug("step %d: %s", msg["seq"], e)
+        mine = digest(engine)
+        steps += 1
+
+
+# ---- running it ----------------------------------------------------------------------------------------------------
+
+EXIT_LOST = 3  # exit status of a process that lost another
+
+
+class OnLost:
+    """What the leader does when a follower is lost: logs it naming the process, runs `callbacks(why)` (the
+    server fails its requests with 503), and exits with EXIT_LOST after `grace_s` (its engine thread may be
+    blocked in a collective with the lost process: it is not waited for)."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.callbacks: list[Callable[[str], None]] = []
+        self.why: str | None = None
+
+    def __call__(self, process: int, why: str) -> None:
+        if self.why is not None:
+            return
+        self.why = f"lost {why}; the engine cannot go on without it: restart every process"
+        log.error("%s (exiting in %.0f s)", self.why, self.grace_s)
+        for cb in self.callbacks:
+            try:
+                cb(self.why)
+            except Exception:
+                log.exception("a lost-process callback raised")
+        threading.Timer(self.grace_s, _exit_now, (EXIT_LOST,)).start()
+
+
+def _exit_now(status: int) -> None:
+    logging.shutdown()
+    os._exit(status)
+
+
+def _leader_lost(why: str) -> None:
+    log.error("lost %s; this process cannot go on alone: exiting", why)
+    _exit_now(EXIT_LOST)
+
+
+def run(cluster: Cluster | None, build: Callable[[], Any], lead: Callable[[Any], int]) -> int:
+    """`build()` the engine on every process; process 0 runs `lead(engine)` (a `Leader` when there are several
+    processes), the others follow it until it stops. -> this process's exit status."""
+    if cluster is None:
+        return lead(build())
+    import jax
+
+    if cluster.is_leader:
+        on_lost = OnLost(cluster.grace_s)
+        links = Links(cluster, on_lost)
+        leader = Leader(build(), cluster, links)
+        leader.on_lost = on_lost
+        try:
+            status = lead(leader)
+        finally:
+            if on_lost.why is None:
+                leader.stop()
+        if on_lost.why is not None:  # the timer exits; nothing below would return
+            _exit_now(EXIT_LOST)
+        jax.distributed.shutdown()
+        return status
+    peer, frames = connect(cluster, _leader_lost)
+    engine = build()
+    try:
+        status = follow(engine, peer, frames)
+    except LostProcess as e:
+        log.error("%s", e)
+        _exit_now(EXIT_LOST)
+    jax.distributed.shutdown()
+    return status
