@@ -129,7 +129,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("connection closed")
+            raise EOFError
         buf += chunk
     return bytes(buf)
 
@@ -174,8 +174,11 @@ class _Peer:
         while True:
             try:
                 msg = _recv(self.sock)
+            except EOFError:
+                self._lose(f"{self.name}: its connection closed (the process ended)")
+                return
             except (OSError, ValueError) as e:
-                self._lose(f"{self.name}: connection closed ({e})")
+                self._lose(f"{self.name}: its connection failed ({e})")
                 return
             self.last_seen = time.monotonic()
             if msg.get("op") != "heartbeat":
@@ -215,6 +218,8 @@ class Links:
         srv = socket.create_server(("", port), reuse_port=False)
         srv.settimeout(connect_timeout_s)
         self.peers: dict[int, _Peer] = {}
+        self._ready: dict[int, dict[str, str]] = {}
+        self._ready_cv = threading.Condition()
         want = cluster.num_processes - 1
         try:
             while len(self.peers) < want:
@@ -238,7 +243,29 @@ class Links:
         def on_frame(msg: dict) -> None:
             if msg.get("op") == "error":
                 self.peers[i]._lose(f"{_process_name(self.cluster, i)} failed: {msg.get('message')}")
+            elif msg.get("op") == "ready":
+                with self._ready_cv:
+                    self._ready[i] = msg["fingerprint"]
+                    self._ready_cv.notify_all()
         return on_frame
+
+    def check_same_engine(self, mine: dict[str, str], timeout_s: float) -> None:
+        """Waits for every follower's engine fingerprint and raises LostProcess naming the first process and the
+        options that differ from the leader's: programs that differ would block each other in their collectives."""
+        with self._ready_cv:
+            if not self._ready_cv.wait_for(lambda: len(self._ready) == len(self.peers) or
+                                           any(p.lost for p in self.peers.values()), timeout_s):
+                missing = sorted(set(self.peers) - set(self._ready))
+                raise LostProcess(f"processes {missing} did not build their engine within {timeout_s:.0f} s")
+        for i, p in sorted(self.peers.items()):
+            if p.lost:
+                raise LostProcess(p.lost)
+            diff = sorted(k for k in set(mine) | set(self._ready[i]) if mine.get(k) != self._ready[i].get(k))
+            if diff:
+                raise LostProcess(f"{_process_name(self.cluster, i)} built a different engine: "
+                                  + "; ".join(f"{k}: process 0 {mine.get(k)}, process {i} {self._ready[i].get(k)}"
+                                              for k in diff[:6])
+                                  + ". Start every process with the same flags")
 
     def send_all(self, msg: dict) -> int:
         return sum(p.send(msg) for p in self.peers.values())
@@ -254,6 +281,15 @@ class Links:
 
 
 # ---- leader and follower -----------------------------------------------------------------------------------------
+
+
+def fingerprint(engine) -> dict[str, str]:
+    """What must be the same on every process for their programs to match: the model, every engine option and
+    the mesh."""
+    out = {f.name: repr(getattr(engine.config, f.name)) for f in dataclasses.fields(engine.config)}
+    out["model config"] = f"{zlib.crc32(repr(engine.cfg).encode()):08x}"
+    out["devices"] = repr(None if engine.mesh is None else engine.mesh.devices.shape)
+    return out
 
 
 def digest(engine) -> int:
@@ -276,6 +312,7 @@ class Leader:
         self._events: list[list] = []
         self._seq = 0
         self._digest = digest(engine)
+        self._stopped = False
         self.frame_bytes = 0  # the last step frame's size, summed over followers
         self.send_s = 0.0  # the last step frame's send time
 
@@ -331,14 +368,23 @@ class Leader:
         """Every process's state for /health: process 0 (this one) and each follower's link."""
         return [{"process": 0, "alive": True, "last_seen_s": 0.0}] + self.links.status()
 
-    def stop(self) -> None:
-        """Tells the followers to leave their loop (after the server drained its requests)."""
+    def stop_followers(self) -> None:
+        """Tells the followers to leave their loop (after the server drained its requests) and leaves
+        `jax.distributed` with them; once."""
+        if self._stopped:
+            return
+        self._stopped = True
         try:
             self.links.send_all({"op": "stop"})
         except LostProcess as e:
             log.warning("stopping: %s", e)
+            return
         for p in self.links.peers.values():
             p.closing = True
+        import jax
+
+        jax.distributed.shutdown()
+        log.info("every process stopped")
 
 
 def _apply(engine, events: list[list]) -> None:
@@ -460,16 +506,21 @@ def run(cluster: Cluster | None, build: Callable[[], Any], lead: Callable[[Any],
         leader = Leader(build(), cluster, links)
         leader.on_lost = on_lost
         try:
+            links.check_same_engine(fingerprint(leader.engine), cluster.timeout_s * 10)
+        except LostProcess as e:
+            log.error("%s", e)
+            _exit_now(EXIT_LOST)
+        try:
             status = lead(leader)
         finally:
             if on_lost.why is None:
-                leader.stop()
-        if on_lost.why is not None:  # the timer exits; nothing below would return
+                leader.stop_followers()
+        if on_lost.why is not None:  # its timer exits; the collectives of a shutdown would wait for the lost one
             _exit_now(EXIT_LOST)
-        jax.distributed.shutdown()
         return status
     peer, frames = connect(cluster, _leader_lost)
     engine = build()
+    peer.send({"op": "ready", "fingerprint": fingerprint(engine)})
     try:
         status = follow(engine, peer, frames)
     except LostProcess as e:
