@@ -292,6 +292,24 @@ def fingerprint(engine) -> dict[str, str]:
     return out
 
 
+def open_collectives(mesh) -> None:
+    """Runs one all-reduce over each mesh axis and over the whole mesh, on every process at once. CPU collectives
+    (gloo) set up the connections of a device group at its first collective and give up after 30 s: were that
+    first collective in a serving program, a process that compiled it slower (a compilation cache hit on one,
+    a miss on another) would fail the other. Once set up, a collective waits for a late process."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    names = tuple(mesh.axis_names)
+    every = PartitionSpec(names)
+    x = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, every),
+                                     lambda index: np.ones(len(range(mesh.size)[index[0]]), np.float32))
+    for group in [(n,) for n in names if mesh.shape[n] > 1] + [names]:
+        f = jax.shard_map(lambda a, g=group: jax.lax.psum(a, g), mesh=mesh, in_specs=every, out_specs=every)
+        jax.block_until_ready(jax.jit(f)(x))
+
+
 def digest(engine) -> int:
     """A checksum of the scheduler state every process must agree on after each step."""
     state = [(r.id, r.rank, r.slot, r.computed, r.num_tokens, len(r.pages), r.pages[-1] if r.pages else -1)
@@ -500,16 +518,27 @@ def run(cluster: Cluster | None, build: Callable[[], Any], lead: Callable[[Any],
         return lead(build())
     import jax
 
+    def build_spanning():
+        engine = build()
+        n = 1 if engine.mesh is None else engine.mesh.size
+        if n != jax.device_count():
+            raise SystemExit(f"the engine's layout uses {n} of the {jax.device_count()} devices of the "
+                             f"{cluster.num_processes} processes; set --tensor-parallel-size x --data-parallel-size "
+                             f"to {jax.device_count()} so that every process holds a part of it")
+        return engine
+
     if cluster.is_leader:
         on_lost = OnLost(cluster.grace_s)
         links = Links(cluster, on_lost)
-        leader = Leader(build(), cluster, links)
+        leader = Leader(build_spanning(), cluster, links)
         leader.on_lost = on_lost
         try:
             links.check_same_engine(fingerprint(leader.engine), cluster.timeout_s * 10)
+            links.send_all({"op": "start"})
         except LostProcess as e:
             log.error("%s", e)
             _exit_now(EXIT_LOST)
+        open_collectives(leader.engine.mesh)
         try:
             status = lead(leader)
         finally:
@@ -519,8 +548,11 @@ def run(cluster: Cluster | None, build: Callable[[], Any], lead: Callable[[Any],
             _exit_now(EXIT_LOST)
         return status
     peer, frames = connect(cluster, _leader_lost)
-    engine = build()
+    engine = build_spanning()
     peer.send({"op": "ready", "fingerprint": fingerprint(engine)})
+    if frames.get()["op"] != "start":
+        raise LostProcess("the leader's first frame was not 'start': it runs a different dsv41")
+    open_collectives(engine.mesh)
     try:
         status = follow(engine, peer, frames)
     except LostProcess as e:
