@@ -9,20 +9,27 @@ requests added and aborted since the last step, in one small JSON frame over a T
 they apply them and run the same step (`follow`). Pages, slots, ranks, batch arrays and Engram row gathers are
 then computed on every host from the same state; each host reads only its devices' shards of the batch.
 
-Each frame also carries a digest of the leader's scheduler state after the previous step; a follower whose own
-digest differs stops with an error (it has diverged) rather than run programs that no longer match.
+Start: each follower connects to the leader's side channel (the coordinator's port + 1), builds its engine and
+sends its fingerprint (options, model config, mesh); the leader refuses to start when one differs, naming the
+option. Then every process opens the mesh's collectives at once (`open_collectives`). Each step frame carries a
+digest of the leader's scheduler state after the previous step; a follower whose own digest differs stops with an
+error (it has diverged) rather than run programs that no longer match.
 
 Liveness: both sides send a heartbeat every `HEARTBEAT_S`; a closed connection or `timeout_s` of silence is a
 lost process. The leader then fails every request in flight and every new one with 503 naming the process, logs
 it and exits non-zero after `grace_s` (its engine thread may be blocked in a collective that will never return,
 so it is not waited for). A follower that loses the leader exits non-zero at once.
 
-Shutdown: `Leader.stop()` (after the server drained its requests) sends a stop frame; followers leave their loop
-and every process leaves `jax.distributed` together.
+Shutdown: `Leader.stop_followers()` (after the server drained its requests) sends a stop frame; followers leave
+their loop and every process leaves `jax.distributed` together.
 
 Why not `multihost_utils.broadcast_one_to_all`: it is a device collective with fixed shapes (a variable-length
-plan needs two), it has no timeout (a dead peer blocks it), and it runs a jitted program per step. The side
-channel costs one `sendall` of a few hundred bytes per step (scripts/bench_multihost.py measures it).
+frame needs two), it has no timeout (a dead peer blocks it) and it runs a jitted program per step: 1-4 ms on
+two local CPU processes, against a 22-90 us round trip of the side channel for frames of 64 B-16 KB
+(scripts/bench_multihost.py). A decode step's frame is ~50 bytes; a new request adds its token ids once.
+
+Not detected: a follower whose process lives (its heartbeats go on) but whose engine thread never reaches a
+step's collective; the leader then waits in that collective.
 """
 
 from __future__ import annotations
@@ -97,7 +104,10 @@ def initialize(cluster: Cluster | None) -> Cluster | None:
     gloo. -> the cluster as JAX resolved it, or None for one process (nothing initialized)."""
     import jax
 
-    if cluster is None and not cluster_env_present() or cluster is not None and cluster.num_processes <= 1:
+    if cluster is None:
+        if not cluster_env_present():
+            return None
+    elif cluster.num_processes <= 1:
         return None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     c = cluster or Cluster()
@@ -197,12 +207,6 @@ class _Peer:
                 self._lose(f"{self.name}: no heartbeat for {silent:.0f} s")
                 return
 
-    def close(self) -> None:
-        self.closing = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
 
 
 def _process_name(cluster: Cluster, i: int) -> str:
@@ -230,9 +234,19 @@ class Links:
                     raise LostProcess(f"processes {missing} did not connect to the leader's side channel on port "
                                       f"{port} within {connect_timeout_s:.0f} s; start them, or check that the "
                                       f"port is reachable from their hosts") from None
+                sock.settimeout(10.0)
+                try:
+                    i = int(_recv(sock)["process_id"])
+                except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+                    log.warning("side channel: ignored a connection from %s that is not a dsv41 process (%r)",
+                                addr[0], e)
+                    sock.close()
+                    continue
+                if not 0 < i < cluster.num_processes or i in self.peers:
+                    raise LostProcess(f"a process connected as process {i} from {addr[0]}, which is "
+                                      f"{'taken' if i in self.peers else 'out of range'}; give each process its own "
+                                      f"--process-id in [1, {cluster.num_processes})")
                 sock.settimeout(None)
-                hello = _recv(sock)
-                i = int(hello["process_id"])
                 self.peers[i] = _Peer(sock, _process_name(cluster, i), self._frame(i),
                                       lambda why, i=i: on_lost(i, why), cluster.timeout_s)
                 log.info("side channel: %s connected from %s", _process_name(cluster, i), addr[0])
@@ -275,9 +289,6 @@ class Links:
         return [{"process": i, "alive": p.lost is None, "last_seen_s": round(now - p.last_seen, 3),
                  **({"error": p.lost} if p.lost else {})} for i, p in sorted(self.peers.items())]
 
-    def close(self) -> None:
-        for p in self.peers.values():
-            p.close()
 
 
 # ---- leader and follower -----------------------------------------------------------------------------------------
@@ -513,7 +524,9 @@ def _leader_lost(why: str) -> None:
 
 def run(cluster: Cluster | None, build: Callable[[], Any], lead: Callable[[Any], int]) -> int:
     """`build()` the engine on every process; process 0 runs `lead(engine)` (a `Leader` when there are several
-    processes), the others follow it until it stops. -> this process's exit status."""
+    processes), the others follow it until it stops. -> this process's exit status. A start that fails exits at
+    once (2: a bad option, EXIT_LOST: a process missing or different): leaving `jax.distributed` normally would
+    wait for the other processes."""
     if cluster is None:
         return lead(build())
     import jax
@@ -527,18 +540,33 @@ def run(cluster: Cluster | None, build: Callable[[], Any], lead: Callable[[Any],
                              f"to {jax.device_count()} so that every process holds a part of it")
         return engine
 
-    if cluster.is_leader:
-        on_lost = OnLost(cluster.grace_s)
-        links = Links(cluster, on_lost)
-        leader = Leader(build_spanning(), cluster, links)
-        leader.on_lost = on_lost
-        try:
+    try:
+        if cluster.is_leader:
+            on_lost = OnLost(cluster.grace_s)
+            links = Links(cluster, on_lost)
+            leader = Leader(build_spanning(), cluster, links)
+            leader.on_lost = on_lost
             links.check_same_engine(fingerprint(leader.engine), cluster.timeout_s * 10)
             links.send_all({"op": "start"})
-        except LostProcess as e:
-            log.error("%s", e)
-            _exit_now(EXIT_LOST)
-        open_collectives(leader.engine.mesh)
+            open_collectives(leader.engine.mesh)
+        else:
+            peer, frames = connect(cluster, _leader_lost)
+            engine = build_spanning()
+            peer.send({"op": "ready", "fingerprint": fingerprint(engine)})
+            if frames.get()["op"] != "start":
+                raise LostProcess("the leader's first frame was not 'start': it runs a different dsv41")
+            open_collectives(engine.mesh)
+    except LostProcess as e:
+        log.error("%s", e)
+        _exit_now(EXIT_LOST)
+    except SystemExit as e:
+        log.error("%s", e)
+        _exit_now(2)
+    except Exception:
+        log.exception("process %d failed to start", cluster.process_id)
+        _exit_now(2)
+
+    if cluster.is_leader:
         try:
             status = lead(leader)
         finally:
@@ -547,16 +575,17 @@ def run(cluster: Cluster | None, build: Callable[[], Any], lead: Callable[[Any],
         if on_lost.why is not None:  # its timer exits; the collectives of a shutdown would wait for the lost one
             _exit_now(EXIT_LOST)
         return status
-    peer, frames = connect(cluster, _leader_lost)
-    engine = build_spanning()
-    peer.send({"op": "ready", "fingerprint": fingerprint(engine)})
-    if frames.get()["op"] != "start":
-        raise LostProcess("the leader's first frame was not 'start': it runs a different dsv41")
-    open_collectives(engine.mesh)
     try:
         status = follow(engine, peer, frames)
     except LostProcess as e:
         log.error("%s", e)
         _exit_now(EXIT_LOST)
+    except Exception as e:  # the leader learns why at once, rather than from a connection that closes
+        log.exception("the engine failed on process %d", cluster.process_id)
+        try:
+            peer.send({"op": "error", "message": f"{type(e).__name__}: {e}"})
+        except LostProcess:
+            pass
+        _exit_now(1)
     jax.distributed.shutdown()
     return status
