@@ -5,8 +5,9 @@ the tiny preset (DP2 + EP, a data rank per process): bytes per step and the lead
 
     PYTHONPATH=. python3 scripts/bench_multihost.py                  # CPU, ~1 min
     PYTHONPATH=. python3 scripts/bench_multihost.py --devices 4      # 4 devices a process (DP2 x TP4 + EP)
+    PYTHONPATH=. python3 scripts/bench_multihost.py --gpu --devices 4  # 8 GPUs: 4 a process (CUDA_VISIBLE_DEVICES)
 
-On GPU hosts run it on one host (it starts both processes); across hosts the round trip adds the network's.
+Both processes run on this host; across hosts the side channel's round trip adds the network's.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def child(pid: int, port: int, devices: int, out: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=1, help="devices a process (the tensor-parallel size)")
+    ap.add_argument("--gpu", action="store_true", help="GPUs: process i gets GPUs [i * devices, (i + 1) * devices)")
     ap.add_argument("--child", type=int, nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="/tmp/bench_multihost.json")
     a = ap.parse_args()
@@ -104,11 +106,16 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ)
-    if "JAX_PLATFORMS" not in env or env["JAX_PLATFORMS"] == "cpu":
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.devices}"
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", str(i), str(port), "--devices",
-                               str(a.devices), "--out", a.out], env=env) for i in (1, 0)]
+    procs = []
+    for i in (1, 0):
+        env = dict(os.environ)
+        if a.gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * a.devices + k) for k in range(a.devices))
+        else:
+            env["JAX_PLATFORMS"] = "cpu"
+            env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.devices}"
+        procs.append(subprocess.Popen([sys.executable, __file__, "--child", str(i), str(port), "--devices",
+                                       str(a.devices), "--out", a.out], env=env))
     if any(p.wait() for p in procs):
         print("a process failed; see its log above", file=sys.stderr)
         return 1

@@ -6,8 +6,9 @@ and every eager op on a global array runs on every process with the same shapes,
 scheduler is deterministic given its inputs, so what crosses hosts is those inputs, not its decisions: process 0
 (the leader) runs the HTTP server and the engine; before each step it sends the other processes (followers) the
 requests added and aborted since the last step, in one small JSON frame over a TCP side channel (`Links`), and
-they apply them and run the same step (`follow`). Pages, slots, ranks, batch arrays and Engram row gathers are
-then computed on every host from the same state; each host reads only its devices' shards of the batch.
+they apply them and run the same step (`follow`). Pages, slots, ranks and batch arrays are then computed on
+every host from the same state; each host gathers the Engram rows of its own data ranks and transfers only its
+devices' shards of the batch.
 
 Start: each follower connects to the leader's side channel (the coordinator's port + 1), builds its engine and
 sends its fingerprint (options, model config, mesh); the leader refuses to start when one differs, naming the
