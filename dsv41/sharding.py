@@ -198,15 +198,21 @@ def param_shardings(cfg: ModelConfig, par: Parallelism, mesh: Mesh, dtype: str |
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def put(x, sh: jax.sharding.Sharding) -> jax.Array:
-    """x (a host or device array) placed as `sh`. With several processes a value every process holds alike goes
-    through `jax.make_array_from_callback`: each process copies only its own devices' shards, and no collective
-    checks that the copies agree (`jax.device_put` runs one per call)."""
-    if jax.process_count() == 1 or sh.is_fully_addressable or (isinstance(x, jax.Array) and
-                                                                not x.is_fully_addressable):
-        return jax.device_put(x, sh)
-    a = np.asarray(x)
-    return jax.make_array_from_callback(a.shape, sh, lambda index: a[index])
+def put(tree, sh: jax.sharding.Sharding):
+    """A pytree of host or device arrays placed as `sh` (one `jax.device_put` on one process). With several
+    processes a host value, which every process holds alike, goes through `jax.make_array_from_callback`: each
+    process copies only its own devices' shards, and no collective checks that the copies agree
+    (`jax.device_put` runs one per array)."""
+    if jax.process_count() == 1 or sh.is_fully_addressable:
+        return jax.device_put(tree, sh)
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sh)
+        a = np.asarray(x)
+        return jax.make_array_from_callback(a.shape, sh, lambda index: a[index])
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def place_params(params, cfg: ModelConfig, par: Parallelism, mesh: Mesh):

@@ -505,7 +505,7 @@ class _PerRankArgs:
     rank: jax.sharding.NamedSharding
 
     def _args(self, params, *args):
-        return (params, *jax.tree_util.tree_map(lambda a: sharding.put(a, self.rank), args))
+        return (params, *sharding.put(args, self.rank))
 
     def __call__(self, *args, **static):
         return self.fn(*self._args(*args), **static)
