@@ -6,6 +6,8 @@ through gloo.
   the one of the same engine in one process (this test's own devices).
 - /health lists both processes. After SIGTERM process 0 drains and process 1 leaves cleanly (exit 0); a killed
   process 1 makes process 0 answer 503 naming it and exit with EXIT_LOST.
+- In one process, over the side channel: a follower built with other options is refused naming the option; one
+  whose scheduler state diverged stops and the leader hears why.
 
 Built for the fewest compiles: one prompt token with exact prefill, so prefill and decode run one program shape.
 """
@@ -14,13 +16,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -167,3 +172,38 @@ def test_a_lost_process_fails_requests_with_503_and_stops_the_server(servers):
     assert code == 503 and "lost process 1 of 2" in body["error"]["message"], (code, body)
     assert leader.wait(TIMEOUT_S) == multihost.EXIT_LOST
     assert "lost process 1 of 2" in (tmp / "dep-0.log").read_text()
+
+
+def linked_pair():
+    """The leader's Links and a follower's (peer, frames) over a local side channel, and the losses each saw."""
+    coord = free_ports(1)[0]
+    leader = multihost.Cluster(num_processes=2, process_id=0, coordinator_address=f"127.0.0.1:{coord}")
+    lost: dict[str, list] = {"leader": [], "follower": []}
+    box = []
+    t = threading.Thread(target=lambda: box.append(multihost.connect(dataclasses.replace(leader, process_id=1),
+                                                                     lost["follower"].append)))
+    t.start()
+    links = multihost.Links(leader, lambda i, why: lost["leader"].append((i, why)))
+    t.join()
+    return links, *box[0], lost
+
+
+def test_a_follower_built_with_other_options_is_named_before_anything_runs():
+    links, peer, frames, lost = linked_pair()
+    peer.send({"op": "ready", "fingerprint": {"max_model_len": "128", "numerics": "x"}})
+    with pytest.raises(multihost.LostProcess, match="process 1 of 2 built a different engine: max_model_len: "
+                                                   "process 0 256, process 1 128. Start every process"):
+        links.check_same_engine({"max_model_len": "256", "numerics": "x"}, timeout_s=10)
+    assert not lost["leader"] and not lost["follower"]
+
+
+def test_a_follower_whose_scheduler_diverged_stops_and_the_leader_hears_why():
+    links, peer, frames, lost = linked_pair()
+    engine = types.SimpleNamespace(running={}, waiting=[])
+    links.send_all({"op": "step", "seq": 1, "events": [], "digest": multihost.digest(engine) + 1})
+    with pytest.raises(multihost.LostProcess, match="scheduler state differs from the leader's before step 1"):
+        multihost.follow(engine, peer, frames)
+    deadline = time.monotonic() + 10
+    while not lost["leader"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lost["leader"] and lost["leader"][0][0] == 1 and "scheduler state differs" in lost["leader"][0][1]
