@@ -75,7 +75,7 @@ def add_parallel_args(g) -> None:
 
 def add_multihost_args(g) -> None:
     """One engine over several processes (hosts) with jax.distributed (`serving.multihost`). Without these flags
-    a cluster environment JAX reads (JAX_COORDINATOR_ADDRESS, Slurm, Open MPI, ...) still starts one."""
+    a cluster environment (JAX_COORDINATOR_ADDRESS, a Slurm or Open MPI job of several tasks) still starts one."""
     g.add_argument("--num-processes", type=int, default=None,
                    help="processes (hosts) that run the engine together; every one runs this command with the same "
                         "flags and its own --process-id; the mesh spans all their devices")

@@ -83,19 +83,15 @@ class Cluster:
 
 
 def cluster_env_present() -> bool:
-    """Whether the environment describes a multi-process job that `jax.distributed.initialize()` can read with no
-    arguments (JAX_COORDINATOR_ADDRESS, or a cluster JAX detects: Slurm, Open MPI, Kubernetes, ... with more than
-    one process)."""
+    """Whether the environment describes a multi-process job that `jax.distributed.initialize()` reads with no
+    arguments: JAX_COORDINATOR_ADDRESS, or a Slurm or Open MPI job of more than one task. (JAX detects more, such
+    as Kubernetes and Cloud TPU, but by asking their APIs: a one-process server there would ask at every start;
+    give those the flags.)"""
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return True
-    try:  # JAX's own detectors (no public API lists them)
-        from jax._src.clusters import ClusterEnv
-
-        for env in ClusterEnv._cluster_types:
-            if not env.opt_in_only_method and env.is_env_present() and env.get_process_count() > 1:
-                return True
-    except Exception:  # a detector that needs what is not here: no such cluster
-        log.debug("cluster detection failed", exc_info=True)
+    for marker, count in (("SLURM_JOB_ID", "SLURM_NTASKS"), ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE")):
+        if marker in os.environ and os.environ.get(count, "1").isdigit() and int(os.environ[count]) > 1:
+            return True
     return False
 
 
