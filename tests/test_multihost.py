@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -32,12 +33,12 @@ import urllib.request
 import jax
 import pytest
 
-from conftest import FAST_COMPILE_FLAGS, ROOT
 from serving import cli_serve, multihost
 from serving.engine.sampling import SamplingParams
 from serving.response import TextPipeline
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
 CACHE = os.environ.get("DSV41_TEST_MULTIHOST_CACHE", str(ROOT / ".jax_cache"))  # the tests' persistent cache
 LAYOUTS = {"tp": ["--tensor-parallel-size", "4"],
@@ -79,8 +80,10 @@ def logs(tmp_path, name: str) -> str:
 def servers(tmp_path_factory):
     """layout -> (base URL, [process 0, process 1], log folder): a two-process server per layout, healthy."""
     tmp = tmp_path_factory.mktemp("multihost")
+    # this process's XLA flags (tests/conftest.py: fast compiles), two devices a process
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "DSV41_COMPILATION_CACHE": str(CACHE),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + " ".join(FAST_COMPILE_FLAGS)}
+           "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=2", *flags])}
     out = {}
     for name, flags in LAYOUTS.items():
         coord, http = free_ports(2)
