@@ -40,7 +40,7 @@ from serving.response import TextPipeline
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
-CACHE = os.environ.get("DSV41_TEST_MULTIHOST_CACHE", str(ROOT / ".jax_cache"))  # the tests' persistent cache
+CACHE = ROOT / ".jax_cache"  # the persistent compilation cache tests/conftest.py gives this process
 LAYOUTS = {"tp": ["--tensor-parallel-size", "4"],
            "dep": ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel"]}
 ENGINE = ["--preset", "tiny", "--max-model-len", "128", "--max-num-seqs", "1", "--no-swa-bounded-replay",
