@@ -557,9 +557,12 @@ class _Component:
     def nbytes(self) -> int:
         return sum(t.nbytes for _, t in self.views)
 
-    def mapped(self) -> np.ndarray:
-        """The whole tensor as a read-only memory-mapped view (not stacked)."""
+    def mapped(self, huge_pages: bool = False) -> np.ndarray:
+        """The whole tensor as a read-only memory-mapped view (not stacked); huge_pages: advised where the OS
+        allows (`MappedFile.advise_huge_pages`)."""
         mf, t = self.views[0]
+        if huge_pages:
+            mf.advise_huge_pages(t.name)
         return mf.array(t.name)
 
     def read(self, box: list[tuple[int, int]], mode: str = "pread") -> np.ndarray:
@@ -683,7 +686,8 @@ class _Builder:
         kind, comps = self.plan.form.kind, self.comps
         if self.on_host:
             if kind == "rows":  # never read here: rows are fetched by id at run time
-                return quant.Fp8Rows(comps[0].mapped(), comps[1].mapped())
+                # one copy per host, shared by every local rank through the page cache
+                return quant.Fp8Rows(comps[0].mapped(huge_pages=True), comps[1].mapped())
             return _requantize_rows_host(comps[0].read(_full(comps[0].shape)))
         if self.fp8_to_dense:
             dense = functools.cache(lambda: _fp8_dequant_host(comps[0].read(_full(comps[0].shape)),

@@ -198,6 +198,23 @@ def param_shardings(cfg: ModelConfig, par: Parallelism, mesh: Mesh, dtype: str |
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def put(tree, sh: jax.sharding.Sharding):
+    """A pytree of host or device arrays placed as `sh` (one `jax.device_put` on one process). With several
+    processes a host value, which every process holds alike, goes through `jax.make_array_from_callback`: each
+    process copies only its own devices' shards, and no collective checks that the copies agree
+    (`jax.device_put` runs one per array)."""
+    if jax.process_count() == 1 or sh.is_fully_addressable:
+        return jax.device_put(tree, sh)
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sh)
+        a = np.asarray(x)
+        return jax.make_array_from_callback(a.shape, sh, lambda index: a[index])
+
+    return jax.tree_util.tree_map(one, tree)
+
+
 def place_params(params, cfg: ModelConfig, par: Parallelism, mesh: Mesh):
     """params (any weight formats) placed as the rules split them on the mesh; arrays already placed so stay
     where they are, host arrays (the Engram tables, read by row on the host) and entries that are not weights
@@ -211,7 +228,7 @@ def place_params(params, cfg: ModelConfig, par: Parallelism, mesh: Mesh):
         if any(isinstance(a, np.ndarray) for a in arrays) or isinstance(leaf, quant.Fp8Rows):  # Engram tables
             return leaf
         sh = NamedSharding(mesh, mesh_spec(spec.axes, mesh, par, [a.shape for a in arrays]))
-        return jax.tree_util.tree_unflatten(sub, [jax.device_put(a, sh) for a in arrays])
+        return jax.tree_util.tree_unflatten(sub, [put(a, sh) for a in arrays])
 
     spec_keys = P.param_specs(cfg).keys()
     weights = {k: v for k, v in params.items() if k in spec_keys}  # other entries (a token map) stay as they are
@@ -253,6 +270,11 @@ def weight_bytes_per_device(cfg: ModelConfig, par: Parallelism, dtype: str | Non
 def rank_sharding(mesh: Mesh) -> NamedSharding:
     """Per-rank arrays (pool, batch, outputs): axis 0 split over data ranks, replicated over tensor ranks."""
     return NamedSharding(mesh, PartitionSpec(DATA))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A whole copy on every device of the mesh."""
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def manual_spec(sh: jax.sharding.Sharding) -> PartitionSpec:

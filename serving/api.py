@@ -308,9 +308,10 @@ class OpenAIServer:
     # ---- simple routes ----
 
     async def health(self) -> Response:
+        """{"status": "ok"}, with "processes" (each one's state) for a multi-host engine; 503 otherwise."""
         if not self.engine.alive:
-            return _error_response(ApiError(503, "the engine thread is not running; restart the server",
-                                            code="engine_dead"))
+            return _error_response(ApiError(503, self.engine.dead_reason or "the engine thread is not running; "
+                                            "restart the server", code="engine_dead"))
         if not self.engine.ready:
             st = self.engine.warmup_status()
             body = {"status": "warming up", **{k: st[k] for k in HealthWarmingUp.model_fields if k in st}}
@@ -318,6 +319,9 @@ class OpenAIServer:
         if not self.engine.healthy:
             return _error_response(ApiError(503, "the last engine step failed; see the server log",
                                             code="engine_unhealthy", headers={"Retry-After": str(RETRY_AFTER_S)}))
+        processes = getattr(self.engine.engine, "processes", None)
+        if processes is not None:
+            return _json_response({"status": "ok", "processes": processes()})
         return Response(b'{"status": "ok"}', media_type="application/json")
 
     async def metrics_text(self) -> Response:

@@ -247,6 +247,22 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream._fail(EngineDead("the server is shutting down; retry on another replica"))
         self._streams.clear()
+        stop = getattr(self.engine, "stop_followers", None)  # a multi-host engine's other processes stop too
+        if stop is not None:
+            stop()
+
+    def fail(self, why: str) -> None:
+        """Takes no more requests and fails every one in flight with EngineDead(why) (503); any thread may call it.
+        For a multi-host engine that lost a process: its engine thread may be blocked in a collective that never
+        returns, so nothing here waits for it."""
+        self.healthy = False
+        self._close(why)
+        self._post(lambda: self._fail_requests(list(self._streams), lambda rid: EngineDead(why)))
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine takes no more requests (None while it does)."""
+        return self._closed
 
     @property
     def ready(self) -> bool:

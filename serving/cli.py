@@ -22,7 +22,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from serving.cli_serve import add_engram_tables_arg, add_kernel_backend_args, add_parallel_args
+    from serving.cli_serve import add_engram_tables_arg, add_kernel_backend_args, add_multihost_args, add_parallel_args
 
     add_engram_tables_arg(p)
     compilation_cache.add_args(p)
@@ -36,6 +36,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
     add_kernel_backend_args(p, default="auto")
     add_parallel_args(p)
+    add_multihost_args(p)
 
 
 def build_engine(args: argparse.Namespace):
@@ -57,11 +58,18 @@ def build_engine(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from serving import multihost
+    from serving.cli_serve import start_cluster
+
+    t0 = time.perf_counter()
+    cluster = start_cluster(args)
+    return multihost.run(cluster, lambda: build_engine(args), lambda eng: _generate(eng, args, t0))
+
+
+def _generate(eng, args: argparse.Namespace, t0: float) -> int:
     from dsv41 import chat
     from serving.engine.engine import SamplingParams
 
-    t0 = time.perf_counter()
-    eng = build_engine(args)
     tok = eng.tokenizer
     if args.chat:
         text = chat.encode_chat([{"role": "user", "content": args.prompt}], thinking=args.thinking)

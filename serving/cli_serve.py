@@ -73,6 +73,35 @@ def add_parallel_args(g) -> None:
                    help="split the routed experts over every device (needs --data-parallel-size > 1)")
 
 
+def add_multihost_args(g) -> None:
+    """One engine over several processes (hosts) with jax.distributed (`serving.multihost`). Without these flags
+    a cluster environment (JAX_COORDINATOR_ADDRESS, a Slurm or Open MPI job of several tasks) still starts one."""
+    g.add_argument("--num-processes", type=int, default=None,
+                   help="processes (hosts) that run the engine together; every one runs this command with the same "
+                        "flags and its own --process-id; the mesh spans all their devices")
+    g.add_argument("--process-id", type=int, default=None,
+                   help="this process's index in [0, --num-processes); process 0 serves HTTP and drives the others")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's host and a free port for jax.distributed's coordinator; the engine's side "
+                        "channel uses the next port")
+
+
+def start_cluster(args: argparse.Namespace) -> Any:
+    """jax.distributed.initialize from the multi-host flags (or the cluster environment), before anything touches a
+    device. -> the `serving.multihost.Cluster`, or None for one process."""
+    from serving import multihost
+
+    n, pid, addr = args.num_processes, args.process_id, args.coordinator_address
+    if n is None:
+        if pid is not None or addr is not None:
+            raise SystemExit("--process-id / --coordinator-address need --num-processes; give all three")
+        return multihost.initialize(None)
+    if n < 1 or pid is None or addr is None or not 0 <= pid < n or ":" not in addr:
+        raise SystemExit(f"--num-processes {n} --process-id {pid} --coordinator-address {addr}: give the process "
+                         f"count, this process's id in [0, {n}) and process 0's HOST:PORT")
+    return multihost.initialize(multihost.Cluster(num_processes=n, process_id=pid, coordinator_address=addr))
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("model")
     src = g.add_mutually_exclusive_group()
@@ -108,6 +137,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="smallest padded decode batch; batches pad to it times powers of two up to "
                         "--max-num-seqs (equal to it: one decode program per block-table width)")
     add_parallel_args(g)
+    add_multihost_args(g)
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="one program shape for every step (prefill at the chunk, decode at --max-num-seqs, block "
                         "tables --max-model-len wide): a request's tokens and logits are the same bits alone, in "
@@ -226,6 +256,9 @@ def _serve_forever(engine: Any, args: argparse.Namespace, warmup: bool = False) 
     name = served_model_name(args)
     metrics = ServingMetrics(name)
     aeng = AsyncEngine(engine, metrics=metrics, max_queue_wait_s=args.max_queue_wait, warmup=warmup)
+    on_lost = getattr(engine, "on_lost", None)  # several processes: a lost one fails every request with 503
+    if on_lost is not None:
+        on_lost.callbacks.append(aeng.fail)
     logging.getLogger("dsv41.access").setLevel(logging.INFO if args.access_log else logging.WARNING)
     sock = bind(args.host, args.port)  # OSError here: the caller names the port
     app = create_app(aeng, model_name=name, metrics=metrics, media=media_config(args))
@@ -256,7 +289,13 @@ def run_demo(engine, args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     _ensure_logging()
     check_server_args(args)
-    engine = build_engine(args)
+    from serving import multihost
+
+    cluster = start_cluster(args)
+    return multihost.run(cluster, lambda: build_engine(args), lambda engine: _run_serve(engine, args))
+
+
+def _run_serve(engine: Any, args: argparse.Namespace) -> int:
     import jax
 
     warmup = args.warmup if args.warmup is not None else jax.default_backend() == "gpu"

@@ -230,6 +230,7 @@ class ErrorResponse(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+    processes: list[dict] | None = None  # a multi-host engine: {"process", "alive", "last_seen_s"} for each
 
 
 class HealthWarmingUp(BaseModel):

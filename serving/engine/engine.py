@@ -41,6 +41,13 @@ from serving.engine.scheduler import Rank, Scheduler, _bucket, _Request  # noqa:
 from serving.engine.warmup import Warmup
 
 
+def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """a [sum(keep), ...] -> [len(keep), ...] with a's rows where keep, zeros elsewhere."""
+    out = np.zeros((len(keep), *a.shape[1:]), a.dtype)
+    out[keep] = a
+    return out
+
+
 @dataclasses.dataclass
 class StepOutput:
     request_id: str
@@ -87,6 +94,9 @@ class Engine(Scheduler, Warmup):
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
+        # several processes: which data ranks have devices here (only their Engram rows are gathered on this host)
+        self.local_ranks = None if self.mesh is None or jax.process_count() == 1 else np.array(
+            [any(d.process_index == jax.process_index() for d in row) for row in self.mesh.devices])
         self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         self.replay = config.swa_bounded_replay and cfg.split_layer >= 0
         if config.max_num_batched_tokens < cfg.window_size:
@@ -284,7 +294,12 @@ class Engine(Scheduler, Warmup):
                 n = len(toks[i])
                 rid[i, :n], reqs[i].history = self.hasher.hash_step(np.asarray([toks[i]], np.int64),
                                                                     reqs[i].history, dead([i], n))
-        return model.engram_rows(self.tables, rid)
+        if self.local_ranks is None:
+            return model.engram_rows(self.tables, rid)
+        # the other hosts' rows stay zeros: each host's devices receive only their own ranks' rows
+        keep = np.repeat(self.local_ranks, B // len(self.local_ranks))
+        return [quant.Fp8Rows(*(_scatter_rows(a, keep) for a in (r.weight, r.scale)))
+                for r in model.engram_rows(self.tables, rid[keep])]
 
     def _decode_rows(self, reqs: list[_Request]) -> list[_Request | None]:
         per_rank = collections.Counter(r.rank for r in reqs)

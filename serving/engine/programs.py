@@ -493,11 +493,13 @@ class Programs:
         def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends()):
             return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends)
 
-        def jit(fn, static=_STATIC):
-            return _PerRankArgs(jax.jit(fn, static_argnames=static, donate_argnames=("pool",), out_shardings=rank),
+        def jit(fn, static=_STATIC, out=rank):
+            return _PerRankArgs(jax.jit(fn, static_argnames=static, donate_argnames=("pool",), out_shardings=out),
                                 rank)
 
-        self.run_full, self.run_decoder = jit(run_full), jit(run_decoder)
+        # across processes the host reads every rank's sampled tokens: replicated, each host has them locally
+        tok = sharding.replicated(mesh) if jax.process_count() > 1 else rank
+        self.run_full, self.run_decoder = jit(run_full, out=(rank, rank, tok)), jit(run_decoder, out=(rank, rank, tok))
         self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
 
 
@@ -511,7 +513,7 @@ class _PerRankArgs:
     rank: jax.sharding.NamedSharding
 
     def _args(self, params, *args):
-        return (params, *jax.device_put(args, self.rank))
+        return (params, *sharding.put(args, self.rank))
 
     def __call__(self, *args, **static):
         return self.fn(*self._args(*args), **static)
