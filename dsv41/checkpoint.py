@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# Release tensors we do not model yet: DSpark draft stages and the vision tower (spec §5).
+# Release tensors a config may not model: the vision tower (spec §5), and the DSpark stages when the config has
+# none (n_mtp_layers=0); skipped on load with one log line.
 SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
 # Where our tree's stored dtype differs from the Hugging Face release (spec §5); the loader accepts both forms
 # and converts exactly, the writer produces the release's with hf_layout=True.
@@ -734,7 +735,8 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     dequantize: None keeps stored precision (Fp8Weight / Fp4Weight with UE8M0 bytes); 'bfloat16' / 'float32'
       gives dequantize_params(stored, dequantize). Engram tables stay host memory-mapped Fp8Rows either way.
     Every tensor is validated before anything is built; any problem raises CheckpointError naming each bad
-    tensor and its file. `mtp.*` (DSpark) and vision tensors are skipped with one log line.
+    tensor and its file. Vision tensors, and `mtp.*` (DSpark) ones beyond the config's n_mtp_layers stages, are
+    skipped with one log line.
     workers: threads reading and transferring weights in parallel.
     read_mode: one of READ_MODES (see there).
     With a tokenizer.json in `path`, the tree also holds that tokenizer's Engram compressed token map under
