@@ -44,6 +44,7 @@ class _Request:
     replay_at: int = 0  # rebuild the SWA from here as a prefix-cache hit at this length would (0 = never)
     decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - its tail, once prefilled)
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
+    drafts: list = dataclasses.field(default_factory=list)  # speculative decoding: the tokens the next step verifies
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
     _page_row: tuple = (None, 0, np.zeros(0, np.int32))
@@ -295,5 +296,6 @@ class Scheduler:
         if self.replay:
             shapes += [("decoder", D, 1, c) for c in ctxs]
         decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", D * B, 1, c) for B in ladder(self.min_decode_bucket, decode_top) for c in ctxs]
+        shapes += [("decode", D * B, self.decode_tokens, c) for B in ladder(self.min_decode_bucket, decode_top)
+                   for c in ctxs]
         return shapes
