@@ -403,7 +403,8 @@ def _validate(c: ModelConfig) -> None:
               f"must be a token id < {c.vocab_size}, got {c.dspark_noise_token_id}")
         _need(c.dspark_markov_rank > 0, "dspark_markov_rank", f"must be > 0, got {c.dspark_markov_rank}")
         _need(0 < c.dspark_num_experts_per_tok <= c.dspark_n_routed_experts, "dspark_num_experts_per_tok",
-              f"must be in (0, dspark_n_routed_experts={c.dspark_n_routed_experts}], got {c.dspark_num_experts_per_tok}")
+              f"must be in (0, dspark_n_routed_experts={c.dspark_n_routed_experts}], "
+              f"got {c.dspark_num_experts_per_tok}")
 
 
 @functools.lru_cache(maxsize=16)

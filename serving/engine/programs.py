@@ -425,8 +425,9 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, forced: jax.Array, *, 
     and after each d_i; greedy rows accept the longest prefix of drafts that matches (sampled rows none: they
     sample one token at a, as a plain step would), then the token after the last accepted one (the bonus). The
     chunk's DSpark context keys go into the rings and the next block is drafted from the bonus token.
-    forced (bool scalar, traced: one program either way): accept every draft (benchmarks). -> (pool, logits [B, k + 1, V] after a and each d_i, tokens
-    [B, k + 1] (the accepted drafts, then the bonus), accepted count [B], next drafts [B, k])."""
+    forced (bool scalar, traced: one program either way): accept every draft (benchmarks).
+    -> (pool, logits [B, k + 1, V] after a and each d_i, tokens [B, k + 1] (the accepted drafts, then the bonus),
+    accepted count [B], next drafts [B, k])."""
     k = spec_tokens
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
