@@ -112,3 +112,37 @@ def test_bad_speculative_configs_name_the_fix():
     with pytest.raises(EngineError, match="block of 5"):
         tiny_engine.make(speculative_config=SpeculativeConfig(num_speculative_tokens=6))
     assert SpeculativeConfig.from_json('{"method": "dspark", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+
+
+def test_seeded_sampling_speculates_and_repeats():
+    """Sampled requests speculate by rejection sampling (`spec_sampling.verify`, whose distribution
+    tests/test_spec_sampling.py checks): at temperature 5 the tiny model's and the drafter's distributions are
+    both nearly flat, so drafts are accepted; a seed gives the same tokens again."""
+    sp = SamplingParams(max_tokens=16, temperature=5.0, seed=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        eng = speculative()
+        eng.add_request("s", PROMPTS["short"], sp)
+        toks = []
+        while eng.has_work():
+            for o in eng.step():
+                toks += o.new_token_ids
+        runs.append((toks, eng.stats()))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 16
+    assert runs[0][1]["spec_accepted_tokens"] > runs[0][1]["spec_drafts"]
+
+
+def test_preemption_under_speculation():
+    """Two requests the 5-page pool cannot hold with their drafts' pages: one is preempted and recomputed (its
+    drafter states are not carried over: its first step after that takes no sampled draft), both finish and
+    every page comes back."""
+    eng = speculative()
+    for rid, n in (("a", 180), ("b", 150)):
+        eng.add_request(rid, list(np.random.default_rng(n).integers(3, 1000, n)), GREEDY)
+    outs = {"a": [], "b": []}
+    while eng.has_work():
+        for o in eng.step():
+            outs[o.request_id] += o.new_token_ids
+    st = eng.stats()
+    assert [len(t) for t in outs.values()] == [GREEDY.max_tokens] * 2
+    assert st["preemptions"] >= 1 and st["kv_pages_used"] == 0

@@ -454,8 +454,11 @@ class Engine(Scheduler, Warmup):
             r.history = self._history_before(r, a - back)
         b = self._batch(rows, toks, pos0, self.decode_tokens)
         samp = self._sampling(rows)
+        # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
+        has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
         self.pool, logits, out, acc, nxt = self.programs.run_spec(
-            self.params, self.pool, b, samp, np.bool_(self.spec.forced_acceptance), **self.static, spec_tokens=k)
+            self.params, self.pool, b, samp, has_q, np.bool_(self.spec.forced_acceptance), **self.static,
+            spec_tokens=k)
         out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
         outs = []
         for i, r in enumerate(rows):
@@ -471,7 +474,7 @@ class Engine(Scheduler, Warmup):
                 new.append(int(out[i, j]))
                 if o.finished:
                     break
-            r.drafts = nxt[i].tolist()
+            r.drafts, r.drafts_drawn = nxt[i].tolist(), True
             self.counters["spec_drafts"] += 1
             self.counters["spec_draft_tokens"] += k
             self.counters["spec_accepted_tokens"] += len(new) - 1

@@ -37,14 +37,16 @@ class KVPool:
     Every array has pages or slots on axis 0."""
 
     layers: list  # per layer: kv_layout.LayerKV
-    # speculative decoding: per DSpark stage, the ring of its context window keys (a LayerKV with only swa_q/swa_s)
+    # speculative decoding: per DSpark stage, the ring of its context window keys (a LayerKV with only swa_q/swa_s);
+    # per slot, the drafter's last states float32 [S, k, D] (the next step recomputes its draft distributions)
     dspark: list | None = None
+    dspark_states: jax.Array | None = None
 
     def with_layer(self, layer: int, lkv: LayerKV) -> KVPool:
         """The pool with layer `layer`'s record replaced."""
         layers = list(self.layers)
         layers[layer] = lkv
-        return KVPool(layers, self.dspark)
+        return dataclasses.replace(self, layers=layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +94,12 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
                 # crashes XLA's SPMD partitioner (jaxlib 0.11.2, CPU)
                 comp_state=sd((S, 2 * Dh), jnp.float32) if r > 1 else None)
         layers.append(lkv)
-    dspark = None
-    if lay.spec_tokens:
-        R = ring_size(cfg, cfg.n_layers, None, lay.spec_tokens)
-        dspark = [LayerKV(sd((S, R, Dh), jnp.float8_e4m3fn), sd((S, R, Dh // 32), jnp.uint8))
-                  for _ in range(cfg.n_mtp_layers)]
-    return KVPool(layers, dspark)
+    if not lay.spec_tokens:
+        return KVPool(layers)
+    R = ring_size(cfg, cfg.n_layers, None, lay.spec_tokens)
+    dspark = [LayerKV(sd((S, R, Dh), jnp.float8_e4m3fn), sd((S, R, Dh // 32), jnp.uint8))
+              for _ in range(cfg.n_mtp_layers)]
+    return KVPool(layers, dspark, sd((S, lay.spec_tokens, cfg.dim), jnp.float32))
 
 
 def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:

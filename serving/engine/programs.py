@@ -28,6 +28,7 @@ from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
 from serving.engine.backends import Backends, KernelOptions
+from serving.engine import spec_sampling
 from serving.engine.kv_pool import KVPool
 
 
@@ -359,20 +360,9 @@ def sample(logits: jax.Array, s: Sampling) -> jax.Array:
     sampled = s.temperature > 0
     filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
 
-    def filter_top_k_top_p(z):
-        srt = jnp.sort(z, -1)[:, ::-1]
-        V = z.shape[-1]
-        k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
-        kth = jnp.take_along_axis(srt, (k - 1)[:, None], -1)
-        z = jnp.where(z < kth, -jnp.inf, z)
-        probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), -1)
-        cum = jnp.cumsum(probs, -1) - probs  # mass strictly above each sorted entry
-        keep_sorted = (cum < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
-        cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), -1, keepdims=True)
-        return jnp.where(z < cutoff, -jnp.inf, z)
-
     def draw(z):
-        z = jax.lax.cond(jnp.any(filtered), filter_top_k_top_p, lambda v: v, z)
+        z = jax.lax.cond(jnp.any(filtered), lambda v: spec_sampling.filter_top_k_top_p(v, s.top_k, s.top_p),
+                         lambda v: v, z)
         keys = jax.vmap(jax.random.wrap_key_data)(s.key)
         return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
 
@@ -400,31 +390,37 @@ def _dspark_write(params, pool: KVPool, b: Batch, taps: dict, cfg: ModelConfig, 
         rs = kl.write_ring(kl.read_slots(rec.swa_s, b.slot), quant.ue8m0_encode(ks), b.pos0, b.n_valid)
         rings.append(dataclasses.replace(rec, swa_q=kl.write_slots(rec.swa_q, b.slot, rq),
                                          swa_s=kl.write_slots(rec.swa_s, b.slot, rs)))
-    return KVPool(pool.layers, rings)
+    return dataclasses.replace(pool, dspark=rings)
 
 
-def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, cfg: ModelConfig, num: Numerics, ops):
+def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: Sampling, k: int,
+                  cfg: ModelConfig, num: Numerics, ops):
     """One block drafted a row from its DSpark rings: anchor_ids [B] at anchor_pos [B] (the newest token; the
-    rings hold the context before it, from the rows' decoder ring start on). -> greedy drafts int32 [B, K]."""
+    rings hold the context before it, from the rows' decoder ring start on). Greedy rows take each position's
+    argmax, sampled rows draw (`spec_sampling.draft_sampler`). The block's first k states go to the pool: the
+    next step recomputes the distributions its drafts were drawn from. -> (pool, drafts int32 [B, k])."""
     lo = b.ring_lo[:, -1]
     ctx_k = []
     for rec in pool.dspark:
         R = rec.swa_q.shape[1]
         ctx_k.append(_dequant_fp8_rows(kl.read_slots(rec.swa_q, b.slot), kl.read_slots(rec.swa_s, b.slot)))
     ctx_pos = kl.ring_positions(anchor_pos, R, lo)
-    states = dspark.draft_states(params, ctx_k, ctx_pos, anchor_ids, anchor_pos, cfg, num, ops)
-    return dspark.draft_tokens(params, states, anchor_ids, cfg, num)[0]
+    states = dspark.draft_states(params, ctx_k, ctx_pos, anchor_ids, anchor_pos, cfg, num, ops)[:, :k]
+    drafts = dspark.draft_tokens(params, states, anchor_ids, cfg, num, spec_sampling.draft_sampler(samp))[0]
+    pool = dataclasses.replace(pool, dspark_states=kl.write_slots(pool.dspark_states, b.slot,
+                                                                  states.astype(pool.dspark_states.dtype)))
+    return pool, drafts
 
 
-def _spec(params, pool: KVPool, b: Batch, samp: Sampling, forced: jax.Array, *, cfg: ModelConfig, num: Numerics,
-          backends: Backends = Backends(), spec_tokens: int = 0):
+def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forced: jax.Array, *, cfg: ModelConfig,
+          num: Numerics, backends: Backends = Backends(), spec_tokens: int = 0):
     """One speculative decode step: verify and draft in one call. Row b's chunk is [maybe the token before,
     anchor a (its newest token), drafts d_1..d_k] at positions pos0 ..; n_valid = its real length (k + 1, or
     k + 2 when it re-runs the token before the anchor: a chunk must start at an even position, so that the
-    ratio-2 compressors never read a pending state that rejected drafts overwrote). The target's token after a
-    and after each d_i; greedy rows accept the longest prefix of drafts that matches (sampled rows none: they
-    sample one token at a, as a plain step would), then the token after the last accepted one (the bonus). The
-    chunk's DSpark context keys go into the rings and the next block is drafted from the bonus token.
+    ratio-2 compressors never read a pending state that rejected drafts overwrote). The target's logits after a
+    and after each d_i decide how many drafts a row accepts and the token after them (the bonus:
+    `spec_sampling.verify`; has_q [B]: the row's drafts came from the drafter's previous step, whose states the
+    pool holds). The chunk's DSpark context keys go into the rings and the next block is drafted from the bonus.
     forced (bool scalar, traced: one program either way): accept every draft (benchmarks).
     -> (pool, logits [B, k + 1, V] after a and each d_i, tokens [B, k + 1] (the accepted drafts, then the bonus),
     accepted count [B], next drafts [B, k])."""
@@ -436,23 +432,26 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, forced: jax.Array, *, 
     B, T = b.tokens.shape
     off = jnp.clip(b.n_valid - (k + 1), 0, T - k - 1)  # the anchor's row
     rows = off[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]  # [B, k + 1]: a, d_1 .. d_k
+    toks = jnp.take_along_axis(b.tokens, rows, axis=1)  # [B, k + 1]: a, d_1 .. d_k
+    drafts_in = toks[:, 1:]
     with jax.named_scope("head_sample"):
         hs = jnp.take_along_axis(h, rows[:, :, None, None], axis=1)
         ps = jnp.take_along_axis(pre, rows[:, :, None], axis=1)
         logits = model.head(params, hs, ps, cfg)  # [B, k + 1, V]
-        target = jnp.argmax(logits, -1).astype(jnp.int32)
-        target = target.at[:, 0].set(sample(logits[:, 0], samp))
-    drafts_in = jnp.take_along_axis(b.tokens, rows[:, 1:], axis=1)  # [B, k]
-    match = (drafts_in == target[:, :k]) & (samp.temperature <= 0)[:, None]
-    m = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        prev_states = kl.read_slots(pool.dspark_states, b.slot)  # [B, k, D]: the states d_1 .. d_k came from
+
+        def draft_logits():  # the drafter's logits of d_i, whose Markov bias read d_{i-1} (d_0 = a)
+            return dspark.draft_logits(params, prev_states, toks[:, :k], cfg, num)[0]
+
+        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, sample(logits[:, 0], samp))
     m = jnp.where(forced, k, m)
-    bonus = jnp.take_along_axis(target, m[:, None], axis=1)[:, 0]
+    bonus = jnp.where(forced, jnp.argmax(logits[:, k], -1).astype(jnp.int32), bonus)
     i = jnp.arange(k + 1, dtype=jnp.int32)[None]
     out = jnp.where(i < m[:, None], jnp.pad(drafts_in, ((0, 0), (0, 1))), bonus[:, None])
     with jax.named_scope("dspark"):
         pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
         anchor_pos = b.pos0 + off + m + 1
-        nxt = _dspark_draft(params, pool, b, bonus, anchor_pos, cfg, num, backends.ops)[:, :k]
+        pool, nxt = _dspark_draft(params, pool, b, bonus, anchor_pos, samp, k, cfg, num, backends.ops)
     return pool, logits, out, m, nxt
 
 

@@ -45,6 +45,7 @@ class _Request:
     decoder_lo: int = 0  # replay: the decoder layers' rings serve positions >= this (N - its tail, once prefilled)
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
     drafts: list = dataclasses.field(default_factory=list)  # speculative decoding: the tokens the next step verifies
+    drafts_drawn: bool = False  # they are the drafter's, drawn in this slot's last step (its states in the pool)
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
     _page_row: tuple = (None, 0, np.zeros(0, np.int32))
@@ -202,6 +203,7 @@ class Scheduler:
                 while len(self.session_rank) > self.max_sessions:
                     self.session_rank.popitem(last=False)
             r.slot = rank.free_slots.popleft()
+            r.drafts, r.drafts_drawn = [], False  # a new slot holds no drafter states of this request
             r.history = self._history_before(r, r.start)
             r.tail = None
             self.running[r.id] = r
