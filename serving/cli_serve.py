@@ -76,8 +76,7 @@ def add_parallel_args(g) -> None:
 def add_speculative_arg(g) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s flag: \'{"method": "dspark", "num_speculative_tokens": 5}\' '
-                        "(the release's DSpark drafter; one device; greedy tokens unchanged, sampling exact by rejection "
-                        "sampling). "
+                        "(the release's DSpark drafter; greedy tokens unchanged, sampling exact by rejection sampling). "
                         '"forced_acceptance": true takes every draft, for benchmarks only (wrong outputs)')
 
 

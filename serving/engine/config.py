@@ -92,7 +92,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    # DSpark speculative decoding (None: off; one device): greedy tokens unchanged, sampled ones by rejection sampling
+    # DSpark speculative decoding (None: off): greedy tokens unchanged, sampled ones by rejection sampling
     speculative_config: SpeculativeConfig | None = None
 
     @property

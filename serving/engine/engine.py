@@ -144,9 +144,6 @@ class Engine(Scheduler, Warmup):
         if k > cfg.dspark_block_size:
             raise EngineError(f"num_speculative_tokens={k} exceeds DSpark's block of {cfg.dspark_block_size}; "
                               f"give at most {cfg.dspark_block_size}")
-        if config.parallelism.devices > 1:
-            raise EngineError("speculative decoding runs on one device so far; leave --speculative-config out "
-                              "with tensor or data parallelism")
         if config.swa_bounded_replay and min(cfg.dspark_target_layer_ids) < cfg.split_layer:
             raise EngineError(f"DSpark reads layers {cfg.dspark_target_layer_ids}, and under SWA bounded replay "
                               f"layers before {cfg.split_layer} never see a prompt's last tokens in one program; "
@@ -457,7 +454,7 @@ class Engine(Scheduler, Warmup):
         # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
         has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
         self.pool, logits, out, acc, nxt = self.programs.run_spec(
-            self.params, self.pool, b, samp, has_q, np.bool_(self.spec.forced_acceptance), **self.static,
+            self.params, self.pool, b, samp, has_q, np.full(len(rows), self.spec.forced_acceptance), **self.static,
             spec_tokens=k)
         out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
         outs = []

@@ -5,7 +5,7 @@
   token of the chunk; returns the split layer's input stream for the chunk's last `replay_tokens` rows.
 - `run_decoder`: the rest of the split layer and the layers after it on each request's last `replay_tokens`
   prompt tokens (SWA bounded replay: their windows start at N - replay_tokens).
-- `run_spec` (one device): a speculative decode step, DSpark's drafts verified and the next block drafted.
+- `run_spec`: a speculative decode step, DSpark's drafts verified and the next block drafted.
 The layer math is dsv41's; what is new here is reading/writing the pool.
 """
 
@@ -421,7 +421,7 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
     and after each d_i decide how many drafts a row accepts and the token after them (the bonus:
     `spec_sampling.verify`; has_q [B]: the row's drafts came from the drafter's previous step, whose states the
     pool holds). The chunk's DSpark context keys go into the rings and the next block is drafted from the bonus.
-    forced (bool scalar, traced: one program either way): accept every draft (benchmarks).
+    forced [B] (bool, traced: one program either way): accept every draft (benchmarks).
     -> (pool, logits [B, k + 1, V] after a and each d_i, tokens [B, k + 1] (the accepted drafts, then the bonus),
     accepted count [B], next drafts [B, k])."""
     k = spec_tokens
@@ -445,7 +445,7 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
 
         m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, sample(logits[:, 0], samp))
     m = jnp.where(forced, k, m)
-    bonus = jnp.where(forced, jnp.argmax(logits[:, k], -1).astype(jnp.int32), bonus)
+    bonus = jnp.where(forced, jnp.argmax(logits[:, k], -1).astype(jnp.int32), bonus)  # forced [B]
     i = jnp.arange(k + 1, dtype=jnp.int32)[None]
     out = jnp.where(i < m[:, None], jnp.pad(drafts_in, ((0, 0), (0, 1))), bonus[:, None])
     with jax.named_scope("dspark"):
@@ -527,8 +527,7 @@ _SPEC_STATIC = _STATIC + ("spec_tokens",)
 
 
 class Programs:
-    """The engine's programs (`run_full`, `run_encoder`, `run_decoder`; on one device also `run_spec`), jitted for
-    one placement, each
+    """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_spec`), jitted for one placement, each
     taking (params, pool, batch, ...) and returning the new pool (donated).
 
     mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
@@ -560,22 +559,28 @@ class Programs:
             return fn
 
         full, enc, dec = per_rank(_full, 3), per_rank(_encoder, 2), per_rank(_decoder, 5)
+        spec = per_rank(_spec, 5)
 
-        def run_full(params, pool, b, samp, *, cfg, num, backends=Backends()):
-            return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends)
+        def run_full(params, pool, b, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
+            return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
 
         def run_encoder(params, pool, b, *, cfg, num, backends=Backends(), replay_tokens=None):
             return enc(params, pool, b, cfg=cfg, num=num, backends=backends, replay_tokens=replay_tokens)
 
-        def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends()):
-            return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends)
+        def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
+            return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
+
+        def run_spec(params, pool, b, samp, has_q, forced, *, cfg, num, backends=Backends(), spec_tokens=0):
+            return spec(params, pool, b, samp, has_q, forced, cfg=cfg, num=num, backends=backends,
+                        spec_tokens=spec_tokens)
 
         def jit(fn, static=_STATIC):
             return _PerRankArgs(jax.jit(fn, static_argnames=static, donate_argnames=("pool",), out_shardings=rank),
                                 rank)
 
-        self.run_full, self.run_decoder = jit(run_full), jit(run_decoder)
+        self.run_full, self.run_decoder = jit(run_full, _PREFILL_STATIC), jit(run_decoder, _PREFILL_STATIC)
         self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
+        self.run_spec = jit(run_spec, _SPEC_STATIC)
 
 
 @dataclasses.dataclass(frozen=True)
