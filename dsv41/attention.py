@@ -60,11 +60,13 @@ def _window_scores_dense(q, q_pos, k, k_pos, lo, cfg):
 
 def attend(q: jax.Array, q_pos: jax.Array, win_k: jax.Array, win_pos: jax.Array, comp_k: jax.Array | None,
            comp_valid: jax.Array | None, sink: jax.Array, cfg: ModelConfig, num: Numerics,
-           window_lo: jax.Array | None = None) -> jax.Array:
+           window_lo: jax.Array | None = None, win_mask: jax.Array | None = None) -> jax.Array:
     """Softmax attention with a sink over window keys plus per-query selected compressed entries (K = V).
 
     q [B, S, H, Dh] at q_pos [B, S]; win_k [B, T, Dh] at win_pos [B, T] (NO_POS for empty slots): query i sees
     positions (q_pos - window, q_pos], and none below window_lo [B] (bounded replay clips windows there);
+    win_mask [B, S, T] (bool), when given, says instead which window keys each query sees (a DSpark block sees its
+    context window and its whole own block: `dsv41.dspark`).
     comp_k [B, S, K, Dh] with comp_valid [B, S, K]. o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}),
     s = q.k / sqrt(Dh). Probabilities round to bf16 before P.V when num.bf16_probs (relative to the final
     max; the reference kernel rounds relative to a running max per 64 keys). -> [B, S, H, Dh].
@@ -74,6 +76,8 @@ def attend(q: jax.Array, q_pos: jax.Array, win_k: jax.Array, win_pos: jax.Array,
     scale = Dh**-0.5
     lo = jnp.full((B,), NO_POS, jnp.int32) if window_lo is None else window_lo
     sw, mw = _window_scores_dense(q.astype(dt), q_pos, win_k.astype(dt), win_pos, lo, cfg)
+    if win_mask is not None:
+        mw = win_mask[:, :, None, :]
     sw = jnp.where(mw, sw * scale, -jnp.inf)
     m = jnp.max(sw, axis=-1)
     if comp_k is not None and comp_k.shape[2] > 0:

@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# Release tensors a config may not use, skipped with one log line: DSpark draft stages (not modelled yet) and
-# the vision tower, aligner and span delimiters under a text-only config (`vision_config` absent or 0 layers).
+# Release tensors a config may not model, skipped on load with one log line: the vision tower, aligner and
+# span delimiters under a text-only config (`vision_config` absent or 0 layers), and the DSpark stages
+# beyond the config's n_mtp_layers.
 SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
 # The vision tower's tensors: BF16 in the release; F32 taken too (the reference keeps its norms in F32).
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
@@ -745,8 +746,8 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     dequantize: None keeps stored precision (Fp8Weight / Fp4Weight with UE8M0 bytes); 'bfloat16' / 'float32'
       gives dequantize_params(stored, dequantize). Engram tables stay host memory-mapped Fp8Rows either way.
     Every tensor is validated before anything is built; any problem raises CheckpointError naming each bad
-    tensor and its file. `mtp.*` (DSpark) tensors, and vision tensors under a text-only config, are skipped with
-    one log line.
+    tensor and its file. Vision tensors under a text-only config, and `mtp.*` (DSpark) ones beyond the
+    config's n_mtp_layers stages, are skipped with one log line.
     workers: threads reading and transferring weights in parallel.
     read_mode: one of READ_MODES (see there).
     With a tokenizer.json in `path`, the tree also holds that tokenizer's Engram compressed token map under

@@ -161,6 +161,14 @@ class ModelConfig:
     engram_vocab_size: int = 16_000_000
     engram_compressed_vocab_size: int = 99092
     engram_pad_id: int = 2
+    # DSpark (spec §2.8): the draft stages stored as `mtp.0..n_mtp_layers-1`, run as layers n_layers.. (ratio 0)
+    n_mtp_layers: int = 3
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
     # tokens
     bos_token_id: int = 0
     eos_token_id: int = 1
@@ -191,6 +199,11 @@ class ModelConfig:
     def split_layer(self) -> int:
         """First decoder layer: the candidate source (layer 20 in Flash); -1 with no decoder."""
         return self.candidate_source_layer
+
+    @property
+    def dspark_stage_config(self) -> "ModelConfig":
+        """The config a DSpark stage's MoE runs under: the stages' own expert count and top-k."""
+        return _dspark_stage_config(self)
 
     def role(self, layer: int) -> AttnRole:
         if self.compress_ratios[layer] == 0:
@@ -289,11 +302,12 @@ class ModelConfig:
             raise ConfigError(f"{path}: {e}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The nested release form, with the 3 DSpark entries of compress_ratios left out."""
+        """The nested release form (compress_ratios lists the DSpark stages too, as the release does)."""
         t: dict[str, Any] = {"model_type": "deepseek_v41_text"}
         for hf, ours in _HF_NAMES.items():
             v = getattr(self, ours)
             t[hf] = list(v) if isinstance(v, tuple) else v
+        t["compress_ratios"] += [0] * self.n_mtp_layers  # the DSpark stages are window-only layers
         t.update(
             num_key_value_heads=1,
             hidden_act="silu",
@@ -306,7 +320,7 @@ class ModelConfig:
                 "beta_fast": self.beta_fast,
                 "beta_slow": self.beta_slow,
             },
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=self.n_mtp_layers,
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
         )
@@ -374,11 +388,19 @@ _HF_NAMES = {
     "engram_vocab_size": "engram_vocab_size",
     "engram_compressed_vocab_size": "engram_compressed_vocab_size",
     "engram_pad_token_id": "engram_pad_id",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "dspark_block_size": "dspark_block_size",
+    "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids",
+    "dspark_markov_rank": "dspark_markov_rank",
+    "dspark_n_routed_experts": "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok": "dspark_num_experts_per_tok",
 }
 
 
 def _trim_to_backbone(kw: dict[str, Any]) -> dict[str, Any]:
-    """The release lists compress_ratios for the 3 DSpark layers too; the backbone takes the first n_layers."""
+    """The release lists compress_ratios for the DSpark layers too (0: window-only, the only kind a stage is);
+    the backbone takes the first n_layers."""
     n = kw.get("n_layers")
     cr = kw.get("compress_ratios")
     if n is not None and cr is not None and len(cr) > n:
@@ -460,6 +482,23 @@ def _validate(c: ModelConfig) -> None:
     if c.vision is not None:
         _need(0 <= c.image_token_id < c.vocab_size, "image_token_id",
               f"{c.image_token_id} must be a token id < vocab_size={c.vocab_size}")
+    _need(c.n_mtp_layers >= 0, "n_mtp_layers", f"must be >= 0, got {c.n_mtp_layers}")
+    if c.n_mtp_layers:
+        _need(len(c.dspark_target_layer_ids) > 0 and all(0 <= i < n for i in c.dspark_target_layer_ids),
+              "dspark_target_layer_ids", f"must name layers of the backbone [0, {n}), got {c.dspark_target_layer_ids}")
+        _need(c.dspark_block_size > 0, "dspark_block_size", f"must be > 0, got {c.dspark_block_size}")
+        _need(0 <= c.dspark_noise_token_id < c.vocab_size, "dspark_noise_token_id",
+              f"must be a token id < {c.vocab_size}, got {c.dspark_noise_token_id}")
+        _need(c.dspark_markov_rank > 0, "dspark_markov_rank", f"must be > 0, got {c.dspark_markov_rank}")
+        _need(0 < c.dspark_num_experts_per_tok <= c.dspark_n_routed_experts, "dspark_num_experts_per_tok",
+              f"must be in (0, dspark_n_routed_experts={c.dspark_n_routed_experts}], "
+              f"got {c.dspark_num_experts_per_tok}")
+
+
+@functools.lru_cache(maxsize=16)
+def _dspark_stage_config(c: ModelConfig) -> ModelConfig:
+    return c.replace(n_routed_experts=c.dspark_n_routed_experts, n_activated_experts=c.dspark_num_experts_per_tok,
+                     n_mtp_layers=0)
 
 
 def _is_prime(n: int) -> bool:
@@ -549,6 +588,11 @@ _TINY = dict(
     image_token_id=1023,  # the built-in tokenizer's <｜deepseek_image｜>
     vision=VisionConfig(n_layers=2, dim=64, n_heads=2, inter_dim=96, patch_size=4, downsample_ratio=3,
                         max_image_tokens=64, min_pixels=576),
+    # three DSpark stages reading the last three layers, as in Flash; top-3 of their own 8 experts
+    dspark_target_layer_ids=(5, 6, 7),
+    dspark_noise_token_id=1015,
+    dspark_markov_rank=32,
+    dspark_n_routed_experts=8,
 )
 
 # Flash's per-layer widths (hidden 5120, 64x512 heads, q-LoRA 1280, 8x1024 output groups, 32x128 indexer,
@@ -564,6 +608,9 @@ _BENCH = dict(
     engram_layer_ids=(1,),
     engram_vocab_size=1_000_000,
     max_seq_len=131072,
+    # no DSpark stages by default (3 x 128 experts at Flash widths); .replace(n_mtp_layers=3) adds them
+    n_mtp_layers=0,
+    dspark_target_layer_ids=(5, 6, 7),
 )
 
 # Flash's 40-layer schedule (roles, compress ratios, KV / index sources, the L20 candidate pool and split, Engram
@@ -571,7 +618,7 @@ _BENCH = dict(
 # docs/REPLAY.md) runs on the CPU. Not for the unit tests: its programs take up to ~80 s each to compile on the
 # CPU (XLA -O3), the reason tiny has 8 layers.
 _FLASH_SCHEDULE = ("n_layers", "compress_ratios", "kv_source_layers", "index_source_layers",
-                   "candidate_source_layer", "engram_layer_ids")
+                   "candidate_source_layer", "engram_layer_ids", "dspark_target_layer_ids")
 # max_seq_len (a limit only): room for the study's 8K prompts and their continuations
 _TINY40 = {**_TINY, **{k: getattr(ModelConfig, k) for k in _FLASH_SCHEDULE}, "max_seq_len": 16384}
 

@@ -45,11 +45,16 @@ class Spec:
 
 
 def layer_specs(cfg: ModelConfig, layer: int) -> Params:
+    """Block `layer`; layers n_layers.. are the DSpark stages' blocks (window-only, their own expert count)."""
+    if layer >= cfg.n_layers:
+        return _block_specs(cfg.dspark_stage_config, layer, AttnRole.SWA, 0)
+    return _block_specs(cfg, layer, cfg.role(layer), cfg.compress_ratios[layer])
+
+
+def _block_specs(cfg: ModelConfig, layer: int, role: AttnRole, r: int) -> Params:
     D, H, Dh, Q = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
     E, F = cfg.n_routed_experts, cfg.moe_inter_dim
     mix, hcD = cfg.hc_mix_dim, cfg.hc_mult * cfg.dim
-    role = cfg.role(layer)
-    r = cfg.compress_ratios[layer]
     attn: Params = {
         "wq_a": Spec((Q, D), "fp8", axes=(None, "embed")),
         "q_norm": Spec((Q,), "bf16", "ones"),
@@ -155,16 +160,36 @@ VISION_KEYS = ("vision", "aligner", "image_start", "image_end", "image_newline")
 _VISION_SEED = 0x5EED
 
 
+def dspark_specs(cfg: ModelConfig) -> list[Params]:
+    """The DSpark stages (spec §2.8, release keys `mtp.{s}.*`): each a window-only block with its own experts;
+    stage 0 also projects the target layers' mean streams (main_proj, main_norm), the last stage holds the final
+    norm, the rank-r Markov bias (markov_head) and the confidence head."""
+    D, V, R = cfg.dim, cfg.vocab_size, cfg.dspark_markov_rank
+    stages = [layer_specs(cfg, cfg.n_layers + s) for s in range(cfg.n_mtp_layers)]
+    if stages:
+        stages[0]["main_proj"] = Spec((D, len(cfg.dspark_target_layer_ids) * D), "fp8", axes=(None, "embed"))
+        stages[0]["main_norm"] = Spec((D,), "bf16", "ones")
+        stages[-1]["norm"] = Spec((D,), "bf16", "ones")
+        stages[-1]["markov_head"] = {
+            "embed": Spec((V, R), "bf16", "embed", axes=("vocab", None)),
+            "head": Spec((V, R), "bf16", axes=("vocab", None)),
+        }
+        stages[-1]["confidence_head"] = {"proj": Spec((1, D + R), "bf16")}
+    return stages
+
+
 def param_specs(cfg: ModelConfig) -> Params:
-    out = {
+    specs = {
         "embed": Spec((cfg.vocab_size, cfg.dim), "bf16", "embed", axes=("vocab", "embed")),
         "layers": [layer_specs(cfg, i) for i in range(cfg.n_layers)],
         "norm": Spec((cfg.dim,), "bf16", "ones"),
         "head": Spec((cfg.vocab_size, cfg.dim), "bf16", axes=("vocab", "embed")),
     }
     if cfg.vision is not None:
-        out.update(vision_specs(cfg))
-    return out
+        specs.update(vision_specs(cfg))
+    if cfg.n_mtp_layers:
+        specs["mtp"] = dspark_specs(cfg)
+    return specs
 
 
 def _is_spec(x) -> bool:

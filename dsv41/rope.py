@@ -13,9 +13,9 @@ from dsv41.config import ModelConfig
 
 
 def inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
-    """Rotation frequencies [rope_head_dim/2] (float32) of `layer`."""
+    """Rotation frequencies [rope_head_dim/2] (float32) of `layer` (n_layers.. : the window-only DSpark stages)."""
     dim = cfg.rope_head_dim
-    compressed = cfg.compress_ratios[layer] > 0
+    compressed = layer < cfg.n_layers and cfg.compress_ratios[layer] > 0
     base = cfg.compress_rope_theta if compressed else cfg.rope_theta
     orig = cfg.original_seq_len if compressed else 0
     freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))

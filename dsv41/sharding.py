@@ -99,6 +99,9 @@ class Parallelism:
                   ("vocabulary (vocab_size)", cfg.vocab_size, t)]
         if self.expert:
             checks.append(("routed experts (n_routed_experts)", cfg.n_routed_experts, self.expert_ranks))
+            if cfg.n_mtp_layers:
+                checks.append(("DSpark routed experts (dspark_n_routed_experts)", cfg.dspark_n_routed_experts,
+                               self.expert_ranks))
             checks.append(("shared expert width (moe_inter_dim)", cfg.moe_inter_dim, t))
         else:
             checks.append(("expert width (moe_inter_dim)", cfg.moe_inter_dim, t))

@@ -250,15 +250,55 @@ def _system(cfg: BenchConfig) -> str:
     return "You are a coding agent. Project notes: " + _words(random.Random(cfg.seed), cfg.shared_prefix_len)
 
 
+_SPEC_FAMILIES = ("dsv41:spec_decode_num_drafts", "dsv41:spec_decode_num_accepted_tokens",
+                  "dsv41:spec_decode_num_accepted_tokens_per_pos")
+
+
+async def _spec_counters(http: aiohttp.ClientSession, cfg: BenchConfig) -> dict[str, Any] | None:
+    """The server's speculative-decoding counters from /metrics: {drafts, accepted, per_pos: [...]}; None when it
+    does not speculate (or has no /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with http.get(cfg.base_url.rstrip("/") + "/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return None
+    fams = {f.name: f for f in text_string_to_metric_families(text) if f.name in _SPEC_FAMILIES}
+    if len(fams) < len(_SPEC_FAMILIES):
+        return None
+    total = lambda name: sum(s.value for s in fams[name].samples if s.name.endswith("_total"))  # noqa: E731
+    per_pos = sorted((int(s.labels["position"]), s.value) for s in fams[_SPEC_FAMILIES[2]].samples
+                     if s.name.endswith("_total"))
+    return {"drafts": total(_SPEC_FAMILIES[0]), "accepted": total(_SPEC_FAMILIES[1]),
+            "per_pos": [v for _, v in per_pos]}
+
+
+def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A level's speculative decoding from the counters before and after it: acceptance length (tokens a request
+    takes a step: 1 + accepted drafts / drafts) and each block position's acceptance rate."""
+    if before is None or after is None or after["drafts"] <= before["drafts"]:
+        return None
+    n = after["drafts"] - before["drafts"]
+    per_pos = [(a - b) / n for a, b in zip(after["per_pos"], before["per_pos"])]
+    return {"acceptance_length": 1 + (after["accepted"] - before["accepted"]) / n, "acceptance_per_pos": per_pos}
+
+
 async def run_level(cfg: BenchConfig, http: aiohttp.ClientSession, model: str, concurrency: int) -> dict[str, Any]:
     sessions = cfg.num_sessions or concurrency
     system = _system(cfg)
     client = _Client(cfg, http, model)
     sem = asyncio.Semaphore(concurrency)
     results: list[TurnResult] = []
+    spec_before = await _spec_counters(http, cfg)
     t0 = time.perf_counter()
     await asyncio.gather(*(_session(client, cfg, sem, system, concurrency, i, results) for i in range(sessions)))
     summary = summarize(results, time.perf_counter() - t0, concurrency, sessions, cfg.percentiles)
+    spec = spec_summary(spec_before, await _spec_counters(http, cfg) if spec_before is not None else None)
+    if spec is not None:
+        summary["speculative"] = spec
     return summary
 
 
@@ -304,6 +344,10 @@ def log_summary(s: dict[str, Any]) -> None:
         row("TPOT", s["tpot_ms"], "ms"), row("end-to-end", s["e2e_ms"], "ms"),
         row("per-user tokens/s", s["per_user_tokens_per_s"], "tok/s"),
     ]
+    if "speculative" in s:
+        sp = s["speculative"]
+        lines.append(f"  acceptance length     {sp['acceptance_length']:.2f}   per position "
+                     + " ".join(f"{r:.2f}" for r in sp["acceptance_per_pos"]))
     if s["errors"]:
         lines.append(f"  errors: {s['errors']}")
     log.info("\n".join(lines))

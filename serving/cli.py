@@ -22,7 +22,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from serving.cli_serve import add_engram_tables_arg, add_kernel_backend_args, add_multihost_args, add_parallel_args
+    from serving.cli_serve import (add_engram_tables_arg, add_kernel_backend_args, add_multihost_args,
+                                   add_parallel_args, add_speculative_arg)
 
     add_engram_tables_arg(p)
     compilation_cache.add_args(p)
@@ -37,9 +38,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add_kernel_backend_args(p, default="auto")
     add_parallel_args(p)
     add_multihost_args(p)
+    add_speculative_arg(p)
 
 
 def build_engine(args: argparse.Namespace):
+    from serving.cli_serve import speculative_config
     from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
@@ -51,7 +54,8 @@ def build_engine(args: argparse.Namespace):
                           mhc_backend=args.mhc_backend, router_backend=args.router_backend,
                           linear_backend=args.linear_backend, tensor_parallel_size=args.tensor_parallel_size or 1,
                           data_parallel_size=args.data_parallel_size or 1,
-                          enable_expert_parallel=bool(args.enable_expert_parallel))
+                          enable_expert_parallel=bool(args.enable_expert_parallel),
+                          speculative_config=speculative_config(args.speculative_config))
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, config=config)
     return Engine.from_preset(args.preset or "tiny", seed=args.seed, config=config)

@@ -102,6 +102,26 @@ def start_cluster(args: argparse.Namespace) -> Any:
     return multihost.initialize(multihost.Cluster(num_processes=n, process_id=pid, coordinator_address=addr))
 
 
+def add_speculative_arg(g) -> None:
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s flag: \'{"method": "dspark", "num_speculative_tokens": 5}\' '
+                        "(the release's DSpark drafter; greedy tokens unchanged, sampling exact by rejection sampling). "
+                        '"forced_acceptance": true takes every draft, for benchmarks only (wrong outputs)')
+
+
+def speculative_config(text: str | None):
+    """--speculative-config's JSON -> `SpeculativeConfig` (None: off); a bad value exits naming it."""
+    if text is None:
+        return None
+    from serving.engine.config import SpeculativeConfig
+    from serving.engine.errors import EngineError
+
+    try:
+        return SpeculativeConfig.from_json(text)
+    except EngineError as e:
+        raise SystemExit(str(e)) from None
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("model")
     src = g.add_mutually_exclusive_group()
@@ -138,6 +158,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--max-num-seqs (equal to it: one decode program per block-table width)")
     add_parallel_args(g)
     add_multihost_args(g)
+    add_speculative_arg(g)
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="one program shape for every step (prefill at the chunk, decode at --max-num-seqs, block "
                         "tables --max-model-len wide): a request's tokens and logits are the same bits alone, in "
@@ -196,7 +217,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages",
                  "min_decode_bucket": "--min-decode-bucket", "batch_invariant": "--batch-invariant",
                  "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
-                 "enable_expert_parallel": "--enable-expert-parallel"}
+                 "enable_expert_parallel": "--enable-expert-parallel", "speculative_config": "--speculative-config"}
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:
@@ -206,6 +227,8 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) ->
     for n, v in kw.items():
         if isinstance(v, int) and not isinstance(v, bool) and v < 1:
             raise SystemExit(f"{_ENGINE_FLAGS[n]} {v}: give a positive integer")
+    if "speculative_config" in kw:
+        kw["speculative_config"] = speculative_config(kw["speculative_config"])
     if accepted is not None:
         unknown = sorted(n for n in kw if n not in accepted)
         if unknown:

@@ -46,6 +46,13 @@ _STAT_COUNTERS = {
     "prefill_tokens": ("engine_prefill_tokens", "Prompt tokens run by prefill steps."),
     "decode_steps": ("engine_decode_steps", "Decode steps run."),
 }
+# speculative decoding (vLLM's spec_decode families), exported when the engine speculates; acceptance length =
+# 1 + accepted tokens / drafts
+_SPEC_COUNTERS = {
+    "spec_drafts": ("spec_decode_num_drafts", "Draft blocks verified (one a request a step)."),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
 _STAT_GAUGES = {
     "running": ("num_requests_running", "Requests in the running batch."),
     "waiting": ("num_requests_waiting", "Requests in the engine's waiting queue."),
@@ -83,6 +90,17 @@ class _EngineStatsCollector(Collector):
         for key, (name, help_text) in _STAT_COUNTERS.items():
             c = CounterMetricFamily(PREFIX + name, help_text, labels=labels)
             c.add_metric([self._model], num(key) or 0.0)
+            yield c
+        per_pos = stats.get("spec_accepted_per_pos")
+        if isinstance(per_pos, (list, tuple)):
+            for key, (name, help_text) in _SPEC_COUNTERS.items():
+                c = CounterMetricFamily(PREFIX + name, help_text, labels=labels)
+                c.add_metric([self._model], num(key) or 0.0)
+                yield c
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted at each block position.", labels=["model_name", "position"])
+            for i, v in enumerate(per_pos):
+                c.add_metric([self._model, str(i)], float(v))
             yield c
         # KV usage per rank: an engine on several devices reports lists; one device is rank 0
         used, total = stats.get("kv_pages_used_per_rank"), stats.get("kv_pages_total_per_rank")

@@ -204,7 +204,16 @@ def test_release_names_dtypes_and_index(cfg, ckpt_dir):
     for key, want in expect.items():
         assert table.get(key) == want, key
     assert table == {k: (d, s) for k, d, s in ckpt.release_tensors(cfg)}
-    assert not any(k.startswith(("model.", "mtp.")) or "tid2eid" in k or "hc_head" in k for k in table)
+    assert not any(k.startswith("model.") or "tid2eid" in k or "hc_head" in k for k in table)
+    # the DSpark stages (spec §5 rows mtp.*), each a window-only block with its own experts
+    R, ED = cfg.dspark_markov_rank, cfg.dspark_n_routed_experts
+    last = cfg.n_mtp_layers - 1
+    assert table["mtp.0.main_proj.weight"] == ("F8_E4M3", (D, len(cfg.dspark_target_layer_ids) * D))
+    assert table["mtp.0.main_norm.weight"] == ("BF16", (D,))
+    assert table[f"mtp.{last}.markov_head.embed.weight"] == ("BF16", (cfg.vocab_size, R))
+    assert table[f"mtp.{last}.confidence_head.proj.weight"] == ("BF16", (1, D + R))
+    assert table[f"mtp.{last}.ffn.experts.{ED - 1}.w1.weight"] == ("I8", (F, D // 2))
+    assert "mtp.1.attn.compressor.wkv.weight" not in table and "mtp.1.main_proj.weight" not in table
 
     with open(os.path.join(ckpt_dir, ckpt.INDEX_NAME)) as f:
         index = json.load(f)
@@ -251,11 +260,15 @@ def test_flash_release_shapes_without_allocating():
     totals = collections.Counter()
     for d, s in table.values():
         totals[d] += math.prod(s) * st.ITEMSIZE[d]
-    # spec §5 totals minus the DSpark stages (3 x 128 FP4 experts; hc / sink / gate bias F32), which we skip
-    dspark_i8 = 3 * 128 * 3 * 2304 * 2560
-    dspark_f32 = 3 * (2 * 24 * 20480 + 2 * 24 + 2 * 3 + 64 + 2 * 128) * 4
-    assert totals["I8"] + dspark_i8 == 278_585_671_680  # "I8 278.6 GB"
-    assert totals["F32"] + dspark_f32 == 169_229_128  # "F32 169.2 MB"
+    # spec §5 totals, the DSpark stages included (main + DSpark experts are all the I8)
+    assert totals["I8"] == 278_585_671_680  # "I8 278.6 GB"
+    assert totals["F32"] == 169_229_128  # "F32 169.2 MB"
+    assert round(totals["F8_E4M3"] / 1e9, 1) == 204.0 and round(totals["F8_E8M0"] / 1e9, 1) == 23.6
+    assert table["mtp.0.main_proj.weight"] == ("F8_E4M3", (5120, 15360))
+    assert table["mtp.2.markov_head.head.weight"] == ("BF16", (129280, 256))
+    assert table["mtp.2.confidence_head.proj.weight"] == ("BF16", (1, 5376))
+    assert table["mtp.1.ffn.experts.127.w2.weight"] == ("I8", (5120, 1152)) and "mtp.1.ffn.experts.128.w2.weight" \
+        not in table
 
 
 # ---- validation -----------------------------------------------------------------------------------------------
@@ -328,6 +341,7 @@ def _corrupt(kind, path):
             d = json.load(f)
         last = d["text_config"]["num_hidden_layers"] - 1
         d["text_config"]["num_hidden_layers"] = last
+        d["text_config"]["num_nextn_predict_layers"] = 0  # DSpark taps the last layers: a prefix has no stages
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(d, f)
         return [f"layers.{last}.", _shard_of(path, f"layers.{last}.attn_norm.weight"), f"n_layers={last}"]
@@ -353,12 +367,13 @@ def test_config_disagreeing_with_cfg_argument(cfg, ckpt_dir):
         ckpt.load_checkpoint(ckpt_dir, cfg.replace(n_routed_experts=16, n_activated_experts=2))
 
 
-def test_dspark_and_vision_are_skipped_with_one_log_line(ckpt_dir, stored, tmp_path, caplog):
-    """DSpark tensors are always skipped; the vision tower's are skipped under a text-only config.json."""
+def test_unmodelled_dspark_stages_and_vision_are_skipped_with_one_log_line(ckpt_dir, stored, tmp_path, caplog):
+    """DSpark stages past the config's n_mtp_layers are skipped; the vision tower's tensors are skipped under a
+    text-only config.json."""
     path = str(tmp_path / "extra")
     shutil.copytree(ckpt_dir, path)
-    extra = {"mtp.0.main_norm.weight": ("BF16", np.ones((8,), jnp.bfloat16)),
-             "mtp.2.markov_head.embed.weight": ("BF16", np.ones((4, 8), jnp.bfloat16))}
+    extra = {"mtp.5.main_norm.weight": ("BF16", np.ones((8,), jnp.bfloat16)),  # stages past the config's
+             "mtp.6.markov_head.embed.weight": ("BF16", np.ones((4, 8), jnp.bfloat16))}
     _rewrite_shard(path, "model-00004-of-00004.safetensors", lambda t: {**t, **extra})
     with open(os.path.join(path, "config.json")) as f:
         conf = json.load(f)

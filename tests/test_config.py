@@ -44,7 +44,8 @@ def test_tiny40_has_flash_schedule_at_tiny_widths():
 def test_nested_and_flat_forms_round_trip():
     c = preset("flash")
     d = c.to_hf_dict()
-    d["text_config"]["compress_ratios"] += [0, 0, 0]  # the release lists the 3 DSpark layers too
+    assert d["text_config"]["compress_ratios"][40:] == [0, 0, 0]  # the release lists the 3 DSpark layers too
+    assert d["text_config"]["num_nextn_predict_layers"] == c.n_mtp_layers == 3
     assert ModelConfig.from_dict(d) == c
     flat = {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.__dict__.items()}
     assert ModelConfig.from_dict(flat) == c
@@ -67,6 +68,8 @@ def test_from_json_reports_the_file(tmp_path):
     (dict(score_func="softmax"), "score_func"),
     (dict(dim=5000), "dim"),
     (dict(n_heads="64"), "n_heads"),
+    (dict(dspark_target_layer_ids=(38, 39, 40)), "dspark_target_layer_ids"),
+    (dict(dspark_num_experts_per_tok=200), "dspark_num_experts_per_tok"),
 ])
 def test_bad_fields_name_the_field(change, field):
     with pytest.raises(ConfigError, match=field):

@@ -63,6 +63,24 @@ def worst(got, ref) -> tuple[float, float]:
     return float(per_step.max()), float(np.median(per_step))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("mesh_engine_tp")
+def test_speculative_decoding_on_a_mesh():
+    """DSpark speculative decoding per data rank with expert parallelism (the DSpark stages' experts split too):
+    the plain one-device engine's greedy tokens, its logits to the noise floor (`NOISE`)."""
+    from serving.engine.config import SpeculativeConfig
+
+    eng = tiny_engine.make(num_pages=8, data_parallel_size=2, enable_expert_parallel=True,
+                           speculative_config=SpeculativeConfig(num_speculative_tokens=5))
+    toks, logits, _ = serve(eng)
+    ref_toks, ref_logits, _ = one_device(True)
+    assert toks == ref_toks
+    assert worst(logits, ref_logits)[0] <= NOISE
+    assert eng.stats()["spec_drafts"] > 0
+    w1 = eng.params["mtp"][0]["ffn"]["experts"]["w1"]
+    assert w1.addressable_shards[0].data.shape[0] == eng.cfg.dspark_n_routed_experts // 2
+
+
 @pytest.mark.xdist_group("mesh_engine_dp")
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "exact"])
 def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):

@@ -266,7 +266,7 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
                 f"needs head_dim % 128 == 0 and n_heads <= 64 (head_dim {cfg.head_dim}, n_heads {cfg.n_heads})"
                 if cfg.head_dim % 128 or cfg.n_heads > 64 else "")
     fp4 = all(isinstance(w, (quant.Fp4Weight, expert_gemm.PreparedFp4))
-              for lp in params["layers"] for w in lp["ffn"]["experts"].values())
+              for lp in params["layers"] + params.get("mtp", []) for w in lp["ffn"]["experts"].values())
     moe_why = ("needs a CUDA GPU" if not gpu else
                "needs FP4 expert weights (a release checkpoint, or init_params without dtype)" if not fp4 else
                f"needs dim and moe_inter_dim multiples of 256 ({cfg.dim}, {cfg.moe_inter_dim})"
@@ -382,14 +382,23 @@ def prepare_linears(params: dict, cfg, interpret: bool = False) -> dict:
             return tree
         return {**tree, head: fp8_linear.prepare_fp8_linear(w, interpret=interpret)}
 
-    layers = []
-    for lp in params["layers"]:
+    def block(lp: dict, _name: str) -> dict:
         for path in FP8_LINEARS:
             lp = convert(lp, path, False)
         for path in GROUPED_FP8_LINEARS:
             lp = convert(lp, path, True)
-        layers.append(lp)
-    return {**params, "layers": layers}
+        return lp
+
+    return _map_blocks(params, block)
+
+
+def _map_blocks(params: dict, fn) -> dict:
+    """fn(block, its name) over every block of the tree: the layers, then the DSpark stages (`mtp`, when present),
+    one at a time."""
+    out = {**params, "layers": [fn(lp, f"layer {i}") for i, lp in enumerate(params["layers"])]}
+    if "mtp" in params:
+        out["mtp"] = [fn(sp, f"DSpark stage {i}") for i, sp in enumerate(params["mtp"])]
+    return out
 
 
 def prepare_experts(params: dict, interpret: bool = False) -> dict:
@@ -397,15 +406,15 @@ def prepare_experts(params: dict, interpret: bool = False) -> dict:
     then runs the Mosaic GPU kernel instead of dequantizing every expert for lax.ragged_dot. w1 and w3 become
     one weight 'w13' [E, 2F, D] (one call per layer for both). The old arrays are dropped as each layer is
     converted, so peak memory grows by one layer's experts."""
-    layers = []
-    for i, lp in enumerate(params["layers"]):
+    def block(lp: dict, name: str) -> dict:
         ex = lp["ffn"]["experts"]
         bad = [k for k, w in ex.items() if not isinstance(w, (Fp4Weight, expert_gemm.PreparedFp4))]
         if bad:
-            raise ValueError(f"layer {i}: routed experts {bad} are not FP4 (the release's format); the grouped FP4 "
-                             f"kernel needs FP4 weights: load a release checkpoint or use init_params without dtype")
+            raise ValueError(f"{name}: routed experts {bad} are not FP4 (the release's format); the grouped FP4 kernel "
+                             f"needs FP4 weights: load a release checkpoint or use init_params without dtype")
         ex = {k: expert_gemm.prepare_fp4_experts(w, interpret=interpret) for k, w in ex.items()}
         if "w1" in ex:
             ex = {"w13": expert_gemm.concat_out_features(ex.pop("w1"), ex.pop("w3")), **ex}
-        layers.append({**lp, "ffn": {**lp["ffn"], "experts": ex}})
-    return {**params, "layers": layers}
+        return {**lp, "ffn": {**lp["ffn"], "experts": ex}}
+
+    return _map_blocks(params, block)

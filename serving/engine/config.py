@@ -16,6 +16,45 @@ from serving.engine.errors import EngineError
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config: `{"method": "dspark", "num_speculative_tokens": 5}`. DSpark (the release's
+    `mtp.*` stages) drafts a block; each decode step verifies the previous step's drafts and drafts the next
+    block in one program. forced_acceptance (benchmarks only: outputs are wrong) takes every draft as if the
+    target model had produced it, so the loop runs at full acceptance length on random weights."""
+
+    method: str = "dspark"
+    num_speculative_tokens: int = 5
+    forced_acceptance: bool = False
+
+    def __post_init__(self):
+        if self.method != "dspark":
+            raise EngineError(f"speculative method {self.method!r}: only 'dspark' (the release's drafter) is built")
+        n = self.num_speculative_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise EngineError(f"num_speculative_tokens must be an integer >= 1, got {n!r}")
+        if not isinstance(self.forced_acceptance, bool):
+            raise EngineError(f"forced_acceptance must be true or false, got {self.forced_acceptance!r}")
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig":
+        """The flag's JSON object; an unknown key or bad value raises EngineError naming it."""
+        import json
+
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise EngineError(f"--speculative-config is not valid JSON ({e}); e.g. "
+                              '\'{"method": "dspark", "num_speculative_tokens": 5}\'') from None
+        if not isinstance(d, dict):
+            raise EngineError(f"--speculative-config must be a JSON object, got {text!r}")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise EngineError(f"--speculative-config: unknown key(s) {unknown}; known: "
+                              f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 8  # decode slots: sequences running at once
     max_model_len: int | None = None  # None: the model's max_seq_len (also its cap)
@@ -53,6 +92,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # DSpark speculative decoding (None: off): greedy tokens unchanged, sampled ones by rejection sampling
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def parallelism(self) -> Parallelism:
@@ -78,6 +119,9 @@ class EngineConfig:
                               f"or raise max_num_batched_tokens")
         if self.page_tokens % 2:
             raise EngineError("page_tokens must be even (ratio-2 groups may not straddle pages)")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise EngineError("speculative_config must be a SpeculativeConfig (SpeculativeConfig.from_json parses "
+                              f"the flag's JSON), got {type(self.speculative_config).__name__}")
         if min(self.min_prefill_bucket, self.min_ctx_pages, self.min_decode_bucket) < 1:
             raise EngineError("min_prefill_bucket, min_ctx_pages and min_decode_bucket must be >= 1")
 

@@ -91,6 +91,15 @@ class Engine(Scheduler, Warmup):
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))
         # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
         self.static = {"cfg": cfg, "num": numerics, "backends": self.backends}
+        self.spec = config.speculative_config
+        if self.spec is not None:
+            self._check_speculative(cfg, self.params, config)
+        # a prefill under speculative decoding also seeds the DSpark rings
+        self.prefill_static = self.static if self.spec is None else {**self.static, "dspark_seed": True}
+        # tokens a decode row runs: 1, or the anchor and k drafts, and with ratio-2 layers one more (a speculative
+        # chunk starts at an even position: `programs._spec`)
+        self.spec_rerun = any(r > 1 for r in cfg.compress_ratios)
+        self.decode_tokens = 1 if self.spec is None else self.spec.num_speculative_tokens + 1 + int(self.spec_rerun)
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
@@ -108,7 +117,9 @@ class Engine(Scheduler, Warmup):
                               f"({cfg.window_size}): the decoder's first window would reach before its rows; "
                               f"raise it to at least {cfg.window_size}")
         self.replay_tokens = config.swa_replay_tokens
-        pages_per_seq = -(-self.max_model_len // page_tokens)
+        # speculative decoding writes up to k drafts past the newest token: their pages too
+        spec_k = self.spec.num_speculative_tokens if self.spec else 0
+        pages_per_seq = -(-(self.max_model_len + spec_k) // page_tokens)
         self.max_pages_per_seq = pages_per_seq
         self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
         self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
@@ -120,7 +131,8 @@ class Engine(Scheduler, Warmup):
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
         # per data-parallel rank, as vLLM's --max-num-seqs is per DP engine
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs,
-                                 ranks=par.data, replay_tokens=self.replay_tokens)
+                                 ranks=par.data, replay_tokens=self.replay_tokens,
+                                 spec_tokens=self.spec.num_speculative_tokens if self.spec else 0)
         self.pool = kv_pool.allocate(cfg, self.layout, None if self.mesh is None else
                                      sharding.rank_sharding(self.mesh))
         self.prefix_caching = self.replay if config.enable_prefix_caching is None else config.enable_prefix_caching
@@ -133,8 +145,25 @@ class Engine(Scheduler, Warmup):
         self.max_waiting = config.max_waiting
         self.eos = getattr(tokenizer, "eos_id", cfg.eos_token_id)
         self.counters = collections.Counter()
+        # speculative decoding: how often the draft at each block position was accepted (vLLM's per-position count)
+        self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
         self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
+
+    @staticmethod
+    def _check_speculative(cfg: ModelConfig, params: dict, config: EngineConfig) -> None:
+        k = config.speculative_config.num_speculative_tokens
+        if cfg.n_mtp_layers == 0 or "mtp" not in params:
+            raise EngineError("speculative decoding with DSpark needs the model's DSpark stages (mtp.*), and this "
+                              "config has n_mtp_layers=0; use a checkpoint or preset with them, or leave "
+                              "--speculative-config out")
+        if k > cfg.dspark_block_size:
+            raise EngineError(f"num_speculative_tokens={k} exceeds DSpark's block of {cfg.dspark_block_size}; "
+                              f"give at most {cfg.dspark_block_size}")
+        if config.swa_bounded_replay and min(cfg.dspark_target_layer_ids) < cfg.split_layer:
+            raise EngineError(f"DSpark reads layers {cfg.dspark_target_layer_ids}, and under SWA bounded replay "
+                              f"layers before {cfg.split_layer} never see a prompt's last tokens in one program; "
+                              "use --no-swa-bounded-replay with this model")
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -265,6 +294,7 @@ class Engine(Scheduler, Warmup):
             "kv_pages_total_per_rank": [P] * len(self.ranks),
             "prefix_cache_hit_tokens_per_rank": hits,
             "prefix_cache_query_tokens_per_rank": queries,
+            **({"spec_accepted_per_pos": list(self.spec_accepted_per_pos)} if self.spec else {}),
             **self.counters,
         }
 
@@ -356,7 +386,7 @@ class Engine(Scheduler, Warmup):
         if not self.replay:
             last = [r if r is not None and ends[r.id] == r.prefill_len else None for r in rows]
             self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, self._sampling(last),
-                                                            **self.static)
+                                                            **self.prefill_static)
             for r in reqs:
                 r.computed = ends[r.id]
             return self._first_tokens(last, logits, tok)
@@ -381,7 +411,7 @@ class Engine(Scheduler, Warmup):
             return []
         bd, hp, pp = self._decoder_inputs(last, b.block_table.shape[1])
         self.pool, logits, tok = self.programs.run_decoder(self.params, self.pool, bd, hp, pp, self._sampling(last),
-                                                           **self.static)
+                                                           **self.prefill_static)
         for r in filter(None, last):
             r.tail = None
         return self._first_tokens(last, logits, tok)
@@ -449,6 +479,8 @@ class Engine(Scheduler, Warmup):
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
             return []
+        if self.spec is not None:
+            return self._decode_speculative(reqs)
         rows = self._decode_rows(reqs)
         b, samp = self._decode_batch(rows)
         self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, samp, **self.static)
@@ -461,6 +493,62 @@ class Engine(Scheduler, Warmup):
             if self.keep_logits:
                 r.logits.append(np.asarray(logits[i]))
             outs += self._accept(r, int(tok[i]))
+        self.counters["decode_steps"] += 1
+        return outs
+
+    def _decode_speculative(self, reqs: list[_Request]) -> list[StepOutput]:
+        """One speculative step (`programs._spec`): each row verifies its k drafts and takes the accepted ones and
+        the target's next token; the pool already holds the next block's drafts' context. Pages cover the drafts'
+        positions; what rejected drafts wrote there is overwritten by the tokens that take those positions."""
+        k = self.spec.num_speculative_tokens
+        for r in list(reqs):
+            if r.id in self.running:
+                while not self._ensure_pages(r, r.num_tokens + k):
+                    if not self._preempt(r):
+                        self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                                      f"{r.num_tokens + k} tokens; raise num_pages or lower max_model_len")
+        reqs = [r for r in reqs if r.id in self.running]
+        if not reqs:
+            return []
+        rows = self._decode_rows(reqs)
+        toks, pos0 = {}, {}
+        for r in filter(None, rows):
+            a = r.num_tokens - 1  # the anchor: the newest token, whose KV is not in the pool yet
+            # a chunk starts at an even position (`programs._spec`): an odd anchor re-runs the token before it
+            back = 1 if self.spec_rerun and a % 2 else 0
+            drafts = (r.drafts + [self.cfg.dspark_noise_token_id] * k)[:k]
+            toks[r.id] = r.token_range(a - back, a + 1) + drafts
+            pos0[r.id] = a - back
+            r.history = self._history_before(r, a - back)
+        b = self._batch(rows, toks, pos0, self.decode_tokens)
+        samp = self._sampling(rows)
+        # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
+        has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
+        self.pool, logits, out, acc, nxt = self.programs.run_spec(
+            self.params, self.pool, b, samp, has_q, np.full(len(rows), self.spec.forced_acceptance), **self.static,
+            spec_tokens=k)
+        out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
+        outs = []
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            a = r.num_tokens - 1
+            new: list[int] = []
+            for j in range(int(acc[i]) + 1):
+                r.computed = a + j + 1  # the pool holds the anchor and the j drafts accepted before this token
+                if self.keep_logits:
+                    r.logits.append(np.asarray(logits[i, j]))
+                o = self._accept(r, int(out[i, j]))[0]
+                new.append(int(out[i, j]))
+                if o.finished:
+                    break
+            r.drafts, r.drafts_drawn = nxt[i].tolist(), True
+            self.counters["spec_drafts"] += 1
+            self.counters["spec_draft_tokens"] += k
+            self.counters["spec_accepted_tokens"] += len(new) - 1
+            for j in range(len(new) - 1):
+                self.spec_accepted_per_pos[j] += 1
+            outs.append(dataclasses.replace(o, new_token_ids=new))
         self.counters["decode_steps"] += 1
         return outs
 

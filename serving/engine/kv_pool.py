@@ -37,12 +37,16 @@ class KVPool:
     Every array has pages or slots on axis 0."""
 
     layers: list  # per layer: kv_layout.LayerKV
+    # speculative decoding: per DSpark stage, the ring of its context window keys (a LayerKV with only swa_q/swa_s);
+    # per slot, the drafter's last states float32 [S, k, D] (the next step recomputes its draft distributions)
+    dspark: list | None = None
+    dspark_states: jax.Array | None = None
 
     def with_layer(self, layer: int, lkv: LayerKV) -> KVPool:
         """The pool with layer `layer`'s record replaced."""
         layers = list(self.layers)
         layers[layer] = lkv
-        return KVPool(layers)
+        return dataclasses.replace(self, layers=layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +59,20 @@ class PoolLayout:
     num_slots: int
     ranks: int = 1
     replay_tokens: int | None = None  # EngineConfig.swa_replay_tokens; None: the window
+    # speculative decoding's drafts a step: every ring holds that many slots more, so that the writes of rejected
+    # drafts (positions past the accepted end) land only in slots no later window reads; and the DSpark rings
+    spec_tokens: int = 0
 
     def entries_per_page(self, ratio: int) -> int:
         return self.page_tokens // ratio
 
 
-def ring_size(cfg: ModelConfig, layer: int, replay_tokens: int | None = None) -> int:
-    """SWA ring slots of `layer`; the programs read it off the pool's shape."""
+def ring_size(cfg: ModelConfig, layer: int, replay_tokens: int | None = None, spec_tokens: int = 0) -> int:
+    """SWA ring slots of `layer` (layers n_layers..: the DSpark stages' context rings); the programs read it off
+    the pool's shape."""
     if layer == cfg.split_layer:
-        return (replay_tokens or cfg.window_size) + cfg.window_size
-    return cfg.window_size
+        return (replay_tokens or cfg.window_size) + cfg.window_size + spec_tokens
+    return cfg.window_size + spec_tokens
 
 
 def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
@@ -74,7 +82,7 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
     sd = jax.ShapeDtypeStruct
     layers = []
     for layer in range(cfg.n_layers):
-        R = ring_size(cfg, layer, lay.replay_tokens)
+        R = ring_size(cfg, layer, lay.replay_tokens, lay.spec_tokens)
         lkv = LayerKV(sd((S, R, Dh), jnp.float8_e4m3fn), sd((S, R, Dh // 32), jnp.uint8))
         if layer in cfg.kv_source_layers:
             r = cfg.compress_ratios[layer]
@@ -86,7 +94,12 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
                 # crashes XLA's SPMD partitioner (jaxlib 0.11.2, CPU)
                 comp_state=sd((S, 2 * Dh), jnp.float32) if r > 1 else None)
         layers.append(lkv)
-    return KVPool(layers)
+    if not lay.spec_tokens:
+        return KVPool(layers)
+    R = ring_size(cfg, cfg.n_layers, None, lay.spec_tokens)
+    dspark = [LayerKV(sd((S, R, Dh), jnp.float8_e4m3fn), sd((S, R, Dh // 32), jnp.uint8))
+              for _ in range(cfg.n_mtp_layers)]
+    return KVPool(layers, dspark, sd((S, lay.spec_tokens, cfg.dim), jnp.float32))
 
 
 def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:

@@ -5,6 +5,7 @@
   token of the chunk; returns the split layer's input stream for the chunk's last `replay_tokens` rows.
 - `run_decoder`: the rest of the split layer and the layers after it on each request's last `replay_tokens`
   prompt tokens (SWA bounded replay: their windows start at N - replay_tokens).
+- `run_spec`: a speculative decode step, DSpark's drafts verified and the next block drafted.
 The layer math is dsv41's; what is new here is reading/writing the pool.
 """
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41 import attention as A
-from dsv41 import compressor, engram, indexer, mhc, model, quant, sharding
+from dsv41 import compressor, dspark, engram, indexer, mhc, model, quant, sharding
 from dsv41 import kv_layout as kl
 from dsv41.config import ModelConfig
 from dsv41.kv_layout import LayerKV
@@ -27,6 +28,7 @@ from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
 from serving.engine.backends import Backends, KernelOptions
+from serving.engine import spec_sampling
 from serving.engine.kv_pool import KVPool
 
 
@@ -312,7 +314,9 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
 
 
 def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict,
-            backends: Backends = Backends()):
+            backends: Backends = Backends(), taps: dict | None = None):
+    """Layers [first, last) against the pool. taps: a dict that receives the DSpark target layers' block inputs
+    (`dspark.target_features` reads them), by layer."""
     freqs = model.freqs_for(cfg)
     carry = Carry()
     for i in range(first, last):
@@ -323,6 +327,8 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
                 rows = b.rows[cfg.engram_layer_ids.index(i)]
                 text = None if b.image_mask is None else ~b.image_mask
                 h = engram.engram(h, rows, lp["engram"], cfg, num, text, ops=backends.ops)
+        if taps is not None and i in cfg.dspark_target_layer_ids:
+            taps[i] = h
         if phase == "kv_only":
             with jax.named_scope("attention"):
                 x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
@@ -360,20 +366,9 @@ def sample(logits: jax.Array, s: Sampling) -> jax.Array:
     sampled = s.temperature > 0
     filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
 
-    def filter_top_k_top_p(z):
-        srt = jnp.sort(z, -1)[:, ::-1]
-        V = z.shape[-1]
-        k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
-        kth = jnp.take_along_axis(srt, (k - 1)[:, None], -1)
-        z = jnp.where(z < kth, -jnp.inf, z)
-        probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), -1)
-        cum = jnp.cumsum(probs, -1) - probs  # mass strictly above each sorted entry
-        keep_sorted = (cum < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)
-        cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), -1, keepdims=True)
-        return jnp.where(z < cutoff, -jnp.inf, z)
-
     def draw(z):
-        z = jax.lax.cond(jnp.any(filtered), filter_top_k_top_p, lambda v: v, z)
+        z = jax.lax.cond(jnp.any(filtered), lambda v: spec_sampling.filter_top_k_top_p(v, s.top_k, s.top_p),
+                         lambda v: v, z)
         keys = jax.vmap(jax.random.wrap_key_data)(s.key)
         return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
 
@@ -389,16 +384,97 @@ def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
     return logits, tok
 
 
+def _dspark_write(params, pool: KVPool, b: Batch, taps: dict, cfg: ModelConfig, num: Numerics, ops) -> KVPool:
+    """The chunk's DSpark context keys (from the target layers' block inputs `taps`) into each stage's ring."""
+    pos = b.pos0[:, None] + jnp.arange(b.tokens.shape[1], dtype=jnp.int32)[None]
+    feats = dspark.target_features([taps[i] for i in cfg.dspark_target_layer_ids])
+    ctx = dspark.project_context(params, feats, cfg, num, ops)
+    rings = []
+    for rec, kv in zip(pool.dspark, dspark.context_kv(params, ctx, pos, cfg, num, ops)):
+        kq, ks = quant.fp8_quantize(kv)
+        rq = kl.write_ring(kl.read_slots(rec.swa_q, b.slot), kq, b.pos0, b.n_valid)
+        rs = kl.write_ring(kl.read_slots(rec.swa_s, b.slot), quant.ue8m0_encode(ks), b.pos0, b.n_valid)
+        rings.append(dataclasses.replace(rec, swa_q=kl.write_slots(rec.swa_q, b.slot, rq),
+                                         swa_s=kl.write_slots(rec.swa_s, b.slot, rs)))
+    return dataclasses.replace(pool, dspark=rings)
+
+
+def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: Sampling, k: int,
+                  cfg: ModelConfig, num: Numerics, ops):
+    """One block drafted a row from its DSpark rings: anchor_ids [B] at anchor_pos [B] (the newest token; the
+    rings hold the context before it, from the rows' decoder ring start on). Greedy rows take each position's
+    argmax, sampled rows draw (`spec_sampling.draft_sampler`). The block's first k states go to the pool: the
+    next step recomputes the distributions its drafts were drawn from. -> (pool, drafts int32 [B, k])."""
+    lo = b.ring_lo[:, -1]
+    ctx_k = []
+    for rec in pool.dspark:
+        R = rec.swa_q.shape[1]
+        ctx_k.append(_dequant_fp8_rows(kl.read_slots(rec.swa_q, b.slot), kl.read_slots(rec.swa_s, b.slot)))
+    ctx_pos = kl.ring_positions(anchor_pos, R, lo)
+    states = dspark.draft_states(params, ctx_k, ctx_pos, anchor_ids, anchor_pos, cfg, num, ops)[:, :k]
+    drafts = dspark.draft_tokens(params, states, anchor_ids, cfg, num, spec_sampling.draft_sampler(samp))[0]
+    pool = dataclasses.replace(pool, dspark_states=kl.write_slots(pool.dspark_states, b.slot,
+                                                                  states.astype(pool.dspark_states.dtype)))
+    return pool, drafts
+
+
+def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forced: jax.Array, *, cfg: ModelConfig,
+          num: Numerics, backends: Backends = Backends(), spec_tokens: int = 0):
+    """One speculative decode step: verify and draft in one call. Row b's chunk is [maybe the token before,
+    anchor a (its newest token), drafts d_1..d_k] at positions pos0 ..; n_valid = its real length (k + 1, or
+    k + 2 when it re-runs the token before the anchor: a chunk must start at an even position, so that the
+    ratio-2 compressors never read a pending state that rejected drafts overwrote). The target's logits after a
+    and after each d_i decide how many drafts a row accepts and the token after them (the bonus:
+    `spec_sampling.verify`; has_q [B]: the row's drafts came from the drafter's previous step, whose states the
+    pool holds). The chunk's DSpark context keys go into the rings and the next block is drafted from the bonus.
+    forced [B] (bool, traced: one program either way): accept every draft (benchmarks).
+    -> (pool, logits [B, k + 1, V] after a and each d_i, tokens [B, k + 1] (the accepted drafts, then the bonus),
+    accepted count [B], next drafts [B, k])."""
+    k = spec_tokens
+    with jax.named_scope("embed"):
+        h, pre = model.embed(params, b.tokens, cfg, num)
+    taps: dict = {}
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends, taps)
+    B, T = b.tokens.shape
+    off = jnp.clip(b.n_valid - (k + 1), 0, T - k - 1)  # the anchor's row
+    rows = off[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]  # [B, k + 1]: a, d_1 .. d_k
+    toks = jnp.take_along_axis(b.tokens, rows, axis=1)  # [B, k + 1]: a, d_1 .. d_k
+    drafts_in = toks[:, 1:]
+    with jax.named_scope("head_sample"):
+        hs = jnp.take_along_axis(h, rows[:, :, None, None], axis=1)
+        ps = jnp.take_along_axis(pre, rows[:, :, None], axis=1)
+        logits = model.head(params, hs, ps, cfg)  # [B, k + 1, V]
+        prev_states = kl.read_slots(pool.dspark_states, b.slot)  # [B, k, D]: the states d_1 .. d_k came from
+
+        def draft_logits():  # the drafter's logits of d_i, whose Markov bias read d_{i-1} (d_0 = a)
+            return dspark.draft_logits(params, prev_states, toks[:, :k], cfg, num)[0]
+
+        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, sample(logits[:, 0], samp))
+    m = jnp.where(forced, k, m)
+    bonus = jnp.where(forced, jnp.argmax(logits[:, k], -1).astype(jnp.int32), bonus)  # forced [B]
+    i = jnp.arange(k + 1, dtype=jnp.int32)[None]
+    out = jnp.where(i < m[:, None], jnp.pad(drafts_in, ((0, 0), (0, 1))), bonus[:, None])
+    with jax.named_scope("dspark"):
+        pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
+        anchor_pos = b.pos0 + off + m + 1
+        pool, nxt = _dspark_draft(params, pool, b, bonus, anchor_pos, samp, k, cfg, num, backends.ops)
+    return pool, logits, out, m, nxt
+
+
 def _full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-          backends: Backends = Backends()):
+          backends: Backends = Backends(), dspark_seed: bool = False):
     """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
     backends (`backends.Backends`): an attention backend other than 'xla' runs the fused kernels (decode: KV
     writes, indexer, attention; longer chunks: attention, one kernel row per query token) with its options; its
-    ops run the linears, MoE and mHC sites."""
+    ops run the linears, MoE and mHC sites. dspark_seed: also write the chunk's DSpark context keys (a prefill
+    under speculative decoding)."""
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
         h = model.place_images(h, b.image_embeds, b.image_mask)
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends)
+    taps = {} if dspark_seed else None
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends, taps)
+    if dspark_seed:
+        pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
     with jax.named_scope("head_sample"):
         logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
@@ -417,11 +493,16 @@ def _encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics,
 
 
 def _decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-             backends: Backends = Backends()):
+             backends: Backends = Backends(), dspark_seed: bool = False):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
-    b.pos0 = N - n_valid. -> (pool, logits [B, V], sampled ids [B])."""
+    b.pos0 = N - n_valid. dspark_seed: also write the rows' DSpark context keys (the target layers are decoder
+    layers). -> (pool, logits [B, V], sampled ids [B])."""
     split = cfg.split_layer
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backends)
+    taps = {} if dspark_seed else None
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backends,
+                           taps)
+    if dspark_seed:
+        pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
     logits, tok = _head_sample(params, h, pre, b, cfg, samp)
     return pool, logits, tok
 
@@ -449,10 +530,12 @@ def left_align(h, pre, n):
 
 _STATIC = ("cfg", "num", "backends")
 _ENCODER_STATIC = _STATIC + ("replay_tokens",)
+_PREFILL_STATIC = _STATIC + ("dspark_seed",)
+_SPEC_STATIC = _STATIC + ("spec_tokens",)
 
 
 class Programs:
-    """The engine's three programs (`run_full`, `run_encoder`, `run_decoder`), jitted for one placement, each
+    """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_spec`), jitted for one placement, each
     taking (params, pool, batch, ...) and returning the new pool (donated).
 
     mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
@@ -465,9 +548,10 @@ class Programs:
         self.mesh = mesh
         if mesh is None:
             jit = functools.partial(jax.jit, donate_argnames=("pool",))
-            self.run_full = jit(_full, static_argnames=_STATIC)
-            self.run_decoder = jit(_decoder, static_argnames=_STATIC)
+            self.run_full = jit(_full, static_argnames=_PREFILL_STATIC)
+            self.run_decoder = jit(_decoder, static_argnames=_PREFILL_STATIC)
             self.run_encoder = jit(_encoder, static_argnames=_ENCODER_STATIC)
+            self.run_spec = jit(_spec, static_argnames=_SPEC_STATIC)
             return
         rank = sharding.rank_sharding(mesh)
         specs = jax.tree_util.tree_map(sharding.manual_spec, param_shardings)
@@ -483,15 +567,20 @@ class Programs:
             return fn
 
         full, enc, dec = per_rank(_full, 3), per_rank(_encoder, 2), per_rank(_decoder, 5)
+        spec = per_rank(_spec, 5)
 
-        def run_full(params, pool, b, samp, *, cfg, num, backends=Backends()):
-            return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends)
+        def run_full(params, pool, b, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
+            return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
 
         def run_encoder(params, pool, b, *, cfg, num, backends=Backends(), replay_tokens=None):
             return enc(params, pool, b, cfg=cfg, num=num, backends=backends, replay_tokens=replay_tokens)
 
-        def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends()):
-            return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends)
+        def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
+            return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
+
+        def run_spec(params, pool, b, samp, has_q, forced, *, cfg, num, backends=Backends(), spec_tokens=0):
+            return spec(params, pool, b, samp, has_q, forced, cfg=cfg, num=num, backends=backends,
+                        spec_tokens=spec_tokens)
 
         def jit(fn, static=_STATIC, out=rank):
             return _PerRankArgs(jax.jit(fn, static_argnames=static, donate_argnames=("pool",), out_shardings=out),
@@ -499,8 +588,10 @@ class Programs:
 
         # across processes the host reads every rank's sampled tokens: replicated, each host has them locally
         tok = sharding.replicated(mesh) if jax.process_count() > 1 else rank
-        self.run_full, self.run_decoder = jit(run_full, out=(rank, rank, tok)), jit(run_decoder, out=(rank, rank, tok))
+        self.run_full = jit(run_full, _PREFILL_STATIC, out=(rank, rank, tok))
+        self.run_decoder = jit(run_decoder, _PREFILL_STATIC, out=(rank, rank, tok))
         self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
+        self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,8 @@ class _Request:
     logits: list = dataclasses.field(default_factory=list)  # with keep_logits: [V] per sampled token
     images: tuple = ()  # images.PromptImage per image span of the prompt, in order
     image_rows: dict = dataclasses.field(default_factory=dict)  # id(image) -> its span rows, during a prefill
+    drafts: list = dataclasses.field(default_factory=list)  # speculative decoding: the tokens the next step verifies
+    drafts_drawn: bool = False  # they are the drafter's, drawn in this slot's last step (its states in the pool)
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
     _page_row: tuple = (None, 0, np.zeros(0, np.int32))
@@ -207,6 +209,7 @@ class Scheduler:
                 while len(self.session_rank) > self.max_sessions:
                     self.session_rank.popitem(last=False)
             r.slot = rank.free_slots.popleft()
+            r.drafts, r.drafts_drawn = [], False  # a new slot holds no drafter states of this request
             r.history = self._history_before(r, r.start)
             r.tail = None
             self.running[r.id] = r
@@ -304,5 +307,6 @@ class Scheduler:
         if self.replay:
             shapes += [("decoder", D, 1, c) for c in ctxs]
         decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", D * B, 1, c) for B in ladder(self.min_decode_bucket, decode_top) for c in ctxs]
+        shapes += [("decode", D * B, self.decode_tokens, c) for B in ladder(self.min_decode_bucket, decode_top)
+                   for c in ctxs]
         return shapes

@@ -41,8 +41,12 @@ class Warmup:
             on = self.pool.layers[0].swa_q.sharding
             h = jnp.zeros((B, W, hc, self.cfg.dim), self.num.jdtype, device=on)
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
-            return progs.run_decoder, (self.params, self.pool, b, h, pre, samp), static
-        return progs.run_full, (self.params, self.pool, b, samp), static
+            return progs.run_decoder, (self.params, self.pool, b, h, pre, samp), self.prefill_static
+        if kind == "decode" and self.spec is not None:
+            forced = np.full(B, self.spec.forced_acceptance)
+            return (progs.run_spec, (self.params, self.pool, b, samp, np.zeros(B, bool), forced),
+                    {**static, "spec_tokens": self.spec.num_speculative_tokens})
+        return progs.run_full, (self.params, self.pool, b, samp), static if kind == "decode" else self.prefill_static
 
     @property
     def warmup_progress(self) -> WarmupProgress:

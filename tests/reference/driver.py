@@ -108,6 +108,8 @@ def run_reference(
     cache_qdq: bool = True,
     layer_inputs: Mapping[str, np.ndarray] | None = None,
     attn: str = "eager",
+    dspark_anchors: np.ndarray | None = None,
+    dspark_prev: np.ndarray | None = None,
     threads: int | None = None,
     timeout: float | None = 900,
     chat: list | None = None,
@@ -124,6 +126,8 @@ def run_reference(
       layer_inputs: teacher forcing: module inputs to replace, keyed like the dump (layer{l}.block_in_raw,
         layer{l}.block_in, layer{l}.pre_mix_in, layer{l}.attn_in, layer{l}.ffn_in).
       attn: nemo attention backend, "eager" (fp32 softmax) or "sdpa".
+      dspark_anchors, dspark_prev: also draft one DSpark block per anchor (int [batch, anchors] positions) with
+        these previous tokens for the Markov bias (int [batch, anchors, block]); adds dspark.* outputs.
       threads: torch threads in the child (default $DSV41_REF_THREADS or 1).
       timeout: seconds before the child is killed.
       chat: instead of tokens (pass None): a message list, content blocks may be {"type": "image", "path": FILE};
@@ -175,6 +179,13 @@ def run_reference(
             cmd.append("--no-cache-qdq")
         if threads is not None:
             cmd += ["--threads", str(threads)]
+        if (dspark_anchors is None) != (dspark_prev is None):
+            raise ValueError("dspark_anchors and dspark_prev go together")
+        if dspark_anchors is not None:
+            np.save(tmp_path / "dspark_anchors.npy", np.asarray(dspark_anchors, np.int64))
+            np.save(tmp_path / "dspark_prev.npy", np.asarray(dspark_prev, np.int64))
+            cmd += ["--dspark-anchors", str(tmp_path / "dspark_anchors.npy"),
+                    "--dspark-prev", str(tmp_path / "dspark_prev.npy")]
         if layer_inputs:
             forced_path = tmp_path / "layer_inputs.npz"
             np.savez(forced_path, **{k: np.asarray(v) for k, v in layer_inputs.items()})

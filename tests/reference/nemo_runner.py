@@ -73,6 +73,15 @@ With ``--dump`` also (bf16 tensors are widened to float32; b=batch, s=seq, D=hid
   final_hidden               [b,s,D]           norm(collapse(last block_out, last pre_mix_out)): lm-head input
 Reuse layers publish nothing new (they attend with the last source's compressed_kv / topk_idxs).
 
+DSpark (``--dspark-anchors A.npy --dspark-prev P.npy``): nemo's DSpark backbone (``deepseek_v41/dspark.py``, the
+``mtp.*`` tensors) drafts one block per anchor from the target features this forward produced (the mean over the
+hc copies of the streams entering each ``dspark_target_layer_ids`` layer, concatenated). A: int [b,a] anchor
+positions (the block's first input is the token there; its context is the window of positions before it);
+P: int [b,a,K] each block position's previous token for the Markov bias (K = dspark_block_size). Adds
+  dspark.target_features    [b,s,n*D]         the concatenated mean streams
+  dspark.logits             f32 [b,a,K,V]     draft logits: lm_head(final-normed states) + Markov bias of P
+  dspark.confidence         f32 [b,a,K]       confidence-head logits
+
 Teacher forcing (``--layer-inputs FILE.npz``): every key present in FILE replaces the matching module input for the
 whole forward; the rest of the model runs normally (so later layers see the forced layer's outputs, and state
 published by forced source layers is computed from forced inputs). Keys:
@@ -232,7 +241,10 @@ def disable_cache_qdq() -> None:
     """
     from nemo_automodel.components.models.deepseek_v41 import attention
 
+    from nemo_automodel.components.models.deepseek_v41 import dspark
+
     attention.quantize_cache = lambda values, *, format, block_size: values
+    dspark.quantize_cache = attention.quantize_cache
 
 
 def build_model(checkpoint: Path, dtype: str, attn: str, vision: bool = False):
@@ -258,6 +270,65 @@ def build_model(checkpoint: Path, dtype: str, attn: str, vision: bool = False):
     load_weights(model, checkpoint)
     model.eval()
     return model
+
+
+def build_dspark(model, checkpoint: Path, dtype: str):
+    """nemo's DSpark backbone with the checkpoint's ``mtp.*`` tensors (through its DSpark state-dict adapter)."""
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkBackbone
+    from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import DeepseekV41DSparkStateDictAdapter
+
+    text = model.config.text_config
+    if text.num_nextn_predict_layers <= 0:
+        raise InputError(f"{checkpoint}/config.json has num_nextn_predict_layers=0: no DSpark stages to run")
+    backbone = DeepseekV41DSparkBackbone(text, model.backend)
+    hf_state = {}
+    for file in checkpoint_files(checkpoint):
+        hf_state.update({k: v for k, v in load_file(str(file)).items() if k.startswith("mtp.")})
+    adapter = DeepseekV41DSparkStateDictAdapter(text, backbone.moe_config, model.backend,
+                                                dtype=DTYPES[dtype])
+    try:
+        native = adapter.from_hf(hf_state)
+    except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+        raise InputError(f"nemo's DeepseekV41DSparkStateDictAdapter could not convert mtp.*: {exc}") from exc
+    result = backbone.load_state_dict(native, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(
+            "the mtp.* tensors do not match the DSpark stages built from config.json:\n"
+            f"  missing: {sorted(result.missing_keys)[:40]}\n  unexpected: {sorted(result.unexpected_keys)[:40]}"
+        )
+    return backbone.eval()
+
+
+def run_dspark(model, backbone, tokens, block_ins: dict, anchors, prev) -> dict:
+    """One draft block per anchor, as nemo's DSpark training forward builds them (ids, positions, mask)."""
+    text = model.config.text_config
+    K = text.dspark_block_size
+    batch, seq = tokens.shape
+    n_anchors = anchors.shape[1]
+    if prev.shape != (batch, n_anchors, K):
+        raise InputError(f"--dspark-prev: shape {prev.shape}, expected {(batch, n_anchors, K)}")
+    feats = torch.cat([block_ins[l].float().mean(dim=2).to(block_ins[l].dtype)
+                       for l in text.dspark_target_layer_ids], dim=-1)
+    anchors_t = torch.from_numpy(anchors.astype(np.int64))
+    tok = torch.from_numpy(tokens)
+    ids = torch.full((batch, n_anchors * K), text.dspark_noise_token_id, dtype=torch.long)
+    ids[:, ::K] = torch.gather(tok, 1, anchors_t)
+    embeds = model.model.embed_tokens(ids)
+    keep = torch.ones(batch, n_anchors, dtype=torch.bool)
+    out = backbone(
+        embeds,
+        feats,
+        position_ids=backbone.build_position_ids(anchors_t, seq),
+        attention_mask=backbone.build_attention_mask(anchors_t, keep, seq, embeds.dtype),
+        previous_token_ids=torch.from_numpy(prev.astype(np.int64)).reshape(batch, -1),
+    )
+    logits = torch.nn.functional.linear(out.normalized_hidden_states.float(), model.lm_head.weight.float())
+    logits = logits + out.transition_logits.float()
+    return {
+        "dspark.target_features": feats.float().numpy(),
+        "dspark.logits": logits.reshape(batch, n_anchors, K, -1).numpy(),
+        "dspark.confidence": out.confidence_pred.float().reshape(batch, n_anchors, K).numpy(),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -482,6 +553,8 @@ def parse_args(argv=None):
         action="store_true",
         help="replace nemo's FP8 SWA / NVFP4 compressed-KV / MXFP4 indexer quantize-dequantize by the identity",
     )
+    parser.add_argument("--dspark-anchors", type=Path, default=None, help="int .npy [batch, anchors]: DSpark blocks")
+    parser.add_argument("--dspark-prev", type=Path, default=None, help="int .npy [batch, anchors, K]: Markov inputs")
     parser.add_argument("--quiet", action="store_true")
     return parser.parse_args(argv)
 
@@ -536,11 +609,25 @@ def run(args) -> None:
         with np.load(args.layer_inputs) as data:
             forced = {key: data[key] for key in data.files}
     recorder = Recorder(model, tokens.shape[0], tokens.shape[1], args.dump, forced)
+    if (args.dspark_anchors is None) != (args.dspark_prev is None):
+        raise InputError("--dspark-anchors and --dspark-prev go together")
+    block_ins, backbone = {}, None
+    if args.dspark_anchors is not None:
+        backbone = build_dspark(model, args.checkpoint, args.dtype)
+        for l in model.config.text_config.dspark_target_layer_ids:
+            layer = model.model.layers[str(l)]
+            recorder._hook(layer.attn_hc, lambda m, a, o, l=l: block_ins.__setitem__(l, a[0].detach()))
     with torch.no_grad():
         output = model(**images) if images else model(input_ids=torch.from_numpy(tokens))
+        results = {"logits": output.logits.float().numpy(), **extra}
+        if backbone is not None:
+            anchors, prev = np.load(args.dspark_anchors), np.load(args.dspark_prev)
+            if anchors.ndim != 2 or anchors.shape[0] != tokens.shape[0] or not (
+                    (0 <= anchors) & (anchors < tokens.shape[1])).all():
+                raise InputError(f"--dspark-anchors: expected positions [batch, anchors] < {tokens.shape[1]}")
+            results.update(run_dspark(model, backbone, tokens, block_ins, anchors, prev))
     recorder.check_forced_used()
     recorder.remove()
-    results = {"logits": output.logits.float().numpy(), **extra}
     if args.dump and "tokens" not in results:
         results["tokens"] = tokens.astype(np.int32)
         results.update(recorder.out)

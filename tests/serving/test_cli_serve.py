@@ -35,6 +35,17 @@ def test_serve_flag_errors_name_the_flag():
         _serve(["--checkpoint", "x", "--preset", "tiny"])
 
 
+def test_speculative_config_flag():
+    from serving.engine.config import SpeculativeConfig
+
+    kw = engine_kwargs(_serve(["--speculative-config", '{"method": "dspark", "num_speculative_tokens": 3}']))
+    assert kw == {"speculative_config": SpeculativeConfig(num_speculative_tokens=3)}
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        engine_kwargs(_serve(["--speculative-config", "dspark"]))
+    with pytest.raises(SystemExit, match="only 'dspark'"):
+        engine_kwargs(_serve(["--speculative-config", '{"method": "ngram"}']))
+
+
 def test_bench_flags(fake_server, tmp_path):
     parser = add_bench_args(argparse.ArgumentParser())
     args = parser.parse_args(["--base-url", fake_server.base_url, "--max-concurrency", "1,2", "--num-sessions", "2",

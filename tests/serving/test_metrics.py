@@ -107,3 +107,15 @@ def test_data_parallel_ranks_report_load_and_hits():
     running = {s.labels["rank"]: s.value for s in fams["dsv41:rank_requests_running"].samples}
     hits = {s.labels["rank"]: s.value for s in fams["dsv41:rank_prefix_cache_hits"].samples}
     assert running == {"0": 2, "1": 0} and hits == {"0": 128, "1": 0}
+
+
+def test_speculative_decoding_families_only_when_it_runs():
+    m = ServingMetrics()
+    assert not any("spec_decode" in n for n in _check_exposition(m.render({"running": 1}).decode()))
+    fams = _check_exposition(m.render({"spec_drafts": 10, "spec_draft_tokens": 50, "spec_accepted_tokens": 25,
+                                       "spec_accepted_per_pos": [9, 7, 5, 3, 1]}).decode())
+    total = {n: next(s.value for s in fams[f"dsv41:spec_decode_num_{n}"].samples)
+             for n in ("drafts", "draft_tokens", "accepted_tokens")}
+    assert total == {"drafts": 10, "draft_tokens": 50, "accepted_tokens": 25}  # acceptance length 1 + 25/10
+    per_pos = {s.labels["position"]: s.value for s in fams["dsv41:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert per_pos == {"0": 9, "1": 7, "2": 5, "3": 3, "4": 1}

@@ -1,0 +1,91 @@
+"""DSpark speculative decoding on one GPU: the step cost of verify + draft against a plain decode step, and the
+decode rate that cost gives at each acceptance length (issue #41's table for docs/PERFORMANCE.md).
+
+    PYTHONPATH=. python3 scripts/bench_speculative.py [--batches 1,8,64] [--ctx 4096] [--k 5]
+
+The bench preset (Flash's per-layer widths) with its three DSpark stages at Flash's widths (128 experts, top-3).
+Random weights accept almost no draft, so the speculative engine runs with forced acceptance: every step takes
+k drafts and the bonus token, so its contexts grow and its rings wrap as they would at full acceptance. A step of
+either engine is timed end to end (`Engine.step`: host batch, program, host bookkeeping). At acceptance length L
+(tokens a step, 1 + accepted drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchmark.
+
+--preset tiny runs the same loop on the CPU (a smoke test of the script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import jax
+
+from dsv41 import model
+from dsv41 import tokenizer as T
+from dsv41.config import preset
+from serving.engine.config import EngineConfig, SpeculativeConfig
+from serving.engine.engine import Engine
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import device_params, fake_decode_state  # noqa: E402
+from timing import median_wall_s as timed  # noqa: E402
+
+log = logging.getLogger("bench_speculative")
+LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
+
+
+def make(cfg, params, seqs: int, max_len: int, spec: SpeculativeConfig | None) -> Engine:
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                  config=EngineConfig(max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048,
+                                      enable_prefix_caching=False, min_ctx_pages=max_len // 64,
+                                      min_decode_bucket=seqs, speculative_config=spec))
+
+
+def step_time(eng: Engine, B: int, ctx: int, reps: int) -> tuple[float, float]:
+    """-> (first step s (compile), median step s) of B requests decoding at position ctx."""
+    fake_decode_state(eng, B, ctx)
+    first = timed(eng.step, reps=1)
+    return first, timed(eng.step, reps=reps)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--ctx", type=int, default=4096, help="context of every request when timing starts")
+    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cfg = preset(args.preset).replace(n_mtp_layers=3)
+    batches = [int(b) for b in args.batches.split(",")]
+    params = device_params(cfg)
+    max_len = -(-(args.ctx + (args.k + 1) * (args.reps + 2) + 64) // 64) * 64
+    spec = SpeculativeConfig(num_speculative_tokens=args.k, forced_acceptance=True)
+    rows = []
+    for B in batches:
+        plain = make(cfg, params, B, max_len, None)
+        fp, tp = step_time(plain, B, args.ctx, args.reps)
+        del plain
+        sp = make(cfg, params, B, max_len, spec)
+        fs, ts = step_time(sp, B, args.ctx, args.reps)
+        del sp
+        rows.append((B, tp, ts, fp, fs))
+        log.info("B=%d plain %.2f ms, speculative %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, ts * 1e3, fp, fs)
+
+    dev = jax.devices()[0]
+    print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
+          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), k = {args.k}, context "
+          f"{args.ctx}\n")
+    lengths = [L for L in LENGTHS if L <= args.k + 1]
+    print("| batch | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
+          + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")
+    print("|---" * (5 + len(lengths)) + "|")
+    for B, tp, ts, _, _ in rows:
+        cells = [f"{B * L / ts:,.0f} ({tp * L / ts:.2f}x)" for L in lengths]
+        print(f"| {B} | {tp * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | {B / tp:,.0f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Sampling for speculative decoding: the one top-k / top-p filter (plain steps use it too), each row's sampling
+distribution, and the verification of a block of drafts that keeps every emitted token distributed as the target
+model's (speculative sampling: Leviathan et al. 2023, Chen et al. 2023).
+
+Greedy rows (temperature 0) accept the longest prefix of drafts equal to the target's argmax, then take the
+target's argmax after it. A sampled row's draft d_i was drawn from the draft distribution q_i (the drafter's
+logits under the row's temperature / top-k / top-p); it is accepted with probability min(1, p_i(d_i) / q_i(d_i))
+(p_i: the target's distribution under the same filters); at the first rejection the row draws from the residual
+max(0, p_i - q_i) (renormalized), and when all k are accepted from p_k. The emitted tokens are then distributed as
+k + 1 plain sampling steps would emit them.
+
+Random numbers come from each row's per-step key (`programs.Sampling.key`) folded with fixed offsets, so a seeded
+request repeats. Shapes: B rows, k drafts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# fold_in offsets of a row's step key: one stream per use
+_ACCEPT, _RESIDUAL, _DRAFT = 100, 200, 300
+
+
+def filter_top_k_top_p(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """z [B, V] (temperature-scaled logits) with -inf outside each row's top_k [B] (0: off) and its top_p [B]
+    nucleus (1: off)."""
+    srt = jnp.sort(z, -1)[:, ::-1]
+    V = z.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], -1)
+    z = jnp.where(z < kth, -jnp.inf, z)
+    probs = jax.nn.softmax(jnp.where(srt < kth, -jnp.inf, srt), -1)
+    cum = jnp.cumsum(probs, -1) - probs  # mass strictly above each sorted entry
+    keep_sorted = (cum < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), -1, keepdims=True)
+    return jnp.where(z < cutoff, -jnp.inf, z)
+
+
+def probs(logits: jax.Array, s) -> jax.Array:
+    """logits [B, V] -> each sampled row's sampling distribution float32 [B, V] (s: `programs.Sampling`; rows at
+    temperature 0 get a distribution too, which their callers do not use)."""
+    z = logits.astype(jnp.float32) / jnp.maximum(s.temperature, 1e-5)[:, None]
+    return jax.nn.softmax(filter_top_k_top_p(z, s.top_k, s.top_p), -1)
+
+
+def _keys(s, offset: int):
+    return jax.vmap(lambda k: jax.random.fold_in(jax.random.wrap_key_data(k), offset))(s.key)
+
+
+def draw(p: jax.Array, s, offset: int) -> jax.Array:
+    """One id a row from p [B, V] with the row's key folded with `offset` -> int32 [B]."""
+    logp = jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf)
+    return jax.vmap(jax.random.categorical)(_keys(s, offset), logp).astype(jnp.int32)
+
+
+def draft_sampler(s):
+    """The drafter's `sample(logits [B, V], i)` for block position i: argmax on greedy rows, a draw from the
+    row's distribution on sampled ones (skipped when no row samples)."""
+    sampled = s.temperature > 0
+
+    def sample(logits, i):
+        greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+        drawn = jax.lax.cond(jnp.any(sampled), lambda z: draw(probs(z, s), s, _DRAFT + i),
+                             lambda z: greedy, logits)
+        return jnp.where(sampled, drawn, greedy)
+
+    return sample
+
+
+def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: jax.Array, s,
+           first_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """target_logits [B, k + 1, V] (after the anchor and after each draft), drafts [B, k]; draft_logits_fn() ->
+    the logits [B, k, V] the drafts were drawn from (called only when a row samples with them); has_q [B]: the
+    row's drafts were drawn by the drafter (else, e.g. the first step after a prefill, a sampled row accepts
+    none and takes first_token [B], its plain step's draw at the anchor).
+    -> (accepted drafts m [B], the token after them [B])."""
+    B, k1, V = target_logits.shape
+    k = k1 - 1
+    target = jnp.argmax(target_logits, -1).astype(jnp.int32)
+    match = drafts == target[:, :k]
+    m_greedy = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    bonus_greedy = jnp.take_along_axis(target, m_greedy[:, None], axis=1)[:, 0]
+    sampled = s.temperature > 0
+    spec = sampled & has_q
+
+    def rejection(_):
+        p = jax.vmap(lambda lg: probs(lg, s), in_axes=1, out_axes=1)(target_logits)  # [B, k + 1, V]
+        q = jax.vmap(lambda lg: probs(lg, s), in_axes=1, out_axes=1)(draft_logits_fn())  # [B, k, V]
+        pd = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]
+        qd = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+        u = jnp.stack([jax.vmap(jax.random.uniform)(_keys(s, _ACCEPT + i)) for i in range(k)], 1)  # [B, k]
+        ok = u * qd < pd  # u < p/q without dividing (q(d) > 0: d was drawn from q)
+        m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        p_m = jnp.take_along_axis(p, m[:, None, None], axis=1)[:, 0]
+        q_m = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), m[:, None, None], axis=1)[:, 0]
+        res = jnp.maximum(p_m - q_m, 0.0)  # q_k = 0: all accepted draws from p_k
+        mass = jnp.sum(res, -1, keepdims=True)
+        res = jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p_m)
+        return m, draw(res, s, _RESIDUAL)
+
+    m_s, bonus_s = jax.lax.cond(jnp.any(spec), rejection,
+                                lambda _: (jnp.zeros((B,), jnp.int32), first_token), None)
+    m = jnp.where(spec, m_s, jnp.where(sampled, 0, m_greedy))
+    bonus = jnp.where(spec, bonus_s, jnp.where(sampled, first_token, bonus_greedy))
+    return m, bonus

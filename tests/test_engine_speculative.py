@@ -1,0 +1,148 @@
+"""DSpark speculative decoding in the engine (tiny preset, one CPU device): greedy tokens identical with and
+without it. Random weights make DSpark's drafts almost always wrong, which checks that rejected drafts leave no
+trace (their ring slots, KV entries and pending compressor groups); drafts taken from the plain run's own tokens,
+with one wrong at chosen steps, check acceptance: several tokens a step, mixed accept lengths in one batch.
+
+Two requests run together: a 150-token prompt (its rings wrap during decode) and a 37-token one (odd: its chunks
+re-run the token before the anchor). The DSpark forward itself is tests/test_dspark_reference.py's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.engine import programs
+from serving.engine.config import SpeculativeConfig
+from serving.engine.errors import EngineError
+from serving.engine.sampling import SamplingParams
+from tests import tiny_engine
+
+pytestmark = pytest.mark.xdist_group(tiny_engine.GROUP)
+
+K = 5
+# max |logit| difference. Not tests/test_engine.py's 1e-4: the speculative engine's programs have other shapes (rings
+# k slots longer, k + 1 tokens a decode row), so they sum in other orders, and a value a few ulps from an FP8 bin
+# edge of the KV rounds to the other bin (the prefill logits alone moved by 5.6e-4 with the longer rings). A wrong
+# position, mask or rolled-back slot moves logits by O(0.1).
+TOL = 5e-3
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+PROMPTS = {"long": list(np.random.default_rng(5).integers(3, 1000, 150)),
+           "short": list(np.random.default_rng(6).integers(3, 1000, 37))}
+
+
+def run(eng, oracle=None):
+    """Both prompts at once to the end. oracle: tokens by request; after each step each request's next drafts are
+    its next oracle tokens, the third one wrong every third step. -> (tokens, logits, steps)."""
+    for rid, p in PROMPTS.items():
+        eng.add_request(rid, p, GREEDY)
+    toks = {rid: [] for rid in PROMPTS}
+    steps = 0
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+        steps += 1
+        for r in eng.running.values() if oracle else ():
+            n = len(r.output)
+            d = list(oracle[r.id][n:n + K])
+            if len(d) >= 3 and steps % 3 == 0:
+                d[2] = (d[2] + 1) % 1000
+            r.drafts = d
+    return toks, {rid: np.stack(eng.finished_logits[rid]) for rid in PROMPTS}, steps
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return run(tiny_engine.make())
+
+
+def speculative(**kw):
+    # max_model_len: the block tables stay tiny_engine's 8 pages wide with room for the k drafts past the end
+    return tiny_engine.make(speculative_config=SpeculativeConfig(num_speculative_tokens=K, **kw),
+                            max_model_len=tiny_engine.BASE["max_model_len"] - K)
+
+
+def test_dspark_drafts_change_no_token(plain):
+    """Also: after warm-up the steps compile nothing (the prefill programs that seed the DSpark rings, the
+    speculative decode program)."""
+    eng = speculative()
+    eng.warmup()
+    progs = (programs.run_encoder, programs.run_decoder, programs.ONE_DEVICE.run_spec)
+    before = [p._cache_size() for p in progs]
+    toks, logits, steps = run(eng)
+    assert [p._cache_size() for p in progs] == before
+    assert toks == plain[0]
+    for rid in PROMPTS:
+        assert np.abs(logits[rid] - plain[1][rid]).max() < TOL, rid
+    st = eng.stats()
+    assert st["spec_drafts"] > 20 and st["spec_draft_tokens"] == K * st["spec_drafts"]
+
+
+def test_accepted_drafts_are_the_target_tokens(plain):
+    eng = speculative()
+    toks, logits, steps = run(eng, oracle=plain[0])
+    assert toks == plain[0]
+    for rid in PROMPTS:
+        assert np.abs(logits[rid] - plain[1][rid]).max() < TOL, rid
+    st = eng.stats()
+    assert steps < plain[2] / 2 and st["spec_accepted_tokens"] > 2 * st["spec_drafts"]
+    # the wrong third draft every third step: position 2 and later are accepted less often than 0 and 1
+    per_pos = st["spec_accepted_per_pos"]
+    assert sum(per_pos) == st["spec_accepted_tokens"] and per_pos[0] >= per_pos[1] > per_pos[2] >= per_pos[4]
+
+
+def test_forced_acceptance_takes_every_draft():
+    eng = speculative(forced_acceptance=True)
+    toks, _, _ = run(eng)
+    st = eng.stats()
+    # each request: the prefill's token, then k accepted drafts and the bonus a step up to max_tokens
+    n = GREEDY.max_tokens - 1
+    steps = -(-n // (K + 1))
+    assert st["spec_draft_tokens"] == 2 * steps * K and st["spec_accepted_tokens"] == 2 * (n - steps)
+    assert st["spec_accepted_per_pos"] == [2 * steps] * (K - 1) + [2 * (steps - 1)]  # the last step takes 4
+    assert all(len(t) == GREEDY.max_tokens for t in toks.values())
+
+
+def test_bad_speculative_configs_name_the_fix():
+    with pytest.raises(EngineError, match="num_speculative_tokens"):
+        SpeculativeConfig.from_json('{"method": "dspark", "num_speculative_tokens": 0}')
+    with pytest.raises(EngineError, match="unknown key"):
+        SpeculativeConfig.from_json('{"method": "dspark", "draft_model": "x"}')
+    with pytest.raises(EngineError, match="only 'dspark'"):
+        SpeculativeConfig.from_json('{"method": "eagle"}')
+    with pytest.raises(EngineError, match="block of 5"):
+        tiny_engine.make(speculative_config=SpeculativeConfig(num_speculative_tokens=6))
+    assert SpeculativeConfig.from_json('{"method": "dspark", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+
+
+def test_seeded_sampling_speculates_and_repeats():
+    """Sampled requests speculate by rejection sampling (`spec_sampling.verify`, whose distribution
+    tests/test_spec_sampling.py checks): at temperature 5 the tiny model's and the drafter's distributions are
+    both nearly flat, so drafts are accepted; a seed gives the same tokens again."""
+    sp = SamplingParams(max_tokens=16, temperature=5.0, seed=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        eng = speculative()
+        eng.add_request("s", PROMPTS["short"], sp)
+        toks = []
+        while eng.has_work():
+            for o in eng.step():
+                toks += o.new_token_ids
+        runs.append((toks, eng.stats()))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 16
+    assert runs[0][1]["spec_accepted_tokens"] > runs[0][1]["spec_drafts"]
+
+
+def test_preemption_under_speculation():
+    """Two requests the 5-page pool cannot hold with their drafts' pages: one is preempted and recomputed (its
+    drafter states are not carried over: its first step after that takes no sampled draft), both finish and
+    every page comes back."""
+    eng = speculative()
+    for rid, n in (("a", 180), ("b", 150)):
+        eng.add_request(rid, list(np.random.default_rng(n).integers(3, 1000, n)), GREEDY)
+    outs = {"a": [], "b": []}
+    while eng.has_work():
+        for o in eng.step():
+            outs[o.request_id] += o.new_token_ids
+    st = eng.stats()
+    assert [len(t) for t in outs.values()] == [GREEDY.max_tokens] * 2
+    assert st["preemptions"] >= 1 and st["kv_pages_used"] == 0

@@ -1,0 +1,73 @@
+"""Speculative sampling (`serving.engine.spec_sampling.verify`) keeps the target's distribution: Monte Carlo over
+40,000 rows with a target and a draft distribution that differ, each row's drafts drawn from the draft's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.engine import spec_sampling
+from serving.engine.programs import Sampling
+
+N, K, V = 40_000, 3, 6
+TOL = 0.01  # 4 standard errors of a frequency near 0.5 at N rows
+
+
+def _setup(top_k=0):
+    rng = np.random.default_rng(0)
+    target = rng.normal(size=(K + 1, V)).astype(np.float32) * 1.5  # the same at every row
+    draft = rng.normal(size=(K, V)).astype(np.float32) * 1.5
+    s = Sampling(jnp.ones(N), jnp.ones(N), jnp.full(N, top_k, jnp.int32),
+                 jnp.asarray(np.stack([np.arange(N), np.full(N, 7)], 1), jnp.uint32))
+    q = np.asarray(spec_sampling.probs(jnp.asarray(np.repeat(draft[None], N, 0).reshape(-1, V)),
+                                       Sampling(*(jnp.repeat(a, K, 0) for a in (s.temperature, s.top_p, s.top_k)),
+                                                jnp.zeros((N * K, 2), jnp.uint32)))).reshape(N, K, V)[0]
+    drafts = np.stack([rng.choice(V, size=N, p=q[i] / q[i].sum()) for i in range(K)], 1).astype(np.int32)
+    p = np.asarray(jax.nn.softmax(jnp.asarray(target), -1))
+    if top_k:
+        keep = np.argsort(-target, -1)[:, :top_k]
+        p = np.zeros_like(p)
+        for i in range(K + 1):
+            e = np.exp(target[i, keep[i]] - target[i, keep[i]].max())
+            p[i, keep[i]] = e / e.sum()
+    verify = jax.jit(lambda d, hq: spec_sampling.verify(
+        jnp.broadcast_to(jnp.asarray(target), (N, K + 1, V)), d,
+        lambda: jnp.broadcast_to(jnp.asarray(draft), (N, K, V)), hq, s, jnp.full(N, V - 1, jnp.int32)))
+    return p, drafts, verify
+
+
+def _emitted(m, bonus, drafts, j):
+    """The j-th token a row emits (-1 where it emits fewer)."""
+    tok = np.where(m > j, drafts[:, min(j, K - 1)], np.where(m == j, bonus, -1))
+    return tok
+
+
+def _freq(tok, mask):
+    return np.bincount(tok[mask], minlength=V) / mask.sum()
+
+
+def test_emitted_tokens_follow_the_target():
+    p, drafts, verify = _setup()
+    m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.ones(N, bool)))
+    assert 0 < (m == 0).mean() < 1 and (m == K).any()  # the draft is wrong often and right sometimes
+    first = _emitted(m, bonus, drafts, 0)
+    np.testing.assert_allclose(_freq(first, first >= 0), p[0], atol=TOL)
+    # the j-th token, given that the step got that far, follows the target at position j
+    for j in (1, 2):
+        tok = _emitted(m, bonus, drafts, j)
+        np.testing.assert_allclose(_freq(tok, m >= j), p[j], atol=TOL)
+
+
+def test_top_k_filters_both_sides():
+    p, drafts, verify = _setup(top_k=3)
+    m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.ones(N, bool)))
+    first = _emitted(m, bonus, drafts, 0)
+    np.testing.assert_allclose(_freq(first, first >= 0), p[0], atol=TOL)
+    assert (p[0][first] > 0).all()
+
+
+def test_rows_without_drafter_states_take_their_plain_draw():
+    _, drafts, verify = _setup()
+    m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.zeros(N, bool)))
+    assert (m == 0).all() and (bonus == V - 1).all()
