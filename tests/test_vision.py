@@ -141,7 +141,7 @@ def test_vision_config_reads_both_release_forms():
     v = preset("flash").vision
     assert ModelConfig.from_dict(preset("flash").to_hf_dict()).vision == v
     flat = {"n_layers": 2, "compress_ratios": [0, 0], "kv_source_layers": [], "index_source_layers": [],
-            "candidate_source_layer": -1, "engram_layer_ids": [], "engram_num_embeddings": [],
+            "candidate_source_layer": -1, "n_mtp_layers": 0, "engram_layer_ids": [], "engram_num_embeddings": [],
             "vision_n_layers": 32, "vision_dim": 1024, "vision_max_n_token": 1024, "vision_min_pixels": 295936}
     assert ModelConfig.from_dict(flat).vision == v
     assert ModelConfig.from_dict({**preset("flash").to_hf_dict(), "vision_config": None}).vision is None

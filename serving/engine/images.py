@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import image_processing as ip
+from serving.engine.errors import EngineError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,24 @@ class PromptImage:
     def of(cls, start: int, data: bytes, prepared: ip.PreparedImage, v) -> "PromptImage":
         """From the encoded image bytes (what the digest hashes) and their preprocessing."""
         return cls(start, ip.vision_inputs(prepared, v), digest(data))
+
+
+def check(ids: list[int], images: tuple, cfg) -> None:
+    """A request's images against its prompt ids and the model: raises EngineError naming what is wrong."""
+    if not images:
+        return
+    if cfg.vision is None:
+        raise EngineError("this model has no vision tower (its config.json has no vision_config); send text only")
+    tok, end = cfg.image_token_id, 0
+    for x in images:
+        if x.start < end or x.end > len(ids) or any(t != tok for t in ids[x.start:x.end]):
+            raise EngineError(f"an image span [{x.start}, {x.end}) must lie inside the prompt, overlap no other "
+                              f"span and hold only the image token {tok}; lay the prompt out with "
+                              "image_processing.expand_spans")
+        if x.inputs.types.shape[0] != cfg.vision.max_image_tokens:
+            raise EngineError("an image's inputs were prepared for another vision_config; prepare them with "
+                              "this model's config")
+        end = x.end
 
 
 def digest(data: bytes) -> bytes:

@@ -21,6 +21,16 @@ from serving.engine.sampling import SamplingParams
 
 
 @dataclasses.dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclasses.dataclass
 class _Request:
     id: str
     prompt: list[int]

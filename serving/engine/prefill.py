@@ -1,0 +1,134 @@
+"""A prompt's prefill, the engine's side: the next chunk of each rank's oldest prompt in one call, and under SWA
+bounded replay the encoder chunk by chunk, then the decoder on the prompt's last `swa_replay_tokens` rows (its
+tail); the image rows of a chunk."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import vision
+from serving.engine import images as im
+from serving.engine import programs
+from serving.engine.scheduler import _bucket, _Request
+
+
+class Prefill:
+    """The engine's prefill path (a mixin of `Engine`)."""
+
+    def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
+        """The next chunk of each request's prefill (one request per rank), in one call. -> (request, first
+        token) for those whose prefill finished."""
+        chunks, ends = {}, {}
+        for r in reqs:
+            end = min(r.prefill_len, r.computed + self.chunk)
+            if r.replay_at and r.computed < r.replay_at:
+                end = min(end, r.replay_at)
+            while not self._ensure_pages(r, end):
+                if not self._preempt(r):
+                    self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                                  f"{end} tokens; raise num_pages or lower max_model_len")
+            chunks[r.id], ends[r.id] = r.token_range(r.computed, end), end
+        T = min(self.chunk, _bucket(max(map(len, chunks.values())), self.min_prefill_bucket))
+        rows = self._placed(reqs, 1)
+        b = self._batch(rows, chunks, {r.id: r.computed for r in reqs}, T)
+        if not self.replay:
+            last = [r if r is not None and ends[r.id] == r.prefill_len else None for r in rows]
+            self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, self._sampling(last),
+                                                            **self.prefill_static)
+            for r in reqs:
+                r.computed = ends[r.id]
+            return self._first_tokens(last, logits, tok)
+        W = self.replay_tokens
+        self.pool, h, pre = self.programs.run_encoder(self.params, self.pool, b, **self.static, replay_tokens=W)
+        last: list[_Request | None] = [None] * len(rows)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            m = min(len(chunks[r.id]), W)  # the chunk's rows among its last W outputs (the rest are padding)
+            if r.tail is None:
+                r.tail = (h[i], pre[i], m)
+            else:
+                th, tp = programs.append_tail(r.tail[0], r.tail[1], h[i], pre[i], m)
+                r.tail = (th, tp, min(r.tail[2] + m, W))
+            r.computed = ends[r.id]
+            if r.replay_at and r.computed == r.replay_at:
+                self._restart_as_hit(r)
+            elif r.computed == r.prefill_len:
+                last[i] = r
+        if not any(last):
+            return []
+        bd, hp, pp = self._decoder_inputs(last, b.block_table.shape[1])
+        self.pool, logits, tok = self.programs.run_decoder(self.params, self.pool, bd, hp, pp, self._sampling(last),
+                                                           **self.prefill_static)
+        for r in filter(None, last):
+            r.tail = None
+        return self._first_tokens(last, logits, tok)
+
+    def _decoder_inputs(self, rows: list[_Request | None], ctx_pages: int):
+        """The replayed decoder's batch for the rows whose prompt is complete: each runs its last
+        Td <= swa_replay_tokens rows (its tail) at positions [N - Td, N), its decoder rings clipped at N - Td."""
+        B, L = len(rows), self.cfg.n_layers
+        live = next(r for r in rows if r is not None)
+        pad_h, pad_p = jnp.zeros_like(live.tail[0]), jnp.zeros_like(live.tail[1])
+        pos0, n_valid = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        slot, wlo = np.full(B, self.layout.num_slots, np.int32), np.zeros(B, np.int32)
+        bt, rlo = np.full((B, ctx_pages), self.layout.num_pages, np.int32), np.zeros((B, L), np.int32)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            Td = r.tail[2]
+            r.decoder_lo = r.prefill_len - Td
+            pos0[i], n_valid[i], slot[i], wlo[i] = r.prefill_len - Td, Td, r.slot, r.write_lo
+            bt[i, : len(r.pages)] = r.page_row()
+            rlo[i] = self._ring_lo(r)
+        # fixed shapes throughout: slicing each tail to its length would compile an op per distinct length
+        hp, pp = programs.left_align(jnp.stack([pad_h if r is None else r.tail[0] for r in rows]),
+                                     jnp.stack([pad_p if r is None else r.tail[1] for r in rows]), n_valid)
+        mask = None
+        if any(r is not None and r.images for r in rows):  # bias_vl for the tail's image tokens
+            mask = np.zeros(hp.shape[:2], bool)
+            for i, r in enumerate(rows):
+                m = None if r is None else im.mask(r.images, int(pos0[i]), r.prefill_len)
+                if m is not None:
+                    mask[i, : len(m)] = m
+        b = programs.Batch(np.zeros((B, 1), np.int32), pos0, n_valid, slot, bt, wlo, rlo, [], None, mask)
+        return b, hp, pp
+
+    def _first_tokens(self, rows, logits, tok) -> list[tuple[_Request, int]]:
+        tok = np.asarray(tok)
+        out = []
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            self.counters["prefill_tokens"] += r.prefill_len - r.start
+            r.image_rows.clear()  # computed again if the request is preempted and prefilled anew
+            if self.keep_logits:
+                r.logits.append(np.asarray(logits[i]))
+            out.append((r, int(tok[i])))
+        return out
+
+    def _restart_as_hit(self, r: _Request) -> None:
+        """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
+        H = r.replay_at
+        r.replay_at = 0
+        start = max(0, H - self.replay_tokens)
+        r.write_lo, r.start, r.computed, r.tail = H, start, start, None
+        r.decoder_lo = 0
+        r.history = self._history_before(r, r.start)
+
+    def _image_rows(self, chunks: list, B: int, T: int):
+        """The image rows and mask of a prefill chunk (`images.chunk_rows`); each image's span rows are computed
+        by the vision program when first needed and kept until its request's prefill ends."""
+        by_id = {id(x): r for r in self.running.values() for x in r.images}
+
+        def span_rows(x):
+            cache = by_id[id(x)].image_rows
+            if id(x) not in cache:
+                i = x.inputs
+                cache[id(x)] = vision.span_embeddings(self.vision_params, i.patches, i.pos, i.valid, i.merge,
+                                                      i.types, cfg=self.cfg, num=self.num)
+                self.counters["images_encoded"] += 1
+            return cache[id(x)]
+
+        return im.chunk_rows(chunks, span_rows, B, T, self.num.jdtype)

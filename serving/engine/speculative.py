@@ -1,0 +1,102 @@
+"""Speculative decoding with the release's DSpark drafter, the engine's side: setup and checks, and the decode step
+that verifies each row's drafts and drafts the next block (`programs._spec` runs both in one program)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dsv41.config import ModelConfig
+from serving.engine.config import EngineConfig
+from serving.engine.errors import EngineError
+from serving.engine.scheduler import StepOutput, _Request
+
+
+class Speculative:
+    """The engine's speculative decoding (a mixin of `Engine`; `spec` None: off)."""
+
+    def _init_speculative(self, cfg: ModelConfig, config: EngineConfig) -> None:
+        self.spec = config.speculative_config
+        self.spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
+        if self.spec is not None:
+            self._check_speculative(cfg, self.params, config)
+        # a prefill under speculative decoding also seeds the DSpark rings
+        self.prefill_static = self.static if self.spec is None else {**self.static, "dspark_seed": True}
+        # tokens a decode row runs: 1, or the anchor and k drafts, and with ratio-2 layers one more (a speculative
+        # chunk starts at an even position: `programs._spec`)
+        self.spec_rerun = any(r > 1 for r in cfg.compress_ratios)
+        self.decode_tokens = 1 if self.spec is None else self.spec_tokens + 1 + int(self.spec_rerun)
+        # how often the draft at each block position was accepted (vLLM's per-position count)
+        self.spec_accepted_per_pos = [0] * self.spec_tokens
+
+    @staticmethod
+    def _check_speculative(cfg: ModelConfig, params: dict, config: EngineConfig) -> None:
+        k = config.speculative_config.num_speculative_tokens
+        if cfg.n_mtp_layers == 0 or "mtp" not in params:
+            raise EngineError("speculative decoding with DSpark needs the model's DSpark stages (mtp.*), and this "
+                              "config has n_mtp_layers=0; use a checkpoint or preset with them, or leave "
+                              "--speculative-config out")
+        if k > cfg.dspark_block_size:
+            raise EngineError(f"num_speculative_tokens={k} exceeds DSpark's block of {cfg.dspark_block_size}; "
+                              f"give at most {cfg.dspark_block_size}")
+        if config.swa_bounded_replay and min(cfg.dspark_target_layer_ids) < cfg.split_layer:
+            raise EngineError(f"DSpark reads layers {cfg.dspark_target_layer_ids}, and under SWA bounded replay "
+                              f"layers before {cfg.split_layer} never see a prompt's last tokens in one program; "
+                              "use --no-swa-bounded-replay with this model")
+
+    def _decode_speculative(self, reqs: list[_Request]) -> list[StepOutput]:
+        """One speculative step (`programs._spec`): each row verifies its k drafts and takes the accepted ones and
+        the target's next token; the pool already holds the next block's drafts' context. Pages cover the drafts'
+        positions; what rejected drafts wrote there is overwritten by the tokens that take those positions."""
+        k = self.spec.num_speculative_tokens
+        for r in list(reqs):
+            if r.id in self.running:
+                while not self._ensure_pages(r, r.num_tokens + k):
+                    if not self._preempt(r):
+                        self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                                      f"{r.num_tokens + k} tokens; raise num_pages or lower max_model_len")
+        reqs = [r for r in reqs if r.id in self.running]
+        if not reqs:
+            return []
+        rows = self._decode_rows(reqs)
+        toks, pos0 = {}, {}
+        for r in filter(None, rows):
+            a = r.num_tokens - 1  # the anchor: the newest token, whose KV is not in the pool yet
+            # a chunk starts at an even position (`programs._spec`): an odd anchor re-runs the token before it
+            back = 1 if self.spec_rerun and a % 2 else 0
+            drafts = (r.drafts + [self.cfg.dspark_noise_token_id] * k)[:k]
+            toks[r.id] = r.token_range(a - back, a + 1) + drafts
+            pos0[r.id] = a - back
+            r.history = self._history_before(r, a - back)
+        b = self._batch(rows, toks, pos0, self.decode_tokens)
+        samp = self._sampling(rows)
+        # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
+        has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
+        self.pool, logits, out, acc, nxt = self.programs.run_spec(
+            self.params, self.pool, b, samp, has_q, np.full(len(rows), self.spec.forced_acceptance), **self.static,
+            spec_tokens=k)
+        out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
+        outs = []
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            a = r.num_tokens - 1
+            new: list[int] = []
+            for j in range(int(acc[i]) + 1):
+                r.computed = a + j + 1  # the pool holds the anchor and the j drafts accepted before this token
+                if self.keep_logits:
+                    r.logits.append(np.asarray(logits[i, j]))
+                o = self._accept(r, int(out[i, j]))[0]
+                new.append(int(out[i, j]))
+                if o.finished:
+                    break
+            r.drafts, r.drafts_drawn = nxt[i].tolist(), True
+            self.counters["spec_drafts"] += 1
+            self.counters["spec_draft_tokens"] += k
+            self.counters["spec_accepted_tokens"] += len(new) - 1
+            for j in range(len(new) - 1):
+                self.spec_accepted_per_pos[j] += 1
+            outs.append(dataclasses.replace(o, new_token_ids=new))
+        self.counters["decode_steps"] += 1
+        return outs
