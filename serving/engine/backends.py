@@ -148,7 +148,9 @@ def _routed_experts_fp4(x, w, order, sizes, p, cfg: ModelConfig, num: Numerics):
         h = quant.fp8_qdq(h)
     y = expert_gemm.matmul_padded(h.astype(jnp.bfloat16), w2, sched, c2, w2.interpret)  # [t_max * tm, D]
     sorted_row = moe.token_rows(order, T, k)
-    rows = jnp.where(sched.valid[sorted_row], sched.pos[sorted_row], -1)
+    # a slot of no group (expert parallelism: another rank's expert) reads past the end: zeros (-1 would wrap to
+    # y's last row, which no sorted row may have written)
+    rows = jnp.where(sched.valid[sorted_row], sched.pos[sorted_row], y.shape[0])
     ys = jnp.take(y, rows, axis=0, mode="fill", fill_value=0).astype(num.jdtype).astype(jnp.float32)
     return moe.sum_in_expert_order(ys)
 
