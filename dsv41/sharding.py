@@ -387,16 +387,34 @@ def tensor_sum(x: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class TensorReplicated:
     """An op every tensor rank runs whole, on replicated inputs, inside a tensor-manual `shard_map` (a kernel
-    site whose weights are replicated: mHC, router). Arguments that are not arrays (a config) pass as they are."""
+    site whose weights are replicated: mHC, router; the decode KV writes and the indexer's top-k). Arguments that
+    are not arrays (a config, a flag) pass as they are; keyword arguments too."""
 
     inner: Callable
 
-    def __call__(self, *args):
-        is_dyn = [all(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(a)) for a in args]
-        dyn = [a for a, d in zip(args, is_dyn) if d]
+    def __call__(self, *args, **kwargs):
+        names = tuple(kwargs)
+        every = args + tuple(kwargs.values())
+        is_dyn = [all(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(a)) for a in every]
+        dyn = [a for a, d in zip(every, is_dyn) if d]
 
         def local(*d):
             it = iter(d)
-            return self.inner(*(next(it) if flag else a for a, flag in zip(args, is_dyn)))
+            full = [next(it) if flag else a for a, flag in zip(every, is_dyn)]
+            return self.inner(*full[:len(args)], **dict(zip(names, full[len(args):])))
 
         return per_tensor_rank(local, in_specs=(PartitionSpec(),) * len(dyn), out_specs=PartitionSpec())(*dyn)
+
+
+def split_spec(ndim: int, dim: int) -> PartitionSpec:
+    """The tensor spec of an activation whose dim `dim` is split over tensor ranks (heads of q, of a sink)."""
+    return PartitionSpec(*(TENSOR if i == dim else None for i in range(ndim)))
+
+
+def tensor_auto() -> bool:
+    """Whether the op being traced runs with tensor ranks left to XLA (a tensor-parallel program, or under
+    `jax.set_mesh` of one), so a kernel in it must run per tensor rank."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TENSOR not in mesh.axis_names:
+        return False
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[TENSOR] > 1 and TENSOR not in mesh.manual_axes

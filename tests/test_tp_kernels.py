@@ -228,7 +228,7 @@ def test_replicated_site_runs_whole_on_every_rank():
 def test_build_takes_kernels_with_tensor_parallelism():
     """backends.build on TP2-placed release-format weights: the FP8 linears whose rank slices the kernel takes
     become `TensorShards` (the shared expert's 64-wide slices of the tiny preset stay FP8 for XLA), the mHC
-    site runs replicated per rank; the decode KV path's kernels and an expert width a rank cannot take are refused."""
+    site runs replicated per rank; the KV path's kernels are taken; an expert width a rank cannot take is refused."""
     from dsv41 import params as P
 
     cfg = preset("tiny")
@@ -243,7 +243,50 @@ def test_build_takes_kernels_with_tensor_parallelism():
     assert backends.attention == "xla" and backends.ops.linear is BK.fp8_linear_op
     assert isinstance(backends.ops.mhc_site, sharding.TensorReplicated)
     assert backends.ops.route is moe.route_plain  # (the tiny preset's 8 experts: no router kernel)
-    with pytest.raises(BK.BackendError, match="cannot run with tensor_parallel_size 2"):
-        BK.build(cfg, params, NUM, attention="interpret", parallelism=par)
+    assert BK.build(cfg, params, NUM, attention="interpret", parallelism=par)[0].attention == "interpret"
     with pytest.raises(BK.BackendError, match="expert width a multiple of 128"):
         BK.build(cfg, params, NUM, moe_backend="interpret", parallelism=par)
+
+
+def test_decode_kv_path_per_tensor_rank():
+    """One KV-source layer with an indexer (tiny layer 2) decoding through the KV path's kernels (their jnp
+    references: no interpreter) on TP2-placed weights: the KV writes and the indexer whole on each rank, the
+    sparse attention on each rank's heads, each in its own shard_map over the tensor axis. The pool it writes and
+    the entries it picks equal one device's; its output too, to float32 summation order (wo_b's row split)."""
+    import tiny_engine
+    from layer_paths import make_batch, zero_rows
+
+    from dsv41 import model
+    from dsv41.layer_plan import Carry
+    from serving.engine import kv_pool, programs
+
+    cfg, params = tiny_engine.tiny()
+    num, layer, B, T = tiny_engine.NUM, 2, 2, 128
+    freqs = model.freqs_for(cfg)[layer]
+    bt = np.arange(B * 3).reshape(B, 3)
+    x = jnp.asarray(RNG.standard_normal((B, T + 1, cfg.dim)), jnp.float32)
+    prefill = make_batch(np.zeros((B, T)), 0, [T, T], [0, 1], bt, zero_rows(cfg, B, T), cfg.n_layers)
+    decode = make_batch(np.zeros((B, 1)), T, [1, 1], [0, 1], bt, zero_rows(cfg, B, 1), cfg.n_layers)
+
+    def step(lp, pool, x):  # a prefill chunk through XLA, then one decode token through the kernels' path
+        _, pool, _ = programs.cached_attention(x[:, :T], lp, layer, cfg, num, pool, prefill, Carry(), freqs, "full")
+        y, pool, carry = programs.cached_attention(x[:, T:], lp, layer, cfg, num, pool, decode, Carry(), freqs,
+                                                   "full", BK.Backends("reference"))
+        return y, pool, carry.topk
+
+    pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=8, page_tokens=64, num_slots=2))
+    want = jax.jit(step)(params["layers"][layer]["attn"], pool, x)
+    par, mesh = _mesh(2)
+    lp = sharding.place_params(params, cfg, par, mesh)["layers"][layer]["attn"]
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    pool, x = jax.device_put((pool, x), rep)
+    prefill, decode = jax.device_put((prefill, decode), rep)
+    with jax.set_mesh(mesh):
+        run = jax.jit(step)
+        assert str(jax.make_jaxpr(step)(lp, pool, x)).count("shard_map") == 3  # KV write, indexer, attention
+        got = run(lp, pool, x)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))  # the indexer's entries
+    assert int((np.asarray(want[2]) >= 0).sum()) > 0
+    for g, w in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)

@@ -350,16 +350,11 @@ def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "au
     inside a `shard_map` over the tensor axis (a kernel, one device's Mosaic GPU program, is not partitioned by
     XLA): the prepared weights are split as the dense ones (`TensorShards`), the routed experts and the FP8
     linears run on their slices with the sums the split needs, the mHC and router sites run whole on every rank
-    (`TensorReplicated`: their weights are replicated). The decode KV path's kernels are not split yet: with
-    tensor parallelism 'auto' resolves the attention backend to 'xla' and an explicit kernel one raises. Expert
+    (`TensorReplicated`: their weights are replicated), and in the KV path (programs.py) the KV writes and the
+    indexer run whole on every rank, the sparse attention on each rank's heads. Expert
     parallelism wraps the chosen routed-experts op in `sharding.ExpertParallel` (tokens all-gathered, each rank
     its experts, partial sums reduce-scattered)."""
     tp = parallelism.tensor > 1
-    if tp and attention not in ("auto", "xla"):
-        raise BackendError(f"attention_backend={attention!r} cannot run with tensor_parallel_size "
-                           f"{parallelism.tensor}: the KV path's kernels run on one device's whole arrays; use "
-                           f"'xla' (or 'auto') with tensor parallelism, or data parallelism for them")
-    attention = "xla" if tp else attention
     width_ways = parallelism.tensor if not parallelism.expert else 1
     attention, moe_backend, mhc_site, route = resolve_backends(cfg, params, attention, moe_backend, mhc_backend,
                                                                router_backend, num, width_ways)
