@@ -330,3 +330,116 @@ class ExpertParallel:
         espec = jax.tree_util.tree_map(lambda _: PartitionSpec(TENSOR), experts)
         return jax.shard_map(local, in_specs=(espec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
                              out_specs=PartitionSpec(), axis_names={TENSOR})(experts, xg, wg, ig)
+
+
+# ---- kernel ops under tensor parallelism ------------------------------------------------------------------------
+# A kernel (one device's program) cannot be partitioned by XLA: with tensor ranks each kernel op runs inside a
+# `shard_map` manual over "tensor", on its rank's shards of the weights it reads, with the reduction the math
+# needs written out. The weights carry their tensor split (`TensorShards`, from the placed dense weight's
+# sharding) because an op's call does not say which weight it reads.
+
+
+def tensor_spec(sh: jax.sharding.Sharding, ndim: int) -> PartitionSpec:
+    """The part of a weight's sharding a tensor-manual `shard_map` declares (only "tensor"), padded to ndim."""
+    parts = []
+    entries = tuple(sh.spec) if isinstance(sh, NamedSharding) else ()
+    for entry in entries + (None,) * (ndim - len(entries)):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        parts.append(TENSOR if TENSOR in names else None)
+    return PartitionSpec(*parts)
+
+
+def tensor_ways(sh: jax.sharding.Sharding, dim: int) -> int:
+    """How many tensor ranks split dim `dim` of an array placed with sh (1: whole on each)."""
+    if not isinstance(sh, NamedSharding) or TENSOR not in sh.mesh.shape or len(sh.spec) <= dim:
+        return 1
+    entry = sh.spec[dim]
+    return sh.mesh.shape[TENSOR] if TENSOR in (entry if isinstance(entry, tuple) else (entry,)) else 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TensorShards:
+    """A weight a kernel op reads per tensor rank: `value` (any weight pytree, e.g. a kernel layout) placed so
+    that each tensor rank holds the slices `specs` name, one tensor PartitionSpec per leaf of value (static).
+    `shape` / `dequantize` pass through to value, so code that reads the dense weight (XLA fallbacks under XLA's
+    own partitioning) works on it unchanged."""
+
+    value: Any
+    specs: tuple = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.shape
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.value.dequantize(dtype)
+
+    def spec_tree(self):
+        """specs in value's tree structure (a shard_map in_spec for value)."""
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self.value), list(self.specs))
+
+    def split(self, dim: int) -> bool:
+        """Whether dim `dim` of value's first leaf (the weight array) is split over tensor ranks."""
+        spec = self.specs[0]
+        return len(spec) > dim and spec[dim] == TENSOR
+
+
+def last_dim_spec(ndim: int, split: bool) -> PartitionSpec:
+    """An activation [..., d]'s tensor spec: d split over tensor ranks (split) or replicated."""
+    return PartitionSpec(*([None] * (ndim - 1)), TENSOR) if split else PartitionSpec()
+
+
+def per_tensor_rank(fn: Callable, in_specs, out_specs) -> Callable:
+    """fn run on each tensor rank's blocks (`shard_map` manual over "tensor", inside a data-manual program or
+    under `jax.set_mesh`); `tensor_sum` inside fn for reductions. Mesh axes of size 1 that are still automatic
+    become manual too (they split nothing): the Mosaic GPU interpreter's callbacks need every axis manual."""
+
+    def call(*args):
+        mesh = jax.sharding.get_abstract_mesh()
+        ones = {n for n, k in zip(mesh.axis_names, mesh.axis_sizes) if k == 1 and n not in mesh.manual_axes}
+        return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={TENSOR} | ones,
+                             check_vma=False)(*args)
+
+    return call
+
+
+def tensor_sum(x: jax.Array) -> jax.Array:
+    """x summed over tensor ranks (inside `per_tensor_rank`)."""
+    return jax.lax.psum(x, TENSOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorReplicated:
+    """An op every tensor rank runs whole, on replicated inputs, inside a tensor-manual `shard_map` (a kernel
+    site whose weights are replicated: mHC, router; the decode KV writes and the indexer's top-k). Arguments that
+    are not arrays (a config, a flag) pass as they are; keyword arguments too."""
+
+    inner: Callable
+
+    def __call__(self, *args, **kwargs):
+        names = tuple(kwargs)
+        every = args + tuple(kwargs.values())
+        is_dyn = [all(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(a)) for a in every]
+        dyn = [a for a, d in zip(every, is_dyn) if d]
+
+        def local(*d):
+            it = iter(d)
+            full = [next(it) if flag else a for a, flag in zip(every, is_dyn)]
+            return self.inner(*full[:len(args)], **dict(zip(names, full[len(args):])))
+
+        return per_tensor_rank(local, in_specs=(PartitionSpec(),) * len(dyn), out_specs=PartitionSpec())(*dyn)
+
+
+def split_spec(ndim: int, dim: int) -> PartitionSpec:
+    """The tensor spec of an activation whose dim `dim` is split over tensor ranks (heads of q, of a sink)."""
+    return PartitionSpec(*(TENSOR if i == dim else None for i in range(ndim)))
+
+
+def tensor_auto() -> bool:
+    """Whether the op being traced runs with tensor ranks left to XLA (a tensor-parallel program, or under
+    `jax.set_mesh` of one), so a kernel in it must run per tensor rank."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TENSOR not in mesh.axis_names:
+        return False
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))[TENSOR] > 1 and TENSOR not in mesh.manual_axes

@@ -229,14 +229,23 @@ def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = Fals
     return PreparedFp4(_to_kernel_weight(w.weight), scale_t, interpret)
 
 
-def concat_out_features(*ws: PreparedFp4) -> PreparedFp4:
+def concat_out_features(*ws: PreparedFp4, blocks: int = 1) -> PreparedFp4:
     """Prepared weights [E, N_i, K] -> one [E, sum N_i, K] (e.g. w1 and w3: one GEMM call reads each token's x
     once and has twice the work items to spread over the SMs). Each output column is computed exactly as in
-    its own call: the kernel's result does not depend on how N is blocked."""
+    its own call: the kernel's result does not depend on how N is blocked. blocks: N in that many equal blocks,
+    block b = block b of every weight in turn (blocks = the tensor ranks that split N: each rank's block is its
+    slices of w1 then w3)."""
     if len({(w.weight.shape[0], w.weight.shape[2], w.interpret) for w in ws}) != 1:
         raise ValueError("weights to concatenate need the same experts, in-features and interpret flag")
-    return PreparedFp4(jnp.concatenate([w.weight for w in ws], axis=1),
-                       jnp.concatenate([w.scale_t for w in ws], axis=2), ws[0].interpret)
+    if any(w.weight.shape[1] % blocks for w in ws):
+        raise ValueError(f"out-features {[w.weight.shape[1] for w in ws]} do not split into {blocks} blocks")
+
+    def cat(arrays, axis):  # each [..., N_i (axis), ...] -> [..., blocks, N_i / blocks, ...], joined per block
+        split = [a.reshape(*a.shape[:axis], blocks, -1, *a.shape[axis + 1:]) for a in arrays]
+        out = jnp.concatenate(split, axis=axis + 1)
+        return out.reshape(*out.shape[:axis], -1, *out.shape[axis + 2:])
+
+    return PreparedFp4(cat([w.weight for w in ws], 1), cat([w.scale_t for w in ws], 2), ws[0].interpret)
 
 
 def unprepare_fp4_experts(p: PreparedFp4) -> Fp4Weight:

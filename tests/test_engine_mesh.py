@@ -157,7 +157,6 @@ def test_expert_parallel_op_is_the_plain_moe(par):
     (dict(enable_expert_parallel=True), "needs --data-parallel-size > 1"),
     (dict(tensor_parallel_size=3), "cannot be split 3 ways"),
     (dict(tensor_parallel_size=4, data_parallel_size=4), "asks for 16 devices but 8 are present"),
-    (dict(tensor_parallel_size=2, attention_backend="interpret"), "cannot run with tensor_parallel_size 2"),
 ])
 def test_bad_layouts_fail_before_anything_runs(kw, msg):
     with pytest.raises(EngineError, match=msg):

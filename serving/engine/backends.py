@@ -11,12 +11,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsv41 import mhc, moe, quant
+from dsv41 import mhc, moe, quant, sharding
 from dsv41.config import ModelConfig
 from dsv41.nn import grouped_linear, linear, linear_input
 from dsv41.ops import XLA, Ops
 from dsv41.quant import Fp4Weight, Numerics
-from dsv41.sharding import ExpertParallel, Parallelism
+from dsv41.sharding import (ExpertParallel, Parallelism, TensorReplicated, TensorShards, last_dim_spec,
+                            per_tensor_rank, tensor_spec, tensor_sum, tensor_ways)
 from pallas_kernels import expert_gemm, fp8_linear, router
 from pallas_kernels.indexer_logits import TOPK_METHODS
 from pallas_kernels.mhc import mhc_fused
@@ -88,33 +89,78 @@ def _small_bf16(rows: int, num: Numerics) -> bool:
     return rows <= fp8_linear.MAX_ROWS and num.jdtype == jnp.bfloat16
 
 
+def _unwrap(w):
+    return w.value if isinstance(w, TensorShards) else w
+
+
 def fp8_linear_op(x: jax.Array, w, num: Numerics, *, fp8_input: bool) -> jax.Array:
     """`Ops.linear` with the FP8 linear kernel on `prepare_linears`' weights for decode-sized bf16 rows: the FP8
-    weight is read once and decoded in the kernel. Other weights and sizes: `nn.linear`."""
+    weight is read once and decoded in the kernel. Other weights and sizes: `nn.linear`.
+
+    Under tensor parallelism (w a `TensorShards`) each rank runs the kernel on its slice: a column-parallel
+    weight (out split: heads, FFN width) on the whole x, giving its slice of the output; a row-parallel one (in
+    split: wo_b, the shared expert's w2) on its slice of x, the partial outputs summed over ranks (each rank's
+    partial is rounded to bf16 by the kernel before the sum); a replicated one on the whole x on every rank."""
     rows = math.prod(x.shape[:-1])
-    if not (isinstance(w, fp8_linear.PreparedFp8) and _small_bf16(rows, num)):
-        return linear(x, w, num, fp8_input=fp8_input)
+    if not (isinstance(_unwrap(w), fp8_linear.PreparedFp8) and _small_bf16(rows, num)):
+        return linear(x, _unwrap(w), num, fp8_input=fp8_input)
     x = linear_input(x, num, fp8_input)
-    return fp8_linear.fp8_linear(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+    if not isinstance(w, TensorShards):
+        return _fp8_linear_rows(x, w)
+    col, row = w.split(1), w.split(2)  # PreparedFp8.weight [1, out, in]
+
+    def local(x, pw):
+        y = _fp8_linear_rows(x, pw)
+        return tensor_sum(y.astype(jnp.float32)).astype(y.dtype) if row else y
+
+    return per_tensor_rank(local, in_specs=(last_dim_spec(x.ndim, row), w.spec_tree()),
+                           out_specs=last_dim_spec(x.ndim, col))(x, w.value)
+
+
+def _fp8_linear_rows(x, w):
+    return fp8_linear.fp8_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
 
 
 def fp8_grouped_linear_op(x: jax.Array, w, num: Numerics) -> jax.Array:
     """`Ops.grouped_linear` with the FP8 kernel on a `PreparedFp8` [G, out, in] for decode-sized bf16 inputs (G
-    groups of one grouped GEMM). Other weights and sizes: `nn.grouped_linear`."""
-    g, rows = x.shape[-2], math.prod(x.shape[:-2])
-    if not (isinstance(w, fp8_linear.PreparedFp8) and _small_bf16(rows, num)):
-        return grouped_linear(x, w, num)
+    groups of one grouped GEMM). Other weights and sizes: `nn.grouped_linear`. Under tensor parallelism (w a
+    `TensorShards`, groups split: wo_a's o_groups) each rank runs its groups on its groups' inputs."""
+    rows = math.prod(x.shape[:-2])
+    if not (isinstance(_unwrap(w), fp8_linear.PreparedFp8) and _small_bf16(rows, num)):
+        return grouped_linear(x, _unwrap(w), num)
     x = x.astype(num.jdtype)
+    if not isinstance(w, TensorShards):
+        return _fp8_grouped_rows(x, w)
+    spec = jax.sharding.PartitionSpec(*last_dim_spec(x.ndim - 1, w.split(0)), None)  # [..., G (split), in]
+    return per_tensor_rank(_fp8_grouped_rows, in_specs=(spec, w.spec_tree()), out_specs=spec)(x, w.value)
+
+
+def _fp8_grouped_rows(x, w):
+    g, rows = x.shape[-2], math.prod(x.shape[:-2])
     y = fp8_linear.fp8_grouped_linear(jnp.swapaxes(x.reshape(rows, g, -1), 0, 1), w)  # [G, rows, out]
     return jnp.swapaxes(y, 0, 1).reshape(*x.shape[:-1], -1)
 
 
 def routed_experts_op(x, w, idx, p: dict, cfg: ModelConfig, num: Numerics, permutation=None):
-    """`Ops.routed_experts` with the grouped FP4 kernel on `prepare_experts`' weights (else `moe.routed_experts`)."""
-    if not isinstance(p.get("w13"), expert_gemm.PreparedFp4):
+    """`Ops.routed_experts` with the grouped FP4 kernel on `prepare_experts`' weights (else `moe.routed_experts`).
+
+    Under tensor parallelism (the experts `TensorShards`, their width F split: `prepare_experts` lays w13 out so
+    that each rank's rows are its slices of w1 then w3) each rank runs both GEMMs on its F-slice for every routed
+    token (x, routing replicated) and the partial outputs [T, D] are summed over ranks (float32)."""
+    if not isinstance(_unwrap(p.get("w13")), expert_gemm.PreparedFp4):
         return moe.routed_experts(x, w, idx, p, cfg, num, permutation)
     order, sizes = moe.expert_order(idx, cfg.n_routed_experts, permutation)
-    return _routed_experts_fp4(x, w, order, sizes, p, cfg, num)
+    if not isinstance(p["w13"], TensorShards):
+        return _routed_experts_fp4(x, w, order, sizes, p, cfg, num)
+    split = p["w13"].split(1)
+
+    def local(x, w, order, sizes, experts):
+        y = _routed_experts_fp4(x, w, order, sizes, experts, cfg, num)
+        return tensor_sum(y) if split else y
+
+    rep = jax.sharding.PartitionSpec()
+    return per_tensor_rank(local, in_specs=(rep, rep, rep, rep, {k: v.spec_tree() for k, v in p.items()}),
+                           out_specs=rep)(x, w, order, sizes, {k: v.value for k, v in p.items()})
 
 
 def _routed_experts_fp4(x, w, order, sizes, p, cfg: ModelConfig, num: Numerics):
@@ -148,7 +194,9 @@ def _routed_experts_fp4(x, w, order, sizes, p, cfg: ModelConfig, num: Numerics):
         h = quant.fp8_qdq(h)
     y = expert_gemm.matmul_padded(h.astype(jnp.bfloat16), w2, sched, c2, w2.interpret)  # [t_max * tm, D]
     sorted_row = moe.token_rows(order, T, k)
-    rows = jnp.where(sched.valid[sorted_row], sched.pos[sorted_row], -1)
+    # a slot of no group (expert parallelism: another rank's expert) reads past the end: zeros (-1 would wrap to
+    # y's last row, which no sorted row may have written)
+    rows = jnp.where(sched.valid[sorted_row], sched.pos[sorted_row], y.shape[0])
     ys = jnp.take(y, rows, axis=0, mode="fill", fill_value=0).astype(num.jdtype).astype(jnp.float32)
     return moe.sum_in_expert_order(ys)
 
@@ -224,13 +272,15 @@ def resolve_linear_backend(params: dict, backend: str, num: Numerics) -> str:
 
 
 def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend: str, mhc_backend: str = "auto",
-                     router_backend: str = "auto", num: Numerics = quant.REFERENCE):
+                     router_backend: str = "auto", num: Numerics = quant.REFERENCE, width_ways: int = 1):
     """-> (attention backend, MoE backend, the mHC site op, the route op: `Ops.mhc_site` / `Ops.route`).
     'auto' -> the Mosaic GPU kernels on a GPU
     where the shapes and weight formats allow them, else XLA. An explicit 'pallas' that cannot run raises
     BackendError saying why. 'auto' runs the mHC and router sites as kernels in calls of up to
     SITE_KERNEL_MAX_TOKENS tokens (the mHC sites: decode batches) and in XLA in larger ones, where the kernels were
-    not faster on the H200; an explicit 'pallas' runs them at every size."""
+    not faster on the H200; an explicit 'pallas' runs them at every size. width_ways: the tensor ranks that split
+    the routed experts' width (tensor parallelism without expert parallelism): the kernel's shape limits apply to
+    one rank's slice."""
     gpu = jax.default_backend() == "gpu"
     site = {"mhc": mhc_backend, "router": router_backend}
     try:
@@ -265,12 +315,13 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     attn_why = ("needs a CUDA GPU" if not gpu else
                 f"needs head_dim % 128 == 0 and n_heads <= 64 (head_dim {cfg.head_dim}, n_heads {cfg.n_heads})"
                 if cfg.head_dim % 128 or cfg.n_heads > 64 else "")
-    fp4 = all(isinstance(w, (quant.Fp4Weight, expert_gemm.PreparedFp4))
+    fp4 = all(isinstance(_unwrap(w), (quant.Fp4Weight, expert_gemm.PreparedFp4))
               for lp in params["layers"] + params.get("mtp", []) for w in lp["ffn"]["experts"].values())
     moe_why = ("needs a CUDA GPU" if not gpu else
                "needs FP4 expert weights (a release checkpoint, or init_params without dtype)" if not fp4 else
-               f"needs dim and moe_inter_dim multiples of 256 ({cfg.dim}, {cfg.moe_inter_dim})"
-               if cfg.dim % 256 or cfg.moe_inter_dim % 256 else "")
+               f"needs dim and moe_inter_dim / (tensor ranks splitting it) multiples of 256 ({cfg.dim}, "
+               f"{cfg.moe_inter_dim} / {width_ways})" if cfg.dim % 256 or (cfg.moe_inter_dim // width_ways) % 256
+               else "")
     if attention == "auto":
         attention = "xla" if attn_why else "pallas"
     elif attention == "pallas" and attn_why:
@@ -281,6 +332,9 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
         raise BackendError(f"moe_backend='pallas' {moe_why}; use 'xla'")
     elif moe_backend == "interpret" and not fp4:
         raise BackendError("moe_backend='interpret' needs FP4 expert weights")
+    elif moe_backend == "interpret" and (cfg.moe_inter_dim // width_ways) % 128:
+        raise BackendError(f"moe_backend='interpret' needs each tensor rank's expert width a multiple of 128 "
+                           f"(moe_inter_dim {cfg.moe_inter_dim} / {width_ways}); use 'xla'")
     return attention, moe_backend, mhc_site, route
 
 
@@ -292,26 +346,26 @@ def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "au
     -> (the programs' `Backends`, the prepared tree). Raises BackendError for a choice that cannot run.
 
     On a mesh the programs run per data rank, so with tensor_parallel_size 1 every kernel sees whole local
-    arrays and runs as on one device. With tensor parallelism the weights a kernel reads are split over tensor
-    ranks, which the kernels (one device's Mosaic GPU programs) do not partition: 'auto' resolves to 'xla' there
-    and an explicit kernel backend raises. Expert parallelism wraps the chosen routed-experts op in
-    `sharding.ExpertParallel` (tokens all-gathered, each rank its experts, partial sums reduce-scattered)."""
-    if parallelism.tensor > 1:
-        chosen = {"attention_backend": attention, "moe_backend": moe_backend, "mhc_backend": mhc_backend,
-                  "router_backend": router_backend, "linear_backend": linear_backend}
-        kernels = {k: v for k, v in chosen.items() if v not in ("auto", "xla")}
-        if kernels:
-            raise BackendError(f"{kernels} cannot run with tensor_parallel_size {parallelism.tensor}: the kernels "
-                               f"run on one device's whole arrays; use 'xla' (or 'auto') with tensor parallelism, "
-                               f"or data parallelism (+ expert parallelism) for the kernels")
-        attention = moe_backend = mhc_backend = router_backend = linear_backend = "xla"
+    arrays and runs as on one device. With tensor parallelism each kernel op runs on each tensor rank's shards
+    inside a `shard_map` over the tensor axis (a kernel, one device's Mosaic GPU program, is not partitioned by
+    XLA): the prepared weights are split as the dense ones (`TensorShards`), the routed experts and the FP8
+    linears run on their slices with the sums the split needs, the mHC and router sites run whole on every rank
+    (`TensorReplicated`: their weights are replicated), and in the KV path (programs.py) the KV writes and the
+    indexer run whole on every rank, the sparse attention on each rank's heads. Expert
+    parallelism wraps the chosen routed-experts op in `sharding.ExpertParallel` (tokens all-gathered, each rank
+    its experts, partial sums reduce-scattered)."""
+    tp = parallelism.tensor > 1
+    width_ways = parallelism.tensor if not parallelism.expert else 1
     attention, moe_backend, mhc_site, route = resolve_backends(cfg, params, attention, moe_backend, mhc_backend,
-                                                               router_backend, num)
+                                                               router_backend, num, width_ways)
     if moe_backend != "xla":
         params = prepare_experts(params, interpret=moe_backend == "interpret")
     linear_backend = resolve_linear_backend(params, linear_backend, num)
     if linear_backend != "xla":
         params = prepare_linears(params, cfg, interpret=linear_backend == "interpret")
+    if tp:  # the fused sites' weights are replicated: every tensor rank runs the kernel whole
+        mhc_site = mhc_site if mhc_site is mhc.site else TensorReplicated(mhc_site)
+        route = route if route is moe.route_plain else TensorReplicated(route)
     ops = kernel_ops(experts=moe_backend != "xla", linears=linear_backend != "xla", mhc_site=mhc_site, route=route)
     if parallelism.expert:
         ops = dataclasses.replace(ops, routed_experts=ExpertParallel(ops.routed_experts, parallelism.tensor))
@@ -349,6 +403,48 @@ FP8_LINEARS = (("attn", "wq_a"), ("attn", "wq_b"), ("attn", "wkv"), ("attn", "wo
 GROUPED_FP8_LINEARS = (("attn", "wo_a"),)
 
 
+def _placement(a) -> jax.sharding.NamedSharding | None:
+    """A placed array's mesh sharding (None: one device, or a tracer in an abstract tree)."""
+    if isinstance(a, jax.core.Tracer):
+        return None
+    sh = getattr(a, "sharding", None)
+    return sh if isinstance(sh, jax.sharding.NamedSharding) else None
+
+
+def _place_like(pw, sh: jax.sharding.NamedSharding | None, weight_dims, scale_dims, wrap: bool = True):
+    """A kernel-layout weight (`PreparedFp8` / `PreparedFp4`: `weight`, `scale_t`) split as the dense weight it
+    was made from is split (sh; None: as it is). weight_dims / scale_dims: for each dim of pw.weight /
+    pw.scale_t, the dense weight's dim it indexes (None: a dim of its own, whole). On a mesh with tensor ranks
+    and wrap, the result is a `TensorShards` (its kernel op then runs per tensor rank)."""
+    if sh is None:
+        return pw
+    dense = tuple(sh.spec) + (None,) * (max(d for d in (*weight_dims, *scale_dims) if d is not None) + 1)
+    specs = [jax.sharding.PartitionSpec(*(None if d is None else dense[d] for d in dims))
+             for dims in (weight_dims, scale_dims)]
+    placed = [jax.device_put(a, jax.sharding.NamedSharding(sh.mesh, sp))
+              for a, sp in zip((pw.weight, pw.scale_t), specs)]
+    pw = dataclasses.replace(pw, weight=placed[0], scale_t=placed[1])
+    if not wrap or sh.mesh.shape.get(sharding.TENSOR, 1) == 1:
+        return pw
+    return TensorShards(pw, tuple(tensor_spec(a.sharding, a.ndim) for a in placed))
+
+
+def _local_fp8(w, sh, grouped: bool, groups: int = 1):
+    """The [out, in] shape one tensor rank holds of a dense FP8 linear [out, in] placed with sh (grouped: wo_a
+    [G * out, in] split on G) -> (out, in) per group, for the kernel's shape limits and its K slices."""
+    n, k = w.shape[-2:]
+    if grouped:
+        return n // groups, k // tensor_ways(sh, 1)
+    return n // tensor_ways(sh, 0), k // tensor_ways(sh, 1)
+
+
+def _local_splits(pw, n: int, k: int, groups: int):
+    """pw with the K slices of one rank's block [groups, n, k] (a row-parallel rank holds K / tensor)."""
+    if (groups, n, k) == pw.weight.shape:
+        return pw
+    return dataclasses.replace(pw, splits=fp8_linear.splits(n, k, expert_gemm._num_sms(), groups))
+
+
 def _grouped_fp8(w, groups: int, interpret: bool):
     """A dense [G * out, in] weight holding FP8 values -> PreparedFp8 [G, out, in], or None where its values are
     not exactly FP8 with 32x32 block scales (then it stays dense)."""
@@ -375,12 +471,21 @@ def prepare_linears(params: dict, cfg, interpret: bool = False) -> dict:
         if rest:
             return {**tree, head: convert(tree[head], tuple(rest), grouped)}
         w = tree[head]
+        sh = _placement(w if grouped else getattr(w, "weight", None))
+        n, k = _local_fp8(w, sh, grouped, cfg.o_groups)
+        if n % fp8_linear.TN or k % fp8_linear.TK:  # a rank's slice is below the kernel's tiles
+            return tree
         if grouped:
             pw = _grouped_fp8(w, cfg.o_groups, interpret)
-            return tree if pw is None else {**tree, head: pw}
+            if pw is None:
+                return tree
+            g = cfg.o_groups // tensor_ways(sh, 0) if sh is not None else cfg.o_groups
+            pw = _place_like(_local_splits(pw, n, k, g), sh, (0, None, 1), (0, 1, None))
+            return {**tree, head: pw}
         if not fp8_linear.supported(w):
             return tree
-        return {**tree, head: fp8_linear.prepare_fp8_linear(w, interpret=interpret)}
+        pw = fp8_linear.prepare_fp8_linear(w, interpret=interpret)
+        return {**tree, head: _place_like(_local_splits(pw, n, k, 1), sh, (None, 0, 1), (None, 1, 0))}
 
     def block(lp: dict, _name: str) -> dict:
         for path in FP8_LINEARS:
@@ -405,16 +510,28 @@ def prepare_experts(params: dict, interpret: bool = False) -> dict:
     """The routed experts' FP4 weights in the grouped-GEMM kernel's layout (once, at load): `routed_experts_op`
     then runs the Mosaic GPU kernel instead of dequantizing every expert for lax.ragged_dot. w1 and w3 become
     one weight 'w13' [E, 2F, D] (one call per layer for both). The old arrays are dropped as each layer is
-    converted, so peak memory grows by one layer's experts."""
+    converted, so peak memory grows by one layer's experts.
+
+    On a mesh the prepared weights are split as the FP4 ones are: on the experts (expert parallelism:
+    `ExpertParallel` runs the kernel on each rank's experts) or on the width F (tensor parallelism: a
+    `TensorShards`, w13 laid out so that each rank's block is its slices of w1 then w3)."""
     def block(lp: dict, name: str) -> dict:
         ex = lp["ffn"]["experts"]
-        bad = [k for k, w in ex.items() if not isinstance(w, (Fp4Weight, expert_gemm.PreparedFp4))]
+        bad = [k for k, w in ex.items() if not isinstance(_unwrap(w), (Fp4Weight, expert_gemm.PreparedFp4))]
         if bad:
             raise ValueError(f"{name}: routed experts {bad} are not FP4 (the release's format); the grouped FP4 kernel "
                              f"needs FP4 weights: load a release checkpoint or use init_params without dtype")
+        if all(isinstance(_unwrap(w), expert_gemm.PreparedFp4) for w in ex.values()):
+            return lp
+        sh = {k: _placement(w.weight) for k, w in ex.items()}
+        # experts split over tensor ranks (expert parallelism): ExpertParallel's shard_map gives the kernel its own
+        wrap = all(s is None or tensor_ways(s, 0) == 1 for s in sh.values())
         ex = {k: expert_gemm.prepare_fp4_experts(w, interpret=interpret) for k, w in ex.items()}
         if "w1" in ex:
-            ex = {"w13": expert_gemm.concat_out_features(ex.pop("w1"), ex.pop("w3")), **ex}
+            blocks = 1 if sh["w1"] is None else tensor_ways(sh["w1"], 1)
+            ex = {"w13": expert_gemm.concat_out_features(ex.pop("w1"), ex.pop("w3"), blocks=blocks), **ex}
+            sh["w13"] = sh.pop("w1")
+        ex = {k: _place_like(w, sh[k], (0, 1, 2), (0, 2, 1), wrap) for k, w in ex.items()}
         return {**lp, "ffn": {**lp["ffn"], "experts": ex}}
 
     return _map_blocks(params, block)

@@ -108,7 +108,6 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     backend: 'pallas' (Mosaic GPU), 'interpret' (the kernels in the interpreter) or 'reference' (their jnp
     references on the kernels' inputs: checks this wiring, not the kernels)."""
     from pallas_kernels import kv_write as kvw
-    from pallas_kernels import sparse_attention as sa
 
     kb = "xla" if backend == "reference" else backend
     plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
@@ -121,10 +120,13 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
         extra = {}
         if ratio:
             ck, cs = compressor.project(x, p["compressor"], ratio, num)
+            # the indexer's query weights are split over tensor ranks and unread here (index keys: wk, k_norm)
+            p_idx = {k: v for k, v in p["indexer"].items() if k not in ("wq_b", "weights_proj")}
             extra = dict(comp_kv=ck[:, 0], comp_score=None if cs is None else cs[:, 0], p_comp=p["compressor"],
-                         p_idx=p["indexer"], freqs=freqs)
-        new = kvw.kv_write_decode(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
-                                  kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb, **extra)
+                         p_idx=p_idx, freqs=freqs)
+        new = _per_rank(kvw.kv_write_decode)(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
+                                             kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb,
+                                             **extra)
     pool = pool.with_layer(layer, new)
     pages = _pages(pool, plan, cfg)
 
@@ -147,12 +149,43 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
     topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if plan.swa_only else carry.topk[:, 0]
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     with jax.named_scope("attend"):
-        o = sa.sparse_attention(q[:, 0], ring.swa_q.reshape(-1, cfg.head_dim),
-                                ring.swa_s.reshape(-1, cfg.head_dim // 32), None, topk, b.block_table,
-                                pages.kv_packed, pages.kv_scale, p["attn_sink"], swa_rows=swa_rows, **kw,
-                                **_rope_kw(b.pos0, freqs, fuse))
+        o = _attention_heads(q[:, 0], ring.swa_q.reshape(-1, cfg.head_dim), ring.swa_s.reshape(-1, cfg.head_dim // 32),
+                             topk, b.block_table, pages.kv_packed, pages.kv_scale, p["attn_sink"], swa_rows=swa_rows,
+                             **kw, **_rope_kw(b.pos0, freqs, fuse))
     with jax.named_scope("output"):
         return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
+
+
+def _per_rank(kernel_op):
+    """A kernel op of the KV path on replicated inputs (the pool, the KV latent and the index keys are whole on
+    every tensor rank): in a tensor-parallel program every rank runs it whole (`sharding.TensorReplicated`; XLA
+    cannot partition a kernel). The indexer stays replicated too: its queries' heads are split by the weights,
+    but gathering them (B x heads x 128 values a query) costs less than summing every rank's per-entry scores
+    before the top-k (B x entries float32 a query), every rank reads every index key either way, and each rank
+    then picks the same entries."""
+    return sharding.TensorReplicated(kernel_op) if sharding.tensor_auto() else kernel_op
+
+
+def _attention_heads(q, keys_q, keys_s, topk, page_table, kv_packed, kv_scale, sink, **kw):
+    """`sparse_attention.sparse_attention` (q [N, H, Dh], sink [H] -> [N, H, Dh]); in a tensor-parallel program
+    each tensor rank runs the kernel on its heads (split as wq_b splits them) against the whole window and pool
+    (replicated), no collective."""
+    from pallas_kernels import sparse_attention as sa
+
+    arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kw.items() if k not in arrays}
+
+    def attend(q, sink, keys_q, keys_s, topk, page_table, kv_packed, kv_scale, arrays):
+        return sa.sparse_attention(q, keys_q, keys_s, None, topk, page_table, kv_packed, kv_scale, sink, **arrays,
+                                   **static)
+
+    args = (q, sink, keys_q, keys_s, topk, page_table, kv_packed, kv_scale, arrays)
+    if not sharding.tensor_auto():
+        return attend(*args)
+    heads = sharding.split_spec(3, 1)
+    rep = jax.sharding.PartitionSpec()
+    return sharding.per_tensor_rank(attend, in_specs=(heads, sharding.split_spec(1, 0)) + (rep,) * 7,
+                                    out_specs=heads)(*args)
 
 
 def _window_rows(pos, ring_pos, R: int, chunk_start, T: int, W: int):
@@ -199,11 +232,13 @@ def _kernel_index_topk(qi, wi, pages: LayerKV, b: Batch, pos, r: int, plan: Laye
     icfg = dataclasses.replace(il.IndexerConfig.from_model(cfg), topk_method=method)
     kw = dict(cfg=icfg, backend="xla" if backend == "reference" else backend, dtype=num.jdtype)
     if plan.uses_candidates:
-        topk, _ = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=carry.cand_blocks, **kw)
+        topk, _ = _per_rank(il.index_topk)(qi, wi, ikp, iks, b.block_table, pos, r, cand_blocks=carry.cand_blocks,
+                                           **kw)
         return dataclasses.replace(carry, topk=topk)
     want = plan.makes_candidates
-    topk, cand = il.index_topk(qi, wi, ikp, iks, b.block_table, pos, r,
-                               num_entries=b.block_table.shape[1] * ikp.shape[1], want_candidates=want, **kw)
+    topk, cand = _per_rank(il.index_topk)(qi, wi, ikp, iks, b.block_table, pos, r,
+                                          num_entries=b.block_table.shape[1] * ikp.shape[1], want_candidates=want,
+                                          **kw)
     return dataclasses.replace(carry, topk=topk, **({"cand_blocks": cand} if want else {}))
 
 
@@ -213,14 +248,11 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pages: LayerKV, b: Batch,
     rows in the flat FP8 key buffer (keys_q [N, Dh], keys_s [N, Dh/32]) plus its own top-k entries (topk
     [B, T, K]; None on SWA-only layers).
     q [B, T, H, Dh] -> [B, T, H, Dh]. rope: `_rope_kw` of the B * T query positions."""
-    from pallas_kernels import sparse_attention as sa
-
     B, T, H, Dh = q.shape
     topk = jnp.full((B * T, 64), -1, jnp.int32) if topk is None else topk.reshape(B * T, -1)
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
-    o = sa.sparse_attention(q.reshape(B * T, H, Dh), keys_q, keys_s, None, topk,
-                            jnp.repeat(b.block_table, T, axis=0), pages.kv_packed, pages.kv_scale, sink,
-                            swa_rows=rows.reshape(B * T, -1), **kw, **rope)
+    o = _attention_heads(q.reshape(B * T, H, Dh), keys_q, keys_s, topk, jnp.repeat(b.block_table, T, axis=0),
+                         pages.kv_packed, pages.kv_scale, sink, swa_rows=rows.reshape(B * T, -1), **kw, **rope)
     return o.reshape(B, T, H, Dh)
 
 

@@ -371,6 +371,36 @@ def test_moe_layer_through_the_kernel_equals_xla(act_quant):
     assert _rel(y_kernel, np.asarray(y_xla.astype(jnp.float32), np.float64)) < 1e-2
 
 
+def test_kernel_experts_on_one_rank_of_expert_parallel():
+    """The kernel path on one expert-parallel rank's experts (`sharding.ExpertParallel`'s permutation: the other
+    ranks' slots sorted past its groups) equals the XLA path on the same permutation: those slots add nothing
+    (they once read the kernel output's last row, unwritten: NaN in the interpreter)."""
+    from dsv41 import moe
+    from dsv41 import params as P
+    from dsv41.config import preset
+    from dsv41.quant import Numerics
+
+    cfg = preset("tiny")
+    ex = P.init_params(cfg, seed=1)["layers"][0]["ffn"]["experts"]
+    mine_n = 2  # this rank: experts [0, 2) of 8
+    ex = {k: jax.tree_util.tree_map(lambda a: a[:mine_n], w) for k, w in ex.items()}
+    prepared = BK.prepare_experts({"layers": [{"ffn": {"experts": ex}}]}, interpret=True)["layers"][0]["ffn"]
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((6, cfg.dim)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(cfg.n_routed_experts, 2, replace=False) for _ in range(6)]), jnp.int32)
+    mine = idx < mine_n
+    lid = jnp.where(mine, idx, mine_n).reshape(-1)
+    perm = (jnp.argsort(lid, stable=True), jnp.bincount(lid, length=mine_n).astype(jnp.int32))
+    w = jnp.where(mine, jnp.asarray(rng.random((6, 2)), jnp.float32), 0.0)
+    num = Numerics(act_quant=True, bf16_probs=True, dtype="bfloat16")
+    run = jax.jit(lambda x, w, p: (moe.routed_experts(x, w, idx, ex, cfg, num, perm),
+                                   BK.routed_experts_op(x, w, idx, p, cfg, num, perm)))
+    want, got = run(x, w, prepared["experts"])
+    assert 0 < int(mine.sum()) < mine.size
+    assert np.isfinite(np.asarray(got)).all()
+    assert _rel(got, np.asarray(want, np.float64)) < 1e-2
+
+
 def test_prepare_experts_rejects_dense_weights():
     dense = {"layers": [{"ffn": {"experts": {"w1": jnp.zeros((2, 128, 256), jnp.bfloat16)}}}]}
     with pytest.raises(ValueError, match="not FP4"):
