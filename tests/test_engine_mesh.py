@@ -187,7 +187,8 @@ def test_capacity_plan_is_what_the_engine_allocates(kw):
     eng = tiny_engine.make(num_pages=8, **kw)  # builds and places; compiles nothing
     par = eng.config.parallelism
     plan = kv_pool.capacity(eng.cfg, par, 2**30, weights_dtype="float32")
-    weights = sharding.per_device_bytes(eng.params, jax.tree_util.tree_map(lambda a: a.sharding, eng.params))
+    placed = {**eng.params, **(eng.vision_params or {})}  # the vision program's weights are kept apart
+    weights = sharding.per_device_bytes(placed, jax.tree_util.tree_map(lambda a: a.sharding, placed))
     assert set(weights.values()) == {plan.weight_bytes_per_device}, (weights, plan)
     pool = sharding.per_device_bytes(eng.pool, jax.tree_util.tree_map(lambda a: a.sharding, eng.pool))
     lay = eng.layout
