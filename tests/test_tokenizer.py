@@ -16,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from dsv41 import tokenizer as T
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "make_builtin_tokenizer.py"
+SCRIPT = ROOT / "dsv41" / "assets" / "make_tokenizer.py"
 
 TEXTS = [
     "",
@@ -34,7 +34,7 @@ TEXTS = [
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("make_builtin_tokenizer", SCRIPT)
+    spec = importlib.util.spec_from_file_location("make_tokenizer", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -6,8 +6,8 @@ top of the id range in the release's relative order; the pre-tokenizer is DeepSe
 CJK+kana branch, punctuation-then-letters, ...). The corpus is embedded below (English prose, code, a little
 multilingual and chat-format text), so the output depends only on this file and the `tokenizers` version. Run:
 
-    .venv/bin/python scripts/make_builtin_tokenizer.py          # writes the assets
-    .venv/bin/python scripts/make_builtin_tokenizer.py --check  # exits 1 if the assets are stale
+    .venv/bin/python dsv41/assets/make_tokenizer.py          # writes the assets
+    .venv/bin/python dsv41/assets/make_tokenizer.py --check  # exits 1 if the assets are stale
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-log = logging.getLogger("make_builtin_tokenizer")
+log = logging.getLogger("make_tokenizer")
 
-ASSET_DIR = pathlib.Path(__file__).resolve().parent.parent / "dsv41" / "assets"
+ASSET_DIR = pathlib.Path(__file__).resolve().parent
 VOCAB_SIZE = 1024
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         stale = [name for name, text in files.items()
                  if not (args.out / name).exists() or (args.out / name).read_text(encoding="utf-8") != text]
         for name in stale:
-            log.error("%s is stale: rerun scripts/make_builtin_tokenizer.py", args.out / name)
+            log.error("%s is stale: rerun dsv41/assets/make_tokenizer.py", args.out / name)
         return 1 if stale else 0
     args.out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
