@@ -1,21 +1,22 @@
 """Run by tests/test_startup.py in a fresh process (jax opens its persistent compilation cache once per process):
-the tiny test engine warms up against the cache directory argv[1], serves one request, and prints one JSON line:
-the programs warm-up reported and what the request compiled afterwards."""
+the engine of `dsv41 serve`'s flags argv[1:] (with --compilation-cache-dir) warms up against that cache, serves one
+request, and prints one JSON line: the programs warm-up reported and what the request compiled afterwards."""
 
+import argparse
 import json
 import sys
 
 import numpy as np
 
-from serving import compilation_cache
+from serving import cli_serve, compilation_cache
 
-compilation_cache.configure(sys.argv[1])
+args = cli_serve.add_serve_args(argparse.ArgumentParser()).parse_args(sys.argv[1:])
+compilation_cache.configure(compilation_cache.dir_from_args(args))
 
-import tiny_engine  # noqa: E402
 from serving.engine import compile_events, programs  # noqa: E402
 from serving.engine.engine import SamplingParams  # noqa: E402
 
-eng = tiny_engine.make()
+eng = cli_serve.build_engine(args)
 shapes = eng.warmup()
 jits = (programs.run_full, programs.run_encoder, programs.run_decoder)
 before = [p._cache_size() for p in jits]

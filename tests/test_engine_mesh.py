@@ -29,6 +29,9 @@ pytestmark = [needs8]
 NOISE = 0.1  # max |logit| difference: the one-device engine's own sensitivity to 1e-7 weight noise (docstring)
 TYPICAL = 2e-3  # median over steps of the max |logit| difference
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+# one worker runs the data-, tensor- and expert-parallel engine tests: they share `one_device` (its programs and
+# its run) and the one-device engine's programs
+MESH_GROUP = "mesh_engine"
 PROMPTS = [list(np.random.default_rng(0).integers(3, 1000, n)) for n in (150, 40, 200)]
 
 
@@ -64,7 +67,7 @@ def worst(got, ref) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("mesh_engine_tp")
+@pytest.mark.xdist_group(MESH_GROUP)
 def test_speculative_decoding_on_a_mesh():
     """DSpark speculative decoding per data rank with expert parallelism (the DSpark stages' experts split too):
     the plain one-device engine's greedy tokens, its logits to the noise floor (`NOISE`)."""
@@ -81,7 +84,7 @@ def test_speculative_decoding_on_a_mesh():
     assert w1.addressable_shards[0].data.shape[0] == eng.cfg.dspark_n_routed_experts // 2
 
 
-@pytest.mark.xdist_group("mesh_engine_dp")
+@pytest.mark.xdist_group(MESH_GROUP)
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "exact"])
 def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
     eng = tiny_engine.make(data_parallel_size=2, swa_bounded_replay=replay, num_pages=8)
@@ -99,7 +102,7 @@ def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
         assert hits[ranks["r0"]] >= 2 * eng.layout.page_tokens and sum(hits) == hits[ranks["r0"]]
 
 
-@pytest.mark.xdist_group("mesh_engine_tp")
+@pytest.mark.xdist_group(MESH_GROUP)
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2),
                                 dict(data_parallel_size=4, enable_expert_parallel=True),
                                 dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)],
@@ -117,25 +120,26 @@ def test_tensor_and_expert_parallel_match_the_one_device_engine(kw):
     assert len(eng.pool.layers[0].swa_q.sharding.device_set) == par.devices
 
 
-@pytest.mark.xdist_group("mesh_engine_dp")
+@pytest.mark.xdist_group(MESH_GROUP)
 def test_one_rank_out_of_pages_preempts_only_there():
-    """Rank 0 admits two requests of one page each whose outputs do not fit its 3 pages together: it preempts
-    one of them (recomputed later); the other rank's request runs as on one device."""
-    eng = tiny_engine.make(data_parallel_size=2, num_pages=3)
-    a, b = list(range(3, 63)), list(range(200, 260))
+    """Rank 0 admits two requests of four pages each whose outputs do not fit its 8 pages together: it preempts
+    one of them (recomputed later); the other rank's request runs as on one device. 8 pages: the engine of
+    `test_data_parallel_is_the_one_device_engine_bit_for_bit[replay]`, whose compiled programs this one reuses."""
+    eng = tiny_engine.make(data_parallel_size=2, num_pages=8)
+    a, b = list(range(3, 253)), list(range(300, 550))  # 4 pages each; 10 tokens more: 5
     for rid, p, s in (("a", a, "x"), ("c", PROMPTS[1], "y"), ("b", b, "x")):  # a, b share session x: rank 0
-        eng.add_request(rid, p, SamplingParams(max_tokens=40, ignore_eos=True), session=s)
+        eng.add_request(rid, p, SamplingParams(max_tokens=10, ignore_eos=True), session=s)
     toks: dict[str, list[int]] = {}
     while eng.has_work():
         for o in eng.step():
             toks.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert eng.counters["preemptions"] >= 1
-    assert {k: len(v) for k, v in toks.items()} == {"a": 40, "b": 40, "c": 40}
+    assert {k: len(v) for k, v in toks.items()} == {"a": 10, "b": 10, "c": 10}
     ref = tiny_engine.make()  # the one-device engine of `one_device`: its programs are compiled in this group
-    assert ref.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True)) == toks["c"]
+    assert ref.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True)) == toks["c"]
 
 
-@pytest.mark.xdist_group("mesh_engine_tp")
+@pytest.mark.xdist_group(MESH_GROUP)
 @pytest.mark.parametrize("par", [sharding.Parallelism(data=4, expert=True),
                                  sharding.Parallelism(data=2, tensor=2, expert=True)], ids=["dep4", "dp2xtp2+ep"])
 def test_expert_parallel_op_is_the_plain_moe(par):

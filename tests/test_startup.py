@@ -1,36 +1,78 @@
-"""Warm-up of the tiny test engine against a fresh persistent compilation cache, each run in its own process
-(jax opens the cache once per process): the first run compiles every program of `program_shapes()` and the
-first request compiles no program after it; the second run loads every program from the cache, and what the
-first request still compiles outside the programs (eager ops of the prefill hand-off) comes from it too."""
+"""Start-up against a persistent compilation cache, each run in its own process (jax opens the cache once per
+process), on the tiny preset's `dsv41 serve` engine with three programs (one prefill width, one block-table width,
+one decode width: encoder, decoder, decode). One cold compile serves the whole file (a module fixture, one xdist
+worker): a CPU compile of the three is most of its time.
+
+- scripts/bench_startup.py: the cold run compiles each program, the warm run loads each from the cache, and the
+  abstract mode's programs (ShapeDtypeStruct weights and pool) are the very programs the allocated engine
+  compiles: the allocated engine's run finds every one in the cache the abstract runs left.
+- `Engine.warmup()` on that cache less one program: it compiles that one and loads the others, and the first
+  request compiles no program after it; a second run loads every program from the cache, and what the first
+  request still compiles outside the programs (eager ops of the prefill hand-off) comes from it too.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
-import pathlib
+import pytest
 
 from serving.engine import compile_events
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "bench_startup.py"
+# one prefill width, one block-table width, one decode width: encoder, decoder, decode
+FLAGS = ["--preset", "tiny", "--max-model-len", "512", "--max-num-seqs", "2", "--max-num-batched-tokens", "128",
+         "--min-prefill-bucket", "128", "--min-block-table-pages", "8", "--min-decode-bucket", "2"]
+pytestmark = pytest.mark.xdist_group("startup")  # the tests share the module fixture's cold compile
 
 
-def _warm_up(cache_dir) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "startup_child.py"), str(cache_dir)], env=env,
-                         capture_output=True, text=True, timeout=600)
+def _run(*cmd: str) -> str:
+    out = subprocess.run([sys.executable, *cmd, *FLAGS], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return out.stdout
 
 
-def test_warm_cache_loads_every_program(tmp_path):
-    cold = _warm_up(tmp_path)
-    assert cold["programs"] == cold["expected"] == 3  # tiny_engine.BASE: one prefill, decoder, decode width
-    assert cold["sources"] == [compile_events.COMPILED] * 3
-    assert cold["tokens"] == 4 and cold["new_jit_entries"] == 0  # the request called only warmed programs
-    warm = _warm_up(tmp_path)
+def _last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def bench_cache(tmp_path_factory):
+    """(the table of `bench_startup.py --abstract` from an empty cache, that cache: the three programs)."""
+    cache = tmp_path_factory.mktemp("startup") / "cache"
+    return _run(str(SCRIPT), "--abstract", "--compilation-cache-dir", str(cache)), cache
+
+
+def test_cold_then_warm_and_abstract_equals_allocated(bench_cache):
+    table, cache = bench_cache
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    programs = [line.split("|")[1].strip() for line in lines[1:4]]
+    assert programs == ["encoder", "decoder", "decode"] and all(line.endswith("| cache hit |") for line in lines[1:4])
+    assert any("cold (empty cache) | 3 |" in line and "| 0/3 |" in line for line in lines), table
+    assert any("warm (cache hit) | 3 |" in line and "| 3/3 |" in line for line in lines), table
+    allocated = _last_json(_run(str(SCRIPT), "--child", "warm", "--compilation-cache-dir", str(cache)))
+    assert [p["source"] for p in allocated["programs"]] == ["cache hit"] * 3
+
+
+def test_warm_cache_loads_every_program(bench_cache, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(bench_cache[1], cache)
+    # the largest entry is a program's executable (the abstract runs executed nothing else): without it, warm-up
+    # compiles that program and loads the other two
+    max(cache.rglob("*"), key=lambda f: f.stat().st_size if f.is_file() else -1).unlink()
+    child = [str(ROOT / "tests" / "startup_child.py"), "--compilation-cache-dir", str(cache)]
+    first = _last_json(_run(*child))
+    assert first["programs"] == first["expected"] == 3
+    assert sorted(first["sources"]) == sorted([compile_events.COMPILED] + [compile_events.HIT] * 2)
+    assert first["tokens"] == 4 and first["new_jit_entries"] == 0  # the request called only warmed programs
+    warm = _last_json(_run(*child))
     assert warm["sources"] == [compile_events.HIT] * 3
     assert warm["tokens"] == 4 and warm["new_jit_entries"] == 0
     assert warm["after_source"] in (compile_events.HIT, compile_events.IN_MEMORY)  # nothing compiled
