@@ -66,26 +66,8 @@ def worst(got, ref) -> tuple[float, float]:
     return float(per_step.max()), float(np.median(per_step))
 
 
-@pytest.mark.slow
 @pytest.mark.xdist_group(MESH_GROUP)
-def test_speculative_decoding_on_a_mesh():
-    """DSpark speculative decoding per data rank with expert parallelism (the DSpark stages' experts split too):
-    the plain one-device engine's greedy tokens, its logits to the noise floor (`NOISE`)."""
-    from serving.engine.config import SpeculativeConfig
-
-    eng = tiny_engine.make(num_pages=8, data_parallel_size=2, enable_expert_parallel=True,
-                           speculative_config=SpeculativeConfig(num_speculative_tokens=5))
-    toks, logits, _ = serve(eng)
-    ref_toks, ref_logits, _ = one_device(True)
-    assert toks == ref_toks
-    assert worst(logits, ref_logits)[0] <= NOISE
-    assert eng.stats()["spec_drafts"] > 0
-    w1 = eng.params["mtp"][0]["ffn"]["experts"]["w1"]
-    assert w1.addressable_shards[0].data.shape[0] == eng.cfg.dspark_n_routed_experts // 2
-
-
-@pytest.mark.xdist_group(MESH_GROUP)
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "exact"])
+@pytest.mark.parametrize("replay", [True], ids=["replay"])
 def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
     eng = tiny_engine.make(data_parallel_size=2, swa_bounded_replay=replay, num_pages=8)
     toks, logits, ranks = serve(eng)
@@ -103,10 +85,8 @@ def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
 
 
 @pytest.mark.xdist_group(MESH_GROUP)
-@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2),
-                                dict(data_parallel_size=4, enable_expert_parallel=True),
-                                dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "dep4", "dp2xtp2+ep"])
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(data_parallel_size=4, enable_expert_parallel=True)],
+                         ids=["tp2", "dep4"])
 def test_tensor_and_expert_parallel_match_the_one_device_engine(kw):
     eng = tiny_engine.make(num_pages=8, **kw)
     toks, logits, _ = serve(eng)
@@ -198,20 +178,6 @@ def test_capacity_plan_is_what_the_engine_allocates(kw):
     lay = eng.layout
     want = lay.num_pages * lay.page_tokens * plan.kv_bytes_per_token + lay.num_slots * plan.slot_bytes
     assert len(pool) == par.devices and set(pool.values()) == {want}
-
-
-@pytest.mark.xdist_group("mesh_engine_cli")
-def test_generate_prints_the_same_tokens_on_a_mesh(capsys):
-    """The README's `dsv41 generate --tensor-parallel-size 2` against one device (the DEP layouts' tokens are
-    checked on the engine above, `test_tensor_and_expert_parallel_match_the_one_device_engine`)."""
-    from serving import cli
-
-    base = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "6", "--max-num-seqs", "2"]
-    outs = []
-    for extra in ([], ["--tensor-parallel-size", "2"]):
-        assert cli.main(base + extra) == 0
-        outs.append(capsys.readouterr().out)
-    assert outs[0].strip() and outs[1] == outs[0], outs
 
 
 def test_kv_budget_plans(capsys):
