@@ -19,7 +19,6 @@ arrays), programs.py (the jitted programs and the device-side sampling).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from typing import Any
 
