@@ -300,12 +300,9 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         for r in list(reqs):
-            if r.id not in self.running:  # preempted for an earlier row: back in the queue, it holds no pages
-                continue
-            while not self._ensure_pages(r, r.num_tokens):
-                if not self._preempt(r):
-                    self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
-                                  f"{r.num_tokens} tokens; raise num_pages or lower max_model_len")
+            if r.id in self.running:  # (one preempted for an earlier row is back in the queue, holding no pages)
+                # speculative decoding also writes its k drafts past the newest token
+                self._hold_pages(r, r.num_tokens + self.spec_tokens)
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
             return []

@@ -24,10 +24,7 @@ class Prefill:
             end = min(r.prefill_len, r.computed + self.chunk)
             if r.replay_at and r.computed < r.replay_at:
                 end = min(end, r.replay_at)
-            while not self._ensure_pages(r, end):
-                if not self._preempt(r):
-                    self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
-                                  f"{end} tokens; raise num_pages or lower max_model_len")
+            self._hold_pages(r, end)
             chunks[r.id], ends[r.id] = r.token_range(r.computed, end), end
         T = min(self.chunk, _bucket(max(map(len, chunks.values())), self.min_prefill_bucket))
         rows = self._placed(reqs, 1)

@@ -133,6 +133,13 @@ class Scheduler:
             r.pages.append(p)
         return True
 
+    def _hold_pages(self, r: _Request, upto: int) -> None:
+        """r's pages for its first `upto` tokens, preempting on its rank until they fit (or failing r)."""
+        while not self._ensure_pages(r, upto):
+            if not self._preempt(r):
+                self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
+                              f"{upto} tokens; raise num_pages or lower max_model_len")
+
     def _history_before(self, r: _Request, pos: int) -> np.ndarray | None:
         """The Engram hasher's history after r's first `pos` tokens (it reads only the last few)."""
         if self.hasher is None:
@@ -290,8 +297,9 @@ class Scheduler:
                 rlo[i] = self._ring_lo(r)
             except (OverflowError, ValueError, TypeError) as e:
                 self._fail(r, f"request {r.id}: its tokens or positions do not fit the step's arrays ({e})")
-        chunks = [None if r is None or not r.images else (int(p0[i]), int(n_valid[i]), r.images)
-                  for i, r in enumerate(rows)]
+        # rows that may reach an image span (decode rows of a request with images start past its last one)
+        chunks = [(int(p0[i]), int(n_valid[i]), r.images) if r is not None and r.images and p0[i] < r.images[-1].end
+                  else None for i, r in enumerate(rows)]
         embeds, mask = (None, None) if not any(chunks) else self._image_rows(chunks, B, T)
         erows = self._rows(rows, [toks[r.id] if r is not None else [] for r in rows], B, T, mask)
         # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too)

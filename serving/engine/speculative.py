@@ -48,17 +48,9 @@ class Speculative:
     def _decode_speculative(self, reqs: list[_Request]) -> list[StepOutput]:
         """One speculative step (`programs._spec`): each row verifies its k drafts and takes the accepted ones and
         the target's next token; the pool already holds the next block's drafts' context. Pages cover the drafts'
-        positions; what rejected drafts wrote there is overwritten by the tokens that take those positions."""
-        k = self.spec.num_speculative_tokens
-        for r in list(reqs):
-            if r.id in self.running:
-                while not self._ensure_pages(r, r.num_tokens + k):
-                    if not self._preempt(r):
-                        self._fail(r, f"request {r.id}: the KV pool ({self.layout.num_pages} pages) cannot hold "
-                                      f"{r.num_tokens + k} tokens; raise num_pages or lower max_model_len")
-        reqs = [r for r in reqs if r.id in self.running]
-        if not reqs:
-            return []
+        positions (`Engine._decode` holds them); what rejected drafts wrote there is overwritten by the tokens that
+        take those positions."""
+        k = self.spec_tokens
         rows = self._decode_rows(reqs)
         toks, pos0 = {}, {}
         for r in filter(None, rows):
