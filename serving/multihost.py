@@ -381,16 +381,10 @@ class Leader:
         return self.engine.warmup(workers)
 
     def generate(self, prompt_ids, sampling=None, **kw) -> list[int]:
-        """`Engine.generate` through this leader."""
-        rid = f"gen-{time.monotonic_ns()}"
-        self.add_request(rid, prompt_ids, sampling, **kw)
-        out: list[int] = []
-        while True:
-            for o in self.step():
-                if o.request_id == rid:
-                    out += o.new_token_ids
-                    if o.finished:
-                        return out
+        """`Engine.generate` through this leader (its requests and steps reach the followers)."""
+        from serving.engine.engine import Engine
+
+        return Engine.generate(self, prompt_ids, sampling, **kw)
 
     def processes(self) -> list[dict[str, Any]]:
         """Every process's state for /health: process 0 (this one) and each follower's link."""

@@ -17,7 +17,7 @@ from dsv41 import checkpoint, dspark, model, quant
 from dsv41 import params as P
 from dsv41.config import preset
 from dsv41.tokenizer import BUILTIN_DIR
-from tests.reference.driver import reference_available, run_reference
+from tests.reference.driver import reference_available, rel, run_reference
 
 pytestmark = [
     pytest.mark.reference,
@@ -30,11 +30,6 @@ ANCHORS = np.array([[4, 140, SEQ - 1], [37, 131, SEQ - 1]])
 # float32 on both sides through the target model and three stages; observed: features, logits and confidence
 # 0.6e-6 .. 1.3e-6 relative. The bound is the main model's (tests/test_reference_equivalence.py).
 F32_REL = 2e-5
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
 @pytest.fixture(scope="module")

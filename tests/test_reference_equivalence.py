@@ -24,7 +24,7 @@ from dsv41 import checkpoint, model, quant
 from dsv41 import params as P
 from dsv41.config import preset
 from dsv41.tokenizer import BUILTIN_DIR
-from tests.reference.driver import reference_available, run_reference
+from tests.reference.driver import reference_available, rel, run_reference
 
 pytestmark = [
     pytest.mark.reference,
@@ -38,11 +38,6 @@ F32_REL = 2e-5
 # cache numerics on, matched block inputs: a flip of one FP4/FP8 bin moves a block output by ~1e-3 relative.
 QDQ_REL = 2e-3
 QUANT_CACHE = quant.Numerics(act_quant=False, kv_quant=True, bf16_probs=False, dtype="float32")
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
 @pytest.fixture(scope="module")

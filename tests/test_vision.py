@@ -18,15 +18,10 @@ from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import ModelConfig, VisionConfig, preset
 from tests.image_helpers import generated_image
-from tests.reference.driver import reference_available, run_reference
+from tests.reference.driver import reference_available, rel, run_reference
 
 # float32 on both sides, as tests/test_reference_equivalence.py
 F32_REL = 2e-5
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
 def messages(image: dict) -> list[dict]:

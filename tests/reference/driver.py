@@ -65,6 +65,12 @@ def _env_stamp() -> str:
     return repr([(str(p), p.stat().st_mtime_ns) for p in [REF_PYTHON.resolve(), *site]])
 
 
+def rel(a, b) -> float:
+    """Relative L2 difference ||a - b|| / ||b||, in float64: how the equivalence tests compare with the reference."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
+
+
 @functools.cache
 def reference_available() -> bool:
     """True iff ``.venv-ref/bin/python`` exists and imports nemo's deepseek_v41 model.
