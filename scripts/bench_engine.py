@@ -82,7 +82,7 @@ def kernels_of(config: str) -> tuple[str, ...]:
     return KERNELS[name]
 
 
-def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
+def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None):
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
@@ -91,6 +91,7 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
                   config=EngineConfig(max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
+                  swa_replay_tokens=replay_tokens or cfg.window_size,
                   enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
                   linear_backend=linear_be, kernel_options=opts))
@@ -118,13 +119,14 @@ def linear_flops(cfg, core, n: int, replay: bool) -> float:
     return 2.0 * (sum(t * w for t, w in zip(tokens, per_layer)) + cfg.vocab_size * cfg.dim)
 
 
-def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(False, True)):
-    """-> rows (backend, n, replay, first call s, warm s); params_of(backend) gives the weights it reads."""
+def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128)):
+    """-> rows (backend, n, replay tokens (0: exact), first call s, warm s); params_of(backend) gives the weights
+    it reads."""
     rows = []
     for be in backends:
         rng = np.random.default_rng(0)
         for replay in replays:
-            eng = make_engine(cfg, params_of(be), replay, max_len, 2, be)
+            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay)
             for n in lengths:
                 ids = list(rng.integers(3, cfg.vocab_size, n))
                 sp = SamplingParams(max_tokens=1)
@@ -195,6 +197,8 @@ def main():
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--replay", choices=["both", "on", "off"], default="both",
                     help="prefill table: SWA bounded replay on and off (both), or one of them")
+    ap.add_argument("--replay-tokens", default="",
+                    help="more replay margins to time (--swa-replay-tokens, comma-separated) beside the window's")
     args = ap.parse_args()
     backends = [be for be in args.backends.split(",") if be]  # --backends "": the prefill table only
     pre_backends = [] if args.skip_prefill else args.prefill_backends.split(",")
@@ -223,7 +227,10 @@ def main():
     def params_of(be):
         return fp4_params if kernels_of(be)[1] != "xla" else params
 
-    replays = {"both": (False, True), "on": (True,), "off": (False,)}[args.replay]
+    W = cfg.window_size
+    replays = {"both": (0, W), "on": (W,), "off": (0,)}[args.replay]
+    margins = [int(x) for x in args.replay_tokens.split(",") if x and int(x) != W]
+    replays += tuple(margins)
     pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len, replays)
 
     # the release's formats: wo_a ships as FP8 (convert.py, and our tree, keep it bf16)
@@ -266,10 +273,15 @@ def main():
     by = {(be, n, r): (f, w) for be, n, r, f, w in pre}
     nan = (math.nan, math.nan)  # a replay setting not run (--replay on|off)
     for be, n in [(be, n) for be in pre_backends for n in lengths]:
-        e, r = by.get((be, n, False), nan), by.get((be, n, True), nan)
+        e, r = by.get((be, n, 0), nan), by.get((be, n, W), nan)
         fe, fr = (linear_flops(cfg, core, n, rp) / mxu for rp in (False, True))
         print(f"| {be} | {n} | {e[1]:.3f} | {r[1]:.3f} | {100 * (1 - r[1] / e[1]):.0f}% | "
               f"{fe:.3f} ({100 * fe / e[1]:.0f}%) | {fr:.3f} ({100 * fr / r[1]:.0f}%) | {e[0]:.1f} / {r[0]:.1f} |")
+    if margins:
+        print(f"\n| kernels | prompt tokens | replay tokens | prefill s | vs {W} |\n|---|---|---|---|---|")
+        for be, n, m in [(be, n, m) for be in pre_backends for n in lengths for m in (W, *margins)]:
+            t = by.get((be, n, m), nan)[1]
+            print(f"| {be} | {n} | {m} | {t:.3f} | {t / by.get((be, n, W), nan)[1]:.3f}x |")
     print("\n| kernels | batch | engine step ms | device ms | host prep ms | roofline ms (weights as read) | "
           "of roofline | roofline ms (release FP8/FP4 weights) | first step (compile) s |")
     print("|---|---|---|---|---|---|---|---|---|")

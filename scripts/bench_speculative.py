@@ -3,7 +3,8 @@ decode rate that cost gives at each acceptance length (issue #41's table for doc
 
     PYTHONPATH=. python3 scripts/bench_speculative.py [--batches 1,8,64] [--ctx 4096] [--k 5]
 
-The bench preset (Flash's per-layer widths) with its three DSpark stages at Flash's widths (128 experts, top-3).
+The bench preset (Flash's per-layer widths) with its three DSpark stages at Flash's widths (128 experts, top-3), in
+the release's stored formats (FP8 linears, FP4 experts) with the engine's default kernels, as `dsv41 serve` runs.
 Random weights accept almost no draft, so the speculative engine runs with forced acceptance: every step takes
 k drafts and the bonus token, so its contexts grow and its rings wrap as they would at full acceptance. A step of
 either engine is timed end to end (`Engine.step`: host batch, program, host bookkeeping). At acceptance length L
@@ -22,13 +23,14 @@ import sys
 import jax
 
 from dsv41 import model
+from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.engine import Engine
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import device_params, fake_decode_state  # noqa: E402
+from bench_engine import fake_decode_state  # noqa: E402
 from timing import median_wall_s as timed  # noqa: E402
 
 log = logging.getLogger("bench_speculative")
@@ -60,7 +62,7 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = preset(args.preset).replace(n_mtp_layers=3)
     batches = [int(b) for b in args.batches.split(",")]
-    params = device_params(cfg)
+    params = P.init_params(cfg, seed=0)
     max_len = -(-(args.ctx + (args.k + 1) * (args.reps + 2) + 64) // 64) * 64
     spec = SpeculativeConfig(num_speculative_tokens=args.k, forced_acceptance=True)
     rows = []
