@@ -91,7 +91,7 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla"):
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
                   config=EngineConfig(max_num_seqs=seqs,
                   max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
-                  enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
+                  enable_prefix_caching=False, min_prefill_bucket=2048,
                   attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
                   linear_backend=linear_be, kernel_options=opts))
 

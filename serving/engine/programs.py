@@ -75,12 +75,42 @@ def _gather_kv(pages: LayerKV, block_table, idx):
 
 
 def _context_index_keys(pages: LayerKV, block_table, cfg):
-    """Every index key of the sequences' pages (a KV source's) -> [B, ctx_pages * E, ID] (dequantized)."""
+    """Every index key of the pages block_table [B, C] names (a KV source's) -> [B, C * E, ID] (dequantized)."""
     bt = block_table
     packed = pages.ik_packed.at[bt].get(mode="fill", fill_value=0)
     scale = pages.ik_scale.at[bt].get(mode="fill", fill_value=0)
     k = quant.fp4_dequantize(packed, quant.ue8m0_decode(scale), 32)
     return k.reshape(bt.shape[0], -1, cfg.index_head_dim)
+
+
+# The XLA indexer scores the context in blocks of about this many entries, only as many blocks as the batch's
+# furthest visible entry reaches (a loop with a run-time trip count): its work follows the context, not the block
+# table's width (max_model_len). 2048 entries: 8K tokens at ratio 4, one block for every engine the CPU tests run.
+SCORE_BLOCK_ENTRIES = 2048
+
+
+def _context_scores(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics):
+    """`indexer.scores` of queries qi [B, T, IH, ID], wi [B, T, IH] at pos [B, T] against every index key of the
+    rows' pages -> float32 [B, T, C * E] (block_table [B, C]), -inf where not visible. Blocks of pages past every
+    query's visible entries are neither gathered nor scored (they would be -inf): a `lax.fori_loop` whose bound
+    is read at run time. Each score is `indexer.raw_scores`' arithmetic on its own key, as in one pass. The
+    selections after it (top-k, candidate blocks) still read the whole [B, T, C * E] row: elementwise and
+    sort-like work, small against the scoring's IH * ID multiply-adds an entry."""
+    B, C = block_table.shape
+    E = pages.ik_packed.shape[1]
+    bp = max(1, min(C, SCORE_BLOCK_ENTRIES // E))  # pages a block
+    nblk = -(-C // bp)
+    bt = jnp.pad(block_table, ((0, 0), (0, nblk * bp - C)), constant_values=pages.ik_packed.shape[0])
+    nvis = (pos + 1) // r  # [B, T]: entries each query sees
+    live = (jnp.max(nvis) + bp * E - 1) // (bp * E)
+
+    def block(i, s):
+        keys = _context_index_keys(pages, jax.lax.dynamic_slice_in_dim(bt, i * bp, bp, axis=1), cfg)
+        return jax.lax.dynamic_update_slice_in_dim(s, indexer.raw_scores(qi, wi, keys, num.jdtype), i * bp * E, 2)
+
+    s = jnp.full((B, pos.shape[1], nblk * bp * E), -jnp.inf, jnp.float32)
+    s = jax.lax.fori_loop(0, jnp.minimum(live, nblk), block, s)[..., :C * E]
+    return jnp.where(jnp.arange(C * E)[None, None] < nvis[..., None], s, -jnp.inf)
 
 
 def _compress_chunk(x, p, r, cfg, num, lkv: LayerKV, b: Batch):
@@ -324,8 +354,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if backend != "xla" and opts.prefill_indexer_kernel:
             carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
         else:
-            keys = _context_index_keys(pages, b.block_table, cfg)
-            s = indexer.scores(qi, wi, keys, pos, r, num)
+            s = _context_scores(qi, wi, pages, b.block_table, pos, r, cfg, num)
             if plan.makes_candidates:
                 carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg))
             elif plan.uses_candidates:
