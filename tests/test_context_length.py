@@ -1,6 +1,7 @@
 """The context length as a run-time value: the XLA indexer scores only the blocks of pages some query sees
-(`programs._context_scores`, a loop with a run-time trip count), with the scores of scoring every page at once
-(`_context_index_keys` + `indexer.scores`, the one-pass form); and one program serves every context length."""
+(`programs._context_scores`, a loop with a run-time trip count) and merges their top-k block by block
+(`_context_topk`), with the scores and entries of scoring every page at once (`_context_index_keys` +
+`indexer.scores` + `indexer.select_topk`, the one-pass form)."""
 
 import types
 
@@ -71,3 +72,30 @@ def test_blocks_past_the_visible_entries_are_not_scored(monkeypatch):
     np.testing.assert_array_equal(out, f(pages, pos))
     # the same NaN pages inside the visible blocks do reach the scores (the test can fail)
     assert np.isnan(f(bad, jnp.asarray([[200, 201, 202], [0, 5, 9]], jnp.int32))).any()
+
+
+@pytest.mark.parametrize("with_candidates", [False, True])
+def test_context_topk_merges_blocks_as_one_selection(monkeypatch, with_candidates):
+    """The XLA indexer's top-k, merged block by block (`_context_topk`), picks `indexer.select_topk`'s entries of
+    the one-pass scores: ties (coarse values make many) to the lower id, rows that see fewer than k entries or
+    none, and candidate masks with fewer than k visible candidates (the -inf entries then picked by id)."""
+    monkeypatch.setattr(programs, "SCORE_BLOCK_ENTRIES", 32)  # 2 pages a block, 4 blocks
+    B, C, P, E, r = 3, 8, 40, 16, 2
+    q, w, pages, bt, rng = _pool(4, B, C, P, E, S=4)
+    for i, n in enumerate((8, 3, 1)):
+        bt[i, :n] = rng.permutation(P)[:n]
+    pos = jnp.asarray([[255, 200, 130, 70], [95, 60, 20, 7], [1, 0, 0, 0]], jnp.int32)
+    cfg = types.SimpleNamespace(index_head_dim=q.shape[-1], index_topk=24)
+    num = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
+    mask = jnp.asarray(rng.random((B, 4, C * E)) < 0.1) if with_candidates else None
+
+    @jax.jit
+    def both(q, w, bt, pos, mask):
+        got = programs._context_topk(q, w, pages, bt, pos, r, cfg, num, mask)
+        s = indexer.scores(q, w, programs._context_index_keys(pages, bt, cfg), pos, r, num)
+        return got, indexer.select_topk(s if mask is None else jnp.where(mask, s, -jnp.inf), pos, r, cfg)
+
+    got, want = both(q, w, jnp.asarray(bt), pos, mask)
+    assert got.shape == (B, 4, 24)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (np.asarray(want)[2] == -1).sum() > 0 and (np.asarray(want)[0, 0] >= 32).any()  # short rows, far blocks
