@@ -274,8 +274,9 @@ def _interpret_dequant(src_ref, scale_ref, rows_ref, k_ref, bias_ref):
 @functools.cache
 def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int, interpret: bool,
                   prefetch: bool = True):
-    """q [b, nq, d] bf16, w [b, s, nq] f32 (zero outside query s's heads), rows [b, n_tiles, TILE] int32
-    -> scores f32 [b, s, n_tiles*TILE]."""
+    """q [b, nq, d] bf16, w [b, s, nq] f32 (zero outside query s's heads), rows [b, n_tiles, TILE] int32, live
+    [b] int32 (the row's tiles up to its last valid row: `live_tiles`) -> scores f32 [b, s, n_tiles*TILE], written
+    for the live tiles only (the rest is left as it was: the wrapper masks it)."""
     t = TILE
     ns = NUM_STAGES
     tps = n_tiles // num_splits
@@ -287,11 +288,13 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
     # (interpreted, a bare astype pair would be dropped by XLA: scores a bf16 step off from 64 query columns on)
     to_bf16 = ic.bf16_rounder(interpret)
 
-    def body(q_ref, w_ref, src_ref, scale_ref, rows_ref, out_ref,
+    def body(q_ref, w_ref, src_ref, scale_ref, rows_ref, live_ref, out_ref,
              q_smem, w_smem, k_smem, bias_smem, rows_smem, q_bar, w_bar, rows_bar, ready, consumed):
         bi = lax.axis_index("batch")
         si = lax.axis_index("split")
         wg = lax.axis_index("wg")
+        # this CTA's tiles up to the row's last valid entry: a row's context, not the table's width, sets the work
+        live = jnp.clip(live_ref[bi] - si * tps, 0, tps)
 
         @pl.when(wg == 1)
         def _producer():
@@ -302,32 +305,38 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
 
             @pl.loop(0, tps)
             def _tile(ti):
-                slot = lax.rem(ti, ns)
-                if prefetch_fn is not None:
-                    @pl.when(ti + 1 < tps)
-                    def _():
-                        plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(prefetch_fn)(
-                            src_ref, scale_ref, rows_smem.at[jnp.minimum(ti + 1, tps - 1)])
-
-                @pl.when(ti >= ns)
+                @pl.when(ti < live)
                 def _():
-                    plgpu.barrier_wait(consumed.at[slot])
+                    slot = lax.rem(ti, ns)
+                    if prefetch_fn is not None:
+                        @pl.when(ti + 1 < live)
+                        def _():
+                            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(prefetch_fn)(
+                                src_ref, scale_ref, rows_smem.at[jnp.minimum(ti + 1, tps - 1)])
 
-                if interpret:
-                    lt = si * tps + ti
-                    _interpret_dequant(src_ref.at[bi, pl.ds(lt * t, t)], scale_ref.at[bi, pl.ds(lt * t, t)],
-                                       rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
-                else:
-                    plgpu.inline_mgpu(
-                        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                   plgpu.RefType(tile_transforms), plgpu.RefType()),
-                    )(dequant_fn)(src_ref, scale_ref, rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ready.at[slot])
+                    @pl.when(ti >= ns)
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
+
+                    if interpret:
+                        lt = si * tps + ti
+                        _interpret_dequant(src_ref.at[bi, pl.ds(lt * t, t)], scale_ref.at[bi, pl.ds(lt * t, t)],
+                                           rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
+                    else:
+                        plgpu.inline_mgpu(
+                            arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                       plgpu.RefType(tile_transforms), plgpu.RefType()),
+                        )(dequant_fn)(src_ref, scale_ref, rows_smem.at[ti], k_smem.at[slot], bias_smem.at[slot])
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[slot])
 
             # Observe the consumer's last releases (every barrier phase observed; the interpreter checks it).
-            for j in range(max(0, tps - ns), tps):
-                plgpu.barrier_wait(consumed.at[j % ns])
+            for j in range(ns):
+                tj = live - ns + j
+
+                @pl.when(tj >= 0)
+                def _():
+                    plgpu.barrier_wait(consumed.at[lax.rem(tj, ns)])
 
         @pl.when(wg == 0)
         def _consumer():
@@ -336,24 +345,26 @@ def _build_kernel(b: int, s: int, nq: int, d: int, n_tiles: int, num_splits: int
 
             @pl.loop(0, tps)
             def _tile(ti):
-                slot = lax.rem(ti, ns)
-                plgpu.barrier_wait(ready.at[slot])
+                @pl.when(ti < live)
+                def _():
+                    slot = lax.rem(ti, ns)
+                    plgpu.barrier_wait(ready.at[slot])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
-                    return acc_ref[...]
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
+                        return acc_ref[...]
 
-                acc = pl.run_scoped(qk, plgpu.ACC((t, nq), jnp.float32))      # [T entries, S*IH]
-                bias = plgpu.load(bias_smem.at[slot], layout=row_layout)
-                plgpu.barrier_arrive(consumed.at[slot])                     # K tile no longer needed
-                # bf16(q.k) -> relu; the bf16 x bf16 product is exact in f32, so one rounding gives bf16(x*w).
-                x = jnp.maximum(to_bf16(acc), 0.0)
-                gt = si * tps + ti
-                for qi in range(s):
-                    wv = plgpu.load(w_smem.at[qi], layout=col_layout)
-                    y = to_bf16(x * lax.broadcast_in_dim(wv, (t, nq), [1]))
-                    sc = to_bf16(y.sum(axis=1)) + bias
-                    out_ref[bi, qi, pl.ds(gt * t, t)] = sc
+                    acc = pl.run_scoped(qk, plgpu.ACC((t, nq), jnp.float32))      # [T entries, S*IH]
+                    bias = plgpu.load(bias_smem.at[slot], layout=row_layout)
+                    plgpu.barrier_arrive(consumed.at[slot])                     # K tile no longer needed
+                    # bf16(q.k) -> relu; the bf16 x bf16 product is exact in f32, so one rounding gives bf16(x*w).
+                    x = jnp.maximum(to_bf16(acc), 0.0)
+                    gt = si * tps + ti
+                    for qi in range(s):
+                        wv = plgpu.load(w_smem.at[qi], layout=col_layout)
+                        y = to_bf16(x * lax.broadcast_in_dim(wv, (t, nq), [1]))
+                        sc = to_bf16(y.sum(axis=1)) + bias
+                        out_ref[bi, qi, pl.ds(gt * t, t)] = sc
 
     scratch = [
         plgpu.SMEM((nq, d), jnp.bfloat16, transforms=tile_transforms),
@@ -440,6 +451,15 @@ def default_num_splits(batch: int, n_tiles: int, config: KernelConfig = KernelCo
     return best
 
 
+def live_tiles(rows: jax.Array) -> jax.Array:
+    """rows int32 [B, N] (-1 = none) -> int32 [B]: the TILE-entry tiles up to each row's last valid row, the
+    tiles the kernel computes. Rows are -1 past a row's visible context (`context_scores`: every entry beyond
+    the batch row's newest visible one; candidates: the -1 blocks that pad the ascending list)."""
+    n = jnp.arange(1, rows.shape[1] + 1, dtype=jnp.int32)
+    last = jnp.max(jnp.where(rows >= 0, n[None], 0), axis=1)
+    return (last + TILE - 1) // TILE
+
+
 def entry_scores_kernel(q, w, ik_packed, ik_scale, rows, *, interpret=False, num_splits=None,
                         config: KernelConfig = KernelConfig()):
     """Mosaic GPU version of `entry_scores_reference`.
@@ -475,8 +495,9 @@ def entry_scores_kernel(q, w, ik_packed, ik_scale, rows, *, interpret=False, num
         g = jnp.maximum(rows, 0)
         src, scl = src[g], scl[g]
     kern = _build_kernel(B, S, nq, ID, n_tiles, num_splits, bool(interpret), config.prefetch)
-    out = kern(qb, wm, src, scl, rows.reshape(B, n_tiles, TILE))
-    return out[:, :, :N]
+    out = kern(qb, wm, src, scl, rows.reshape(B, n_tiles, TILE), live_tiles(rows))
+    # tiles past a row's last valid entry are not computed (their rows are all -1: -inf)
+    return jnp.where((rows >= 0)[:, None, :N], out[:, :, :N], -jnp.inf)
 
 
 def entry_scores(q, w, ik_packed, ik_scale, rows, *, backend="pallas", dtype=jnp.bfloat16, **kwargs):

@@ -3,6 +3,7 @@ with SWA bounded replay on vs off against the matmul rate, decode step time agai
 overhead, compile times (ceilings: scripts/timing.py). Prints markdown tables for docs/PERFORMANCE.md.
 
     PYTHONPATH=. python3 scripts/bench_engine.py [--lengths 1024,4096,16384] [--batches 1,8,64]
+        [--decode-max-model-len 16384,65536]   (a decode at --decode-ctx in engines of each size)
 
 Random weights made on the device: dense bf16, the routed experts in FP4 where the FP4 expert GEMM runs.
 """
@@ -88,13 +89,11 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
                          prefill_indexer_kernel="xla-indexer" not in suffixes,
                          indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
-                  config=EngineConfig(max_num_seqs=seqs,
-                  max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
-                  swa_replay_tokens=replay_tokens or cfg.window_size,
-                  enable_prefix_caching=False, min_prefill_bucket=2048, min_ctx_pages=max_len // 64,
-                  attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-                  linear_backend=linear_be, kernel_options=opts))
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
+        max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
+        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=2048,
+        attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
+        linear_backend=linear_be, kernel_options=opts))
 
 
 def with_fp4_experts(params):
@@ -181,6 +180,7 @@ def main():
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--decode-ctx", type=int, default=4096)
+    ap.add_argument("--decode-max-model-len", default="", help="decode engines of these sizes (default: the prefill's)")
     ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
     ap.add_argument("--backends", default="xla",
                     help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
@@ -240,9 +240,9 @@ def main():
                              for lp in rel["layers"]]}
     rel_dense_b, rel_expert = weight_bytes(cfg, rel)
     dec = []
-    for be, B in [(be, B) for be in backends for B in batches]:
-        eng = make_engine(cfg, params_of(be), True,
-                          max(max_len, args.decode_ctx + 128), max(batches), be)
+    sizes = [int(x) for x in args.decode_max_model_len.split(",") if x] or [max(max_len, args.decode_ctx + 128)]
+    for be, B, size in [(be, B, n) for be in backends for B in batches for n in sizes]:
+        eng = make_engine(cfg, params_of(be), True, size, max(batches), be)
         fake_decode_state(eng, B, args.decode_ctx)
         t0 = time.perf_counter()
         eng.step()
@@ -260,15 +260,14 @@ def main():
         # the weights as the engine holds them
         read = decode_bytes(cfg, B, args.decode_ctx, *weight_bytes(cfg, eng.params))
         bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, rel_dense_b, rel_expert)
-        dec.append((be, B, compile_s, step, dev_t, host_t, read, bytes_fp4))
-        log.info("decode %s B=%d step=%.2fms device=%.2fms host=%.2fms", be, B, step * 1e3, dev_t * 1e3, host_t * 1e3)
+        dec.append((be, B, size, compile_s, step, dev_t, host_t, read, bytes_fp4))
+        log.info("decode %s B=%d max_model_len=%d step=%.2fms device=%.2fms", be, B, size, step * 1e3, dev_t * 1e3)
 
     print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
           f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's best), bf16 matmul "
           f"{mxu / 1e12:.0f} TFLOP/s\n")
-    print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs "
-          "/ matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs / "
+          "matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n" + "|---" * 8 + "|")
     core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
     by = {(be, n, r): (f, w) for be, n, r, f, w in pre}
     nan = (math.nan, math.nan)  # a replay setting not run (--replay on|off)
@@ -282,13 +281,12 @@ def main():
         for be, n, m in [(be, n, m) for be in pre_backends for n in lengths for m in (W, *margins)]:
             t = by.get((be, n, m), nan)[1]
             print(f"| {be} | {n} | {m} | {t:.3f} | {t / by.get((be, n, W), nan)[1]:.3f}x |")
-    print("\n| kernels | batch | engine step ms | device ms | host prep ms | roofline ms (weights as read) | "
-          "of roofline | roofline ms (release FP8/FP4 weights) | first step (compile) s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for be, B, c, st, dv, ho, bb, bf in dec:
-        rb, rf = bb / hbm, bf / hbm
-        print(f"| {be} | {B} | {st * 1e3:.2f} | {dv * 1e3:.2f} | {ho * 1e3:.2f} | {rb * 1e3:.2f} | "
-              f"{100 * rb / dv:.0f}% | {rf * 1e3:.2f} | {c:.1f} |")
+    print(f"\n| kernels | batch | max_model_len ({args.decode_ctx}-token context) | engine step ms | device ms | "
+          "host prep ms | roofline ms (weights as read) | of roofline | roofline ms (release FP8/FP4 weights) | "
+          "first step (compile) s |\n" + "|---" * 10 + "|")
+    for be, B, n, c, st, dv, ho, bb, bf in dec:
+        print(f"| {be} | {B} | {n} | {st * 1e3:.2f} | {dv * 1e3:.2f} | {ho * 1e3:.2f} | {bb / hbm * 1e3:.2f} | "
+              f"{100 * bb / hbm / dv:.0f}% | {bf / hbm * 1e3:.2f} | {c:.1f} |")
 
 
 if __name__ == "__main__":

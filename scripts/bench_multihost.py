@@ -73,7 +73,7 @@ def child(pid: int, port: int, devices: int, out: str) -> int:
     sock.close()
 
     config = EngineConfig(max_num_seqs=4, max_model_len=256, data_parallel_size=2, tensor_parallel_size=devices,
-                          enable_expert_parallel=True, min_prefill_bucket=64, min_ctx_pages=4, min_decode_bucket=2)
+                          enable_expert_parallel=True, min_prefill_bucket=64, min_decode_bucket=2)
     frames = []
 
     def lead(leader) -> int:

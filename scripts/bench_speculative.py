@@ -40,7 +40,7 @@ LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
 def make(cfg, params, seqs: int, max_len: int, spec: SpeculativeConfig | None) -> Engine:
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
                   config=EngineConfig(max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048,
-                                      enable_prefix_caching=False, min_ctx_pages=max_len // 64,
+                                      enable_prefix_caching=False,
                                       min_decode_bucket=seqs, speculative_config=spec))
 
 

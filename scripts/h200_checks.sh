@@ -60,7 +60,7 @@ case "${1:-}" in
     ;;
   serve)
     args="--preset bench --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048"
-    $PY -m serving.cli serve $args --min-block-table-pages 128 --warmup --port 8123 > "$OUT/server.txt" 2>&1 &
+    $PY -m serving.cli serve $args --warmup --port 8123 > "$OUT/server.txt" 2>&1 &
     server=$!
     for _ in $(seq 240); do  # warm-up compiles every program shape first (~2 min)
       $PY -c "import urllib.request as u; u.urlopen('http://localhost:8123/health')" 2> /dev/null && break; sleep 1

@@ -151,17 +151,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--min-prefill-bucket", type=int,
                    help="smallest padded prefill chunk; chunks pad to powers of two from here up to "
                         "--max-num-batched-tokens (equal to it: one prefill program, more padding)")
-    g.add_argument("--min-block-table-pages", dest="min_ctx_pages", type=int,
-                   help="smallest padded block table, in pages (max-model-len / block-size: one width)")
     g.add_argument("--min-decode-bucket", type=int,
                    help="smallest padded decode batch; batches pad to it times powers of two up to "
-                        "--max-num-seqs (equal to it: one decode program per block-table width)")
+                        "--max-num-seqs (equal to it: one decode program)")
     add_parallel_args(g)
     add_multihost_args(g)
     add_speculative_arg(g)
     g.add_argument("--batch-invariant", action="store_true", default=None,
-                   help="one program shape for every step (prefill at the chunk, decode at --max-num-seqs, block "
-                        "tables --max-model-len wide): a request's tokens and logits are the same bits alone, in "
+                   help="one program shape for every step (prefill at the chunk, decode at --max-num-seqs): a request's tokens and logits are the same bits alone, in "
                         "any batch or after a prefix hit; more padding (overrides the --min-* buckets)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
@@ -214,7 +211,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "router_backend": "--router-backend", "linear_backend": "--linear-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
-                 "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages",
+                 "min_prefill_bucket": "--min-prefill-bucket",
                  "min_decode_bucket": "--min-decode-bucket", "batch_invariant": "--batch-invariant",
                  "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
                  "enable_expert_parallel": "--enable-expert-parallel", "speculative_config": "--speculative-config"}

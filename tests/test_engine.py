@@ -111,7 +111,7 @@ def _kl(p_logits, q_logits):
 
 
 # prompts of up to 4 windows, a decoder prefill of up to 2: one prefill width and block-table width for the tests below
-WIDE = dict(max_model_len=640, num_pages=10, max_num_batched_tokens=256, min_prefill_bucket=256, min_ctx_pages=10)
+WIDE = dict(max_model_len=640, num_pages=10, max_num_batched_tokens=256, min_prefill_bucket=256)
 
 
 def test_more_replay_tokens_move_the_first_token_less(tiny):
@@ -187,18 +187,17 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
 
 
 def test_program_shapes_cover_the_buckets(tiny):
-    """What warm-up compiles: every prefill chunk bucket x block-table bucket, and every decode batch bucket."""
-    eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_ctx_pages=4,
-               min_decode_bucket=1)
+    """What warm-up compiles: every prefill chunk bucket and every decode batch bucket, each with the one
+    block-table width (max_model_len's pages: the context length is a run-time value)."""
+    eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1)
     shapes = eng.program_shapes()
-    ctx = [4, 8]  # 512 tokens / 64 per page = 8 pages at most
-    assert [s for s in shapes if s[0] == "encoder"] == [("encoder", 1, T, c) for T in (32, 64, 128) for c in ctx]
-    assert [s for s in shapes if s[0] == "decoder"] == [("decoder", 1, 1, c) for c in ctx]
-    assert [s for s in shapes if s[0] == "decode"] == [("decode", B, 1, c) for B in (1, 2, 4) for c in ctx]
-    exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_ctx_pages=8, min_decode_bucket=1)
+    c = 8  # 512 tokens / 64 per page
+    assert shapes == ([("encoder", 1, T, c) for T in (32, 64, 128)] + [("decoder", 1, 1, c)]
+                      + [("decode", B, 1, c) for B in (1, 2, 4)])
+    exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_decode_bucket=1)
     assert exact.program_shapes() == [("full", 1, 128, 8), ("decode", 1, 1, 8), ("decode", 2, 1, 8)]
     # min_decode_bucket: a lone sequence's decode step pads to that many rows, one program fewer
-    assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_ctx_pages=8,
+    assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128,
                 min_decode_bucket=2).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
 
 
@@ -206,13 +205,15 @@ def test_warmup_leaves_nothing_to_compile(tiny):
     """After `Engine.warmup()` a request compiles nothing: two prefill chunks, the replay decoder and decode steps
     call the programs warm-up ran, with the same argument signatures (a jitted call compiles per shape and per
     committed / uncommitted argument: warm-up's all-padding arguments must be what a step passes). The lone
-    request's decode steps pad to the tests' min_decode_bucket of 2 rows, the only decode width warm-up ran."""
+    request's decode steps pad to the tests' min_decode_bucket of 2 rows, the only decode width warm-up ran. A
+    request of one page and one of four run the same programs (the block table is always max_model_len wide)."""
     eng = make(tiny)
     eng.warmup()
     progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
     before = [p._cache_size() for p in progs]
-    toks, _ = run(eng, prompt(200, seed=8))
-    assert len(toks) == 4
+    for n in (200, 20):
+        toks, _ = run(eng, prompt(n, seed=8))
+        assert len(toks) == 4
     assert [p._cache_size() for p in progs] == before
 
 

@@ -167,7 +167,7 @@ def _run(cfg, params, ids, **kw):
     eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
                  config=EngineConfig(max_num_seqs=1, max_model_len=2048,
                  max_num_batched_tokens=2048, enable_prefix_caching=False, numerics=NUM, keep_logits=True,
-                 min_prefill_bucket=2048, min_ctx_pages=32, **kw))
+                 min_prefill_bucket=2048, **kw))
     toks = []
     eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
     while eng.has_work():

@@ -113,7 +113,7 @@ def test_engine_programs_have_no_float8_cast_pairs_nor_float_scatter_adds():
     from serving.engine.engine import Engine
 
     eng = Engine.from_preset("tiny", config=EngineConfig(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
-                             min_prefill_bucket=128, min_ctx_pages=8))
+                             min_prefill_bucket=128))
     kinds = {}
     for shape in eng.program_shapes():
         kinds.setdefault(shape[0], shape)

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_startup.py"
 # one prefill width, one block-table width, one decode width: encoder, decoder, decode
 FLAGS = ["--preset", "tiny", "--max-model-len", "512", "--max-num-seqs", "2", "--max-num-batched-tokens", "128",
-         "--min-prefill-bucket", "128", "--min-block-table-pages", "8", "--min-decode-bucket", "2"]
+         "--min-prefill-bucket", "128", "--min-decode-bucket", "2"]
 pytestmark = pytest.mark.xdist_group("startup")  # the tests share the module fixture's cold compile
 
 
@@ -54,3 +54,17 @@ def test_cold_then_warm_and_abstract_equals_allocated(bench_cache):
     assert any("warm (cache hit) | 3 |" in line and "| 3/3 |" in line for line in lines), table
     allocated = _last_json(_run(str(SCRIPT), "--child", "warm", "--compilation-cache-dir", str(cache)))
     assert [p["source"] for p in allocated["programs"]] == ["cache hit"] * 3
+
+
+def test_serve_defaults_compile_few_programs():
+    """`dsv41 serve --preset tiny` with its default flags (max_model_len 8192 = 128 pages, 8 sequences, 512-token
+    chunks): the block table is one width, so warm-up compiles the prefill chunk buckets, the replay decoder and
+    the decode batch buckets, 11 programs (88 when each also came in every block-table width up to 128 pages)."""
+    import argparse
+
+    from serving.cli_serve import add_serve_args, build_engine
+
+    eng = build_engine(add_serve_args(argparse.ArgumentParser()).parse_args(["--preset", "tiny"]))
+    shapes = eng.program_shapes()
+    assert shapes == ([("encoder", 1, T, 128) for T in (16, 32, 64, 128, 256, 512)] + [("decoder", 1, 1, 128)]
+                      + [("decode", B, 1, 128) for B in (1, 2, 4, 8)])

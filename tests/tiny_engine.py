@@ -21,7 +21,7 @@ NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")
 # one prefill width, one block-table width, one decode width (a lone sequence pads to 2 rows) and one pool size.
 # 5 pages (320 tokens) hold every request of the engine tests; two of ~170 tokens force a preemption
 BASE = dict(max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
-            min_prefill_bucket=128, min_ctx_pages=8, min_decode_bucket=2, num_pages=5)
+            min_prefill_bucket=128, min_decode_bucket=2, num_pages=5)
 
 
 @functools.lru_cache(maxsize=1)

@@ -69,14 +69,13 @@ class EngineConfig:
     max_waiting: int = 1024  # waiting-queue bound; add_request raises QueueFull beyond it
     numerics: Numerics = quant.REFERENCE
     keep_logits: bool = False  # tests and the replay study read the logits behind each token
-    # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, block tables to a power of two
-    # >= min_ctx_pages, decode batches to min_decode_bucket times a power of two; fewer buckets mean fewer
-    # compiles, bigger ones more padding
+    # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, decode batches to
+    # min_decode_bucket times a power of two; fewer buckets mean fewer compiles, bigger ones more padding. Block
+    # tables are always max_model_len wide: the context length is read at run time, not compiled in
     min_prefill_bucket: int = 16
-    min_ctx_pages: int = 1
     min_decode_bucket: int = 1
     # one shape per program, whatever shares the step: prefill at the chunk, decode at max_num_seqs' bucket, every
-    # block table max_model_len wide (overrides the three above). A request's logits and tokens are then the same
+    # block table max_model_len wide (overrides the two above). A request's logits and tokens are then the same
     # bits alone, in any batch, or after a prefix hit (docs/ARCHITECTURE.md "Batch invariance"); costs padding
     batch_invariant: bool = False
     # kernel choices: 'auto' picks the Pallas kernels where the device, shapes and weights allow (serving/engine/backends.py)
@@ -122,8 +121,8 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise EngineError("speculative_config must be a SpeculativeConfig (SpeculativeConfig.from_json parses "
                               f"the flag's JSON), got {type(self.speculative_config).__name__}")
-        if min(self.min_prefill_bucket, self.min_ctx_pages, self.min_decode_bucket) < 1:
-            raise EngineError("min_prefill_bucket, min_ctx_pages and min_decode_bucket must be >= 1")
+        if min(self.min_prefill_bucket, self.min_decode_bucket) < 1:
+            raise EngineError("min_prefill_bucket and min_decode_bucket must be >= 1")
 
     @classmethod
     def field_names(cls) -> set[str]:

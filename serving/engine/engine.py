@@ -55,7 +55,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
                               f"pass engine options as EngineConfig(...) fields")
         self.config = config
         numerics = config.numerics
-        max_num_seqs, page_tokens, min_ctx_pages = config.max_num_seqs, config.page_tokens, config.min_ctx_pages
+        max_num_seqs, page_tokens = config.max_num_seqs, config.page_tokens
         self.cfg, self.tokenizer, self.hasher, self.num = cfg, tokenizer, hasher, numerics
         par = config.parallelism
         try:
@@ -102,12 +102,12 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         # speculative decoding writes up to k drafts past the newest token: their pages too
         pages_per_seq = -(-(self.max_model_len + self.spec_tokens) // page_tokens)
         self.max_pages_per_seq = pages_per_seq
-        self.min_prefill_bucket, self.min_ctx_pages = config.min_prefill_bucket, min(min_ctx_pages, pages_per_seq)
+        self.min_prefill_bucket = config.min_prefill_bucket
         self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
         if config.batch_invariant:
             # the floors at the ceilings: every bucket (`_batch`, `decode_inputs`, `_prefill_chunk`,
             # `program_shapes`) is then the top one, so no row's program depends on the rows beside it
-            self.min_prefill_bucket, self.min_ctx_pages = self.chunk, pages_per_seq
+            self.min_prefill_bucket = self.chunk
             self.min_decode_bucket = _bucket(max_num_seqs)
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
         # per data-parallel rank, as vLLM's --max-num-seqs is per DP engine

@@ -75,12 +75,77 @@ def _gather_kv(pages: LayerKV, block_table, idx):
 
 
 def _context_index_keys(pages: LayerKV, block_table, cfg):
-    """Every index key of the sequences' pages (a KV source's) -> [B, ctx_pages * E, ID] (dequantized)."""
+    """Every index key of the pages block_table [B, C] names (a KV source's) -> [B, C * E, ID] (dequantized)."""
     bt = block_table
     packed = pages.ik_packed.at[bt].get(mode="fill", fill_value=0)
     scale = pages.ik_scale.at[bt].get(mode="fill", fill_value=0)
     k = quant.fp4_dequantize(packed, quant.ue8m0_decode(scale), 32)
     return k.reshape(bt.shape[0], -1, cfg.index_head_dim)
+
+
+# The XLA indexer scores the context in blocks of about this many entries, only as many blocks as the batch's
+# furthest visible entry reaches (a loop with a run-time trip count): its work follows the context, not the block
+# table's width (max_model_len); masking alone would score every page of the table. 2048 entries: 8K tokens at
+# ratio 4, one block for every engine the CPU tests run.
+SCORE_BLOCK_ENTRIES = 2048
+
+
+def _score_blocks(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics):
+    """The context's index-key scores by blocks of pages (block_table [B, C]): -> (block(i) -> float32 [B, T, W]
+    scores of entries [i * W, (i + 1) * W), -inf where not visible; W; the block count; the blocks some query
+    sees, at least 1 (traced)). Each score is `indexer.raw_scores`' arithmetic on its own key, as in one pass."""
+    C = block_table.shape[1]
+    E = pages.ik_packed.shape[1]
+    bp = max(1, min(C, SCORE_BLOCK_ENTRIES // E))  # pages a block
+    nblk, W = -(-C // bp), bp * E
+    bt = jnp.pad(block_table, ((0, 0), (0, nblk * bp - C)), constant_values=pages.ik_packed.shape[0])
+    nvis = (pos + 1) // r  # [B, T]: entries each query sees
+
+    def block(i):
+        keys = _context_index_keys(pages, jax.lax.dynamic_slice_in_dim(bt, i * bp, bp, axis=1), cfg)
+        s = indexer.raw_scores(qi, wi, keys, num.jdtype)
+        return jnp.where(i * W + jnp.arange(W)[None, None] < nvis[..., None], s, -jnp.inf)
+
+    return block, W, nblk, jnp.clip((jnp.max(nvis) + W - 1) // W, 1, nblk)
+
+
+def _context_scores(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics):
+    """`indexer.scores` of queries qi [B, T, IH, ID], wi [B, T, IH] at pos [B, T] against every index key of the
+    rows' pages -> float32 [B, T, C * E] (block_table [B, C]), -inf where not visible. Blocks past every query's
+    visible entries are neither gathered nor scored (`_score_blocks`)."""
+    block, W, nblk, live = _score_blocks(qi, wi, pages, block_table, pos, r, cfg, num)
+    s = jnp.full((*pos.shape, nblk * W), -jnp.inf, jnp.float32)
+    s = jax.lax.fori_loop(0, live, lambda i, s: jax.lax.dynamic_update_slice_in_dim(s, block(i), i * W, 2), s)
+    return s[..., :block_table.shape[1] * pages.ik_packed.shape[1]]
+
+
+def _context_topk(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics, cand_mask=None):
+    """`indexer.select_topk` of `_context_scores` (cand_mask bool [B, T, G]: -inf outside it) without the
+    [B, T, G] scores: each block's scores merge into the running top k (lax.top_k over the k kept + the block;
+    the kept come first and have the lower ids, so ties go to the lower id as in one top_k over the row). Blocks
+    past every visible entry hold only -inf, which one top_k would pick only after the lower ids of block 0 (at
+    least k entries). -> int32 [B, T, min(index_topk, G)]."""
+    block, W, nblk, live = _score_blocks(qi, wi, pages, block_table, pos, r, cfg, num)
+    G = block_table.shape[1] * pages.ik_packed.shape[1]
+    k = min(cfg.index_topk, G)
+    if W < k:  # blocks narrower than k (tiny configurations): one selection over the row
+        s = _context_scores(qi, wi, pages, block_table, pos, r, cfg, num)
+        return indexer.select_topk(s if cand_mask is None else jnp.where(cand_mask, s, -jnp.inf), pos, r, cfg)
+    cm = None if cand_mask is None else jnp.pad(cand_mask, ((0, 0), (0, 0), (0, nblk * W - G)))
+
+    def scores(i):
+        return block(i) if cm is None else jnp.where(jax.lax.dynamic_slice_in_dim(cm, i * W, W, 2), block(i), -jnp.inf)
+
+    def merge(i, kept):
+        v, ids = kept
+        top, at = jax.lax.top_k(jnp.concatenate([v, scores(i)], -1), k)
+        new = jnp.broadcast_to(i * W + jnp.arange(W, dtype=jnp.int32), top.shape[:-1] + (W,))
+        return top, jnp.take_along_axis(jnp.concatenate([ids, new], -1), at, -1)
+
+    v0, at0 = jax.lax.top_k(scores(0), k)
+    _, ids = jax.lax.fori_loop(1, live, merge, (v0, at0.astype(jnp.int32)))
+    ids = jnp.sort(ids, axis=-1)
+    return jnp.where(ids < ((pos + 1) // r)[..., None], ids, -1).astype(jnp.int32)
 
 
 def _compress_chunk(x, p, r, cfg, num, lkv: LayerKV, b: Batch):
@@ -324,13 +389,13 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         if backend != "xla" and opts.prefill_indexer_kernel:
             carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
         else:
-            keys = _context_index_keys(pages, b.block_table, cfg)
-            s = indexer.scores(qi, wi, keys, pos, r, num)
-            if plan.makes_candidates:
-                carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg))
-            elif plan.uses_candidates:
-                s = jnp.where(carry.cand_mask, s, -jnp.inf)
-            carry = dataclasses.replace(carry, topk=indexer.select_topk(s, pos, r, cfg))
+            if plan.makes_candidates:  # the block candidates need every block's best score
+                s = _context_scores(qi, wi, pages, b.block_table, pos, r, cfg, num)
+                carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg),
+                                            topk=indexer.select_topk(s, pos, r, cfg))
+            else:
+                carry = dataclasses.replace(carry, topk=_context_topk(
+                    qi, wi, pages, b.block_table, pos, r, cfg, num, carry.cand_mask if plan.uses_candidates else None))
     else:
         q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
     comp_k = comp_valid = None

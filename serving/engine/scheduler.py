@@ -274,8 +274,8 @@ class Scheduler:
 
     def _batch(self, rows: list[_Request | None], toks: dict, pos0: dict, T: int) -> programs.Batch:
         """The step's batch: rows as `_placed` lays them out; toks / pos0 by request id."""
-        live = [r for r in rows if r is not None]
-        ctx_pages = min(self.max_pages_per_seq, _bucket(max(len(r.pages) for r in live), self.min_ctx_pages))
+        # one block-table width per engine: the programs read each row's real length at run time
+        ctx_pages = self.max_pages_per_seq
         B, L = len(rows), self.cfg.n_layers
         P = self.layout.num_pages
         tokens = np.zeros((B, T), np.int32)
@@ -307,8 +307,9 @@ class Scheduler:
 
     def program_shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
-        buckets (B counts every rank's rows). Coarser buckets (min_prefill_bucket = the chunk, min_ctx_pages =
-        the longest sequence's pages, min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
+        buckets (B counts every rank's rows). The block table is always max_pages_per_seq wide (the context length
+        is a run-time value); coarser buckets (min_prefill_bucket = the chunk, min_decode_bucket = max_num_seqs)
+        mean fewer programs and more padding."""
 
         def ladder(lo: int, hi: int) -> list[int]:
             out, b = [], lo
@@ -317,14 +318,12 @@ class Scheduler:
                 b *= 2
             return out + [hi]
 
-        D = len(self.ranks)
-        ctxs = ladder(self.min_ctx_pages, self.max_pages_per_seq)
+        D, c = len(self.ranks), self.max_pages_per_seq
         chunks = ladder(min(self.min_prefill_bucket, self.chunk), self.chunk)
         prefill = "encoder" if self.replay else "full"
-        shapes = [(prefill, D, T, c) for T in chunks for c in ctxs]
+        shapes = [(prefill, D, T, c) for T in chunks]
         if self.replay:
-            shapes += [("decoder", D, 1, c) for c in ctxs]
+            shapes.append(("decoder", D, 1, c))
         decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", D * B, self.decode_tokens, c) for B in ladder(self.min_decode_bucket, decode_top)
-                   for c in ctxs]
+        shapes += [("decode", D * B, self.decode_tokens, c) for B in ladder(self.min_decode_bucket, decode_top)]
         return shapes

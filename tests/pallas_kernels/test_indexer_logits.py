@@ -70,6 +70,25 @@ def test_entry_scores_interpret(B, S, IH, ID, N, splits, exact):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+def test_entry_scores_skip_tiles_past_each_rows_last_entry():
+    """Rows valid only at their start (a short context in a wide block table): the kernel computes each row's
+    tiles up to its last valid entry (`live_tiles`), whole CTAs of a split row none; the scores are the
+    reference's, -inf past the end."""
+    B, S, IH, ID, N = 3, 1, 16, 64, 512  # 8 tiles of 64, 4 splits of 2 tiles
+    q, w, pk, sc, _ = make_pool(11, B, S, IH, ID, E=16, exact=True)
+    rows = np.full((B, N), -1, np.int32)
+    rng = np.random.default_rng(3)
+    for b, n in enumerate((70, 0, 130)):  # 2 live tiles, none, 3 (a -1 hole inside the last)
+        rows[b, :n] = rng.integers(0, pk.shape[0] * pk.shape[1], n)
+    rows[2, 100] = -1
+    rows = jnp.asarray(rows)
+    np.testing.assert_array_equal(np.asarray(il.live_tiles(rows)), [2, 0, 3])
+    ref = jit(il.entry_scores_reference)(q, w, pk, sc, rows)
+    out = jit(il.entry_scores, backend="interpret", num_splits=4)(q, w, pk, sc, rows)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert np.isneginf(np.asarray(out)[0, :, 70:]).all() and np.isfinite(np.asarray(out)[0, :, :70]).all()
+
+
 def test_reference_matches_indexer_scores():
     """dequant_rows + scores_from_keys == programs' _context_index_keys + indexer.scores (row-major entries)."""
     B, S, E = 2, 3, 16
@@ -255,3 +274,17 @@ def test_gpu_context_flash(B, S, ctx):
     cand = jit(il.candidate_blocks, ratio=ratio, cfg=cfg)(s, q_pos)
     cand_ref = jit(il.candidate_blocks, ratio=ratio, cfg=cfg)(s_ref, q_pos)
     assert np.mean(np.asarray(cand) == np.asarray(cand_ref)) > 0.95
+
+
+@pytest.mark.gpu
+def test_gpu_context_short_rows_in_a_wide_table():
+    """Decode rows of 0 to 4K tokens in a 64K-token block table (the engine's one width): the kernel computes only
+    each row's tiles up to its context; the scores are the reference's, -inf past each row's visible entries."""
+    E, ratio, width = 64, 2, 65536
+    G = width // ratio
+    q, w, pk, sc, bt = make_pool(5, 4, 1, E=E, pages_per_row=G // E, exact=False)
+    q_pos = jnp.asarray([[4095], [1023], [2047], [0]], jnp.int32)
+    s = jit(il.context_scores, ratio=ratio, num_entries=G)(q, w, pk, sc, bt, q_pos)
+    s_ref = jit(il.context_scores, ratio=ratio, num_entries=G, backend="xla")(q, w, pk, sc, bt, q_pos)
+    assert_scores_close(s, s_ref)
+    assert np.isneginf(np.asarray(s)[:, :, 2048:]).all()

@@ -37,7 +37,7 @@ REPLIES = {
 # width (2 rows; one sequence pads to it): every request shape reuses the same few compiled programs (a CPU
 # compile of one is ~10 s; a padded tiny step is not)
 TINY_ENGINE_KW = dict(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=128, min_prefill_bucket=128,
-                      min_ctx_pages=16, min_decode_bucket=2)
+                      min_decode_bucket=2)
 
 
 @pytest.fixture(scope="session")
