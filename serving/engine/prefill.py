@@ -16,9 +16,9 @@ from serving.engine.scheduler import _bucket, _Request
 class Prefill:
     """The engine's prefill path (a mixin of `Engine`)."""
 
-    def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
-        """The next chunk of each request's prefill (one request per rank), in one call. -> (request, first
-        token) for those whose prefill finished."""
+    def _prefill_chunks(self, reqs: list[_Request]) -> list:
+        """The next chunk of each request's prefill (one request per rank), in one call. -> the StepOutputs of
+        the first tokens of those whose prefill finished (`Engine._dispatched`: none while they are in flight)."""
         chunks, ends = {}, {}
         for r in reqs:
             end = min(r.prefill_len, r.computed + self.chunk)
@@ -92,18 +92,11 @@ class Prefill:
         b = programs.Batch(np.zeros((B, 1), np.int32), pos0, n_valid, slot, bt, wlo, rlo, [], None, mask)
         return b, hp, pp
 
-    def _first_tokens(self, rows, logits, tok) -> list[tuple[_Request, int]]:
-        tok = np.asarray(tok)
-        out = []
-        for i, r in enumerate(rows):
-            if r is None:
-                continue
+    def _first_tokens(self, rows, logits, tok) -> list:
+        for r in filter(None, rows):
             self.counters["prefill_tokens"] += r.prefill_len - r.start
             r.image_rows.clear()  # computed again if the request is preempted and prefilled anew
-            if self.keep_logits:
-                r.logits.append(np.asarray(logits[i]))
-            out.append((r, int(tok[i])))
-        return out
+        return self._dispatched(rows, tok, logits)
 
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""
