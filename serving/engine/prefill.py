@@ -21,7 +21,7 @@ class Prefill:
         the first tokens of those whose prefill finished (`Engine._dispatched`: none while they are in flight)."""
         chunks, ends = {}, {}
         for r in reqs:
-            end = min(r.prefill_len, r.computed + self.chunk)
+            end = min(r.prefill_len, r.computed + self._chunk_budget(r.rank))
             if r.replay_at and r.computed < r.replay_at:
                 end = min(end, r.replay_at)
             self._hold_pages(r, end)
@@ -61,6 +61,17 @@ class Prefill:
         for r in filter(None, last):
             r.tail = None
         return self._first_tokens(last, logits, tok)
+
+    def _chunk_budget(self, rank: int) -> int:
+        """Prompt tokens of this step's chunk on `rank`: max_num_batched_tokens less the tokens of the rank's
+        decode rows (one each, k + 1 + rerun under speculative decoding), in multiples of the smallest prefill
+        bucket and at least one (a prompt progresses however many rows decode). Batch invariant: the whole
+        budget (a row's chunks may not depend on the rows beside it). The chunk's program pads it to its bucket."""
+        unit = min(self.min_prefill_bucket, self.chunk)
+        if self.config.batch_invariant:
+            return self.chunk
+        rows = sum(1 for r in self.running.values() if r.rank == rank and not r.prefilling)
+        return max(unit, (self.chunk - rows * self.decode_tokens) // unit * unit)
 
     def _decoder_inputs(self, rows: list[_Request | None], ctx_pages: int):
         """The replayed decoder's batch for the rows whose prompt is complete: each runs its last
