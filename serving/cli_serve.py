@@ -378,6 +378,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-warmups", type=int, default=0, help="uncounted single-turn requests sent first")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--long-prompt-rate", type=float, default=0.0,
+                   help="long single-turn prompts a second arriving during each level (default 0: none)")
+    g.add_argument("--long-prompt-len", type=int, default=8000, help="words (about one token each) of a long prompt")
     g = parser.add_argument_group("report")
     g.add_argument("--metric-percentiles", type=_float_list, default=(50.0, 90.0, 99.0),
                    help="comma list of percentiles to report (default 50,90,99)")
@@ -395,7 +398,7 @@ def bench_config(args: argparse.Namespace) -> Any:
         turn_input_len=args.turn_input_len, output_len=args.output_len, ignore_eos=args.ignore_eos,
         thinking=args.thinking, temperature=args.temperature, seed=args.seed, num_warmups=args.num_warmups,
         request_timeout_s=args.request_timeout, percentiles=tuple(args.metric_percentiles),
-        result_dir=args.result_dir)
+        long_prompt_len=args.long_prompt_len, long_prompt_rate=args.long_prompt_rate, result_dir=args.result_dir)
 
 
 def run_bench(args: argparse.Namespace) -> int:
