@@ -163,6 +163,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="one program shape for every step (prefill at the chunk, decode at --max-num-seqs, block "
                         "tables --max-model-len wide): a request's tokens and logits are the same bits alone, in "
                         "any batch or after a prefix hit; more padding (overrides the --min-* buckets)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each step's programs while the server streams the previous step's tokens (default "
+                        "on; speculative decoding steps stay synchronous); the tokens are the same either way")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "
@@ -216,6 +219,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket", "min_ctx_pages": "--min-block-table-pages",
                  "min_decode_bucket": "--min-decode-bucket", "batch_invariant": "--batch-invariant",
+                 "async_scheduling": "--[no-]async-scheduling",
                  "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
                  "enable_expert_parallel": "--enable-expert-parallel", "speculative_config": "--speculative-config"}
 
