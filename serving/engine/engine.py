@@ -1,15 +1,20 @@
 """The engine: requests in, tokens out, over the paged KV pool.
 
 One `step()` runs at most one prefill chunk per data-parallel rank (chunked prefill, FCFS; one call for all
-ranks) and one decode step over every running sequence. With async scheduling (`EngineConfig.async_scheduling`)
-a step dispatches its programs and returns without waiting for them: the next step() reads their tokens first
-(one device-to-host transfer for the step), so the caller's work on the returned tokens (streaming,
-detokenizing) runs while the device computes. The host still reads each token before building the next step's
-batch: a token's Engram rows are hashed from it and gathered from the tables in host memory. With SWA bounded replay (default) a prompt runs layers
-[0, split) and the split layer's KV writes on every token (`run_encoder`, chunk by chunk), then the rest on its
-last `swa_replay_tokens` tokens (`run_decoder`). A prefix cache keeps full pages of global KV; on a hit the
-encoder re-runs [H - swa_replay_tokens, H) to rebuild its SWA rings and the decoder's rows without rewriting the
-cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
+ranks; the chunk leaves room for the rank's decode rows within max_num_batched_tokens) and one decode step over
+every running sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and the split layer's
+KV writes on every token (`run_encoder`, chunk by chunk), then the rest on its last `swa_replay_tokens` tokens
+(`run_decoder`). A prefix cache keeps full pages of global KV; on a hit the encoder re-runs
+[H - swa_replay_tokens, H) to rebuild its SWA rings and the decoder's rows without rewriting the cached KV
+(encoder-side replay). Not thread-safe: drive it from one thread.
+
+Async scheduling (`EngineConfig.async_scheduling`, default on): a step dispatches its programs and returns
+without waiting for them; the next step() first reads their sampled tokens (one device-to-host transfer, the
+loop's only wait on the device), so the caller's work on the returned tokens (streaming, detokenizing) runs
+while the device computes. The order of every decision is the synchronous engine's, so the tokens are the same.
+The host still reads a step's tokens before it builds the next step's batch (vLLM's async scheduler feeds them
+on the device): each token's Engram rows are hashed from it and gathered from tables in host memory (Flash's
+are 197 GB). Speculative decoding steps stay synchronous (the next chunk holds the drafts).
 
 On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
 pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
