@@ -131,3 +131,22 @@ def test_prefill_chunk_leaves_room_for_decode_rows(reads):
     while alone.has_work():
         alone.step()
     assert np.abs(eng.finished_logits["long"][0] - alone.finished_logits["long"][0]).max() < 1e-4
+
+
+def test_prompt_preempted_before_its_first_token_is_read():
+    """A prompt finishes its prefill in the step whose decode row needs the last free page: the decode preempts it
+    while its first token is still in flight (async). It recomputes from prompt + that token, as the synchronous
+    engine's preempted request does: same tokens and logits."""
+    runs = []
+    for overlap in (False, True):
+        eng = tiny_engine.make(async_scheduling=overlap)  # 5 pages of 64 tokens
+        eng.add_request("a", prompt(127, 8), SamplingParams(max_tokens=3, ignore_eos=True))  # 2 pages, then a 3rd
+        toks = {"a": [o.new_token_ids[0] for o in eng.step()], "b": []}
+        eng.add_request("b", prompt(190, 9), SamplingParams(max_tokens=2, ignore_eos=True))  # 3 pages
+        while eng.has_work():
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+        assert eng.counters["preemptions"] == 1
+        runs.append((toks, {k: np.stack(v) for k, v in eng.finished_logits.items()}))
+    (want, want_l), (got, got_l) = runs
+    assert got == want and all(np.array_equal(got_l[k], want_l[k]) for k in want_l)

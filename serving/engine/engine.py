@@ -332,7 +332,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
 
     def _read(self) -> list[StepOutput]:
         """Reads every program in flight (one transfer: the step's one wait on the device) and accepts their
-        tokens, in the order the programs ran. A row whose request left meanwhile (aborted, failed) is dropped."""
+        tokens, in the order the programs ran. A row whose request left meanwhile (aborted, failed) is dropped; a
+        prompt preempted before its first token was read takes it (`_accept_preempted`)."""
         if not self._in_flight:
             return []
         flights, self._in_flight = self._in_flight, []
@@ -342,13 +343,12 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             for i, r in enumerate(f.rows):
                 if r is None:
                     continue
-                if self.running.get(r.id) is not r:
-                    if any(w is r for w in self.waiting):
-                        outs += self._accept_preempted(r, int(tok[i]))
+                running = self.running.get(r.id) is r
+                if not running and not any(w is r for w in self.waiting):
                     continue
                 if logits is not None:
                     r.logits.append(logits[i])
-                outs += self._accept(r, int(tok[i]))
+                outs += (self._accept if running else self._accept_preempted)(r, int(tok[i]))
         return outs
 
     def _accept_preempted(self, r: _Request, tok: int) -> list[StepOutput]:
@@ -359,6 +359,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         reason = self._finish_reason(r, tok)
         if reason:
             self.waiting.remove(r)
+            if self.keep_logits:
+                self.finished_logits[r.id] = r.logits
         return [StepOutput(r.id, [tok], reason is not None, reason, len(r.prompt), r.cached)]
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
