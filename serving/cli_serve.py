@@ -384,7 +384,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--long-prompt-rate", type=float, default=0.0,
                    help="long single-turn prompts a second arriving during each level (default 0: none)")
-    g.add_argument("--long-prompt-len", type=int, default=8000, help="words (about one token each) of a long prompt")
+    g.add_argument("--long-prompt-len", type=int, default=3000,
+                   help="words of a long prompt (default 3000: 7.9K tokens with the built-in tokenizer)")
     g = parser.add_argument_group("report")
     g.add_argument("--metric-percentiles", type=_float_list, default=(50.0, 90.0, 99.0),
                    help="comma list of percentiles to report (default 50,90,99)")
