@@ -327,7 +327,11 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
 
     def _dispatched(self, rows: list, tok: jax.Array, logits: jax.Array) -> list[StepOutput]:
         """A program's sampled tokens: left in flight (async scheduling: -> []), or read and accepted now."""
-        self._in_flight.append(_InFlight(rows, tok, logits if self.keep_logits else None))
+        f = _InFlight(rows, tok, logits if self.keep_logits else None)
+        for a in (f.tok, f.logits):
+            if a is not None:
+                a.copy_to_host_async()  # queued behind the program: the read finds the ids on the host
+        self._in_flight.append(f)
         return [] if self.async_scheduling else self._read()
 
     def _read(self) -> list[StepOutput]:
