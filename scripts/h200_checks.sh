@@ -6,7 +6,7 @@
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
-#   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min)
+#   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
@@ -60,14 +60,14 @@ case "${1:-}" in
     ;;
   serve)
     args="--preset bench --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048"
-    $PY -m serving.cli serve $args --warmup --port 8123 > "$OUT/server.txt" 2>&1 &
+    $PY -m serving.cli serve $args ${SERVE_ARGS:-} --warmup --port 8123 > "$OUT/server.txt" 2>&1 &
     server=$!
     for _ in $(seq 240); do  # warm-up compiles every program shape first (~2 min)
       $PY -c "import urllib.request as u; u.urlopen('http://localhost:8123/health')" 2> /dev/null && break; sleep 1
     done
-    timeout -k 10 300 $PY -m serving.cli bench serve --port 8123 --result-dir "$OUT/serve" --max-concurrency 1,4,8 \
+    timeout -k 10 300 $PY -m serving.cli bench serve --port 8123 --result-dir "$OUT/serve" ${BENCH_ARGS:---max-concurrency 1,4,8 \
       --num-turns 3 --think-time 0.3 --shared-prefix-len 1500 --input-len 300 --turn-input-len 100 --output-len 32 \
-      --num-warmups 1 > "$OUT/serve.txt" 2>&1
+      --num-warmups 1} > "$OUT/serve.txt" 2>&1
     echo "bench serve rc=$?"
     kill "$server"; wait "$server"
     tail -n 25 "$OUT/serve.txt"

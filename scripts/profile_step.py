@@ -117,6 +117,7 @@ def main():
     if batches:
         max_len = -(-(args.decode_ctx + 256) // 64) * 64
         eng = make_engine(cfg, params, True, max_len, max(batches), args.backend)
+        eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own
         for j, B in enumerate(batches):
             fake_decode_state(eng, B, args.decode_ctx)
             eng.step()  # compile

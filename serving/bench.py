@@ -13,6 +13,11 @@ token that decodes to no text, frequent with random weights, adds to the next ch
 prefix-cache hit rate from `usage.prompt_tokens_details.cached_tokens`. It writes `bench_serve.json` and, when
 matplotlib is importable, `throughput_vs_interactivity.png` and `ttft_vs_load.png` into the result directory.
 
+With `long_prompt_rate` > 0, single-turn requests of `long_prompt_len` fresh words (no prefix-cache hit) also
+arrive during each level, open loop (Poisson at that rate, the first at the level's start, outside the
+concurrency cap): the sessions' TPOT and inter-token latency then show how far a long prompt's prefill stalls
+the running streams. The long prompts' own results are reported apart (`long_prompts`).
+
 TTFT is taken at the first streamed chunk: the dsv41 server sends nothing before the first token.
 """
 
@@ -58,6 +63,8 @@ class BenchConfig:
     temperature: float = 0.0
     seed: int = 0
     num_warmups: int = 0  # single-turn requests sent (and not counted) before the first level
+    long_prompt_len: int = 3000  # words of each long prompt (3000: 7.9K tokens with the built-in tokenizer)
+    long_prompt_rate: float = 0.0  # long prompts a second during each level (0: none)
     request_timeout_s: float = 600.0
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     result_dir: str | None = None  # None: no files written
@@ -71,7 +78,8 @@ class BenchConfig:
         for name in ("num_turns", "output_len"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)}: give >= 1")
-        for name in ("think_time_s", "shared_prefix_len", "first_input_len", "turn_input_len", "num_warmups"):
+        for name in ("think_time_s", "shared_prefix_len", "first_input_len", "turn_input_len", "num_warmups",
+                     "long_prompt_len", "long_prompt_rate"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} {getattr(self, name)}: give >= 0")
         if any(not 0 < p <= 100 for p in self.percentiles):
@@ -193,6 +201,33 @@ async def _session(client: _Client, cfg: BenchConfig, sem: asyncio.Semaphore, sy
         messages.append({"role": "user", "content": _words(rng, cfg.turn_input_len)})
 
 
+async def _long_prompts(client: _Client, cfg: BenchConfig, level: int, results: list[TurnResult],
+                        stop: asyncio.Event) -> None:
+    """Single-turn requests of cfg.long_prompt_len fresh words, Poisson at cfg.long_prompt_rate from the level's
+    start until `stop`; waits for those sent."""
+    rng = random.Random(f"{cfg.seed}-long-{level}")
+
+    async def one(i: int) -> None:
+        # the numbered head makes the first KV page differ: no prefix-cache hit
+        messages = [{"role": "user", "content": f"Document {level}-{i}: " + _words(rng, cfg.long_prompt_len)}]
+        r = TurnResult(session=-1, turn=i, ok=False)
+        try:
+            await client.chat(messages, f"bench-long-c{level}-{i}-{cfg.seed}", r)
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
+            r.error = f"{type(e).__name__}: {e}"[:300]
+            log.warning("long prompt %d failed: %s", i, r.error)
+        results.append(r)
+
+    sent: list[asyncio.Task] = []
+    while not stop.is_set():
+        sent.append(asyncio.create_task(one(len(sent))))
+        try:
+            await asyncio.wait_for(stop.wait(), rng.expovariate(cfg.long_prompt_rate))
+        except asyncio.TimeoutError:
+            pass
+    await asyncio.gather(*sent)
+
+
 def _pcts(values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     v = np.asarray([x for x in values if not math.isnan(x)], dtype=np.float64)
     out = {"mean": float(v.mean()) if v.size else math.nan}
@@ -293,9 +328,21 @@ async def run_level(cfg: BenchConfig, http: aiohttp.ClientSession, model: str, c
     sem = asyncio.Semaphore(concurrency)
     results: list[TurnResult] = []
     spec_before = await _spec_counters(http, cfg)
+    long_results: list[TurnResult] = []
+    stop = asyncio.Event()
+    long = (asyncio.create_task(_long_prompts(client, cfg, concurrency, long_results, stop))
+            if cfg.long_prompt_rate > 0 else None)
     t0 = time.perf_counter()
     await asyncio.gather(*(_session(client, cfg, sem, system, concurrency, i, results) for i in range(sessions)))
     summary = summarize(results, time.perf_counter() - t0, concurrency, sessions, cfg.percentiles)
+    if long is not None:
+        stop.set()
+        await long
+        ok = [r for r in long_results if r.ok]
+        summary["long_prompts"] = {
+            "sent": len(long_results), "ok": len(ok),
+            "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in ok])) if ok else math.nan,
+            "ttft_ms": {k: v * 1e3 for k, v in _pcts([r.ttft_s for r in ok], cfg.percentiles).items()}}
     spec = spec_summary(spec_before, await _spec_counters(http, cfg) if spec_before is not None else None)
     if spec is not None:
         summary["speculative"] = spec
@@ -344,6 +391,11 @@ def log_summary(s: dict[str, Any]) -> None:
         row("TPOT", s["tpot_ms"], "ms"), row("end-to-end", s["e2e_ms"], "ms"),
         row("per-user tokens/s", s["per_user_tokens_per_s"], "tok/s"),
     ]
+    if "long_prompts" in s:
+        lp = s["long_prompts"]
+        lines.append(f"  long prompts          {lp['ok']}/{lp['sent']} ok, {lp['prompt_tokens_mean']:.0f} tokens each "
+                     "(not in the rows above)")
+        lines.append(row("long prompt TTFT", lp["ttft_ms"], "ms"))
     if "speculative" in s:
         sp = s["speculative"]
         lines.append(f"  acceptance length     {sp['acceptance_length']:.2f}   per position "

@@ -33,7 +33,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens the decoder layers run on under bounded replay (>= the window; docs/REPLAY.md)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (a prefill chunk plus the decode rows)")
     p.add_argument("--seed", type=int, default=0, help="weights seed for presets")
     add_kernel_backend_args(p, default="auto")
     add_parallel_args(p)

@@ -160,6 +160,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="one program shape for every step (prefill at the chunk, decode at --max-num-seqs): a request's tokens and logits are the same bits alone, in "
                         "any batch or after a prefix hit; more padding (overrides the --min-* buckets)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each step's programs while the server streams the previous step's tokens (default "
+                        "on; speculative decoding steps stay synchronous); the tokens are the same either way")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "
@@ -213,6 +216,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket",
                  "min_decode_bucket": "--min-decode-bucket", "batch_invariant": "--batch-invariant",
+                 "async_scheduling": "--[no-]async-scheduling",
                  "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
                  "enable_expert_parallel": "--enable-expert-parallel", "speculative_config": "--speculative-config"}
 
@@ -375,6 +379,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-warmups", type=int, default=0, help="uncounted single-turn requests sent first")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--long-prompt-rate", type=float, default=0.0,
+                   help="long single-turn prompts a second arriving during each level (default 0: none)")
+    g.add_argument("--long-prompt-len", type=int, default=3000,
+                   help="words of a long prompt (default 3000: 7.9K tokens with the built-in tokenizer)")
     g = parser.add_argument_group("report")
     g.add_argument("--metric-percentiles", type=_float_list, default=(50.0, 90.0, 99.0),
                    help="comma list of percentiles to report (default 50,90,99)")
@@ -392,7 +400,7 @@ def bench_config(args: argparse.Namespace) -> Any:
         turn_input_len=args.turn_input_len, output_len=args.output_len, ignore_eos=args.ignore_eos,
         thinking=args.thinking, temperature=args.temperature, seed=args.seed, num_warmups=args.num_warmups,
         request_timeout_s=args.request_timeout, percentiles=tuple(args.metric_percentiles),
-        result_dir=args.result_dir)
+        long_prompt_len=args.long_prompt_len, long_prompt_rate=args.long_prompt_rate, result_dir=args.result_dir)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -93,6 +93,10 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # DSpark speculative decoding (None: off): greedy tokens unchanged, sampled ones by rejection sampling
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --async-scheduling: a step's programs run while the caller handles the previous step's tokens (each
+    # step() returns the tokens of the programs the step before dispatched); tokens unchanged. Speculative
+    # decoding steps stay synchronous (Engine.step)
+    async_scheduling: bool = True
 
     @property
     def parallelism(self) -> Parallelism:
@@ -100,8 +104,9 @@ class EngineConfig:
                            expert=self.enable_expert_parallel)
 
     def __post_init__(self):
-        if not isinstance(self.batch_invariant, bool):
-            raise EngineError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        for name in ("batch_invariant", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("page_tokens", 2),
                          ("max_waiting", 0), ("swa_replay_tokens", 1), ("tensor_parallel_size", 1),
                          ("data_parallel_size", 1)):

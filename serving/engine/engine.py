@@ -1,11 +1,20 @@
 """The engine: requests in, tokens out, over the paged KV pool.
 
 One `step()` runs at most one prefill chunk per data-parallel rank (chunked prefill, FCFS; one call for all
-ranks) and one decode step over every running sequence. With SWA bounded replay (default) a prompt runs layers
-[0, split) and the split layer's KV writes on every token (`run_encoder`, chunk by chunk), then the rest on its
-last `swa_replay_tokens` tokens (`run_decoder`). A prefix cache keeps full pages of global KV; on a hit the
-encoder re-runs [H - swa_replay_tokens, H) to rebuild its SWA rings and the decoder's rows without rewriting the
-cached KV (encoder-side replay). Not thread-safe: drive it from one thread.
+ranks; the chunk leaves room for the rank's decode rows within max_num_batched_tokens) and one decode step over
+every running sequence. With SWA bounded replay (default) a prompt runs layers [0, split) and the split layer's
+KV writes on every token (`run_encoder`, chunk by chunk), then the rest on its last `swa_replay_tokens` tokens
+(`run_decoder`). A prefix cache keeps full pages of global KV; on a hit the encoder re-runs
+[H - swa_replay_tokens, H) to rebuild its SWA rings and the decoder's rows without rewriting the cached KV
+(encoder-side replay). Not thread-safe: drive it from one thread.
+
+Async scheduling (`EngineConfig.async_scheduling`, default on): a step dispatches its programs and returns
+without waiting for them; the next step() first reads their sampled tokens (one device-to-host transfer, the
+loop's only wait on the device), so the caller's work on the returned tokens (streaming, detokenizing) runs
+while the device computes. The order of every decision is the synchronous engine's, so the tokens are the same.
+The host still reads a step's tokens before it builds the next step's batch (vLLM's async scheduler feeds them
+on the device): each token's Engram rows are hashed from it and gathered from tables in host memory (Flash's
+are 197 GB). Speculative decoding steps stay synchronous (the next chunk holds the drafts).
 
 On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
 pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
@@ -19,6 +28,7 @@ arrays), programs.py (the jitted programs and the device-side sampling).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Any
 
@@ -39,6 +49,16 @@ from serving.engine.scheduler import Rank, Scheduler, StepOutput, _bucket, _Requ
 from serving.engine.prefill import Prefill
 from serving.engine.speculative import Speculative
 from serving.engine.warmup import Warmup
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A dispatched program's sampled tokens, not read yet: rows (a request per row, None where nothing was
+    sampled), tok int32 [B], logits [B, V] (keep_logits, else None)."""
+
+    rows: list
+    tok: jax.Array
+    logits: jax.Array | None
 
 
 def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -127,6 +147,10 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         self.counters = collections.Counter()
         self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
+        # a speculative step's next chunk holds its drafts, which the host needs for their Engram rows: synchronous
+        self.async_scheduling = config.async_scheduling and self.spec is None
+        self._in_flight: list[_InFlight] = []  # the last step's programs, read by the next step()
+        self._undelivered: list[StepOutput] = []  # outputs read by a step that then raised: the next step returns them
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -203,7 +227,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         return [r.id for r in self.waiting]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     def stats(self) -> dict[str, Any]:
         """Counts over the engine; the `*_per_rank` lists break them down by data-parallel rank."""
@@ -281,22 +305,67 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Admits what fits, runs one prefill chunk on each data rank that has a prompt to fill (its oldest),
-        then one decode step over every running sequence."""
+        """Reads the previous step's tokens (async scheduling), admits what fits, runs one prefill chunk on each
+        data rank that has a prompt to fill (its oldest), then one decode step over every running sequence.
+        -> the tokens read in this call: with async scheduling those of the programs the previous call
+        dispatched, else this call's."""
+        outs = self._undelivered = self._undelivered + self._read()
         self._admit()
-        outs: list[StepOutput] = []
         oldest: dict[int, _Request] = {}
         for r in self.running.values():
             if r.prefilling and (r.rank not in oldest or r.arrival < oldest[r.rank].arrival):
                 oldest[r.rank] = r
-        if oldest:
-            for r, tok in self._prefill_chunks(sorted(oldest.values(), key=lambda r: r.rank)):
-                outs += self._accept(r, tok)
-        done = {o.request_id for o in outs}
+        firsts = self._prefill_chunks(sorted(oldest.values(), key=lambda r: r.rank)) if oldest else []
+        outs += firsts
+        # a prompt whose first token was read in this step, or is not read yet, decodes from the next step on
+        done = {o.request_id for o in firsts} | {r.id for f in self._in_flight for r in f.rows if r is not None}
         dec = [r for r in self.running.values() if not r.prefilling and r.id not in done]
         if dec:
             outs += self._decode(dec)
+        self._undelivered = []
         return outs
+
+    def _dispatched(self, rows: list, tok: jax.Array, logits: jax.Array) -> list[StepOutput]:
+        """A program's sampled tokens: left in flight (async scheduling: -> []), or read and accepted now."""
+        f = _InFlight(rows, tok, logits if self.keep_logits else None)
+        for a in (f.tok, f.logits):
+            if a is not None:
+                a.copy_to_host_async()  # queued behind the program: the read finds the ids on the host
+        self._in_flight.append(f)
+        return [] if self.async_scheduling else self._read()
+
+    def _read(self) -> list[StepOutput]:
+        """Reads every program in flight (one transfer: the step's one wait on the device) and accepts their
+        tokens, in the order the programs ran. A row whose request left meanwhile (aborted, failed) is dropped; a
+        prompt preempted before its first token was read takes it (`_accept_preempted`)."""
+        if not self._in_flight:
+            return []
+        flights, self._in_flight = self._in_flight, []
+        got = jax.device_get([(f.tok, f.logits) for f in flights])
+        outs = []
+        for f, (tok, logits) in zip(flights, got):
+            for i, r in enumerate(f.rows):
+                if r is None:
+                    continue
+                running = self.running.get(r.id) is r
+                if not running and not any(w is r for w in self.waiting):
+                    continue
+                if logits is not None:
+                    r.logits.append(logits[i])
+                outs += (self._accept if running else self._accept_preempted)(r, int(tok[i]))
+        return outs
+
+    def _accept_preempted(self, r: _Request, tok: int) -> list[StepOutput]:
+        """A prompt's first token, read after a decode step of the same engine step preempted the request (async
+        scheduling): it recomputes from its prompt and this token, as a request preempted after reading it does."""
+        r.output.append(tok)
+        r.prefill_len = r.num_tokens
+        reason = self._finish_reason(r, tok)
+        if reason:
+            self.waiting.remove(r)
+            if self.keep_logits:
+                self.finished_logits[r.id] = r.logits
+        return [StepOutput(r.id, [tok], reason is not None, reason, len(r.prompt), r.cached)]
 
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         for r in list(reqs):
@@ -311,26 +380,22 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         rows = self._decode_rows(reqs)
         b, samp = self._decode_batch(rows)
         self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, samp, **self.static)
-        tok = np.asarray(tok)
-        outs = []
-        for i, r in enumerate(rows):
-            if r is None:
-                continue
+        for r in filter(None, rows):
             r.computed = r.num_tokens
-            if self.keep_logits:
-                r.logits.append(np.asarray(logits[i]))
-            outs += self._accept(r, int(tok[i]))
         self.counters["decode_steps"] += 1
-        return outs
+        return self._dispatched(rows, tok, logits)
+
+    def _finish_reason(self, r: _Request, tok: int) -> str | None:
+        s = r.sampling
+        if (tok == self.eos and not s.ignore_eos) or tok in s.stop_token_ids:
+            return "stop"
+        if len(r.output) >= s.max_tokens or r.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _accept(self, r: _Request, tok: int) -> list[StepOutput]:
         r.output.append(tok)
-        s = r.sampling
-        reason = None
-        if (tok == self.eos and not s.ignore_eos) or tok in s.stop_token_ids:
-            reason = "stop"
-        elif len(r.output) >= s.max_tokens or r.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self._finish_reason(r, tok)
         if reason:
             del self.running[r.id]
             self._free(r, keep=True)

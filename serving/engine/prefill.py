@@ -16,12 +16,12 @@ from serving.engine.scheduler import _bucket, _Request
 class Prefill:
     """The engine's prefill path (a mixin of `Engine`)."""
 
-    def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
-        """The next chunk of each request's prefill (one request per rank), in one call. -> (request, first
-        token) for those whose prefill finished."""
+    def _prefill_chunks(self, reqs: list[_Request]) -> list:
+        """The next chunk of each request's prefill (one request per rank), in one call. -> the StepOutputs of
+        the first tokens of those whose prefill finished (`Engine._dispatched`: none while they are in flight)."""
         chunks, ends = {}, {}
         for r in reqs:
-            end = min(r.prefill_len, r.computed + self.chunk)
+            end = min(r.prefill_len, r.computed + self._chunk_budget(r.rank))
             if r.replay_at and r.computed < r.replay_at:
                 end = min(end, r.replay_at)
             self._hold_pages(r, end)
@@ -62,6 +62,17 @@ class Prefill:
             r.tail = None
         return self._first_tokens(last, logits, tok)
 
+    def _chunk_budget(self, rank: int) -> int:
+        """Prompt tokens of this step's chunk on `rank`: max_num_batched_tokens less the tokens of the rank's
+        decode rows (one each, k + 1 + rerun under speculative decoding), in multiples of the smallest prefill
+        bucket and at least one (a prompt progresses however many rows decode). Batch invariant: the whole
+        budget (a row's chunks may not depend on the rows beside it). The chunk's program pads it to its bucket."""
+        unit = min(self.min_prefill_bucket, self.chunk)
+        if self.config.batch_invariant:
+            return self.chunk
+        rows = sum(1 for r in self.running.values() if r.rank == rank and not r.prefilling)
+        return max(unit, (self.chunk - rows * self.decode_tokens) // unit * unit)
+
     def _decoder_inputs(self, rows: list[_Request | None], ctx_pages: int):
         """The replayed decoder's batch for the rows whose prompt is complete: each runs its last
         Td <= swa_replay_tokens rows (its tail) at positions [N - Td, N), its decoder rings clipped at N - Td."""
@@ -92,18 +103,11 @@ class Prefill:
         b = programs.Batch(np.zeros((B, 1), np.int32), pos0, n_valid, slot, bt, wlo, rlo, [], None, mask)
         return b, hp, pp
 
-    def _first_tokens(self, rows, logits, tok) -> list[tuple[_Request, int]]:
-        tok = np.asarray(tok)
-        out = []
-        for i, r in enumerate(rows):
-            if r is None:
-                continue
+    def _first_tokens(self, rows, logits, tok) -> list:
+        for r in filter(None, rows):
             self.counters["prefill_tokens"] += r.prefill_len - r.start
             r.image_rows.clear()  # computed again if the request is preempted and prefilled anew
-            if self.keep_logits:
-                r.logits.append(np.asarray(logits[i]))
-            out.append((r, int(tok[i])))
-        return out
+        return self._dispatched(rows, tok, logits)
 
     def _restart_as_hit(self, r: _Request) -> None:
         """After [0, H) ran, continue as a prefix-cache hit of H tokens would."""

@@ -46,6 +46,16 @@ def test_bench_smoke_tiny(tiny_server, tmp_path):
     _check(_bench(tiny_server, tmp_path), tmp_path)
 
 
+def test_bench_long_prompts_arrive_apart(fake_server, tmp_path):
+    """Long prompts arrive during each level (the first at its start) and are reported apart from the sessions."""
+    report = _bench(fake_server, tmp_path, long_prompt_rate=20.0, long_prompt_len=40)
+    _check(report, tmp_path)
+    for lv in report["levels"]:
+        lp = lv["long_prompts"]
+        assert lp["sent"] >= 1 and lp["ok"] == lp["sent"], lp
+        assert lp["prompt_tokens_mean"] > 40 and lp["ttft_ms"]["p50"] > 0
+
+
 def test_plots_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with caplog.at_level(logging.INFO, logger="serving.bench"):

@@ -21,6 +21,7 @@ def test_serve_flags_map_to_engine_kwargs():
                                    "swa_replay_tokens": 256}
     assert engine_kwargs(_serve([])) == {}
     assert engine_kwargs(_serve(["--batch-invariant"])) == {"batch_invariant": True}
+    assert engine_kwargs(_serve(["--no-async-scheduling"])) == {"async_scheduling": False}
     assert served_model_name(args) == "tiny"
     assert served_model_name(_serve(["--checkpoint", "/ckpt/flash/"])) == "flash"
     assert (_serve([]).engram_tables, _serve(["--engram-tables", "mmap"]).engram_tables) == ("ram", "mmap")
