@@ -94,7 +94,8 @@ Arrays are cast to the module's activation dtype (pre-mix stays fp32).
 
 FP8 activations (``--act-quant``): the input of every linear whose release weight is FP8/FP4 (attention wq_a, wq_b,
 wkv, wo_b, indexer wq_b, shared and routed experts' w1/w3/w2, Engram wkv) is quantized to FP8 per 32 (UE8M0 scale)
-and dequantized before the product, as the official ``Linear`` does with ``act_quant``; nemo itself does not.
+and dequantized before the product, as the official ``Linear`` does with ``act_quant``; nemo itself does not. The
+main model's layers only (not the DSpark stages).
 
 Backends: eager attention (fp32 softmax, default) or sdpa; torch linears, torch fp32 RMSNorm, per-expert loop,
 no torch.distributed, TorchDynamo disabled (the clamped SwiGLU is otherwise wrapped in torch.compile).

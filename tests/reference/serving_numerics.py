@@ -18,6 +18,9 @@ import dataclasses
 import os
 from pathlib import Path
 
+if __name__ == "__main__":  # the test suite's XLA flags (fast compiles), set before jax loads: the tests' programs
+    import tests.conftest  # noqa: F401
+
 import numpy as np
 
 from dsv41 import checkpoint, model, quant
@@ -108,8 +111,6 @@ def compare(ref: np.ndarray, other: np.ndarray) -> dict[str, float]:
 def main():
     import argparse
     import tempfile
-
-    import tests.conftest  # noqa: F401  the test suite's XLA flags (fast compiles, 8 CPU devices): the same programs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", default="1,2,3,4")
