@@ -17,7 +17,6 @@ A missing FP8 activation rounding (KL 5.5e-3) hides in that floor: the float32 c
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from dsv41 import quant

@@ -4,8 +4,8 @@ Runs under ``<repo>/.venv-ref/bin/python`` (Python 3.11, built by ``scripts/setu
 never in the project's 3.12 venv. Our tests drive it through ``tests/reference/driver.py``.
 
     .venv-ref/bin/python tests/reference/nemo_runner.py --checkpoint DIR (--tokens TOKENS.npy | --chat MSGS.json) \
-        --out OUT.npz [--dtype float32|bfloat16] [--act-quant] [--dump] [--layer-inputs FORCED.npz] [--attn eager|sdpa]
-        [--threads N]
+        --out OUT.npz [--dtype float32|bfloat16] [--act-quant] [--dump] [--layer-inputs FORCED.npz]
+        [--attn eager|sdpa] [--threads N]
 
 Input
   --checkpoint DIR  ``config.json`` (the released nested layout: top-level ``text_config`` / ``vision_config``;

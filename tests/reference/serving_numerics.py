@@ -69,7 +69,9 @@ def engine_logits(cfg: ModelConfig, params, ids: np.ndarray, num: quant.Numerics
     from serving.engine.engine import Engine, SamplingParams
 
     class TeacherForced(Engine):
-        forced: dict[str, list[int]] = {}
+        """Accepts each request's given continuation token in place of the one it sampled."""
+
+        forced: dict[str, list[int]]
 
         def _accept(self, r, tok):
             return super()._accept(r, self.forced[r.id][len(r.output)])
