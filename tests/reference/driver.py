@@ -112,6 +112,7 @@ def run_reference(
     dump: bool = False,
     *,
     cache_qdq: bool = True,
+    act_quant: bool = False,
     layer_inputs: Mapping[str, np.ndarray] | None = None,
     attn: str = "eager",
     dspark_anchors: np.ndarray | None = None,
@@ -129,6 +130,8 @@ def run_reference(
       dump: also return per-layer intermediates (names in nemo_runner's docstring).
       cache_qdq: False replaces nemo's FP8 SWA / NVFP4 compressed-KV / MXFP4 indexer quantize-dequantize by the
         identity (smooth float32 comparisons; see docs/REFERENCE_NOTES.md).
+      act_quant: quantize the input of every FP8/FP4 linear to FP8 per 32, as the official inference code does and
+        nemo does not (the runner's --act-quant): with dtype="bfloat16", the release's serving numerics.
       layer_inputs: teacher forcing: module inputs to replace, keyed like the dump (layer{l}.block_in_raw,
         layer{l}.block_in, layer{l}.pre_mix_in, layer{l}.attn_in, layer{l}.ffn_in).
       attn: nemo attention backend, "eager" (fp32 softmax) or "sdpa".
@@ -183,6 +186,8 @@ def run_reference(
             cmd.append("--dump")
         if not cache_qdq:
             cmd.append("--no-cache-qdq")
+        if act_quant:
+            cmd.append("--act-quant")
         if threads is not None:
             cmd += ["--threads", str(threads)]
         if (dspark_anchors is None) != (dspark_prev is None):

@@ -4,7 +4,8 @@ Runs under ``<repo>/.venv-ref/bin/python`` (Python 3.11, built by ``scripts/setu
 never in the project's 3.12 venv. Our tests drive it through ``tests/reference/driver.py``.
 
     .venv-ref/bin/python tests/reference/nemo_runner.py --checkpoint DIR (--tokens TOKENS.npy | --chat MSGS.json) \
-        --out OUT.npz [--dtype float32|bfloat16] [--dump] [--layer-inputs FORCED.npz] [--attn eager|sdpa] [--threads N]
+        --out OUT.npz [--dtype float32|bfloat16] [--act-quant] [--dump] [--layer-inputs FORCED.npz]
+        [--attn eager|sdpa] [--threads N]
 
 Input
   --checkpoint DIR  ``config.json`` (the released nested layout: top-level ``text_config`` / ``vision_config``;
@@ -90,6 +91,11 @@ published by forced source layers is computed from forced inputs). Keys:
   layer{l}.attn_in                                                     attention module input (post attn_norm)
   layer{l}.ffn_in                                                      MoE input (post ffn_norm)
 Arrays are cast to the module's activation dtype (pre-mix stays fp32).
+
+FP8 activations (``--act-quant``): the input of every linear whose release weight is FP8/FP4 (attention wq_a, wq_b,
+wkv, wo_b, indexer wq_b, shared and routed experts' w1/w3/w2, Engram wkv) is quantized to FP8 per 32 (UE8M0 scale)
+and dequantized before the product, as the official ``Linear`` does with ``act_quant``; nemo itself does not. The
+main model's layers only (not the DSpark stages).
 
 Backends: eager attention (fp32 softmax, default) or sdpa; torch linears, torch fp32 RMSNorm, per-expert loop,
 no torch.distributed, TorchDynamo disabled (the clamped SwiGLU is otherwise wrapped in torch.compile).
@@ -245,6 +251,49 @@ def disable_cache_qdq() -> None:
 
     attention.quantize_cache = lambda values, *, format, block_size: values
     dspark.quantize_cache = attention.quantize_cache
+
+
+# The modules whose release weights are FP8 (F8_E4M3 + 32x32 UE8M0) or FP4 (I8 e2m1 + UE8M0 per 32), by name in
+# nemo's tree (spec §5; `attn.wo_a` is BF16 after the release's convert.py, so it is not among them). The official
+# `Linear` quantizes such a layer's input to FP8 per 32 (`act_quant`) before its FP8/FP4 GEMM.
+ACT_QUANT_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b",
+                     "ffn.shared_experts.gate_proj", "ffn.shared_experts.up_proj", "ffn.shared_experts.down_proj",
+                     "engram.wkv")
+
+
+def enable_act_quant(model) -> int:
+    """The official FP8 activation quantization before every FP8/FP4 linear (spec §2, §4), which nemo leaves out
+    (it multiplies dequantized weights in the run dtype): the input of each `ACT_QUANT_LINEARS` module, and of the
+    routed experts' w1/w3 and w2, goes through an FP8 e4m3 quantize-dequantize with a UE8M0 scale per 32 --
+    nemo's own `quantize_cache(format="fp8")`, which is the official `act_quant` formula. The router keeps the
+    unquantized input (it reads `ffn_in` in fp32, as official). Returns the number of hooked modules."""
+    from nemo_automodel.components.models.deepseek_v41.quantization import quantize_cache
+
+    def fp8(x):
+        return quantize_cache(x, format="fp8", block_size=32)
+
+    def quantize_input(module, args):
+        return (fp8(args[0]), *args[1:])
+
+    hooked = 0
+    for layer in model.model.layers.values():
+        for name in ACT_QUANT_LINEARS:
+            module = layer
+            for part in name.split("."):
+                module = getattr(module, part, None)
+                if module is None:
+                    break
+            if module is not None:
+                module.register_forward_pre_hook(quantize_input)
+                hooked += 1
+        experts = layer.ffn.experts
+        if not hasattr(experts, "expert_activation_grouped"):
+            raise InputError(f"nemo's {type(experts).__name__} has no expert_activation_grouped to quantize w2's input")
+        experts.register_forward_pre_hook(quantize_input)  # w1/w3 input: the routed tokens
+        activation = experts.expert_activation_grouped  # w2 input: weight * silu(g) * u, in the run dtype
+        experts.expert_activation_grouped = lambda h, w, activation=activation: fp8(activation(h, w))
+        hooked += 1
+    return hooked
 
 
 def build_model(checkpoint: Path, dtype: str, attn: str, vision: bool = False):
@@ -549,6 +598,11 @@ def parse_args(argv=None):
         "--threads", type=int, default=int(os.environ.get("DSV41_REF_THREADS", "1")), help="torch intra-op threads"
     )
     parser.add_argument(
+        "--act-quant",
+        action="store_true",
+        help="quantize the input of every FP8/FP4 linear to FP8 per 32, as the official inference code does",
+    )
+    parser.add_argument(
         "--no-cache-qdq",
         action="store_true",
         help="replace nemo's FP8 SWA / NVFP4 compressed-KV / MXFP4 indexer quantize-dequantize by the identity",
@@ -595,6 +649,8 @@ def run(args) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():  # pragma: no cover
         raise InputError("torch.distributed must not be initialized (nemo's Engram would shard its tables)")
     model = build_model(args.checkpoint, args.dtype, args.attn, vision=args.chat is not None)
+    if args.act_quant:
+        enable_act_quant(model)
     built = time.perf_counter()
     images, extra = {}, {}
     if args.chat is not None:
