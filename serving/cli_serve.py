@@ -162,7 +162,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "any batch or after a prefix hit; more padding (overrides the --min-* buckets)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="run each step's programs while the server streams the previous step's tokens (default "
-                        "on; speculative decoding steps stay synchronous); the tokens are the same either way")
+                        "off; speculative decoding steps stay synchronous); the tokens are the same either way")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "

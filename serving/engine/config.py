@@ -95,8 +95,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # vLLM's --async-scheduling: a step's programs run while the caller handles the previous step's tokens (each
     # step() returns the tokens of the programs the step before dispatched); tokens unchanged. Speculative
-    # decoding steps stay synchronous (Engine.step)
-    async_scheduling: bool = True
+    # decoding steps stay synchronous (Engine.step). Off by default: in a tight decode loop on the H200 it made the
+    # step slower (6.60 vs 6.08 ms at batch 1, docs/PERFORMANCE.md section 1) and its serving gain is unmeasured
+    async_scheduling: bool = False
 
     @property
     def parallelism(self) -> Parallelism:
