@@ -71,7 +71,7 @@ def main():
         fp, tp = step_time(make(cfg, params, B, max_len, None), B, args.ctx, args.reps)
         for name, spec in specs:
             fs, ts = step_time(make(cfg, params, B, max_len, spec), B, args.ctx, args.reps)
-            rows.append((B, name, spec.num_speculative_tokens, tp, ts))
+            rows.append((B, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens, tp, ts))
             log.info("B=%d plain %.2f ms, %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, name, ts * 1e3, fp, fs)
 
     dev = jax.devices()[0]
