@@ -1,7 +1,7 @@
 """DSpark speculative decoding on one GPU: the step cost of verify + draft against a plain decode step, and the
 decode rate that cost gives at each acceptance length (issue #41's table for docs/PERFORMANCE.md).
 
-    PYTHONPATH=. python3 scripts/bench_speculative.py [--batches 1,8,64] [--ctx 4096] [--k 5]
+    PYTHONPATH=. python3 scripts/bench_speculative.py [--batches 1,8,64] [--ctx 4096] [--k 5] [--cut]
 
 The bench preset (Flash's per-layer widths) with its three DSpark stages at Flash's widths (128 experts, top-3), in
 the release's stored formats (FP8 linears, FP4 experts) with the engine's default kernels, as `dsv41 serve` runs.
@@ -9,8 +9,8 @@ Random weights accept almost no draft, so the speculative engine runs with force
 k drafts and the bonus token, so its contexts grow and its rings wrap as they would at full acceptance. A step of
 either engine is timed end to end (`Engine.step`: host batch, program, host bookkeeping). At acceptance length L
 (tokens a step, 1 + accepted drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchmark.
-
---preset tiny runs the same loop on the CPU (a smoke test of the script, not a measurement).
+--k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
+(no draft verified: the k-wide program with its draft columns masked). --preset tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -47,46 +47,46 @@ def make(cfg, params, seqs: int, max_len: int, spec: SpeculativeConfig | None) -
 def step_time(eng: Engine, B: int, ctx: int, reps: int) -> tuple[float, float]:
     """-> (first step s (compile), median step s) of B requests decoding at position ctx."""
     fake_decode_state(eng, B, ctx)
-    first = timed(eng.step, reps=1)
-    return first, timed(eng.step, reps=reps)
+    return timed(eng.step, reps=1), timed(eng.step, reps=reps)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--ctx", type=int, default=4096, help="context of every request when timing starts")
-    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    ap.add_argument("--k", default="5", help="num_speculative_tokens, one program each (e.g. 1,2,5)")
+    ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = preset(args.preset).replace(n_mtp_layers=3)
     batches = [int(b) for b in args.batches.split(",")]
     params = P.init_params(cfg, seed=0)
-    max_len = -(-(args.ctx + (args.k + 1) * (args.reps + 2) + 64) // 64) * 64
-    spec = SpeculativeConfig(num_speculative_tokens=args.k, forced_acceptance=True)
+    ks = sorted(int(k) for k in args.k.split(","))
+    max_len = -(-(args.ctx + (ks[-1] + 1) * (args.reps + 2) + 64) // 64) * 64
+    specs = [(f"k={k}", SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=True)) for k in ks]
+    specs += [(f"k={ks[-1]} cut to 0", SpeculativeConfig(num_speculative_tokens=ks[-1], forced_acceptance=True,
+                                                         confidence_threshold=1.0))] * args.cut
     rows = []
     for B in batches:
-        plain = make(cfg, params, B, max_len, None)
-        fp, tp = step_time(plain, B, args.ctx, args.reps)
-        del plain
-        sp = make(cfg, params, B, max_len, spec)
-        fs, ts = step_time(sp, B, args.ctx, args.reps)
-        del sp
-        rows.append((B, tp, ts, fp, fs))
-        log.info("B=%d plain %.2f ms, speculative %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, ts * 1e3, fp, fs)
+        fp, tp = step_time(make(cfg, params, B, max_len, None), B, args.ctx, args.reps)
+        for name, spec in specs:
+            fs, ts = step_time(make(cfg, params, B, max_len, spec), B, args.ctx, args.reps)
+            rows.append((B, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens, tp, ts))
+            log.info("B=%d plain %.2f ms, %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, name, ts * 1e3, fp, fs)
 
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
-          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), k = {args.k}, context "
-          f"{args.ctx}\n")
-    lengths = [L for L in LENGTHS if L <= args.k + 1]
-    print("| batch | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
+          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), context {args.ctx}\n")
+    lengths = [L for L in LENGTHS if L <= ks[-1] + 1]
+    print("| batch | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
           + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")
-    print("|---" * (5 + len(lengths)) + "|")
-    for B, tp, ts, _, _ in rows:
-        cells = [f"{B * L / ts:,.0f} ({tp * L / ts:.2f}x)" for L in lengths]
-        print(f"| {B} | {tp * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | {B / tp:,.0f} | " + " | ".join(cells) + " |")
+    print("|---" * (6 + len(lengths)) + "|")
+    for B, name, k, tp, ts in rows:
+        cells = [f"{B * L / ts:,.0f} ({tp * L / ts:.2f}x)" if L <= k + 1 else "" for L in lengths]
+        print(f"| {B} | {name} | {tp * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | {B / tp:,.0f} | "
+              + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -286,12 +286,12 @@ def _system(cfg: BenchConfig) -> str:
 
 
 _SPEC_FAMILIES = ("dsv41:spec_decode_num_drafts", "dsv41:spec_decode_num_accepted_tokens",
-                  "dsv41:spec_decode_num_accepted_tokens_per_pos")
+                  "dsv41:spec_decode_num_accepted_tokens_per_pos", "dsv41:spec_decode_num_draft_tokens")
 
 
 async def _spec_counters(http: aiohttp.ClientSession, cfg: BenchConfig) -> dict[str, Any] | None:
-    """The server's speculative-decoding counters from /metrics: {drafts, accepted, per_pos: [...]}; None when it
-    does not speculate (or has no /metrics)."""
+    """The server's speculative-decoding counters from /metrics: {drafts, accepted, verified, per_pos: [...]}; None
+    when it does not speculate (or has no /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -308,17 +308,19 @@ async def _spec_counters(http: aiohttp.ClientSession, cfg: BenchConfig) -> dict[
     per_pos = sorted((int(s.labels["position"]), s.value) for s in fams[_SPEC_FAMILIES[2]].samples
                      if s.name.endswith("_total"))
     return {"drafts": total(_SPEC_FAMILIES[0]), "accepted": total(_SPEC_FAMILIES[1]),
-            "per_pos": [v for _, v in per_pos]}
+            "verified": total(_SPEC_FAMILIES[3]), "per_pos": [v for _, v in per_pos]}
 
 
 def spec_summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """A level's speculative decoding from the counters before and after it: acceptance length (tokens a request
-    takes a step: 1 + accepted drafts / drafts) and each block position's acceptance rate."""
+    takes a step: 1 + accepted drafts / drafts), each block position's acceptance rate and the mean verification
+    length (drafts verified a block: k, or fewer with confidence_threshold)."""
     if before is None or after is None or after["drafts"] <= before["drafts"]:
         return None
     n = after["drafts"] - before["drafts"]
     per_pos = [(a - b) / n for a, b in zip(after["per_pos"], before["per_pos"])]
-    return {"acceptance_length": 1 + (after["accepted"] - before["accepted"]) / n, "acceptance_per_pos": per_pos}
+    return {"acceptance_length": 1 + (after["accepted"] - before["accepted"]) / n, "acceptance_per_pos": per_pos,
+            "verify_length": (after["verified"] - before["verified"]) / n}
 
 
 async def run_level(cfg: BenchConfig, http: aiohttp.ClientSession, model: str, concurrency: int) -> dict[str, Any]:
@@ -399,7 +401,8 @@ def log_summary(s: dict[str, Any]) -> None:
     if "speculative" in s:
         sp = s["speculative"]
         lines.append(f"  acceptance length     {sp['acceptance_length']:.2f}   per position "
-                     + " ".join(f"{r:.2f}" for r in sp["acceptance_per_pos"]))
+                     + " ".join(f"{r:.2f}" for r in sp["acceptance_per_pos"])
+                     + f"   drafts verified {sp['verify_length']:.2f}")
     if s["errors"]:
         lines.append(f"  errors: {s['errors']}")
     log.info("\n".join(lines))

@@ -106,6 +106,8 @@ def add_speculative_arg(g) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s flag: \'{"method": "dspark", "num_speculative_tokens": 5}\' '
                         "(the release's DSpark drafter; greedy tokens unchanged, sampling exact by rejection sampling). "
+                        '"confidence_threshold": 0.5 verifies only the drafts whose cumulative confidence (DSpark\'s '
+                        "confidence head) reaches it; "
                         '"forced_acceptance": true takes every draft, for benchmarks only (wrong outputs)')
 
 

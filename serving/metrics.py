@@ -102,6 +102,12 @@ class _EngineStatsCollector(Collector):
             for i, v in enumerate(per_pos):
                 c.add_metric([self._model, str(i)], float(v))
             yield c
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_drafts_per_verify_len",
+                                    "Draft blocks by the drafts verified (confidence_threshold cuts them).",
+                                    labels=["model_name", "length"])
+            for n, v in enumerate(stats.get("spec_verified_per_len") or ()):
+                c.add_metric([self._model, str(n)], float(v))
+            yield c
         # KV usage per rank: an engine on several devices reports lists; one device is rank 0
         used, total = stats.get("kv_pages_used_per_rank"), stats.get("kv_pages_total_per_rank")
         if not (isinstance(used, (list, tuple)) and isinstance(total, (list, tuple)) and len(used) == len(total)):

@@ -4,7 +4,10 @@ trace (their ring slots, KV entries and pending compressor groups); drafts taken
 with one wrong at chosen steps, check acceptance: several tokens a step, mixed accept lengths in one batch.
 
 Two requests run together: a 150-token prompt (its rings wrap during decode) and a 37-token one (odd: its chunks
-re-run the token before the anchor). The DSpark forward itself is tests/test_dspark_reference.py's."""
+re-run the token before the anchor). The DSpark forward itself is tests/test_dspark_reference.py's.
+
+With confidence_threshold each row verifies a prefix of its drafts: the same tokens, fewer drafts verified, and at
+threshold 1 a plain decode step (one token, no draft pages)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 
 from serving.engine import programs
 from serving.engine.config import SpeculativeConfig
+from serving.engine.speculative import verify_lengths
 from serving.engine.errors import EngineError
 from serving.engine.sampling import SamplingParams
 from tests import tiny_engine
@@ -30,9 +34,10 @@ PROMPTS = {"long": list(np.random.default_rng(5).integers(3, 1000, 150)),
            "short": list(np.random.default_rng(6).integers(3, 1000, 37))}
 
 
-def run(eng, oracle=None):
+def run(eng, oracle=None, cut=None, check=None):
     """Both prompts at once to the end. oracle: tokens by request; after each step each request's next drafts are
-    its next oracle tokens, the third one wrong every third step. -> (tokens, logits, steps)."""
+    its next oracle tokens, the third one wrong every third step (cut(step, request id) of them: the drafts it
+    verifies, as `verify_lengths` would keep them). check(eng) runs after each step. -> (tokens, logits, steps)."""
     for rid, p in PROMPTS.items():
         eng.add_request(rid, p, GREEDY)
     toks = {rid: [] for rid in PROMPTS}
@@ -46,7 +51,9 @@ def run(eng, oracle=None):
             d = list(oracle[r.id][n:n + K])
             if len(d) >= 3 and steps % 3 == 0:
                 d[2] = (d[2] + 1) % 1000
-            r.drafts = d
+            r.drafts = d if cut is None else d[:cut(steps, r.id)]
+        if check is not None:
+            check(eng)
     return toks, {rid: np.stack(eng.finished_logits[rid]) for rid in PROMPTS}, steps
 
 
@@ -90,6 +97,63 @@ def test_accepted_drafts_are_the_target_tokens(plain):
     assert sum(per_pos) == st["spec_accepted_tokens"] and per_pos[0] >= per_pos[1] > per_pos[2] >= per_pos[4]
 
 
+def test_verify_lengths_follow_the_cumulative_confidence():
+    conf = np.array([[3.0, 3.0, -3.0, 3.0, 3.0], [-1.0, 5.0, 5.0, 5.0, 5.0], [20.0] * 5, [0.0] * 5])
+    cum = np.cumprod(1 / (1 + np.exp(-conf)), axis=1)  # the chance that drafts 1 .. i are all accepted
+    for t in (0.05, 0.3, 0.5, 0.9, 0.999):
+        want = np.array([next((i for i in range(5) if c[i] < t), 5) for c in cum])
+        np.testing.assert_array_equal(verify_lengths(conf, t), want)
+    assert verify_lengths(conf, 1.0).tolist() == [0] * 4 and verify_lengths(conf, None).tolist() == [5] * 4
+
+
+def test_confidence_threshold_keeps_the_tokens(plain):
+    """The drafter's confidence cuts each row's verification (at 0.5 the tiny model's random head keeps 0 to 2 of
+    5): the same tokens; only the verified drafts count."""
+    eng = speculative(confidence_threshold=0.5)
+    toks, logits, _ = run(eng)
+    assert toks == plain[0]
+    for rid in PROMPTS:
+        assert np.abs(logits[rid] - plain[1][rid]).max() < TOL, rid
+    st = eng.stats()
+    per_len = st["spec_verified_per_len"]
+    assert sum(per_len) == st["spec_drafts"] and sum(n > 0 for n in per_len) >= 2 and per_len[K] == 0
+    assert st["spec_draft_tokens"] == sum(n * c for n, c in enumerate(per_len))
+
+
+def test_cut_drafts_accept_up_to_the_cut(plain):
+    """Oracle drafts verified to a cut that differs between the two rows and steps (0 .. 5): the tokens of the
+    plain run, the drafts up to each cut accepted, none past it."""
+    eng = speculative(confidence_threshold=0.5)
+    toks, logits, steps = run(eng, oracle=plain[0], cut=lambda step, rid: (step + len(rid)) % (K + 1))
+    assert toks == plain[0]
+    for rid in PROMPTS:
+        assert np.abs(logits[rid] - plain[1][rid]).max() < TOL, rid
+    st = eng.stats()
+    per_len, per_pos = st["spec_verified_per_len"], st["spec_accepted_per_pos"]
+    assert all(per_len) and steps < plain[2] * 3 / 4
+    assert all(per_pos[j] <= sum(per_len[j + 1:]) for j in range(K)) and per_pos[0] > 0
+
+
+def test_threshold_one_is_plain_decode(plain):
+    """Threshold 1 verifies no draft: a plain step each (the plain run's greedy tokens, steps and seeded samples),
+    holding pages for its tokens only (the speculative engine without a cut holds k more)."""
+    def pages_fit(eng):
+        for r in eng.running.values():
+            assert len(r.pages) <= -(-r.num_tokens // eng.layout.page_tokens), r.id
+
+    eng = speculative(confidence_threshold=1.0)
+    toks, logits, steps = run(eng, check=pages_fit)
+    assert toks == plain[0] and steps == plain[2]
+    st = eng.stats()
+    assert st["spec_draft_tokens"] == 0 and st["spec_verified_per_len"] == [st["spec_drafts"]] + [0] * K
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    sampled = []
+    for e in (tiny_engine.make(), speculative(confidence_threshold=1.0)):
+        e.add_request("s", PROMPTS["short"], sp)
+        sampled.append([t for _ in iter(e.has_work, False) for o in e.step() for t in o.new_token_ids])
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 8
+
+
 def test_forced_acceptance_takes_every_draft():
     eng = speculative(forced_acceptance=True)
     toks, _, _ = run(eng)
@@ -107,6 +171,8 @@ def test_bad_speculative_configs_name_the_fix():
         SpeculativeConfig.from_json('{"method": "dspark", "num_speculative_tokens": 0}')
     with pytest.raises(EngineError, match="unknown key"):
         SpeculativeConfig.from_json('{"method": "dspark", "draft_model": "x"}')
+    with pytest.raises(EngineError, match="confidence_threshold"):
+        SpeculativeConfig.from_json('{"method": "dspark", "confidence_threshold": 0}')
     with pytest.raises(EngineError, match="only 'dspark'"):
         SpeculativeConfig.from_json('{"method": "eagle"}')
     with pytest.raises(EngineError, match="block of 5"):

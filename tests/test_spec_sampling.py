@@ -1,5 +1,6 @@
 """Speculative sampling (`serving.engine.spec_sampling.verify`) keeps the target's distribution: Monte Carlo over
-40,000 rows with a target and a draft distribution that differ, each row's drafts drawn from the draft's."""
+40,000 rows with a target and a draft distribution that differ, each row's drafts drawn from the draft's; also
+when rows verify only a prefix of their drafts (the confidence head's cut)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ def _setup(top_k=0):
         for i in range(K + 1):
             e = np.exp(target[i, keep[i]] - target[i, keep[i]].max())
             p[i, keep[i]] = e / e.sum()
-    verify = jax.jit(lambda d, hq: spec_sampling.verify(
+    verify = jax.jit(lambda d, hq, n=jnp.full(N, K, jnp.int32): spec_sampling.verify(
         jnp.broadcast_to(jnp.asarray(target), (N, K + 1, V)), d,
-        lambda: jnp.broadcast_to(jnp.asarray(draft), (N, K, V)), hq, s, jnp.full(N, V - 1, jnp.int32)))
+        lambda: jnp.broadcast_to(jnp.asarray(draft), (N, K, V)), hq, s, jnp.full(N, V - 1, jnp.int32), n))
     return p, drafts, verify
 
 
@@ -57,6 +58,24 @@ def test_emitted_tokens_follow_the_target():
     for j in (1, 2):
         tok = _emitted(m, bonus, drafts, j)
         np.testing.assert_allclose(_freq(tok, m >= j), p[j], atol=TOL)
+
+
+def test_a_cut_keeps_the_target():
+    """Rows verify n of their K drafts: n from the first draft (a cut may read the drafts before the position
+    it cuts: a row whose first draft is even verifies all, an odd one only that one), a tenth of the rows none.
+    A row stops at its cut and takes p_n there (not the residual p_n - q_n): every emitted token still follows
+    the target; the rows with n = 0 take their plain draw."""
+    p, drafts, verify = _setup()
+    n = np.where(drafts[:, 0] % 2 == 0, K, 1).astype(np.int32)
+    n[::10] = 0
+    m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.ones(N, bool), jnp.asarray(n)))
+    assert (m <= n).all() and ((m == n) & (n == 1)).any()
+    assert (bonus[n == 0] == V - 1).all()
+    for j in (0, 1):  # (few rows get further)
+        tok = _emitted(m, bonus, drafts, j)
+        np.testing.assert_allclose(_freq(tok, (m >= j) & (n > 0)), p[j], atol=TOL)
+    cut = (n == 1) & (m == 1)  # the token at the cut: p_1 itself (4 standard errors at these rows)
+    np.testing.assert_allclose(_freq(bonus, cut), p[1], atol=2 / np.sqrt(cut.sum()))
 
 
 def test_top_k_filters_both_sides():

@@ -20,11 +20,16 @@ class SpeculativeConfig:
     """vLLM's --speculative-config: `{"method": "dspark", "num_speculative_tokens": 5}`. DSpark (the release's
     `mtp.*` stages) drafts a block; each decode step verifies the previous step's drafts and drafts the next
     block in one program. forced_acceptance (benchmarks only: outputs are wrong) takes every draft as if the
-    target model had produced it, so the loop runs at full acceptance length on random weights."""
+    target model had produced it, so the loop runs at full acceptance length on random weights.
+    confidence_threshold (None: off, every step verifies all k drafts): each row verifies only the drafts whose
+    cumulative confidence (the drafter's confidence head: the product of the sigmoids up to that position, the
+    estimated chance that every draft up to it is accepted) is at least this value (0 < t <= 1; 1 verifies none,
+    a plain step). Outputs are unchanged (`speculative.verify_lengths`)."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 5
     forced_acceptance: bool = False
+    confidence_threshold: float | None = None
 
     def __post_init__(self):
         if self.method != "dspark":
@@ -34,6 +39,10 @@ class SpeculativeConfig:
             raise EngineError(f"num_speculative_tokens must be an integer >= 1, got {n!r}")
         if not isinstance(self.forced_acceptance, bool):
             raise EngineError(f"forced_acceptance must be true or false, got {self.forced_acceptance!r}")
+        t = self.confidence_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
+            raise EngineError(f"confidence_threshold must be a number in (0, 1] (or null: verify every draft), "
+                              f"got {t!r}")
 
     @classmethod
     def from_json(cls, text: str) -> "SpeculativeConfig":

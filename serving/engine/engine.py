@@ -249,7 +249,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             "kv_pages_total_per_rank": [P] * len(self.ranks),
             "prefix_cache_hit_tokens_per_rank": hits,
             "prefix_cache_query_tokens_per_rank": queries,
-            **({"spec_accepted_per_pos": list(self.spec_accepted_per_pos)} if self.spec else {}),
+            **({"spec_accepted_per_pos": list(self.spec_accepted_per_pos),
+                "spec_verified_per_len": list(self.spec_verified_per_len)} if self.spec else {}),
             **self.counters,
         }
 
@@ -370,8 +371,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         for r in list(reqs):
             if r.id in self.running:  # (one preempted for an earlier row is back in the queue, holding no pages)
-                # speculative decoding also writes its k drafts past the newest token
-                self._hold_pages(r, r.num_tokens + self.spec_tokens)
+                # speculative decoding also writes the drafts it verifies past the newest token
+                self._hold_pages(r, r.num_tokens + self._verify_len(r))
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
             return []

@@ -501,7 +501,8 @@ def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: 
     """One block drafted a row from its DSpark rings: anchor_ids [B] at anchor_pos [B] (the newest token; the
     rings hold the context before it, from the rows' decoder ring start on). Greedy rows take each position's
     argmax, sampled rows draw (`spec_sampling.draft_sampler`). The block's first k states go to the pool: the
-    next step recomputes the distributions its drafts were drawn from. -> (pool, drafts int32 [B, k])."""
+    next step recomputes the distributions its drafts were drawn from. -> (pool, drafts int32 [B, k], their
+    confidence logits float32 [B, k])."""
     lo = b.ring_lo[:, -1]
     ctx_k = []
     for rec in pool.dspark:
@@ -509,31 +510,32 @@ def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: 
         ctx_k.append(_dequant_fp8_rows(kl.read_slots(rec.swa_q, b.slot), kl.read_slots(rec.swa_s, b.slot)))
     ctx_pos = kl.ring_positions(anchor_pos, R, lo)
     states = dspark.draft_states(params, ctx_k, ctx_pos, anchor_ids, anchor_pos, cfg, num, ops)[:, :k]
-    drafts = dspark.draft_tokens(params, states, anchor_ids, cfg, num, spec_sampling.draft_sampler(samp))[0]
+    drafts, _, conf = dspark.draft_tokens(params, states, anchor_ids, cfg, num, spec_sampling.draft_sampler(samp))
     pool = dataclasses.replace(pool, dspark_states=kl.write_slots(pool.dspark_states, b.slot,
                                                                   states.astype(pool.dspark_states.dtype)))
-    return pool, drafts
+    return pool, drafts, conf
 
 
-def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forced: jax.Array, *, cfg: ModelConfig,
-          num: Numerics, backends: Backends = Backends(), spec_tokens: int = 0):
+def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forced: jax.Array, n_verify: jax.Array,
+          *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(), spec_tokens: int = 0):
     """One speculative decode step: verify and draft in one call. Row b's chunk is [maybe the token before,
-    anchor a (its newest token), drafts d_1..d_k] at positions pos0 ..; n_valid = its real length (k + 1, or
-    k + 2 when it re-runs the token before the anchor: a chunk must start at an even position, so that the
-    ratio-2 compressors never read a pending state that rejected drafts overwrote). The target's logits after a
-    and after each d_i decide how many drafts a row accepts and the token after them (the bonus:
-    `spec_sampling.verify`; has_q [B]: the row's drafts came from the drafter's previous step, whose states the
-    pool holds). The chunk's DSpark context keys go into the rings and the next block is drafted from the bonus.
-    forced [B] (bool, traced: one program either way): accept every draft (benchmarks).
-    -> (pool, logits [B, k + 1, V] after a and each d_i, tokens [B, k + 1] (the accepted drafts, then the bonus),
-    accepted count [B], next drafts [B, k])."""
+    anchor a (its newest token), drafts d_1..d_n] at positions pos0 .., n = n_verify [B] <= k the drafts it
+    verifies (`spec_sampling.verify`; the rest of the k + 2 columns are padding: no KV, ring or compressor write,
+    no page); n_valid = its real length (n + 1, or n + 2 when it re-runs the token before the anchor: a chunk
+    must start at an even position, so that the ratio-2 compressors never read a pending state that rejected
+    drafts overwrote). The target's logits after a and after each d_i decide how many drafts a row accepts and
+    the token after them (the bonus; has_q [B]: the row's drafts came from the drafter's previous step, whose
+    states the pool holds). The chunk's DSpark context keys go into the rings and the next block is drafted from
+    the bonus. forced [B] (bool, traced: one program either way): accept every verified draft (benchmarks).
+    -> (pool, logits [B, k + 1, V] after a and each d_i (past n: padding), tokens [B, k + 1] (the accepted drafts,
+    then the bonus), accepted count [B], next drafts [B, k], their confidence logits [B, k])."""
     k = spec_tokens
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
     taps: dict = {}
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends, taps)
     B, T = b.tokens.shape
-    off = jnp.clip(b.n_valid - (k + 1), 0, T - k - 1)  # the anchor's row
+    off = jnp.clip(b.n_valid - (n_verify + 1), 0, T - k - 1)  # the anchor's row
     rows = off[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]  # [B, k + 1]: a, d_1 .. d_k
     toks = jnp.take_along_axis(b.tokens, rows, axis=1)  # [B, k + 1]: a, d_1 .. d_k
     drafts_in = toks[:, 1:]
@@ -546,16 +548,18 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
         def draft_logits():  # the drafter's logits of d_i, whose Markov bias read d_{i-1} (d_0 = a)
             return dspark.draft_logits(params, prev_states, toks[:, :k], cfg, num)[0]
 
-        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, sample(logits[:, 0], samp))
-    m = jnp.where(forced, k, m)
-    bonus = jnp.where(forced, jnp.argmax(logits[:, k], -1).astype(jnp.int32), bonus)  # forced [B]
+        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, sample(logits[:, 0], samp),
+                                        n_verify)
+    m = jnp.where(forced, n_verify, m)
+    forced_bonus = jnp.argmax(jnp.take_along_axis(logits, n_verify[:, None, None], axis=1)[:, 0], -1)
+    bonus = jnp.where(forced, forced_bonus.astype(jnp.int32), bonus)  # forced [B]
     i = jnp.arange(k + 1, dtype=jnp.int32)[None]
     out = jnp.where(i < m[:, None], jnp.pad(drafts_in, ((0, 0), (0, 1))), bonus[:, None])
     with jax.named_scope("dspark"):
         pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
         anchor_pos = b.pos0 + off + m + 1
-        pool, nxt = _dspark_draft(params, pool, b, bonus, anchor_pos, samp, k, cfg, num, backends.ops)
-    return pool, logits, out, m, nxt
+        pool, nxt, conf = _dspark_draft(params, pool, b, bonus, anchor_pos, samp, k, cfg, num, backends.ops)
+    return pool, logits, out, m, nxt, conf
 
 
 def _full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
@@ -664,7 +668,7 @@ class Programs:
             return fn
 
         full, enc, dec = per_rank(_full, 3), per_rank(_encoder, 2), per_rank(_decoder, 5)
-        spec = per_rank(_spec, 5)
+        spec = per_rank(_spec, 6)
 
         def run_full(params, pool, b, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
             return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
@@ -675,8 +679,9 @@ class Programs:
         def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
             return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
 
-        def run_spec(params, pool, b, samp, has_q, forced, *, cfg, num, backends=Backends(), spec_tokens=0):
-            return spec(params, pool, b, samp, has_q, forced, cfg=cfg, num=num, backends=backends,
+        def run_spec(params, pool, b, samp, has_q, forced, n_verify, *, cfg, num, backends=Backends(),
+                     spec_tokens=0):
+            return spec(params, pool, b, samp, has_q, forced, n_verify, cfg=cfg, num=num, backends=backends,
                         spec_tokens=spec_tokens)
 
         def jit(fn, static=_STATIC, out=rank):
@@ -688,7 +693,7 @@ class Programs:
         self.run_full = jit(run_full, _PREFILL_STATIC, out=(rank, rank, tok))
         self.run_decoder = jit(run_decoder, _PREFILL_STATIC, out=(rank, rank, tok))
         self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
-        self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok))
+        self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok, tok))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,16 @@ logits under the row's temperature / top-k / top-p); it is accepted with probabi
 max(0, p_i - q_i) (renormalized), and when all k are accepted from p_k. The emitted tokens are then distributed as
 k + 1 plain sampling steps would emit them.
 
+A row may verify only its first n <= k drafts (n [B]: `speculative.verify_lengths`, from the drafter's
+confidence head): drafts past n are never accepted, and a row that accepts all n takes the token after them from
+p_n, as if it had drafted n. The emitted tokens keep the target's distribution because the cut at each position
+j is a function of what was fixed before d_j was drawn (the accepted prefix d_1 .. d_{j-1} and the drafter's
+states): given the prefix, a verified position emits p_j (the rejection step above), a cut one draws from p_j
+directly, and the choice between the two does not depend on d_j. By induction over positions every emitted
+token is distributed as the target's given the tokens before it. Greedy rows accept min(n, the matching prefix)
+and take the target's argmax there: the plain step's token. A row with n = 0 is a plain step (its token is
+first_token, the plain draw at the anchor).
+
 Random numbers come from each row's per-step key (`programs.Sampling.key`) folded with fixed offsets, so a seeded
 request repeats. Shapes: B rows, k drafts, V vocabulary.
 """
@@ -69,20 +79,21 @@ def draft_sampler(s):
 
 
 def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: jax.Array, s,
-           first_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+           first_token: jax.Array, n_verify: jax.Array) -> tuple[jax.Array, jax.Array]:
     """target_logits [B, k + 1, V] (after the anchor and after each draft), drafts [B, k]; draft_logits_fn() ->
     the logits [B, k, V] the drafts were drawn from (called only when a row samples with them); has_q [B]: the
     row's drafts were drawn by the drafter (else, e.g. the first step after a prefill, a sampled row accepts
-    none and takes first_token [B], its plain step's draw at the anchor).
-    -> (accepted drafts m [B], the token after them [B])."""
+    none and takes first_token [B], its plain step's draw at the anchor); n_verify [B] (0 .. k): the drafts each
+    row verifies, the rest cut (the module's docstring). -> (accepted drafts m [B], the token after them [B])."""
     B, k1, V = target_logits.shape
     k = k1 - 1
+    verified = jnp.arange(k, dtype=jnp.int32)[None] < n_verify[:, None]  # [B, k]
     target = jnp.argmax(target_logits, -1).astype(jnp.int32)
-    match = drafts == target[:, :k]
+    match = (drafts == target[:, :k]) & verified
     m_greedy = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     bonus_greedy = jnp.take_along_axis(target, m_greedy[:, None], axis=1)[:, 0]
     sampled = s.temperature > 0
-    spec = sampled & has_q
+    spec = sampled & has_q & (n_verify > 0)
 
     def rejection(_):
         p = jax.vmap(lambda lg: probs(lg, s), in_axes=1, out_axes=1)(target_logits)  # [B, k + 1, V]
@@ -90,11 +101,12 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: 
         pd = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]
         qd = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
         u = jnp.stack([jax.vmap(jax.random.uniform)(_keys(s, _ACCEPT + i)) for i in range(k)], 1)  # [B, k]
-        ok = u * qd < pd  # u < p/q without dividing (q(d) > 0: d was drawn from q)
+        ok = (u * qd < pd) & verified  # u < p/q without dividing (q(d) > 0: d was drawn from q)
         m = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
         p_m = jnp.take_along_axis(p, m[:, None, None], axis=1)[:, 0]
+        q = jnp.where(verified[..., None], q, 0.0)  # q = 0 at the cut: all n accepted draws from p_n
         q_m = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), m[:, None, None], axis=1)[:, 0]
-        res = jnp.maximum(p_m - q_m, 0.0)  # q_k = 0: all accepted draws from p_k
+        res = jnp.maximum(p_m - q_m, 0.0)
         mass = jnp.sum(res, -1, keepdims=True)
         res = jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p_m)
         return m, draw(res, s, _RESIDUAL)

@@ -13,6 +13,23 @@ from serving.engine.errors import EngineError
 from serving.engine.scheduler import StepOutput, _Request
 
 
+def verify_lengths(conf: np.ndarray, threshold: float | None) -> np.ndarray:
+    """The drafts each row verifies next step: conf [B, k] (the drafter's confidence logits, float32) -> int [B]:
+    the positions whose cumulative confidence prod_{j <= i} sigmoid(conf_j) is >= threshold (all k: None).
+
+    The head is trained (nemo-automodel's DSpark loss) on each position's acceptance rate given the prefix
+    before it (1 - TV(p_i, q_i), binary cross-entropy), so the product is the estimated chance that drafts 1 .. i
+    are all accepted, which is what verifying draft i can gain; a per-position test would go on verifying
+    behind a draft likely to be rejected. Position i's value reads the drafts before it, never d_i itself, which
+    keeps the cut exact (`spec_sampling`)."""
+    B, k = conf.shape
+    if threshold is None:
+        return np.full(B, k, np.int32)
+    # log-space: the sum of log-sigmoids never rounds up to log 1 = 0 (threshold 1 verifies nothing)
+    log_cum = np.cumsum(-np.logaddexp(0.0, -conf.astype(np.float64)), axis=1)
+    return np.sum(log_cum >= np.log(threshold), axis=1).astype(np.int32)
+
+
 class Speculative:
     """The engine's speculative decoding (a mixin of `Engine`; `spec` None: off)."""
 
@@ -27,8 +44,10 @@ class Speculative:
         # chunk starts at an even position: `programs._spec`)
         self.spec_rerun = any(r > 1 for r in cfg.compress_ratios)
         self.decode_tokens = 1 if self.spec is None else self.spec_tokens + 1 + int(self.spec_rerun)
-        # how often the draft at each block position was accepted (vLLM's per-position count)
+        # how often the draft at each block position was accepted (vLLM's per-position count), and how many
+        # blocks verified each number of drafts 0 .. k (all k without confidence_threshold)
         self.spec_accepted_per_pos = [0] * self.spec_tokens
+        self.spec_verified_per_len = [0] * (self.spec_tokens + 1)
 
     @staticmethod
     def _check_speculative(cfg: ModelConfig, params: dict, config: EngineConfig) -> None:
@@ -45,19 +64,30 @@ class Speculative:
                               f"layers before {cfg.split_layer} never see a prompt's last tokens in one program; "
                               "use --no-swa-bounded-replay with this model")
 
+    def _verify_len(self, r: _Request) -> int:
+        """The drafts r's next step verifies: all k, or with confidence_threshold the ones `verify_lengths` kept
+        (none after a prefill: no drafter confidence yet). 0 with speculation off."""
+        if self.spec is None or self.spec.confidence_threshold is None:
+            return self.spec_tokens
+        return min(len(r.drafts), self.spec_tokens)
+
     def _decode_speculative(self, reqs: list[_Request]) -> list[StepOutput]:
-        """One speculative step (`programs._spec`): each row verifies its k drafts and takes the accepted ones and
-        the target's next token; the pool already holds the next block's drafts' context. Pages cover the drafts'
-        positions (`Engine._decode` holds them); what rejected drafts wrote there is overwritten by the tokens that
-        take those positions."""
+        """One speculative step (`programs._spec`): each row verifies its drafts (`_verify_len`) and takes the
+        accepted ones and the target's next token; the pool already holds the next block's drafts' context. Pages
+        cover the verified drafts' positions (`Engine._decode` holds them); what rejected drafts wrote there is
+        overwritten by the tokens that take those positions."""
         k = self.spec_tokens
         rows = self._decode_rows(reqs)
         toks, pos0 = {}, {}
-        for r in filter(None, rows):
+        n_verify = np.zeros(len(rows), np.int32)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
             a = r.num_tokens - 1  # the anchor: the newest token, whose KV is not in the pool yet
             # a chunk starts at an even position (`programs._spec`): an odd anchor re-runs the token before it
             back = 1 if self.spec_rerun and a % 2 else 0
-            drafts = (r.drafts + [self.cfg.dspark_noise_token_id] * k)[:k]
+            n_verify[i] = self._verify_len(r)
+            drafts = (r.drafts + [self.cfg.dspark_noise_token_id] * k)[:n_verify[i]]
             toks[r.id] = r.token_range(a - back, a + 1) + drafts
             pos0[r.id] = a - back
             r.history = self._history_before(r, a - back)
@@ -65,10 +95,11 @@ class Speculative:
         samp = self._sampling(rows)
         # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
         has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
-        self.pool, logits, out, acc, nxt = self.programs.run_spec(
-            self.params, self.pool, b, samp, has_q, np.full(len(rows), self.spec.forced_acceptance), **self.static,
-            spec_tokens=k)
+        self.pool, logits, out, acc, nxt, conf = self.programs.run_spec(
+            self.params, self.pool, b, samp, has_q, np.full(len(rows), self.spec.forced_acceptance), n_verify,
+            **self.static, spec_tokens=k)
         out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
+        n_next = verify_lengths(np.asarray(conf), self.spec.confidence_threshold)
         outs = []
         for i, r in enumerate(rows):
             if r is None:
@@ -83,9 +114,10 @@ class Speculative:
                 new.append(int(out[i, j]))
                 if o.finished:
                     break
-            r.drafts, r.drafts_drawn = nxt[i].tolist(), True
+            r.drafts, r.drafts_drawn = nxt[i, :n_next[i]].tolist(), True
             self.counters["spec_drafts"] += 1
-            self.counters["spec_draft_tokens"] += k
+            self.counters["spec_draft_tokens"] += int(n_verify[i])
+            self.spec_verified_per_len[n_verify[i]] += 1
             self.counters["spec_accepted_tokens"] += len(new) - 1
             for j in range(len(new) - 1):
                 self.spec_accepted_per_pos[j] += 1

@@ -44,7 +44,7 @@ class Warmup:
             return progs.run_decoder, (self.params, self.pool, b, h, pre, samp), self.prefill_static
         if kind == "decode" and self.spec is not None:
             forced = np.full(B, self.spec.forced_acceptance)
-            return (progs.run_spec, (self.params, self.pool, b, samp, np.zeros(B, bool), forced),
+            return (progs.run_spec, (self.params, self.pool, b, samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)),
                     {**static, "spec_tokens": self.spec.num_speculative_tokens})
         return progs.run_full, (self.params, self.pool, b, samp), static if kind == "decode" else self.prefill_static
 

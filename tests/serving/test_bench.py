@@ -73,9 +73,9 @@ def test_bench_config_validation():
 def test_speculative_summary_from_counter_deltas():
     from serving.bench import spec_summary
 
-    before = {"drafts": 10, "accepted": 20, "per_pos": [8, 6, 4, 2, 0]}
-    after = {"drafts": 30, "accepted": 70, "per_pos": [26, 20, 14, 8, 2]}
+    before = {"drafts": 10, "accepted": 20, "verified": 50, "per_pos": [8, 6, 4, 2, 0]}
+    after = {"drafts": 30, "accepted": 70, "verified": 110, "per_pos": [26, 20, 14, 8, 2]}
     s = spec_summary(before, after)
-    assert s["acceptance_length"] == 1 + 50 / 20
+    assert s["acceptance_length"] == 1 + 50 / 20 and s["verify_length"] == 60 / 20
     assert s["acceptance_per_pos"] == [0.9, 0.7, 0.5, 0.3, 0.1]
     assert spec_summary(None, after) is None and spec_summary(after, after) is None

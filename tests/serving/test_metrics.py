@@ -113,9 +113,12 @@ def test_speculative_decoding_families_only_when_it_runs():
     m = ServingMetrics()
     assert not any("spec_decode" in n for n in _check_exposition(m.render({"running": 1}).decode()))
     fams = _check_exposition(m.render({"spec_drafts": 10, "spec_draft_tokens": 50, "spec_accepted_tokens": 25,
-                                       "spec_accepted_per_pos": [9, 7, 5, 3, 1]}).decode())
+                                       "spec_accepted_per_pos": [9, 7, 5, 3, 1],
+                                       "spec_verified_per_len": [0, 0, 0, 0, 0, 10]}).decode())
     total = {n: next(s.value for s in fams[f"dsv41:spec_decode_num_{n}"].samples)
              for n in ("drafts", "draft_tokens", "accepted_tokens")}
     assert total == {"drafts": 10, "draft_tokens": 50, "accepted_tokens": 25}  # acceptance length 1 + 25/10
     per_pos = {s.labels["position"]: s.value for s in fams["dsv41:spec_decode_num_accepted_tokens_per_pos"].samples}
     assert per_pos == {"0": 9, "1": 7, "2": 5, "3": 3, "4": 1}
+    per_len = {s.labels["length"]: s.value for s in fams["dsv41:spec_decode_num_drafts_per_verify_len"].samples}
+    assert per_len == {"0": 0, "1": 0, "2": 0, "3": 0, "4": 0, "5": 10}
