@@ -8,7 +8,7 @@ KV writes on every token (`run_encoder`, chunk by chunk), then the rest on its l
 [H - swa_replay_tokens, H) to rebuild its SWA rings and the decoder's rows without rewriting the cached KV
 (encoder-side replay). Not thread-safe: drive it from one thread.
 
-Async scheduling (`EngineConfig.async_scheduling`, default on): a step dispatches its programs and returns
+Async scheduling (`EngineConfig.async_scheduling`, off by default): a step dispatches its programs and returns
 without waiting for them; the next step() first reads their sampled tokens (one device-to-host transfer, the
 loop's only wait on the device), so the caller's work on the returned tokens (streaming, detokenizing) runs
 while the device computes. The order of every decision is the synchronous engine's, so the tokens are the same.
