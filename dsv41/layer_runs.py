@@ -4,8 +4,11 @@ body once and loops it over the run's layers (`scan`), so its compile time grows
 layers (Flash: 18 runs of 40 layers; no run of two layers or more holds a KV source, an Engram layer or the split
 layer, so those keep their static per-layer code).
 
-The parameters of the programs hold the layers stacked by run (`stack_layers`: each leaf [n, ...] for a run of n
-layers); on disk and in `init_params` / `load_checkpoint` trees they stay one dict a layer, as released.
+The parameters of the programs hold the layers grouped by run (`stack_params`): stacked (each leaf [n, ...] for a
+run of n layers, scanned), or a list of the run's per-layer dicts (stack=False: the runs unrolled, each layer's
+weights their own buffers, as a kernel that reads a weight in place needs while it cannot take a layer index: a
+scan's per-layer slice of a stacked weight is a copy wherever XLA does not fuse it into its reader). On disk and
+in `init_params` / `load_checkpoint` trees the layers stay one dict a layer, as released.
 """
 
 from __future__ import annotations
@@ -116,32 +119,37 @@ def stack_layers(layers: list, cfg: ModelConfig) -> list:
     return out
 
 
-def stack_params(params: dict, cfg: ModelConfig) -> dict:
-    """A params tree with its "layers" list replaced by the run-stacked `RUNS_KEY` list (`stack_layers`); a tree
-    already stacked is returned as it is."""
+def stack_params(params: dict, cfg: ModelConfig, stack: bool = True) -> dict:
+    """A params tree with its "layers" list replaced by the `RUNS_KEY` list, one entry a run: its layers stacked
+    (`stack_layers`), or (stack=False) the list of its layers' dicts, unrolled by `scan`. A tree already grouped is
+    returned as it is."""
     if RUNS_KEY in params:
         return params
     out = {k: v for k, v in params.items() if k != "layers"}
-    out[RUNS_KEY] = stack_layers(params["layers"], cfg)
+    out[RUNS_KEY] = (stack_layers(params["layers"], cfg) if stack
+                     else [[params["layers"][i] for i in run.layers] for run in runs(cfg)])
     return out
 
 
 def layer_params(params: dict, cfg: ModelConfig, layer: int) -> dict:
     """One layer's dict out of a run-stacked tree (a view for tests and tools; the programs scan the runs)."""
     r, j = run_of(cfg, layer)
-    return jax.tree_util.tree_map(lambda a: a[j], params[RUNS_KEY][r])
+    group = params[RUNS_KEY][r]
+    return group[j] if isinstance(group, list) else jax.tree_util.tree_map(lambda a: a[j], group)
 
 
 def scan(body: Callable, state, run: Run, run_params, xs=None, unroll: bool = False):
-    """body(state, layer params, layer, x) -> (state, y) over the run's layers, params [n, ...] sliced per layer.
+    """body(state, layer params, layer, x) -> (state, y) over the run's layers: run_params stacked [n, ...] (sliced
+    per layer) or a list of the layers' dicts (`stack_params`).
 
-    A run of one, or unroll (a traced path that names per-layer intermediates), calls body per layer with the
-    static layer index; otherwise one `lax.scan` whose body gets the layer index traced. -> (state, ys stacked
+    A run of one, a list, or unroll (a traced path that names per-layer intermediates) calls body per layer with
+    the static layer index; otherwise one `lax.scan` whose body gets the layer index traced. -> (state, ys stacked
     [n, ...] or None)."""
-    if run.n == 1 or unroll:
+    listed = isinstance(run_params, list)
+    if run.n == 1 or unroll or listed:
         ys = []
         for j in range(run.n):
-            lp = jax.tree_util.tree_map(lambda a: a[j], run_params)
+            lp = run_params[j] if listed else jax.tree_util.tree_map(lambda a: a[j], run_params)
             x = None if xs is None else jax.tree_util.tree_map(lambda a: a[j], xs)
             state, y = body(state, lp, run.first + j, x)
             ys.append(y)

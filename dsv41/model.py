@@ -149,19 +149,23 @@ TOKEN_MAP_KEY = "engram_token_map"
 
 def strip_tables(params: dict) -> tuple[dict, list]:
     """Splits the Engram tables (host-resident, read by row) and the token map (`TOKEN_MAP_KEY`) from the rest of
-    the tree the programs take (per-layer or run-stacked, `layer_runs`: an Engram layer is a run of one)."""
+    the tree the programs take: per layer, or grouped by run (`layer_runs.stack_params`; an Engram layer is a run
+    of one). -> (the tree, the tables in layer order)."""
     params = {k: v for k, v in params.items() if k != TOKEN_MAP_KEY}
     key = layer_runs.RUNS_KEY if layer_runs.RUNS_KEY in params else "layers"
-    layers = []
     tables = []
-    for lp in params[key]:
-        if "engram" in lp:
-            e = dict(lp["engram"])
-            t = e.pop("embed")
-            tables.append(t if key == "layers" else jax.tree_util.tree_map(lambda a: a[0], t))
-            lp = {**lp, "engram": e}
-        layers.append(lp)
-    return {**params, key: layers}, tables
+
+    def strip(lp: dict, stacked: bool) -> dict:
+        if "engram" not in lp:
+            return lp
+        e = dict(lp["engram"])
+        t = e.pop("embed")
+        tables.append(jax.tree_util.tree_map(lambda a: a[0], t) if stacked else t)
+        return {**lp, "engram": e}
+
+    groups = [[strip(lp, False) for lp in g] if isinstance(g, list) else strip(g, key == layer_runs.RUNS_KEY)
+              for g in params[key]]
+    return {**params, key: groups}, tables
 
 
 def engram_rows(tables: list, hash_ids: np.ndarray) -> list:
@@ -188,6 +192,7 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
     h = place_images(h, image_embeds, image_mask)
     text_mask = None if image_mask is None else ~image_mask
     carry = Carry()
+    groups = layer_runs.stack_params(params, cfg, stack=False)[layer_runs.RUNS_KEY]  # a per-layer tree: unrolled
     for r, run in enumerate(layer_runs.runs(cfg)):
         def body(state, lp, i, _, run=run):
             h, pre, carry = state
@@ -204,8 +209,7 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
 
             return block(h, pre, lp, i, cfg, num, attn_fn, carry, trace, image_mask, ops=ops), None
 
-        (h, pre, carry), _ = layer_runs.scan(body, (h, pre, carry), run, params[layer_runs.RUNS_KEY][r],
-                                             unroll=trace is not None)
+        (h, pre, carry), _ = layer_runs.scan(body, (h, pre, carry), run, groups[r], unroll=trace is not None)
     logits = head(params, h, pre, cfg)
     return (logits, trace) if with_trace else logits
 

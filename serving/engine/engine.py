@@ -96,7 +96,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
                 linear_backend=config.linear_backend, options=config.kernel_options, parallelism=par)
         except backends.BackendError as e:
             raise EngineError(str(e)) from None
-        self.params = layer_runs.stack_params(self.params, cfg)  # the programs scan runs of layers
+        self.params = layer_runs.stack_params(self.params, cfg, stack=config.scan_layers)
         # one device: the module's programs, whose compiled cache every engine in the process shares
         self.programs = (programs.ONE_DEVICE if self.mesh is None else
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))

@@ -432,10 +432,12 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
             backends: Backends = Backends(), taps: dict | None = None):
     """Layers [first, last) against the pool, one traced body a run of layers (`layer_runs`: a run of several
     is one `lax.scan` over its stacked weights, carrying its record of the pool; the rest of the pool is read
-    only there). phases: by layer, for runs of one (the split layer). taps: a dict that receives the DSpark target
-    layers' block inputs (`dspark.target_features` reads them), by layer."""
+    only there). params: grouped by run (`layer_runs.stack_params`), or per layer (then every layer unrolled).
+    phases: by layer, for runs of one (the split layer). taps: a dict that receives the DSpark target layers'
+    block inputs (`dspark.target_features` reads them), by layer."""
     freqs = model.freqs_for(cfg)
     carry = Carry()
+    groups = layer_runs.stack_params(params, cfg, stack=False)[layer_runs.RUNS_KEY]  # a per-layer tree: unrolled
     for r, run in layer_runs.runs_between(cfg, first, last):
         phase = phases.get(run.first, "full")
         tapped = taps is not None and any(i in cfg.dspark_target_layer_ids for i in run.layers)
@@ -465,8 +467,7 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
                                                image_mask=b.image_mask, ops=backends.ops)
             return (h, pre, rec, carry), tap
 
-        (h, pre, rec, carry), ys = layer_runs.scan(body, (h, pre, pool.runs[r], carry), run,
-                                                   params[layer_runs.RUNS_KEY][r])
+        (h, pre, rec, carry), ys = layer_runs.scan(body, (h, pre, pool.runs[r], carry), run, groups[r])
         pool = pool.with_run(r, rec)
         if tapped:
             taps.update({i: ys[k] for k, i in enumerate(run.layers) if i in cfg.dspark_target_layer_ids})
