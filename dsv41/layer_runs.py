@@ -24,8 +24,9 @@ import numpy as np
 from dsv41 import rope
 from dsv41.config import ModelConfig
 from dsv41.layer_plan import LayerPlan
+from dsv41.params import Spec, layer_specs
 
-# The params-tree key of the run-stacked layers (`stack_layers`), in place of "layers".
+# The params-tree key of the layers grouped by run (`stack_params`), in place of "layers".
 RUNS_KEY = "runs"
 
 
@@ -45,14 +46,16 @@ class Run:
 def _body_key(cfg: ModelConfig, layer: int) -> tuple:
     """What must be equal for two layers to share a body. Layers with code of their own (a KV source writes its
     own pages, the Engram and split layers take per-layer inputs and phases) key on their index: a run of one."""
-    from dsv41.params import _is_spec, layer_specs
-
     plan = LayerPlan.of(cfg, layer)
     own = plan.writes_kv or layer in cfg.engram_layer_ids or layer == cfg.split_layer
     specs = layer_specs(cfg, layer)
+
+    def is_spec(x) -> bool:
+        return isinstance(x, Spec)
+
     return (layer if own else None, dataclasses.replace(plan, layer=0), rope.inv_freq(cfg, layer).tobytes(),
-            jax.tree_util.tree_structure(specs, is_leaf=_is_spec),
-            tuple(jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)))
+            jax.tree_util.tree_structure(specs, is_leaf=is_spec),
+            tuple(jax.tree_util.tree_leaves(specs, is_leaf=is_spec)))
 
 
 @functools.lru_cache(maxsize=16)

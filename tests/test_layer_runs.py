@@ -22,15 +22,15 @@ def runs_config():
     """tiny at 8 layers with runs of two: SWA L0-1, the ratio-2 source L2 (Engram) and its reuse L3-4, the ratio-1
     candidate source L5 (the split) and two reindex layers L6-7 that score its candidates (the DSpark taps)."""
     t = preset("tiny")
-    return t.replace(compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1), kv_source_layers=(2, 5), index_source_layers=(2, 5, 6, 7),
-                     candidate_source_layer=5, engram_layer_ids=(2,), engram_num_embeddings=t.engram_num_embeddings[:1])
+    return t.replace(compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1), kv_source_layers=(2, 5),
+                     index_source_layers=(2, 5, 6, 7), candidate_source_layer=5, engram_layer_ids=(2,), engram_num_embeddings=t.engram_num_embeddings[:1])
 
 
 @pytest.fixture(scope="module")
 def runs_model():
     """(runs_config(), its float32 parameters with the Engram tables), seed 0."""
     cfg = runs_config()
-    return cfg, P.dequantize_params(P.init_params(cfg, seed=0), "float32")
+    return cfg, P.init_params(cfg, seed=0, dtype="float32")
 
 
 def spans(cfg):
@@ -77,13 +77,14 @@ def test_forty_layers_lower_to_a_program_not_five_times_eight():
 
 
 def test_engine_with_scanned_runs_equals_forward(runs_model):
-    """A prefill chunk (encoder, decoder) and decode steps through scanned runs with the fused kernels' wiring
-    ('reference': their jnp references), under bounded replay (a prompt within the window: exact), against the
-    full-sequence model."""
+    """A prefill chunk and decode steps through scanned runs with the fused kernels' wiring ('reference': their jnp
+    references) against the full-sequence model. Exact prefill (two programs; the encoder and decoder programs
+    run the same `_layers`, the split layer a run of one)."""
     cfg, params = runs_model
     eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), EngineConfig(
         max_num_seqs=2, max_model_len=256, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
-        min_prefill_bucket=128, min_ctx_pages=4, min_decode_bucket=2, num_pages=5, attention_backend="reference"))
+        min_prefill_bucket=128, min_ctx_pages=4, min_decode_bucket=2, num_pages=5, attention_backend="reference",
+        swa_bounded_replay=False))
     ids = list(np.random.default_rng(0).integers(3, 1000, 100))
     eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
     toks = []
