@@ -102,13 +102,18 @@ def _stack_trees(trees: list):
 
 
 def stack_layers(layers: list, cfg: ModelConfig) -> list:
-    """Per-layer dicts (release layout, any weight formats, device or abstract arrays) -> one tree a run, each
-    leaf stacked on a new leading layer axis [n, ...], placed as the layer's leaf plus that axis, which no mesh axis
-    splits (`sharding.stacked`). Copies every weight once: call it once per model, at load (the engine) or before
-    repeated `model.forward` calls."""
+    """Per-layer dicts (release layout, any weight formats, device or abstract arrays) -> one entry a run: for a
+    run of several layers a tree whose leaves are stacked on a new leading layer axis [n, ...], placed as the
+    layer's leaf plus that axis, which no mesh axis splits (`sharding.stacked`); a run of one stays its layer's
+    dict (in a list, as `scan` takes it: nothing to copy). Copies the weights of the runs of several layers (while
+    the caller holds the per-layer tree, both are in memory): call it once per model, at load (the engine) or
+    before repeated `model.forward` calls."""
     out = []
     for run in runs(cfg):
         trees = [layers[i] for i in run.layers]
+        if run.n == 1:
+            out.append(trees)
+            continue
         leaves, treedef = jax.tree_util.tree_flatten(trees[0])
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             out.append(jax.tree_util.tree_unflatten(treedef, [

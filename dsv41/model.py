@@ -149,22 +149,20 @@ TOKEN_MAP_KEY = "engram_token_map"
 
 def strip_tables(params: dict) -> tuple[dict, list]:
     """Splits the Engram tables (host-resident, read by row) and the token map (`TOKEN_MAP_KEY`) from the rest of
-    the tree the programs take: per layer, or grouped by run (`layer_runs.stack_params`; an Engram layer is a run
-    of one). -> (the tree, the tables in layer order)."""
+    the tree the programs take: per layer, or grouped by run (`layer_runs.stack_params`: an Engram layer is a run
+    of one, its dict as it was). -> (the tree, the tables in layer order)."""
     params = {k: v for k, v in params.items() if k != TOKEN_MAP_KEY}
     key = layer_runs.RUNS_KEY if layer_runs.RUNS_KEY in params else "layers"
     tables = []
 
-    def strip(lp: dict, stacked: bool) -> dict:
+    def strip(lp: dict) -> dict:
         if "engram" not in lp:
             return lp
         e = dict(lp["engram"])
-        t = e.pop("embed")
-        tables.append(jax.tree_util.tree_map(lambda a: a[0], t) if stacked else t)
+        tables.append(e.pop("embed"))
         return {**lp, "engram": e}
 
-    groups = [[strip(lp, False) for lp in g] if isinstance(g, list) else strip(g, key == layer_runs.RUNS_KEY)
-              for g in params[key]]
+    groups = [[strip(lp) for lp in g] if isinstance(g, list) else strip(g) for g in params[key]]
     return {**params, key: groups}, tables
 
 
@@ -314,6 +312,8 @@ def forward(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quan
     checkpoint's tokenizer for a loaded checkpoint, the built-in one for presets). `ops`: which code
     runs the linears, MoE and mHC sites (`dsv41.ops`; default the plain XLA composition). `images`:
     `ImagePlacement`s; their spans take the tower's embeddings, route with `bias_vl` and skip the Engram.
+    Layers of one kind run as one scanned body (`layer_runs`): a per-layer tree is stacked by run on each call (a
+    copy of the weights); give `layer_runs.stack_params(params, cfg)` for repeated calls on large weights.
     """
     return forward_with_trace(params, cfg, token_ids, numerics, hasher, ops, images, with_trace=False)
 
