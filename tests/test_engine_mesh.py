@@ -94,9 +94,9 @@ def test_tensor_and_expert_parallel_match_the_one_device_engine(kw):
     assert toks == ref_toks
     most, typical = worst(logits, ref_logits)
     assert most <= NOISE and typical <= TYPICAL, (most, typical)
-    w1 = eng.params[layer_runs.RUNS_KEY][layer_runs.run_of(eng.cfg, 3)[0]]["ffn"]["experts"]["w1"]  # [n, E, ..]
+    w1 = layer_runs.layer_params(eng.params, eng.cfg, 3)["ffn"]["experts"]["w1"]  # (tiny: every run one layer)
     par = eng.config.parallelism
-    assert w1.addressable_shards[0].data.shape[1] == eng.cfg.n_routed_experts // par.expert_ranks
+    assert w1.addressable_shards[0].data.shape[0] == eng.cfg.n_routed_experts // par.expert_ranks
     assert len(eng.pool.runs[0].swa_q.sharding.device_set) == par.devices
 
 
