@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import attention as attn_lib
-from dsv41 import compressor, engram, indexer, mhc, moe, quant, rope, vision
+from dsv41 import compressor, engram, indexer, layer_runs, mhc, moe, quant, rope, vision
 from dsv41.config import ConfigError, ModelConfig
 from dsv41.layer_plan import Carry, LayerPlan
 from dsv41.nn import linear_f32, rms_norm
@@ -53,12 +53,14 @@ def freqs_for(cfg: ModelConfig) -> list[np.ndarray]:
 
 def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Numerics, carry: Carry,
                    pos: jax.Array, freqs: np.ndarray, trace: dict | None = None,
-                   ops: Ops = XLA) -> tuple[jax.Array, Carry]:
-    """One layer's attention over a whole sequence. x [B, S, D] (attn_norm'd), pos [B, S] = arange.
+                   ops: Ops = XLA, layer_name: int | None = None) -> tuple[jax.Array, Carry]:
+    """One layer's attention over a whole sequence. x [B, S, D] (attn_norm'd), pos [B, S] = arange. layer: any
+    layer of its run (`layer_runs`: the static plan); layer_name: the layer itself, for the trace (default layer).
 
     `carry` holds what earlier layers handed on (`layer_plan.Carry`: compressed KV and index keys of the latest
     KV source, the latest top-k, the candidate mask). -> (output [B, S, D], the carry for the next layer)."""
     plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
+    layer = layer if layer_name is None else layer_name
     q, qr = attn_lib.project_q(x, p, pos, freqs, cfg, num, ops=ops)
     kv = attn_lib.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
     comp_k = comp_valid = None
@@ -147,17 +149,21 @@ TOKEN_MAP_KEY = "engram_token_map"
 
 def strip_tables(params: dict) -> tuple[dict, list]:
     """Splits the Engram tables (host-resident, read by row) and the token map (`TOKEN_MAP_KEY`) from the rest of
-    the tree the programs take."""
+    the tree the programs take: per layer, or grouped by run (`layer_runs.stack_params`: an Engram layer is a run
+    of one, its dict as it was). -> (the tree, the tables in layer order)."""
     params = {k: v for k, v in params.items() if k != TOKEN_MAP_KEY}
-    layers = []
+    key = layer_runs.RUNS_KEY if layer_runs.RUNS_KEY in params else "layers"
     tables = []
-    for lp in params["layers"]:
-        if "engram" in lp:
-            e = dict(lp["engram"])
-            tables.append(e.pop("embed"))
-            lp = {**lp, "engram": e}
-        layers.append(lp)
-    return {**params, "layers": layers}, tables
+
+    def strip(lp: dict) -> dict:
+        if "engram" not in lp:
+            return lp
+        e = dict(lp["engram"])
+        tables.append(e.pop("embed"))
+        return {**lp, "engram": e}
+
+    groups = [[strip(lp) for lp in g] if isinstance(g, list) else strip(g) for g in params[key]]
+    return {**params, key: groups}, tables
 
 
 def engram_rows(tables: list, hash_ids: np.ndarray) -> list:
@@ -184,18 +190,24 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
     h = place_images(h, image_embeds, image_mask)
     text_mask = None if image_mask is None else ~image_mask
     carry = Carry()
-    for i, lp in enumerate(params["layers"]):
-        if i in cfg.engram_layer_ids:
-            if trace is not None:
-                trace[f"layer{i}.block_in_raw"] = h
-            h = engram.engram(h, rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num, text_mask, ops=ops)
-            if trace is not None:
-                trace[f"engram{i}.out"] = h
+    groups = layer_runs.stack_params(params, cfg, stack=False)[layer_runs.RUNS_KEY]  # a per-layer tree: unrolled
+    for r, run in enumerate(layer_runs.runs(cfg)):
+        def body(state, lp, i, _, run=run):
+            h, pre, carry = state
+            if run.n == 1 and i in cfg.engram_layer_ids:  # (an Engram layer is a run of one: i is static)
+                if trace is not None:
+                    trace[f"layer{i}.block_in_raw"] = h
+                h = engram.engram(h, rows[cfg.engram_layer_ids.index(i)], lp["engram"], cfg, num, text_mask, ops=ops)
+                if trace is not None:
+                    trace[f"engram{i}.out"] = h
 
-        def attn_fn(x, carry, lp=lp, i=i):
-            return attention_full(x, lp["attn"], i, cfg, num, carry, pos, freqs[i], trace, ops)
+            def attn_fn(x, carry):
+                return attention_full(x, lp["attn"], run.first, cfg, num, carry, pos, freqs[run.first],
+                                      trace, ops, layer_name=i)
 
-        h, pre, carry = block(h, pre, lp, i, cfg, num, attn_fn, carry, trace, image_mask, ops=ops)
+            return block(h, pre, lp, i, cfg, num, attn_fn, carry, trace, image_mask, ops=ops), None
+
+        (h, pre, carry), _ = layer_runs.scan(body, (h, pre, carry), run, groups[r], unroll=trace is not None)
     logits = head(params, h, pre, cfg)
     return (logits, trace) if with_trace else logits
 
@@ -300,6 +312,8 @@ def forward(params: dict, cfg: ModelConfig, token_ids, numerics: Numerics = quan
     checkpoint's tokenizer for a loaded checkpoint, the built-in one for presets). `ops`: which code
     runs the linears, MoE and mHC sites (`dsv41.ops`; default the plain XLA composition). `images`:
     `ImagePlacement`s; their spans take the tower's embeddings, route with `bias_vl` and skip the Engram.
+    Layers of one kind run as one scanned body (`layer_runs`): a per-layer tree is stacked by run on each call (a
+    copy of the weights); give `layer_runs.stack_params(params, cfg)` for repeated calls on large weights.
     """
     return forward_with_trace(params, cfg, token_ids, numerics, hasher, ops, images, with_trace=False)
 
@@ -312,6 +326,7 @@ def forward_with_trace(params: dict, cfg: ModelConfig, token_ids, numerics: Nume
     embeds, mask = image_rows(params, cfg, ids, images, numerics)
     core, ids, rows = prepare(params, cfg, ids, hasher, mask)
     core = {k: v for k, v in core.items() if k not in VISION_KEYS}  # the text program never reads them
+    core = layer_runs.stack_params(core, cfg)
     return _forward(core, jnp.asarray(ids), rows, cfg, numerics, with_trace=with_trace, ops=ops,
                     image_embeds=embeds, image_mask=mask)
 

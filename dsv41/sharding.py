@@ -280,6 +280,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def stacked(sh: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """The sharding of a weight stacked on a new leading layer axis (`layer_runs.stack_layers`): the layer's own
+    sharding, the layer axis split by no mesh axis (a scanned program slices one layer a step on every device)."""
+    if isinstance(sh, NamedSharding):
+        return NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec), memory_kind=sh.memory_kind)
+    return sh
+
+
 def manual_spec(sh: jax.sharding.Sharding) -> PartitionSpec:
     """The part of a weight's sharding that a data-manual `shard_map` declares (only "data"; "tensor" stays
     automatic inside). A replicated weight -> P()."""

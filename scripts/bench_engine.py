@@ -5,12 +5,19 @@ overhead, compile times (ceilings: scripts/timing.py). Prints markdown tables fo
     PYTHONPATH=. python3 scripts/bench_engine.py [--lengths 1024,4096,16384] [--batches 1,8,64]
         [--decode-max-model-len 16384,65536]   (a decode at --decode-ctx in engines of each size)
 
+Scanned runs of layers (dsv41/layer_runs.py; the bench schedule's runs are all one layer) against every layer
+unrolled, at Flash's 40-layer schedule (the release's weight formats: 40 layers of bf16 experts do not fit):
+
+    PYTHONPATH=. python3 scripts/bench_engine.py --schedule flash --weights release --backends auto \
+        --batches 1,64 --skip-prefill [--no-scan-layers]
+
 Random weights made on the device: dense bf16, the routed experts in FP4 where the FP4 expert GEMM runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -22,7 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dsv41 import model, quant
+from dsv41 import layer_runs, model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
@@ -83,7 +90,7 @@ def kernels_of(config: str) -> tuple[str, ...]:
     return KERNELS[name]
 
 
-def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None):
+def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, scan_layers=True):
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
@@ -93,7 +100,17 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
         swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=2048,
         attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-        linear_backend=linear_be, kernel_options=opts))
+        linear_backend=linear_be, kernel_options=opts, scan_layers=scan_layers))
+
+
+def with_schedule(cfg, name: str):
+    """cfg at its widths with preset `name`'s layer schedule (roles, ratios, sources, Engram and DSpark layers)."""
+    from dsv41 import config as C
+
+    src = C.preset(name)
+    kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    kw.update({k: getattr(src, k) for k in C._FLASH_SCHEDULE})
+    return C.ModelConfig(**C._with_engram_rows(**kw))
 
 
 def with_fp4_experts(params):
@@ -118,14 +135,14 @@ def linear_flops(cfg, core, n: int, replay: bool) -> float:
     return 2.0 * (sum(t * w for t, w in zip(tokens, per_layer)) + cfg.vocab_size * cfg.dim)
 
 
-def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128)):
+def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128), scan_layers=True):
     """-> rows (backend, n, replay tokens (0: exact), first call s, warm s); params_of(backend) gives the weights
     it reads."""
     rows = []
     for be in backends:
         rng = np.random.default_rng(0)
         for replay in replays:
-            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay)
+            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay, scan_layers)
             for n in lengths:
                 ids = list(rng.integers(3, cfg.vocab_size, n))
                 sp = SamplingParams(max_tokens=1)
@@ -155,7 +172,11 @@ def fake_decode_state(eng, B, ctx):
 def weight_bytes(cfg, core):
     """-> (bytes of the weights every decode step reads: all but the routed experts and the embedding, of which
     a step reads one row a token; bytes of one routed expert), as stored in `core` (arrays or shapes)."""
-    experts = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in core["layers"])
+    if "layers" in core:
+        blocks = core["layers"]
+    else:  # an engine's tree, grouped by run (`layer_runs.stack_params`): stacked dicts, or lists of layers
+        blocks = [lp for g in core[layer_runs.RUNS_KEY] for lp in (g if isinstance(g, list) else [g])]
+    experts = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in blocks)
     dense = P.tree_bytes(core) - experts - P.tree_bytes(core["embed"])
     return dense, experts / (cfg.n_layers * cfg.n_routed_experts)
 
@@ -193,6 +214,9 @@ def main():
                     help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
                          "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--schedule", help="another preset's layer schedule at --preset's widths (flash: 40 layers)")
+    ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                    help="every layer unrolled on its own weights (EngineConfig.scan_layers=False)")
     ap.add_argument("--replay", choices=["both", "on", "off"], default="both",
                     help="prefill table: SWA bounded replay on and off (both), or one of them")
     ap.add_argument("--replay-tokens", default="",
@@ -206,6 +230,8 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     cfg = preset(args.preset)
+    if args.schedule:
+        cfg = with_schedule(cfg, args.schedule)
     dev = jax.devices()[0]
     log.info("device %s", dev)
     ceil = ceilings(quick=dev.platform == "cpu")
@@ -228,7 +254,7 @@ def main():
     replays = {"both": (0, W), "on": (W,), "off": (0,)}[args.replay]
     margins = [int(x) for x in args.replay_tokens.split(",") if x and int(x) != W]
     replays += tuple(margins)
-    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len, replays)
+    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len, replays, args.scan_layers)
 
     # the release's formats: wo_a ships as FP8 (convert.py, and our tree, keep it bf16)
     rel = model.strip_tables(P.abstract_params(cfg))[0]
@@ -239,7 +265,7 @@ def main():
     dec = []
     sizes = [int(x) for x in args.decode_max_model_len.split(",") if x] or [max(max_len, args.decode_ctx + 128)]
     for be, B, size in [(be, B, n) for be in backends for B in batches for n in sizes]:
-        eng = make_engine(cfg, params_of(be), True, size, max(batches), be)
+        eng = make_engine(cfg, params_of(be), True, size, max(batches), be, scan_layers=args.scan_layers)
         fake_decode_state(eng, B, args.decode_ctx)
         t0 = time.perf_counter()
         eng.step()

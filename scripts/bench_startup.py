@@ -8,6 +8,12 @@ serve`'s engine flags, from an empty persistent compilation cache (cold), then f
 
 --abstract: weights and KV pool as jax.ShapeDtypeStruct (Engram tables one row), so a model larger than the device
 (Flash on one H200) compiles as serving would compile it. One program at a time (warm-up overlaps several).
+
+How compile time grows with the layer count (flat: layers of one kind share one body, dsv41/layer_runs.py): the
+smallest program of each kind named and `model.forward` on 64 tokens, cold only, 40 layers against 8:
+
+    PYTHONPATH=. python3 scripts/bench_startup.py --abstract --cold-only --programs decode --smallest \
+        --forward 64 --preset tiny40       # then --preset tiny (CPU); on the H200: --preset flash, --preset bench
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.set_defaults(preset="bench")
     ap.add_argument("--abstract", action="store_true",
                     help="ShapeDtypeStruct weights and KV pool: compile a model that does not fit the device")
+    ap.add_argument("--programs", help="comma-separated program kinds to measure (encoder, decoder, full, decode); "
+                    "default: all of Engine.program_shapes()")
+    ap.add_argument("--smallest", action="store_true", help="only the first (smallest) shape of each kind")
+    ap.add_argument("--forward", type=int, metavar="TOKENS",
+                    help="also lower and compile model.forward (abstract weights, batch 1, TOKENS tokens)")
+    ap.add_argument("--cold-only", action="store_true", help="skip the warm (cache hit) run")
     ap.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)  # one run, JSON on stdout
     return ap.parse_args(argv)
 
@@ -96,7 +108,7 @@ def abstract_engine(args: argparse.Namespace):
         return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config)
 
 
-def measure(eng) -> list[dict]:
+def measure(eng, args: argparse.Namespace) -> list[dict]:
     """Lowers and compiles each program of the engine, one at a time (times undisturbed by the others)."""
     import jax
 
@@ -104,6 +116,11 @@ def measure(eng) -> list[dict]:
 
     rows = []
     shapes = eng.program_shapes()
+    if args.programs:
+        kinds = args.programs.split(",")
+        shapes = [s for s in shapes if s[0] in kinds]
+    if args.smallest:
+        shapes = [s for i, s in enumerate(shapes) if s[0] not in {t[0] for t in shapes[:i]}]
     for i, shape in enumerate(shapes):
         fn, fargs, static = eng._padding_call(*shape)
         t0 = time.perf_counter()
@@ -121,7 +138,37 @@ def measure(eng) -> list[dict]:
                      "source": c.source})
         logger.info("%d/%d %s B=%d T=%d pages=%d: lower %.2f s, compile %.2f s (%s)", i + 1, len(shapes), kind, B,
                     T, pages, t1 - t0, t2 - t1, c.source)
+    if args.forward:
+        rows.append(measure_forward(args.preset, args.forward))
     return rows
+
+
+def measure_forward(name: str, tokens: int) -> dict:
+    """Lower and compile `model.forward`'s program on abstract release weights (stacked by run as forward stacks
+    them), batch 1."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41 import engram, layer_runs, model, quant
+    from dsv41 import params as P
+    from dsv41.config import preset
+    from serving.engine import compile_events
+
+    cfg = preset(name)
+    core, tables = model.strip_tables(P.abstract_params(cfg))
+    core = layer_runs.stack_params({k: v for k, v in core.items() if k not in P.VISION_KEYS}, cfg)
+    ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    hashed = jax.ShapeDtypeStruct((1, tokens, cfg.engram_n_cols), jnp.int32)
+    rows = [jax.eval_shape(engram.gather_rows, t, hashed) for t in tables]
+    t0 = time.perf_counter()
+    lowered = model._forward.lower(core, ids, rows, cfg=cfg, num=quant.REFERENCE)
+    t1 = time.perf_counter()
+    with compile_events.capture() as c:
+        lowered.compile()
+    t2 = time.perf_counter()
+    logger.info("forward B=1 T=%d: lower %.2f s, compile %.2f s (%s)", tokens, t1 - t0, t2 - t1, c.source)
+    return {"kind": "forward", "B": 1, "T": tokens, "pages": 0, "lower_s": t1 - t0, "compile_s": t2 - t1,
+            "source": c.source}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -131,7 +178,7 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     eng = abstract_engine(args) if args.abstract else cli_serve.build_engine(args)
     build_s = time.perf_counter() - t0
-    sys.stdout.write(json.dumps({"build_s": build_s, "programs": measure(eng)}) + "\n")
+    sys.stdout.write(json.dumps({"build_s": build_s, "programs": measure(eng, args)}) + "\n")
 
 
 def run_child(argv: list[str], which: str, cache_dir: str) -> dict:
@@ -145,16 +192,20 @@ def run_child(argv: list[str], which: str, cache_dir: str) -> dict:
     return res
 
 
-def report(cold: dict, warm: dict) -> None:
-    header = ["program", "B x T", "pages", "lower s (cold)", "compile s (cold)", "lower s (warm)", "compile s (warm)",
-              "warm"]
-    rows = [[c["kind"], f"{c['B']} x {c['T']}", c["pages"], fmt(c["lower_s"]), fmt(c["compile_s"]),
-             fmt(w["lower_s"]), fmt(w["compile_s"]), w["source"]]
-            for c, w in zip(cold["programs"], warm["programs"])]
-    print_table(header, rows, "lrrrrrrl")
+def report(cold: dict, warm: dict | None) -> None:
+    """The per-program table and the totals; warm None: the cold run only (--cold-only)."""
+    runs = [("cold", cold)] + ([("warm", warm)] if warm else [])
+    header = ["program", "B x T", "pages"] + [f"{w} s ({n})" for n, _ in runs for w in ("lower", "compile")]
+    rows = [[c["kind"], f"{c['B']} x {c['T']}", c["pages"]]
+            + [fmt(r["programs"][i][w]) for _, r in runs for w in ("lower_s", "compile_s")]
+            + ([warm["programs"][i]["source"]] if warm else [])
+            for i, c in enumerate(cold["programs"])]
+    print_table(header + (["warm"] if warm else []), rows, "lrr" + "rr" * len(runs) + ("l" if warm else ""))
     print()
     totals = []
     for name, r in (("cold (empty cache)", cold), ("warm (cache hit)", warm)):
+        if r is None:
+            continue
         p = r["programs"]
         hits = sum(x["source"] == "cache hit" for x in p)
         totals.append([name, len(p), fmt(sum(x["lower_s"] for x in p)), fmt(sum(x["compile_s"] for x in p)),
@@ -179,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = "abstract weights" if args.abstract else "weights allocated"
         log(f"preset {args.checkpoint or args.preset} ({mode}); compilation cache {cache_dir}")
         cold = run_child(argv, "cold", cache_dir)
-        warm = run_child(argv, "warm", cache_dir)
+        warm = None if args.cold_only else run_child(argv, "warm", cache_dir)
     report(cold, warm)
     return 0
 

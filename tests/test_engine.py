@@ -381,9 +381,10 @@ def test_flash_pool_is_890_bytes_per_token():
     lay = kv_pool.PoolLayout(num_pages=1000, page_tokens=64, num_slots=4)
     assert kv_pool.global_bytes_per_token(cfg, lay) == 890.0
     a = kv_pool.abstract_pool(cfg, lay)  # shapes only: nothing is allocated
-    assert a.layers[2].kv_packed.shape == (1000, 32, 256) and a.layers[20].kv_scale.shape == (1000, 64, 32)
-    assert a.layers[2].ik_packed.shape[-1] + a.layers[2].ik_scale.shape[-1] == 68
-    assert a.layers[0].swa_q.shape[-1] + a.layers[0].swa_s.shape[-1] == 528
+    src2, src20 = a.of_layer(cfg, 2), a.of_layer(cfg, 20)
+    assert src2.kv_packed.shape == (1000, 32, 256) and src20.kv_scale.shape == (1000, 64, 32)
+    assert src2.ik_packed.shape[-1] + src2.ik_scale.shape[-1] == 68
+    assert a.runs[0].swa_q.shape[-1] + a.runs[0].swa_s.shape[-1] == 528
 
 
 def test_request_views_match_the_whole_sequence():

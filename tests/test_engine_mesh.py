@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tiny_engine
-from dsv41 import moe, sharding
+from dsv41 import layer_runs, moe, sharding
 from dsv41.ops import XLA
 from serving.engine.engine import EngineError, SamplingParams
 
@@ -94,10 +94,10 @@ def test_tensor_and_expert_parallel_match_the_one_device_engine(kw):
     assert toks == ref_toks
     most, typical = worst(logits, ref_logits)
     assert most <= NOISE and typical <= TYPICAL, (most, typical)
-    w1 = eng.params["layers"][3]["ffn"]["experts"]["w1"]
+    w1 = layer_runs.layer_params(eng.params, eng.cfg, 3)["ffn"]["experts"]["w1"]  # (tiny: every run one layer)
     par = eng.config.parallelism
     assert w1.addressable_shards[0].data.shape[0] == eng.cfg.n_routed_experts // par.expert_ranks
-    assert len(eng.pool.layers[0].swa_q.sharding.device_set) == par.devices
+    assert len(eng.pool.runs[0].swa_q.sharding.device_set) == par.devices
 
 
 @pytest.mark.xdist_group(MESH_GROUP)

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dsv41 import model, quant, sharding
+from dsv41 import layer_runs, model, quant, sharding
 from dsv41.config import ModelConfig
 from dsv41.params import VISION_KEYS
 from serving.engine import backends, kv_pool, programs
@@ -96,6 +96,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
                 linear_backend=config.linear_backend, options=config.kernel_options, parallelism=par)
         except backends.BackendError as e:
             raise EngineError(str(e)) from None
+        self.params = layer_runs.stack_params(self.params, cfg, stack=config.scan_layers)
         # one device: the module's programs, whose compiled cache every engine in the process shares
         self.programs = (programs.ONE_DEVICE if self.mesh is None else
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))

@@ -5,9 +5,12 @@ Per KV-source layer (Flash: L2, L8, L14 at ratio 2; L20 at ratio 1), paged by to
   main KV   e2m1 packed two per byte [pages, page_entries, Dh/2] + E4M3 scale per 16 [.., Dh/16]  (288 B)
   index K   e2m1 packed [pages, page_entries, ID/2] + UE8M0 scale per 32 [.., ID/32]             (68 B)
 page_entries = page_tokens / ratio. One block table per sequence slot serves every source layer.
-Per layer and sequence slot, an SWA ring in FP8: e4m3 [slots, R, Dh] + UE8M0 per 32 [slots, R, Dh/32] (528 B a
-slot); R = window, and for the first decoder layer swa_replay_tokens + window (the trimmed decoder prefill
-reads the windows of its swa_replay_tokens rows back from it).
+Per layer and sequence slot, an SWA ring in FP8: e4m3 [R, Dh] + UE8M0 per 32 [R, Dh/32] (528 B a slot and layer);
+R = window, and for the first decoder layer swa_replay_tokens + window (the trimmed decoder prefill reads the
+windows of its swa_replay_tokens rows back from it). The pool holds one record a run of layers that share a body
+(`dsv41.layer_runs`), its rings stacked [slots, n, R, ...] (slot-major, so axis 0 stays the slots a data rank
+owns, and [slots * n, R, ...] is the same buffer with one ring a (slot, layer): `ring_view`); a KV source is a
+run of one.
 Per ratio-2 source and slot, the fp32 compressor state of an open group (kv || score). The first position each
 ring may serve (bounded replay clips windows there) is request state: it travels in the batch (`Batch.ring_lo`).
 
@@ -24,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsv41 import sharding
+from dsv41 import layer_runs, sharding
 from dsv41.config import ModelConfig
 from dsv41.kv_layout import LayerKV
 from dsv41.sharding import Parallelism
@@ -33,20 +36,41 @@ from dsv41.sharding import Parallelism
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
-    """The pool: one `kv_layout.LayerKV` a layer (its SWA ring; on KV sources its pages and compressor state).
-    Every array has pages or slots on axis 0."""
+    """The pool: one `kv_layout.LayerKV` a run of layers (`dsv41.layer_runs.runs`): its rings [S, n, R, ...]; on
+a KV source (a run of one) its pages and compressor state. Every array has pages or slots on axis 0."""
 
-    layers: list  # per layer: kv_layout.LayerKV
+    runs: list  # per run: kv_layout.LayerKV
     # speculative decoding: per DSpark stage, the ring of its context window keys (a LayerKV with only swa_q/swa_s);
     # per slot, the drafter's last states float32 [S, k, D] (the next step recomputes its draft distributions)
     dspark: list | None = None
     dspark_states: jax.Array | None = None
 
-    def with_layer(self, layer: int, lkv: LayerKV) -> KVPool:
-        """The pool with layer `layer`'s record replaced."""
-        layers = list(self.layers)
-        layers[layer] = lkv
-        return dataclasses.replace(self, layers=layers)
+    def with_run(self, run: int, lkv: LayerKV) -> KVPool:
+        """The pool with run `run`'s record replaced."""
+        runs = list(self.runs)
+        runs[run] = lkv
+        return dataclasses.replace(self, runs=runs)
+
+    def of_layer(self, cfg: ModelConfig, layer: int) -> LayerKV:
+        """The record of the run holding `layer` (its rings are every layer's of the run)."""
+        return self.runs[layer_runs.run_of(cfg, layer)[0]]
+
+
+def ring_view(rec: LayerKV, slot: jax.Array, j) -> tuple[LayerKV, jax.Array]:
+    """A run's record with its rings seen as one ring a (slot, layer) [S * n, R, ...] (a reshape: the same buffer),
+    and the rows' ring ids there for the run's j-th layer (int or traced): slot * n + j, padding rows (slot == S)
+    at S * n, past every ring, as the per-slot reads and writes (`kv_layout.read_slots`) expect. What the
+    programs and the fused write kernel take in place of a layer's own [S, R, ...] rings."""
+    S, n = rec.swa_q.shape[:2]
+    flat = dataclasses.replace(rec, swa_q=rec.swa_q.reshape(S * n, *rec.swa_q.shape[2:]),
+                               swa_s=rec.swa_s.reshape(S * n, *rec.swa_s.shape[2:]))
+    return flat, jnp.where(slot < S, slot * n + j, S * n).astype(jnp.int32)
+
+
+def fold_view(flat: LayerKV, n: int) -> LayerKV:
+    """`ring_view`'s record back in the pool's layout [S, n, R, ...]."""
+    return dataclasses.replace(flat, swa_q=flat.swa_q.reshape(-1, n, *flat.swa_q.shape[1:]),
+                               swa_s=flat.swa_s.reshape(-1, n, *flat.swa_s.shape[1:]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +104,11 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
     Dh, ID = cfg.head_dim, cfg.index_head_dim
     P, S = lay.num_pages * lay.ranks, lay.num_slots * lay.ranks
     sd = jax.ShapeDtypeStruct
-    layers = []
-    for layer in range(cfg.n_layers):
+    records = []
+    for run in layer_runs.runs(cfg):
+        layer = run.first  # every layer of a run has its ring size (the split layer is a run of one)
         R = ring_size(cfg, layer, lay.replay_tokens, lay.spec_tokens)
-        lkv = LayerKV(sd((S, R, Dh), jnp.float8_e4m3fn), sd((S, R, Dh // 32), jnp.uint8))
+        lkv = LayerKV(sd((S, run.n, R, Dh), jnp.float8_e4m3fn), sd((S, run.n, R, Dh // 32), jnp.uint8))
         if layer in cfg.kv_source_layers:
             r = cfg.compress_ratios[layer]
             E = lay.entries_per_page(r)
@@ -93,13 +118,13 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
                 # None, not an empty array, where there is no state: a zero-sized array split over data ranks
                 # crashes XLA's SPMD partitioner (jaxlib 0.11.2, CPU)
                 comp_state=sd((S, 2 * Dh), jnp.float32) if r > 1 else None)
-        layers.append(lkv)
+        records.append(lkv)
     if not lay.spec_tokens:
-        return KVPool(layers)
+        return KVPool(records)
     R = ring_size(cfg, cfg.n_layers, None, lay.spec_tokens)
     dspark = [LayerKV(sd((S, R, Dh), jnp.float8_e4m3fn), sd((S, R, Dh // 32), jnp.uint8))
               for _ in range(cfg.n_mtp_layers)]
-    return KVPool(layers, dspark, sd((S, lay.spec_tokens, cfg.dim), jnp.float32))
+    return KVPool(records, dspark, sd((S, lay.spec_tokens, cfg.dim), jnp.float32))
 
 
 def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:
@@ -122,7 +147,7 @@ def global_bytes_per_token(cfg: ModelConfig, lay: PoolLayout | None = None) -> f
     """Global KV bytes one token costs, read off the pool's array layout (Flash: 890)."""
     lay = lay or PoolLayout(num_pages=1, page_tokens=64, num_slots=1)
     a = abstract_pool(cfg, lay)
-    per_page = sum(x.size * x.dtype.itemsize for lkv in a.layers
+    per_page = sum(x.size * x.dtype.itemsize for lkv in a.runs
                    for x in (lkv.kv_packed, lkv.kv_scale, lkv.ik_packed, lkv.ik_scale) if x is not None)
     return per_page / (lay.num_pages * lay.page_tokens)
 
@@ -131,7 +156,7 @@ def slot_bytes(cfg: ModelConfig) -> int:
     """Per-sequence state that does not grow with context: SWA rings and compressor state."""
     lay = PoolLayout(num_pages=1, page_tokens=64, num_slots=1)
     a = abstract_pool(cfg, lay)
-    return sum(x.size * x.dtype.itemsize for lkv in a.layers for x in (lkv.swa_q, lkv.swa_s, lkv.comp_state)
+    return sum(x.size * x.dtype.itemsize for lkv in a.runs for x in (lkv.swa_q, lkv.swa_s, lkv.comp_state)
                if x is not None)
 
 

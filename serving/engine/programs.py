@@ -23,12 +23,15 @@ from dsv41 import compressor, dspark, engram, indexer, mhc, model, quant, shardi
 from dsv41 import kv_layout as kl
 from dsv41.config import ModelConfig
 from dsv41.kv_layout import LayerKV
+from dsv41 import layer_runs
 from dsv41.layer_plan import Carry, LayerPlan
+from dsv41.layer_runs import Run
 from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
 from serving.engine.backends import Backends, KernelOptions
 from serving.engine import spec_sampling
+from serving.engine import kv_pool
 from serving.engine.kv_pool import KVPool
 
 
@@ -161,27 +164,29 @@ def _compress_chunk(x, p, r, cfg, num, lkv: LayerKV, b: Batch):
 def _pages(pool: KVPool, plan: LayerPlan, cfg: ModelConfig) -> LayerKV:
     """The record of the KV source whose pages the layer reads. SWA-only layers select no entry, but the
     attention kernel takes pages all the same: the first source's."""
-    return pool.layers[cfg.kv_source_layers[0] if plan.swa_only else plan.kv_source]
+    return pool.of_layer(cfg, cfg.kv_source_layers[0] if plan.swa_only else plan.kv_source)
 
 
-def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry, freqs,
-                         backend: str, opts: KernelOptions, ops):
+def _decode_with_kernels(x, p, run: Run, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, rec: LayerKV, b: Batch,
+                         carry: Carry, freqs, backend: str, opts: KernelOptions, ops):
     """Decode (one token a row, phase 'full') through the fused kernels: the token's KV writes (ring, and on
     KV-source layers the compressed entry, index key and pending state) in one kernel, the indexer's scores and
     top-k straight from the MXFP4 pool (candidate entries only after the candidate source layer), and the sparse
-    attention over the FP8 ring and the selected FP4 entries. -> (output [B, 1, D], pool, carry).
+    attention over the FP8 ring and the selected FP4 entries. Arguments as `run_attention`'s.
+    -> (output [B, 1, D], the run's record, carry).
     backend: 'pallas' (Mosaic GPU), 'interpret' (the kernels in the interpreter) or 'reference' (their jnp
     references on the kernels' inputs: checks this wiring, not the kernels)."""
     from pallas_kernels import kv_write as kvw
 
     kb = "xla" if backend == "reference" else backend
-    plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
+    plan, r = run.plan, run.plan.ratio
     pos = b.pos0[:, None]
     ratio = r if plan.writes_kv else 0  # other layers only write their ring
 
     with jax.named_scope("kv_write"):  # (sub-scopes of "attention" for scripts/profile_step.py)
         kv = A.window_kv(x, p, pos, freqs, cfg, num, ops=ops)
-        lkv = pool.layers[layer]  # the ring, and on a KV source its pages and state
+        # the layer's rings, and on a KV source its pages and state
+        lkv, ring_slot = kv_pool.ring_view(rec, b.slot, layer - run.first)
         extra = {}
         if ratio:
             ck, cs = compressor.project(x, p["compressor"], ratio, num)
@@ -189,11 +194,11 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
             p_idx = {k: v for k, v in p["indexer"].items() if k not in ("wq_b", "weights_proj")}
             extra = dict(comp_kv=ck[:, 0], comp_score=None if cs is None else cs[:, 0], p_comp=p["compressor"],
                          p_idx=p_idx, freqs=freqs)
-        new = _per_rank(kvw.kv_write_decode)(lkv, kv[:, 0], b.slot, b.pos0, b.n_valid, b.block_table, b.write_lo,
-                                             kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num, backend=kb,
-                                             **extra)
-    pool = pool.with_layer(layer, new)
-    pages = _pages(pool, plan, cfg)
+        # (a KV source is a run of one: its ring ids are its slots, which its compressor state takes too)
+        ring = _per_rank(kvw.kv_write_decode)(lkv, kv[:, 0], ring_slot, b.pos0, b.n_valid, b.block_table,
+                                              b.write_lo, kcfg=kvw.KVWriteConfig(ratio, cfg.norm_eps), num=num,
+                                              backend=kb, **extra)
+    pages = ring if plan.writes_kv else _pages(pool, plan, cfg)
 
     fuse = opts.fuse_rope
     with jax.named_scope("q_proj"):
@@ -203,14 +208,13 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
             qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
             carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
 
-    R = pool.layers[layer].swa_q.shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
+    R = ring.swa_q.shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = b.ring_lo[:, layer]
     win_pos = kl.ring_positions(b.pos0 + b.n_valid, R, lo)
     valid = (win_pos <= b.pos0[:, None]) & (win_pos > b.pos0[:, None] - cfg.window_size)
-    ring = pool.layers[layer]
-    valid &= (b.slot < ring.swa_q.shape[0])[:, None]  # padding rows: slot == num_slots, no ring
+    valid &= (b.slot < rec.swa_q.shape[0])[:, None]  # padding rows: slot == num_slots, no ring
     # the window's rows straight in the pool's ring buffer (no per-row copy of the rings)
-    swa_rows = jnp.where(valid, b.slot[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None], -1)
+    swa_rows = jnp.where(valid, ring_slot[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None], -1)
     topk = jnp.full((x.shape[0], 64), -1, jnp.int32) if plan.swa_only else carry.topk[:, 0]
     kw = {"backend": "xla", "out_dtype": q.dtype} if backend == "reference" else {"backend": backend}
     with jax.named_scope("attend"):
@@ -218,7 +222,8 @@ def _decode_with_kernels(x, p, layer, cfg: ModelConfig, num: Numerics, pool: KVP
                              topk, b.block_table, pages.kv_packed, pages.kv_scale, p["attn_sink"], swa_rows=swa_rows,
                              **kw, **_rope_kw(b.pos0, freqs, fuse))
     with jax.named_scope("output"):
-        return A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
+        y = A.output(o[:, None], pos, p, freqs, cfg, num, rope=not fuse, ops=ops)
+    return y, kv_pool.fold_view(ring, run.n), carry
 
 
 def _per_rank(kernel_op):
@@ -321,27 +326,40 @@ def _prefill_attention_kernel(q, keys_q, keys_s, rows, pages: LayerKV, b: Batch,
     return o.reshape(B, T, H, Dh)
 
 
-def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry,
+def cached_attention(x, lp, layer: int, cfg: ModelConfig, num: Numerics, pool: KVPool, b: Batch, carry: Carry,
                      freqs, phase: str, backends: Backends = Backends()):
-    """One layer's attention against the pool. phase: 'full' (read + write), 'kv_only' (writes only, for the
-    split layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
+    """`run_attention` of one layer on the whole pool (outside the programs' scans: tests, tools).
+    -> (output [B, T, D] or None, pool, carry)."""
+    r, _ = layer_runs.run_of(cfg, layer)
+    y, rec, carry = run_attention(x, lp, layer_runs.runs(cfg)[r], layer, cfg, num, pool, pool.runs[r], b, carry,
+                                  freqs, phase, backends)
+    return y, pool.with_run(r, rec), carry
+
+
+def run_attention(x, lp, run: Run, layer, cfg: ModelConfig, num: Numerics, pool: KVPool, rec: LayerKV, b: Batch,
+                  carry: Carry, freqs, phase: str, backends: Backends = Backends()):
+    """One layer's attention against the pool. run: its run of layers (`layer_runs.Run`: the static plan), layer:
+    the layer (an int, or traced inside a run's scan); rec: the run's record (`KVPool.runs`), written here; pool:
+    the rest, read (the KV source's pages). phase: 'full' (read + write), 'kv_only' (writes only, for the split
+    layer in the encoder program), 'attn_only' (reads only; the KV of these tokens is already written).
     backends: the attention backend (decode: the fused kernels unless 'xla'), its options, the linears' ops.
-    carry: what earlier layers handed on (the latest top-k, the candidates). -> (output [B, T, D] or None, pool,
-    carry)."""
+    carry: what earlier layers handed on (the latest top-k, the candidates). -> (output [B, T, D] or None, the
+    run's record, carry)."""
     p = lp
     backend, opts, ops = backends.attention, backends.options, backends.ops
     B, T, _ = x.shape
     if backend != "xla" and T == 1 and phase == "full":
-        return _decode_with_kernels(x, p, layer, cfg, num, pool, b, carry, freqs, backend, opts, ops)
+        return _decode_with_kernels(x, p, run, layer, cfg, num, pool, rec, b, carry, freqs, backend, opts, ops)
     fuse = opts.fuse_rope and backend != "xla"
-    plan, r = LayerPlan.of(cfg, layer), cfg.compress_ratios[layer]
+    plan, r = run.plan, run.plan.ratio
     pos = b.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     tok_ok = jnp.arange(T)[None] < b.n_valid[:, None]
-    R = pool.layers[layer].swa_q.shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
     lo = b.ring_lo[:, layer]
-    rec = pool.layers[layer]
-    rq = kl.read_slots(rec.swa_q, b.slot)
-    rs = kl.read_slots(rec.swa_s, b.slot)
+    source = rec  # a KV source (a run of one): its own pages and state, read at its slots
+    rec, ring_slot = kv_pool.ring_view(rec, b.slot, layer - run.first)
+    R = rec.swa_q.shape[1]  # ring_size(cfg, layer, the engine's swa_replay_tokens)
+    rq = kl.read_slots(rec.swa_q, ring_slot)
+    rs = kl.read_slots(rec.swa_s, ring_slot)
     Dh = cfg.head_dim
     if phase == "attn_only":
         win_k = _dequant_fp8_rows(rq, rs)
@@ -355,8 +373,8 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         ks = quant.ue8m0_encode(ks)
         new_rq = kl.write_ring(rq, kq, b.pos0, b.n_valid)
         new_rs = kl.write_ring(rs, ks, b.pos0, b.n_valid)
-        rec = dataclasses.replace(rec, swa_q=kl.write_slots(rec.swa_q, b.slot, new_rq),
-                                  swa_s=kl.write_slots(rec.swa_s, b.slot, new_rs))
+        rec = dataclasses.replace(rec, swa_q=kl.write_slots(rec.swa_q, ring_slot, new_rq),
+                                  swa_s=kl.write_slots(rec.swa_s, ring_slot, new_rs))
         win_k = jnp.concatenate([_dequant_fp8_rows(rq, rs), kv.astype(jnp.float32)], 1)
         win_pos = jnp.concatenate([kl.ring_positions(b.pos0, R, lo), jnp.where(tok_ok, pos, A.NO_POS)], 1)
         # the kernel's flat window buffer: the ring as it was before this chunk, then the chunk's keys (FP8; with
@@ -366,7 +384,7 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
         ring_pos, chunk_start = kl.ring_positions(b.pos0, R, lo), b.pos0
 
     if plan.writes_kv and phase != "attn_only":  # a KV source: its own record holds its pages
-        lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, rec, b)
+        lat, g, complete, new_state = _compress_chunk(x, p["compressor"], r, cfg, num, source, b)
         gpos = g * r
         ik = indexer.index_keys(lat, p["indexer"], gpos, freqs, cfg, num)
         ce = A.compressed_entries(lat, gpos, freqs, num)
@@ -379,10 +397,10 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
             kv_scale=kl.write_entries(rec.kv_scale, bt, g, ok, quant.e4m3(ces)),
             ik_packed=kl.write_entries(rec.ik_packed, bt, g, ok, ikp),
             ik_scale=kl.write_entries(rec.ik_scale, bt, g, ok, quant.ue8m0_encode(iks)), comp_state=new_state)
-    pool = pool.with_layer(layer, rec)
+    pages = rec if plan.writes_kv else _pages(pool, plan, cfg)
+    rec = kv_pool.fold_view(rec, run.n)
     if phase == "kv_only":
-        return None, pool, carry
-    pages = _pages(pool, plan, cfg)
+        return None, rec, carry
     if plan.runs_indexer:
         q, qr = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
         qi, wi = indexer.index_queries(x, qr, p["indexer"], pos, freqs, cfg, num, ops=ops)
@@ -407,39 +425,52 @@ def cached_attention(x, lp, layer, cfg: ModelConfig, num: Numerics, pool: KVPool
                                       p["attn_sink"], backend, _rope_kw(pos.reshape(-1), freqs, fuse))
     else:
         o = A.attend(q, pos, win_k, win_pos, comp_k, comp_valid, p["attn_sink"], cfg, num)
-    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), pool, carry
+    return A.output(o, pos, p, freqs, cfg, num, rope=not fuse, ops=ops), rec, carry
 
 
 def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, phases: dict,
             backends: Backends = Backends(), taps: dict | None = None):
-    """Layers [first, last) against the pool. taps: a dict that receives the DSpark target layers' block inputs
-    (`dspark.target_features` reads them), by layer."""
+    """Layers [first, last) against the pool, one traced body a run of layers (`layer_runs`: a run of several
+    is one `lax.scan` over its stacked weights, carrying its record of the pool; the rest of the pool is read
+    only there). params: grouped by run (`layer_runs.stack_params`), or per layer (then every layer unrolled).
+    phases: by layer, for runs of one (the split layer). taps: a dict that receives the DSpark target layers'
+    block inputs (`dspark.target_features` reads them), by layer."""
     freqs = model.freqs_for(cfg)
     carry = Carry()
-    for i in range(first, last):
-        lp = params["layers"][i]
-        phase = phases.get(i, "full")
-        if i in cfg.engram_layer_ids and phase != "attn_only":
-            with jax.named_scope("engram"):
-                rows = b.rows[cfg.engram_layer_ids.index(i)]
-                text = None if b.image_mask is None else ~b.image_mask
-                h = engram.engram(h, rows, lp["engram"], cfg, num, text, ops=backends.ops)
-        if taps is not None and i in cfg.dspark_target_layer_ids:
-            taps[i] = h
-        if phase == "kv_only":
-            with jax.named_scope("attention"):
-                x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
-                _, pool, carry = cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry, freqs[i], phase,
-                                                  backends)
-            break
+    groups = layer_runs.stack_params(params, cfg, stack=False)[layer_runs.RUNS_KEY]  # a per-layer tree: unrolled
+    for r, run in layer_runs.runs_between(cfg, first, last):
+        phase = phases.get(run.first, "full")
+        tapped = taps is not None and any(i in cfg.dspark_target_layer_ids for i in run.layers)
 
-        def attn_fn(x, state, lp=lp, i=i, phase=phase):
-            pool, carry = state
-            y, pool, carry = cached_attention(x, lp["attn"], i, cfg, num, pool, b, carry, freqs[i], phase, backends)
-            return y, (pool, carry)
+        def body(state, lp, i, _, run=run, phase=phase, tapped=tapped):
+            h, pre, rec, carry = state
+            if run.n == 1 and i in cfg.engram_layer_ids and phase != "attn_only":  # (a run of one: i static)
+                with jax.named_scope("engram"):
+                    rows = b.rows[cfg.engram_layer_ids.index(i)]
+                    text = None if b.image_mask is None else ~b.image_mask
+                    h = engram.engram(h, rows, lp["engram"], cfg, num, text, ops=backends.ops)
+            tap = h if tapped else None
+            if phase == "kv_only":
+                with jax.named_scope("attention"):
+                    x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
+                    _, rec, carry = run_attention(x, lp["attn"], run, i, cfg, num, pool, rec, b, carry,
+                                                  freqs[run.first], phase, backends)
+                return (h, pre, rec, carry), tap
 
-        h, pre, (pool, carry) = model.block(h, pre, lp, i, cfg, num, attn_fn, (pool, carry),
-                                            image_mask=b.image_mask, ops=backends.ops)
+            def attn_fn(x, state):
+                rec, carry = state
+                y, rec, carry = run_attention(x, lp["attn"], run, i, cfg, num, pool, rec, b, carry,
+                                              freqs[run.first], phase, backends)
+                return y, (rec, carry)
+
+            h, pre, (rec, carry) = model.block(h, pre, lp, i, cfg, num, attn_fn, (rec, carry),
+                                               image_mask=b.image_mask, ops=backends.ops)
+            return (h, pre, rec, carry), tap
+
+        (h, pre, rec, carry), ys = layer_runs.scan(body, (h, pre, pool.runs[r], carry), run, groups[r])
+        pool = pool.with_run(r, rec)
+        if tapped:
+            taps.update({i: ys[k] for k, i in enumerate(run.layers) if i in cfg.dspark_target_layer_ids})
     return h, pre, pool
 
 

@@ -38,7 +38,7 @@ class Warmup:
             W, hc = self.replay_tokens, self.cfg.hc_mult
             # committed like the step's, which come out of the encoder: a program compiles once per committed /
             # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
-            on = self.pool.layers[0].swa_q.sharding
+            on = self.pool.runs[0].swa_q.sharding
             h = jnp.zeros((B, W, hc, self.cfg.dim), self.num.jdtype, device=on)
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
             return progs.run_decoder, (self.params, self.pool, b, h, pre, samp), self.prefill_static

@@ -169,7 +169,7 @@ def _layer_params(cfg, ratio, rng):
 
 @pytest.mark.parametrize("layer", [0, 2, 4])  # tiny: SWA-only, FULL ratio 2, FULL ratio 1 (the split layer)
 def test_reference_equals_programs(tiny, layer):
-    from serving.engine import programs
+    from serving.engine import kv_pool, programs
 
     cfg, pool = tiny
     assert layer in (0, *cfg.kv_source_layers), "the cases are the preset's KV-writing layer kinds"
@@ -178,8 +178,8 @@ def test_reference_equals_programs(tiny, layer):
     ratio = r if layer in cfg.kv_source_layers else 0
     rng = np.random.default_rng(layer)
     p = _layer_params(cfg, ratio, rng)
-    B, S = 4, pool.layers[0].swa_q.shape[0]
-    ctx = pool.layers[cfg.kv_source_layers[0]].kv_packed.shape[0] // B
+    B, S = 4, pool.runs[0].swa_q.shape[0]
+    ctx = pool.of_layer(cfg, cfg.kv_source_layers[0]).kv_packed.shape[0] // B
     slot = np.array([2, 0, S, 1], np.int32)
     n_valid = np.array([1, 1, 0, 1], np.int32)
     pos0 = np.array([7, 40, 0, 129], np.int32)  # odd, even, padding, odd (past a 128 window)
@@ -194,7 +194,7 @@ def test_reference_equals_programs(tiny, layer):
 
     def both(x, p, pool, b):  # one jit (one CPU compile) for the engine's path and the reference
         _, want, _ = programs.cached_attention(x, p, layer, cfg, num, pool, b, Carry(), freqs, "kv_only")
-        lkv = pool.layers[layer]
+        lkv = kv_pool.ring_view(pool.of_layer(cfg, layer), b.slot, 0)[0]  # (the case layers are runs of one)
         extra = {}
         if ratio:
             ck, cs = compressor.project(x, p["compressor"], ratio, num)
@@ -206,11 +206,12 @@ def test_reference_equals_programs(tiny, layer):
         return want, got, lkv
 
     want, got, lkv = jax.jit(both)(x, p, pool, b)
-    pairs = [(k, getattr(want.layers[layer], k)) for k in ("swa_q", "swa_s")]
+    want = kv_pool.ring_view(want.of_layer(cfg, layer), b.slot, 0)[0]
+    pairs = [(k, getattr(want, k)) for k in ("swa_q", "swa_s")]
     if ratio:
-        pairs += [(k, getattr(want.layers[layer], k)) for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale")]
+        pairs += [(k, getattr(want, k)) for k in ("kv_packed", "kv_scale", "ik_packed", "ik_scale")]
         if ratio == 2:
-            pairs.append(("comp_state", want.layers[layer].comp_state))
+            pairs.append(("comp_state", want.comp_state))
     n_changed = 0
     for k, w in pairs:
         np.testing.assert_array_equal(_bytes(getattr(got, k)), _bytes(w), err_msg=k)

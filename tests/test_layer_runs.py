@@ -1,0 +1,96 @@
+"""Runs of layers that share one compiled body (dsv41/layer_runs.py): which layers form a run, the run-stacked
+parameters, that a program's size stops growing with its layers, and the scanned runs against the model: the
+engine (through the fused kernels' wiring, their jnp references on the CPU) against the full-sequence forward on
+a schedule whose runs span several layers in the encoder and the decoder (the tiny preset's are all one layer)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41 import layer_runs, model, quant
+from dsv41 import params as P
+from dsv41 import tokenizer as T
+from dsv41.config import preset
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine, SamplingParams
+
+NUM = quant.Numerics(act_quant=False, bf16_probs=False, dtype="float32")  # as tests/tiny_engine.py's
+
+
+def runs_config():
+    """tiny at 8 layers with runs of two: SWA L0-1, the ratio-2 source L2 (Engram) and its reuse L3-4, the ratio-1
+    candidate source L5 (the split) and two reindex layers L6-7 that score its candidates (the DSpark taps)."""
+    t = preset("tiny")
+    return t.replace(compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1), kv_source_layers=(2, 5),
+                     index_source_layers=(2, 5, 6, 7), candidate_source_layer=5, engram_layer_ids=(2,), engram_num_embeddings=t.engram_num_embeddings[:1])
+
+
+@pytest.fixture(scope="module")
+def runs_model():
+    """(runs_config(), its float32 parameters with the Engram tables), seed 0."""
+    cfg = runs_config()
+    return cfg, P.init_params(cfg, seed=0, dtype="float32")
+
+
+def spans(cfg):
+    return [(r.first, r.n) for r in layer_runs.runs(cfg)]
+
+
+def test_runs_of_the_flash_schedule():
+    want = [(0, 1), (1, 1), (2, 1), (3, 5), (8, 1), (9, 5), (14, 1), (15, 5), (20, 1), (21, 3), (24, 1), (25, 3),
+            (28, 1), (29, 3), (32, 1), (33, 3), (36, 1), (37, 3)]
+    assert spans(preset("flash")) == spans(preset("tiny40")) == want
+    assert spans(preset("tiny")) == [(i, 1) for i in range(8)]  # every layer kind once
+    assert spans(runs_config()) == [(0, 2), (2, 1), (3, 2), (5, 1), (6, 2)]
+    assert layer_runs.run_of(preset("flash"), 12) == (5, 3)
+    with pytest.raises(ValueError, match="do not start and end at runs"):
+        layer_runs.runs_between(preset("flash"), 0, 5)
+
+
+def test_stacked_layers_hold_each_layer(runs_model):
+    cfg, params = runs_model
+    stacked = layer_runs.stack_params(params, cfg)
+    assert "layers" not in stacked and layer_runs.stack_params(stacked, cfg) is stacked
+    assert stacked[layer_runs.RUNS_KEY][2]["attn"]["wq_a"].shape[0] == 2  # L3-4
+    for i in range(cfg.n_layers):
+        got = jax.tree_util.tree_leaves(layer_runs.layer_params(stacked, cfg, i))
+        want = jax.tree_util.tree_leaves(params["layers"][i])
+        assert len(got) == len(want) and all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
+
+
+def lowered_forward_chars(cfg) -> int:
+    core, tables = model.strip_tables(P.abstract_params(cfg))
+    core = layer_runs.stack_params({k: v for k, v in core.items() if k not in P.VISION_KEYS}, cfg)
+    S = 16
+    rows = [jax.eval_shape(lambda t: model.engram.gather_rows(t, jnp.zeros((1, S, cfg.engram_n_cols), jnp.int32)),
+                           t) for t in tables]
+    ids = jax.ShapeDtypeStruct((1, S), jnp.int32)
+    return len(model._forward.lower(core, ids, rows, cfg=cfg, num=NUM).as_text())
+
+
+def test_forty_layers_lower_to_a_program_not_five_times_eight():
+    """The 40-layer schedule's program holds its 18 runs' bodies (about 2x the 8-layer one's 8), not 40 layers
+    (5x): compile time follows the program's size."""
+    ratio = lowered_forward_chars(preset("tiny40")) / lowered_forward_chars(preset("tiny"))
+    assert ratio < 3.0, ratio
+
+
+def test_engine_with_scanned_runs_equals_forward(runs_model):
+    """A prefill chunk and decode steps through scanned runs with the fused kernels' wiring ('reference': their jnp
+    references) against the full-sequence model. Exact prefill (two programs; the encoder and decoder programs
+    run the same `_layers`, the split layer a run of one)."""
+    cfg, params = runs_model
+    eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), EngineConfig(
+        max_num_seqs=2, max_model_len=256, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
+        min_prefill_bucket=128, min_decode_bucket=2, num_pages=5, attention_backend="reference",
+        swa_bounded_replay=False))
+    ids = list(np.random.default_rng(0).integers(3, 1000, 100))
+    eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    toks = []
+    while eng.has_work():
+        toks += [t for o in eng.step() for t in o.new_token_ids]
+    logits = np.stack(eng.finished_logits["r"])
+    full = np.asarray(model.forward(params, cfg, np.asarray([ids + toks[:-1]]), NUM))[0, len(ids) - 1:]
+    assert np.abs(logits - full).max() < 1e-3  # test_engine.py's TOL_FORWARD
+    assert toks == list(full.argmax(-1))
