@@ -9,7 +9,7 @@ Scanned runs of layers (dsv41/layer_runs.py; the bench schedule's runs are all o
 unrolled, at Flash's 40-layer schedule (the release's weight formats: 40 layers of bf16 experts do not fit):
 
     PYTHONPATH=. python3 scripts/bench_engine.py --schedule flash --weights release --backends auto \
-        --batches 1,64 --skip-prefill [--no-scan-layers]
+        --batches 1,64 --skip-prefill [--scan-layers|--no-scan-layers]
 
 Random weights made on the device: dense bf16, the routed experts in FP4 where the FP4 expert GEMM runs.
 """
@@ -90,7 +90,7 @@ def kernels_of(config: str) -> tuple[str, ...]:
     return KERNELS[name]
 
 
-def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, scan_layers=True):
+def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, scan_layers=None):
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
@@ -135,7 +135,7 @@ def linear_flops(cfg, core, n: int, replay: bool) -> float:
     return 2.0 * (sum(t * w for t, w in zip(tokens, per_layer)) + cfg.vocab_size * cfg.dim)
 
 
-def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128), scan_layers=True):
+def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128), scan_layers=None):
     """-> rows (backend, n, replay tokens (0: exact), first call s, warm s); params_of(backend) gives the weights
     it reads."""
     rows = []
@@ -215,8 +215,9 @@ def main():
                          "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--schedule", help="another preset's layer schedule at --preset's widths (flash: 40 layers)")
-    ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
-                    help="every layer unrolled on its own weights (EngineConfig.scan_layers=False)")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                    help="runs of layers in one scanned body, or every layer unrolled (EngineConfig.scan_layers; "
+                         "default: the engine's)")
     ap.add_argument("--replay", choices=["both", "on", "off"], default="both",
                     help="prefill table: SWA bounded replay on and off (both), or one of them")
     ap.add_argument("--replay-tokens", default="",

@@ -143,9 +143,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompt tokens the decoder layers run on under SWA bounded replay: at least the window "
                         "(128), at most --max-num-batched-tokens (default: the engine's, 128; docs/REPLAY.md)")
     add_kernel_backend_args(g, default=None)
-    g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false", default=None,
-                   help="compile every layer on its own weights instead of one body a run of layers of one kind "
-                        "(longer compiles; no per-layer weight slices for the kernels to read)")
+    g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile one body for a run of layers of one kind, their weights stacked (compile time "
+                        "~flat in the layer count); default: on the XLA path, off where the GPU kernels run")
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
                    help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")
@@ -214,7 +214,7 @@ def media_config(args: argparse.Namespace):
 _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
                  "max_num_batched_tokens": "--max-num-batched-tokens",
                  "swa_bounded_replay": "--no-swa-bounded-replay", "swa_replay_tokens": "--swa-replay-tokens",
-                 "attention_backend": "--attention-backend", "scan_layers": "--no-scan-layers",
+                 "attention_backend": "--attention-backend", "scan_layers": "--[no-]scan-layers",
                  "moe_backend": "--moe-backend", "mhc_backend": "--mhc-backend",
                  "router_backend": "--router-backend", "linear_backend": "--linear-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",

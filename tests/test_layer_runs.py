@@ -84,7 +84,7 @@ def test_engine_with_scanned_runs_equals_forward(runs_model):
     eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), EngineConfig(
         max_num_seqs=2, max_model_len=256, max_num_batched_tokens=128, numerics=NUM, keep_logits=True,
         min_prefill_bucket=128, min_decode_bucket=2, num_pages=5, attention_backend="reference",
-        swa_bounded_replay=False))
+        swa_bounded_replay=False, scan_layers=True))
     ids = list(np.random.default_rng(0).integers(3, 1000, 100))
     eng.add_request("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
     toks = []

@@ -84,6 +84,14 @@ class Backends:
             raise BackendError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
 
 
+def scans_layers(b: Backends) -> bool:
+    """Whether runs of layers of one kind share one scanned body when `EngineConfig.scan_layers` is unset: on the
+    XLA path, yes; where a Mosaic GPU kernel reads weights or the pool, not yet: a kernel handed one layer's slice of
+    a stacked weight may make XLA copy the slice (all of a layer's experts, every step), and the scanned kernel
+    path has not been timed on the H200."""
+    return b.attention != "pallas" and b.ops == XLA
+
+
 def _small_bf16(rows: int, num: Numerics) -> bool:
     # decode-sized batches only: larger ones were not faster through the kernel, and it takes bf16 only
     return rows <= fp8_linear.MAX_ROWS and num.jdtype == jnp.bfloat16

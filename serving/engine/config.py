@@ -95,9 +95,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     kernel_options: KernelOptions = KernelOptions()
     # layers of one kind share one compiled body: their weights stacked and scanned (dsv41/layer_runs.py; compile
-    # time ~flat in the layer count). False: every layer unrolled on its own weights, as a kernel that must read a
-    # weight in place (no per-layer copy out of a stack) needs
-    scan_layers: bool = True
+    # time ~flat in the layer count). False: every layer unrolled on its own weights. None: `backends.scans_layers`
+    # (scanned on the XLA path, unrolled where the Mosaic GPU kernels run)
+    scan_layers: bool | None = None
     # the device mesh, by vLLM's flags: heads / widths / vocabulary split over tensor_parallel_size devices;
     # data_parallel_size ranks each running their own requests on their own KV pool; with enable_expert_parallel
     # the routed experts split over all tensor x data devices. max_num_seqs and num_pages count per data rank.

@@ -96,7 +96,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
                 linear_backend=config.linear_backend, options=config.kernel_options, parallelism=par)
         except backends.BackendError as e:
             raise EngineError(str(e)) from None
-        self.params = layer_runs.stack_params(self.params, cfg, stack=config.scan_layers)
+        scan = backends.scans_layers(self.backends) if config.scan_layers is None else config.scan_layers
+        self.params = layer_runs.stack_params(self.params, cfg, stack=scan)
         # one device: the module's programs, whose compiled cache every engine in the process shares
         self.programs = (programs.ONE_DEVICE if self.mesh is None else
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))
