@@ -13,95 +13,21 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
-import sys
 import time
 
+import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from dsv41 import model, quant
 from dsv41 import params as P
-from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import programs
-from serving.engine.backends import KernelOptions
-from serving.engine.config import EngineConfig
-from serving.engine.engine import Engine, SamplingParams, _Request
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import ceilings, median_wall_s as timed  # noqa: E402
+from serving.engine.engine import SamplingParams
+from timing import KERNEL_NAMES, SUFFIXES, device_params, fake_decode_state, kernels_of, make_engine, with_fp4_experts
+from timing import median_wall_s as timed
 
 log = logging.getLogger("bench_engine")
-
-
-def device_params(cfg, seed=0):
-    """Dense bf16 weights drawn on the device; Engram tables as host zeros (read by row, never on the GPU)."""
-    specs = P.param_specs(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P.Spec))
-    key = jax.random.key(seed)
-    out = []
-    for i, s in enumerate(leaves):
-        if s.fmt == "table":
-            out.append(quant.Fp8Rows(np.zeros(s.shape, ml_dtypes.float8_e4m3fn),
-                                     np.full((s.shape[0], s.shape[1] // 32), 127, np.uint8)))
-            continue
-        dt = jnp.float32 if s.fmt == "f32" else jnp.bfloat16
-        if s.init == "ones":
-            out.append(jnp.ones(s.shape, dt))
-            continue
-        std = {"small": 0.1, "hc": 0.5 / math.sqrt(s.shape[-1]), "embed": 1.0}.get(s.init, 1 / math.sqrt(s.shape[-1]))
-        out.append((jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32) * std).astype(dt))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-# --backends names -> (attention, routed experts, mHC site, router site, FP8 linears); 'auto' is what
-# `dsv41 serve` runs (with --weights release, the FP8 linear kernel too); 'fp8' = auto + the FP8 linear kernel,
-# which fails without FP8 linears (--weights release); 'xla-linears' = auto with XLA's FP8 linears
-KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla", "xla", "xla", "xla"),
-           "pallas": ("pallas", "pallas", "xla", "xla", "xla"), "all": ("pallas", "pallas", "pallas", "pallas", "xla"),
-           "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas"),
-           "xla-linears": ("auto", "auto", "auto", "auto", "xla")}
-
-
-# configuration suffixes (auto+unfused-rope+kernel-topk): what each changes from the engine's defaults
-SUFFIXES = {"unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
-            "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
-                           "(KernelOptions(prefill_indexer_kernel=False))",
-            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))"}
-
-
-def kernels_of(config: str) -> tuple[str, ...]:
-    """A configuration name -> its kernel backends (KERNELS); suffixes after '+' (SUFFIXES) change one option."""
-    name, *suffixes = config.split("+")
-    unknown = [s for s in suffixes if s not in SUFFIXES]
-    if name not in KERNELS or unknown:
-        raise SystemExit(f"configuration {config!r}: choose one of {sorted(KERNELS)}, optionally with "
-                         f"+{' +'.join(SUFFIXES)}")
-    return KERNELS[name]
-
-
-def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None):
-    attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
-    suffixes = backend.split("+")[1:]
-    opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
-                         prefill_indexer_kernel="xla-indexer" not in suffixes,
-                         indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
-        max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
-        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=2048,
-        attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-        linear_backend=linear_be, kernel_options=opts))
-
-
-def with_fp4_experts(params):
-    """The routed experts quantized to the release's FP4 (what the grouped FP4 kernel reads); the rest stays."""
-    q = jax.jit(quant.quantize_fp4_weight)
-    layers = [{**lp, "ffn": {**lp["ffn"], "experts": {k: q(w) for k, w in lp["ffn"]["experts"].items()}}}
-              for lp in params["layers"]]
-    return {**params, "layers": layers}
 
 
 def linear_flops(cfg, core, n: int, replay: bool) -> float:
@@ -139,19 +65,6 @@ def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128)):
     return rows
 
 
-def fake_decode_state(eng, B, ctx):
-    """B running requests at position ctx with their pages assigned (the pool holds zeros: cost is the same)."""
-    eng.running.clear()
-    pages = iter(range(eng.layout.num_pages))
-    for i in range(B):
-        r = _Request(f"d{i}", [5] * ctx, SamplingParams(max_tokens=10**6, ignore_eos=True), None, float(i),
-                     prefill_len=ctx)
-        r.output, r.computed, r.rank, r.slot = [7], ctx, 0, i
-        r.pages = [next(pages) for _ in range(-(-(ctx + 1) // eng.layout.page_tokens))]
-        r.history = eng.hasher.initial_history(1)
-        eng.running[r.id] = r
-
-
 def weight_bytes(cfg, core):
     """-> (bytes of the weights every decode step reads: all but the routed experts and the embedding, of which
     a step reads one row a token; bytes of one routed expert), as stored in `core` (arrays or shapes)."""
@@ -181,12 +94,8 @@ def main():
     ap.add_argument("--decode-max-model-len", default="", help="decode engines of these sizes (default: the prefill's)")
     ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
     ap.add_argument("--backends", default="xla",
-                    help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
-                         "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
-                         "auto (the engine's defaults, as `dsv41 serve` runs: with --weights release the FP8 linear "
-                         "kernel too), fp8 (auto + the FP8 linear kernel; needs --weights release), xla-linears "
-                         "(auto with XLA's FP8 linears); suffixes change one option each: "
-                         + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
+                    help="decode configurations to time: " + "; ".join(f"{k} ({v})" for k, v in KERNEL_NAMES.items())
+                    + "; suffixes change one option each: " + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
     ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
@@ -207,16 +116,13 @@ def main():
     batches = [int(x) for x in args.batches.split(",")]
     cfg = preset(args.preset)
     dev = jax.devices()[0]
-    log.info("device %s", dev)
-    ceil = ceilings(quick=dev.platform == "cpu")
+    ceil = timing.ceilings(quick=True) if dev.platform == "cpu" else timing.bench_ceilings()
     hbm, mxu = ceil["hbm_TBps"] * 1e12, ceil["mm_TFLOPs"] * 1e12
-    log.info("HBM %.2f TB/s, bf16 matmul %.0f TFLOP/s", hbm / 1e12, mxu / 1e12)
     t = time.perf_counter()
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     jax.block_until_ready(params)
     log.info("params on device in %.1fs", time.perf_counter() - t)
-    max_len = max(lengths) + 2048
-    max_len = -(-max_len // 64) * 64
+    max_len = -(-(max(lengths) + 2048) // 64) * 64
 
     fp4 = args.weights == "bf16" and any(kernels_of(be)[1] != "xla" for be in backends + pre_backends)
     fp4_params = with_fp4_experts(params) if fp4 else params
@@ -262,7 +168,7 @@ def main():
         log.info("decode %s B=%d max_model_len=%d step sync/async %.2f/%.2f device %.2f host %.2f ms", be, B, size,
                  *(t * 1e3 for t in (*step, dev_t, host_t)))
 
-    print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
+    print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
           f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's best), bf16 matmul "
           f"{mxu / 1e12:.0f} TFLOP/s\n")
     print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs / "

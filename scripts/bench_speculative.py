@@ -17,35 +17,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
 
+from timing import fake_decode_state, make_engine, median_wall_s as timed  # noqa: I001 (first: sys.path)
 import jax
 
-from dsv41 import model
 from dsv41 import params as P
-from dsv41 import tokenizer as T
 from dsv41.config import preset
-from serving.engine.config import EngineConfig, SpeculativeConfig
-from serving.engine.engine import Engine
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import fake_decode_state  # noqa: E402
-from timing import median_wall_s as timed  # noqa: E402
+from serving.engine.config import SpeculativeConfig
 
 log = logging.getLogger("bench_speculative")
 LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
 
 
-def make(cfg, params, seqs: int, max_len: int, spec: SpeculativeConfig | None) -> Engine:
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
-                  config=EngineConfig(max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048,
-                                      enable_prefix_caching=False,
-                                      min_decode_bucket=seqs, speculative_config=spec))
-
-
-def step_time(eng: Engine, B: int, ctx: int, reps: int) -> tuple[float, float]:
-    """-> (first step s (compile), median step s) of B requests decoding at position ctx."""
+def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None):
+    """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
+    default kernels (`auto`), one decode bucket of B rows."""
+    eng = make_engine(cfg, params, True, max_len, B, "auto", min_decode_bucket=B, speculative_config=spec)
     fake_decode_state(eng, B, ctx)
     return timed(eng.step, reps=1), timed(eng.step, reps=reps)
 
@@ -70,9 +57,9 @@ def main():
                                                          confidence_threshold=1.0))] * args.cut
     rows = []
     for B in batches:
-        fp, tp = step_time(make(cfg, params, B, max_len, None), B, args.ctx, args.reps)
+        fp, tp = step_time(cfg, params, B, args.ctx, args.reps, max_len, None)
         for name, spec in specs:
-            fs, ts = step_time(make(cfg, params, B, max_len, spec), B, args.ctx, args.reps)
+            fs, ts = step_time(cfg, params, B, args.ctx, args.reps, max_len, spec)
             rows.append((B, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens, tp, ts))
             log.info("B=%d plain %.2f ms, %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, name, ts * 1e3, fp, fs)
 

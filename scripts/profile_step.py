@@ -18,11 +18,9 @@ import sys
 import tempfile
 import time
 
+from timing import KERNELS, bench_args, cupti_kernels, device_params, fake_decode_state  # noqa: I001 (first: sys.path)
+from timing import make_engine, median_wall_s as timed, print_table, with_fp4_experts, write_json
 import jax
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_engine import KERNELS, device_params, fake_decode_state, make_engine, with_fp4_experts  # the engine's set-up
-from timing import bench_args, cupti_kernels, median_wall_s as timed, print_table, write_json
 
 from dsv41 import params as P
 from dsv41.config import preset
