@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Check and time the fused MoE router (pallas_kernels/router.py) at Flash's shapes (D 5120, E 384, top-6).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_router.py --out $OUT [--tokens 64,1,8,512,2048,4096]

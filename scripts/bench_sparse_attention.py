@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Check and time the fused sparse-attention decode kernel (pallas_kernels/sparse_attention.py) on the H200.
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_sparse_attention.py [--variants 1:10:r,64:2:s]

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Time the vision tower + aligner (dsv41/vision.py `span_embeddings`, one image per call) at the release's sizes.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_vision.py --out $OUT [--sizes 544x544,2048x2048] \
