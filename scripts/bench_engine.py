@@ -10,7 +10,6 @@ Random weights made on the device: dense bf16, the routed experts in FP4 where t
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import time
@@ -55,10 +54,7 @@ def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128)):
             for n in lengths:
                 ids = list(rng.integers(3, cfg.vocab_size, n))
                 sp = SamplingParams(max_tokens=1)
-                t0 = time.perf_counter()
-                eng.generate(ids, sp)
-                first = time.perf_counter() - t0
-                warm = timed(lambda: eng.generate(ids, sp), reps=3)
+                first, warm = timed(lambda: eng.generate(ids, sp), reps=1), timed(lambda: eng.generate(ids, sp), reps=3)
                 rows.append((be, n, replay, first, warm))
                 log.info("prefill %s n=%d replay=%s first=%.2fs warm=%.3fs", be, n, replay, first, warm)
             del eng
@@ -87,20 +83,14 @@ def decode_bytes(cfg, B, ctx, dense_bytes, expert_bytes_per):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = timing.engine_args(__doc__, batches="1,8,64")
     ap.add_argument("--lengths", default="1024,4096,16384")
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--decode-max-model-len", default="", help="decode engines of these sizes (default: the prefill's)")
-    ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
     ap.add_argument("--backends", default="xla",
                     help="decode configurations to time: " + "; ".join(f"{k} ({v})" for k, v in KERNEL_NAMES.items())
                     + "; suffixes change one option each: " + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
-    ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
-                    help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
-                         "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--replay", choices=["both", "on", "off"], default="both",
                     help="prefill table: SWA bounded replay on and off (both), or one of them")
@@ -147,9 +137,7 @@ def main():
     for be, B, size in [(be, B, n) for be in backends for B in batches for n in sizes]:
         eng = make_engine(cfg, params_of(be), True, size, max(batches), be)
         fake_decode_state(eng, B, args.decode_ctx)
-        t0 = time.perf_counter()
-        eng.step()
-        compile_s = time.perf_counter() - t0
+        compile_s = timed(eng.step, reps=1)
         # a step that waits for its own tokens, then (async scheduling) one that reads the previous step's
         step = [timed(eng.step, reps=10) for eng.async_scheduling in (False, True)]
         reqs = list(eng.running.values())
@@ -168,9 +156,9 @@ def main():
         log.info("decode %s B=%d max_model_len=%d step sync/async %.2f/%.2f device %.2f host %.2f ms", be, B, size,
                  *(t * 1e3 for t in (*step, dev_t, host_t)))
 
-    print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
-          f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's best), bf16 matmul "
-          f"{mxu / 1e12:.0f} TFLOP/s\n")
+    print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset: {cfg.n_layers} layers, "
+          f"{cfg.n_routed_experts} experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's "
+          f"best), bf16 matmul {mxu / 1e12:.0f} TFLOP/s\n")
     print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs / "
           "matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n" + "|---" * 8 + "|")
     core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
@@ -192,6 +180,8 @@ def main():
     for be, B, n, c, st, dv, ho, bb, bf in dec:
         print(f"| {be} | {B} | {n} | {st[0] * 1e3:.2f} / {st[1] * 1e3:.2f} | {dv * 1e3:.2f} | {ho * 1e3:.2f} | "
               f"{bb / hbm * 1e3:.2f} | {100 * bb / hbm / dv:.0f}% | {bf / hbm * 1e3:.2f} | {c:.1f} |")
+    timing.write_json(args.out, "bench_engine.json", {"args": vars(args), "ceilings": ceil, "prefill": pre,
+                                                       "decode": dec})
 
 
 if __name__ == "__main__":

@@ -84,11 +84,9 @@ def make_inputs(ratio, layer, sh: Shape, steps, seed):
     if B > 2:
         write_lo[0] = pos[0] + steps // 2
     bt = rng.permutation(sh.P)[: B * sh.C].reshape(B, sh.C).astype(np.int32)
-    x = {
-        "swa_kv": jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.bfloat16),
-        "slot": jnp.asarray(slot), "pos": jnp.asarray(pos), "n_valid": jnp.asarray(n_valid),
-        "block_table": jnp.asarray(bt), "write_lo": jnp.asarray(write_lo),
-    }
+    x = {"swa_kv": jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.bfloat16), "slot": jnp.asarray(slot),
+         "pos": jnp.asarray(pos), "n_valid": jnp.asarray(n_valid), "block_table": jnp.asarray(bt),
+         "write_lo": jnp.asarray(write_lo)}
     static = {}
     if ratio:
         x["comp_kv"] = jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.float32 if ratio == 2 else jnp.bfloat16)
@@ -105,18 +103,15 @@ def step_program(ratio, static, steps, variant):
     """-> jitted f(lkv, x) running `steps` decode steps; variant 'xla' | 'fused' | 'interpret'."""
     kc = kw.KVWriteConfig(ratio, CFG.norm_eps)
 
-    def one(lkv, x, t, backend):
-        kwargs = {}
-        if ratio:
-            kwargs = {"comp_kv": x["comp_kv"][t], "comp_score": x["comp_score"][t] if ratio == 2 else None,
-                          "p_comp": x["p_comp"], "p_idx": x["p_idx"], "freqs": static["freqs"]}
-        pos = x["pos"] + t
-        args = (x["swa_kv"][t], x["slot"], pos, x["n_valid"], x["block_table"], x["write_lo"])
-        return kw.kv_write_decode(lkv, *args, kcfg=kc, backend=backend, **kwargs)
+    backend = {"xla": "xla", "fused": "pallas", "interpret": "interpret"}[variant]
 
     def run(lkv, x):
         for t in range(steps):
-            lkv = one(lkv, x, t, {"xla": "xla", "fused": "pallas", "interpret": "interpret"}[variant])
+            comp = {} if not ratio else {"comp_kv": x["comp_kv"][t], "p_comp": x["p_comp"], "p_idx": x["p_idx"],
+                                         "comp_score": x["comp_score"][t] if ratio == 2 else None,
+                                         "freqs": static["freqs"]}
+            lkv = kw.kv_write_decode(lkv, x["swa_kv"][t], x["slot"], x["pos"] + t, x["n_valid"], x["block_table"],
+                                     x["write_lo"], kcfg=kc, backend=backend, **comp)
         return lkv
 
     return jax.jit(run, donate_argnums=0)
@@ -170,38 +165,30 @@ def run_case(kind, B, args, bw, smoke):
     x, static = make_inputs(ratio, layer, sh, steps, seed=B * 7 + ratio)
     pool0 = make_pool(ratio, sh, 1)
     # every program is compiled once (AOT) and serves both the check and the timing
-    variants = {"xla": ("xla", (x,)), "fused": ("interpret" if smoke else "fused", (x,))}
     comp = {}
-    for name, (variant, fargs) in variants.items():
-        try:
+    for name, variant in {"xla": "xla", "fused": "interpret" if smoke else "fused"}.items():
+        with timing.guarded(f"{kind} B {B} {name} compile", row, f"err_{name}"):
             t = time.time()
-            comp[name] = step_program(ratio, static, steps, variant).lower(pool0, *fargs).compile()
+            comp[name] = step_program(ratio, static, steps, variant).lower(pool0, x).compile()
             log(kind, "B", B, name, f"compiled in {time.time() - t:.1f}s")
-        except Exception as ex:  # noqa: BLE001
-            row[f"err_{name}"] = timing.failure(f"{kind} B {B} {name} compile", ex)
     del pool0
 
     def run(name):  # from a fresh copy of the same poisoned pool
-        return comp[name](make_pool(ratio, sh, 1), *variants[name][1])
+        return comp[name](make_pool(ratio, sh, 1), x)
 
-    try:  # the whole path: fused vs today's XLA path
+    with timing.guarded(f"{kind} B {B} check", row, "check_error", check="ERROR"):  # fused vs the XLA path
         ref, out = run("xla"), run("fused")
         d, changed = diff_bytes(out, ref), diff_bytes(make_pool(ratio, sh, 1), ref)
         row["diff_bytes"], row["changed_bytes"] = d, changed
         row["check"] = "PASS" if sum(d.values()) == 0 and sum(changed.values()) > 0 else "FAIL"
         log(kind, "B", B, row["check"], "differing bytes", d, "bytes written", sum(changed.values()))
-    except Exception as ex:  # noqa: BLE001
-        row.update(check="ERROR", check_error=timing.failure(f"{kind} B {B} check", ex))
     for name in ("xla", "fused"):
         if name not in comp:
             continue
-        try:
-            t = time_program(comp[name], make_pool(ratio, sh, 2), variants[name][1], args.reps,
-                             calls=1 if smoke else 5)
+        with timing.guarded(f"{kind} B {B} {name} timing", row, f"err_time_{name}"):
+            t = time_program(comp[name], make_pool(ratio, sh, 2), (x,), args.reps, 1 if smoke else 5)
             row[f"us_{name}"] = t / steps * 1e6
             log(kind, "B", B, name, f"{row[f'us_{name}']:.2f} us/step")
-        except Exception as ex:  # noqa: BLE001
-            row[f"err_time_{name}"] = timing.failure(f"{kind} B {B} {name} timing", ex)
     row["bytes"] = step_bytes(ratio, B)
     row["us_roofline"] = row["bytes"] / (bw * 1e12) * 1e6
     return row
@@ -216,7 +203,8 @@ def print_table(rows, bw):
         diff = sum(r["diff_bytes"].values()) if "diff_bytes" in r else None
         out.append([r["kind"], r["B"], r["check"], fmt(diff, "{}"), fmt(x), fmt(f), fmt(roof, "{:.4f}"),
                     fmt(x / f if x and f else None), fmt(f / roof if f and roof else None, "{:.0f}x")])
-    timing.print_table(["case", "B", "check", "diff B", "xla us", "fused us", "roof us", "xla/fused", "fused/roof"], out)
+    timing.print_table(["case", "B", "check", "diff B", "xla us", "fused us", "roof us", "xla/fused", "fused/roof"],
+                       out)
 
 
 def main():

@@ -6,6 +6,7 @@ A timed jitted function must take every array it reads as an argument: a closed-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -51,6 +52,19 @@ def bench_args(doc: str, *, out: str = "", iters: int | None = None, budget_s: f
     return ap
 
 
+def engine_args(doc: str, *, batches: str, weights: bool = True):
+    """An engine bench's parser: bench_args' and --preset, --batches, --decode-ctx, --weights (with `weights`)."""
+    ap = bench_args(doc)
+    ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
+    ap.add_argument("--batches", default=batches, help="decode batch sizes")
+    ap.add_argument("--decode-ctx", "--ctx", type=int, default=4096, help="every request's context when timed")
+    if weights:
+        ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
+                        help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
+                             "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
+    return ap
+
+
 def over_budget(budget_s: float, what: str) -> bool:
     """True (logged) past budget_s: the caller skips `what`, so the device call's limit does not cut the table."""
     if elapsed_s() <= budget_s:
@@ -64,6 +78,18 @@ def failure(what: str, ex: BaseException) -> str:
     log(f"{what} FAILED: {type(ex).__name__}: {str(ex)[:500]}")
     traceback.print_exc()
     return repr(ex)[:1000]
+
+
+@contextlib.contextmanager
+def guarded(what: str, row: dict | None = None, key: str = "error", **on_error):
+    """Runs the block (`as` gives it `row`); a failure is logged (`failure`) and, with `row`, its text goes to
+    row[key] and `on_error` into row: one failure must not lose the table."""
+    try:
+        yield row
+    except Exception as ex:  # noqa: BLE001
+        err = failure(what, ex)
+        if row is not None:
+            row.update({key: err, **on_error})
 
 
 def write_json(out_dir: str, name: str, obj) -> None:
