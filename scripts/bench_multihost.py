@@ -22,21 +22,19 @@ import sys
 import threading
 import time
 
-from timing import print_table
+from timing import print_table  # noqa: I001 (first: puts the repository on sys.path)
+import numpy as np
+from jax.experimental import multihost_utils
+
+from serving import multihost
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.engine.sampling import SamplingParams
 
 SIZES = (64, 1024, 16384)  # bytes: a decode step's frame, one new request, a long prompt's new request
 
 
 def child(pid: int, port: int, devices: int, out: str) -> int:
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    from serving import multihost
-    from serving.engine.config import EngineConfig
-    from serving.engine.engine import Engine
-    from serving.engine.sampling import SamplingParams
-
     cluster = multihost.initialize(multihost.Cluster(2, pid, f"127.0.0.1:{port}"))
     lock = threading.Lock()
     # the raw side channel: round trips of a frame of each size
