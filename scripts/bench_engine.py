@@ -20,87 +20,21 @@ import argparse
 import dataclasses
 import logging
 import math
-import os
-import sys
 import time
 
+import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from dsv41 import layer_runs, model, quant
 from dsv41 import params as P
-from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import programs
-from serving.engine.backends import KernelOptions
-from serving.engine.config import EngineConfig
-from serving.engine.engine import Engine, SamplingParams, _Request
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import ceilings, median_wall_s as timed  # noqa: E402
+from serving.engine.engine import SamplingParams
+from timing import KERNEL_NAMES, SUFFIXES, device_params, fake_decode_state, kernels_of, make_engine, with_fp4_experts
+from timing import median_wall_s as timed
 
 log = logging.getLogger("bench_engine")
-
-
-def device_params(cfg, seed=0):
-    """Dense bf16 weights drawn on the device; Engram tables as host zeros (read by row, never on the GPU)."""
-    specs = P.param_specs(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P.Spec))
-    key = jax.random.key(seed)
-    out = []
-    for i, s in enumerate(leaves):
-        if s.fmt == "table":
-            out.append(quant.Fp8Rows(np.zeros(s.shape, ml_dtypes.float8_e4m3fn),
-                                     np.full((s.shape[0], s.shape[1] // 32), 127, np.uint8)))
-            continue
-        dt = jnp.float32 if s.fmt == "f32" else jnp.bfloat16
-        if s.init == "ones":
-            out.append(jnp.ones(s.shape, dt))
-            continue
-        std = {"small": 0.1, "hc": 0.5 / math.sqrt(s.shape[-1]), "embed": 1.0}.get(s.init, 1 / math.sqrt(s.shape[-1]))
-        out.append((jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32) * std).astype(dt))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-# --backends names -> (attention, routed experts, mHC site, router site, FP8 linears); 'auto' is what
-# `dsv41 serve` runs (with --weights release, the FP8 linear kernel too); 'fp8' = auto + the FP8 linear kernel,
-# which fails without FP8 linears (--weights release); 'xla-linears' = auto with XLA's FP8 linears
-KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla", "xla", "xla", "xla"),
-           "pallas": ("pallas", "pallas", "xla", "xla", "xla"), "all": ("pallas", "pallas", "pallas", "pallas", "xla"),
-           "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas"),
-           "xla-linears": ("auto", "auto", "auto", "auto", "xla")}
-
-
-# configuration suffixes (auto+unfused-rope+kernel-topk): what each changes from the engine's defaults
-SUFFIXES = {"unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
-            "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
-                           "(KernelOptions(prefill_indexer_kernel=False))",
-            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))"}
-
-
-def kernels_of(config: str) -> tuple[str, ...]:
-    """A configuration name -> its kernel backends (KERNELS); suffixes after '+' (SUFFIXES) change one option."""
-    name, *suffixes = config.split("+")
-    unknown = [s for s in suffixes if s not in SUFFIXES]
-    if name not in KERNELS or unknown:
-        raise SystemExit(f"configuration {config!r}: choose one of {sorted(KERNELS)}, optionally with "
-                         f"+{' +'.join(SUFFIXES)}")
-    return KERNELS[name]
-
-
-def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, scan_layers=None):
-    attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
-    suffixes = backend.split("+")[1:]
-    opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
-                         prefill_indexer_kernel="xla-indexer" not in suffixes,
-                         indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
-        max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
-        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=2048,
-        attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-        linear_backend=linear_be, kernel_options=opts, scan_layers=scan_layers))
 
 
 def with_schedule(cfg, name: str):
@@ -111,14 +45,6 @@ def with_schedule(cfg, name: str):
     kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     kw.update({k: getattr(src, k) for k in C._FLASH_SCHEDULE})
     return C.ModelConfig(**C._with_engram_rows(**kw))
-
-
-def with_fp4_experts(params):
-    """The routed experts quantized to the release's FP4 (what the grouped FP4 kernel reads); the rest stays."""
-    q = jax.jit(quant.quantize_fp4_weight)
-    layers = [{**lp, "ffn": {**lp["ffn"], "experts": {k: q(w) for k, w in lp["ffn"]["experts"].items()}}}
-              for lp in params["layers"]]
-    return {**params, "layers": layers}
 
 
 def linear_flops(cfg, core, n: int, replay: bool) -> float:
@@ -142,31 +68,15 @@ def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128), 
     for be in backends:
         rng = np.random.default_rng(0)
         for replay in replays:
-            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay, scan_layers)
+            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay, scan_layers=scan_layers)
             for n in lengths:
                 ids = list(rng.integers(3, cfg.vocab_size, n))
                 sp = SamplingParams(max_tokens=1)
-                t0 = time.perf_counter()
-                eng.generate(ids, sp)
-                first = time.perf_counter() - t0
-                warm = timed(lambda: eng.generate(ids, sp), reps=3)
+                first, warm = timed(lambda: eng.generate(ids, sp), reps=1), timed(lambda: eng.generate(ids, sp), reps=3)
                 rows.append((be, n, replay, first, warm))
                 log.info("prefill %s n=%d replay=%s first=%.2fs warm=%.3fs", be, n, replay, first, warm)
             del eng
     return rows
-
-
-def fake_decode_state(eng, B, ctx):
-    """B running requests at position ctx with their pages assigned (the pool holds zeros: cost is the same)."""
-    eng.running.clear()
-    pages = iter(range(eng.layout.num_pages))
-    for i in range(B):
-        r = _Request(f"d{i}", [5] * ctx, SamplingParams(max_tokens=10**6, ignore_eos=True), None, float(i),
-                     prefill_len=ctx)
-        r.output, r.computed, r.rank, r.slot = [7], ctx, 0, i
-        r.pages = [next(pages) for _ in range(-(-(ctx + 1) // eng.layout.page_tokens))]
-        r.history = eng.hasher.initial_history(1)
-        eng.running[r.id] = r
 
 
 def weight_bytes(cfg, core):
@@ -195,24 +105,14 @@ def decode_bytes(cfg, B, ctx, dense_bytes, expert_bytes_per):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = timing.engine_args(__doc__, batches="1,8,64")
     ap.add_argument("--lengths", default="1024,4096,16384")
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--decode-max-model-len", default="", help="decode engines of these sizes (default: the prefill's)")
-    ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
     ap.add_argument("--backends", default="xla",
-                    help="decode configurations to time: xla (plain XLA), attn (the KV-path kernels), "
-                         "pallas (KV path + grouped FP4 expert GEMM), all (those + the fused mHC and router sites), "
-                         "auto (the engine's defaults, as `dsv41 serve` runs: with --weights release the FP8 linear "
-                         "kernel too), fp8 (auto + the FP8 linear kernel; needs --weights release), xla-linears "
-                         "(auto with XLA's FP8 linears); suffixes change one option each: "
-                         + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
+                    help="decode configurations to time: " + "; ".join(f"{k} ({v})" for k, v in KERNEL_NAMES.items())
+                    + "; suffixes change one option each: " + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
-    ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
-                    help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
-                         "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--schedule", help="another preset's layer schedule at --preset's widths (flash: 40 layers)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
@@ -234,16 +134,13 @@ def main():
     if args.schedule:
         cfg = with_schedule(cfg, args.schedule)
     dev = jax.devices()[0]
-    log.info("device %s", dev)
-    ceil = ceilings(quick=dev.platform == "cpu")
+    ceil = timing.ceilings(quick=True) if dev.platform == "cpu" else timing.bench_ceilings()
     hbm, mxu = ceil["hbm_TBps"] * 1e12, ceil["mm_TFLOPs"] * 1e12
-    log.info("HBM %.2f TB/s, bf16 matmul %.0f TFLOP/s", hbm / 1e12, mxu / 1e12)
     t = time.perf_counter()
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     jax.block_until_ready(params)
     log.info("params on device in %.1fs", time.perf_counter() - t)
-    max_len = max(lengths) + 2048
-    max_len = -(-max_len // 64) * 64
+    max_len = -(-(max(lengths) + 2048) // 64) * 64
 
     fp4 = args.weights == "bf16" and any(kernels_of(be)[1] != "xla" for be in backends + pre_backends)
     fp4_params = with_fp4_experts(params) if fp4 else params
@@ -268,9 +165,7 @@ def main():
     for be, B, size in [(be, B, n) for be in backends for B in batches for n in sizes]:
         eng = make_engine(cfg, params_of(be), True, size, max(batches), be, scan_layers=args.scan_layers)
         fake_decode_state(eng, B, args.decode_ctx)
-        t0 = time.perf_counter()
-        eng.step()
-        compile_s = time.perf_counter() - t0
+        compile_s = timed(eng.step, reps=1)
         # a step that waits for its own tokens, then (async scheduling) one that reads the previous step's
         step = [timed(eng.step, reps=10) for eng.async_scheduling in (False, True)]
         reqs = list(eng.running.values())
@@ -289,9 +184,9 @@ def main():
         log.info("decode %s B=%d max_model_len=%d step sync/async %.2f/%.2f device %.2f host %.2f ms", be, B, size,
                  *(t * 1e3 for t in (*step, dev_t, host_t)))
 
-    print(f"\n{dev.device_kind}, jax {jax.__version__}, bench preset: {cfg.n_layers} layers, {cfg.n_routed_experts} "
-          f"experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's best), bf16 matmul "
-          f"{mxu / 1e12:.0f} TFLOP/s\n")
+    print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset: {cfg.n_layers} layers, "
+          f"{cfg.n_routed_experts} experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's "
+          f"best), bf16 matmul {mxu / 1e12:.0f} TFLOP/s\n")
     print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs / "
           "matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n" + "|---" * 8 + "|")
     core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
@@ -313,6 +208,8 @@ def main():
     for be, B, n, c, st, dv, ho, bb, bf in dec:
         print(f"| {be} | {B} | {n} | {st[0] * 1e3:.2f} / {st[1] * 1e3:.2f} | {dv * 1e3:.2f} | {ho * 1e3:.2f} | "
               f"{bb / hbm * 1e3:.2f} | {100 * bb / hbm / dv:.0f}% | {bf / hbm * 1e3:.2f} | {c:.1f} |")
+    timing.write_json(args.out, "bench_engine.json", {"args": vars(args), "ceilings": ceil, "prefill": pre,
+                                                       "decode": dec})
 
 
 if __name__ == "__main__":

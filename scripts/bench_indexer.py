@@ -109,8 +109,7 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         today = jax.jit(lambda q, w, pk, sc, bt, q_pos, m: il.index_topk_xla_today(
             q, w, pk, sc, bt, q_pos, RATIO, cand_mask=m, cfg=cfg))
         today_args = (q, w, pk, sc, bt, q_pos, cand_mask)
-        scores_k = jax.jit(lambda *a: il.candidate_scores(*a, RATIO)[0])
-        scores_g = jax.jit(lambda *a: il.candidate_scores(*a, RATIO))
+        scores_g = jax.jit(lambda *a: il.candidate_scores(*a, RATIO))  # (kernel scores, their entry ids)
 
         @jax.jit
         def reference(*a):
@@ -134,7 +133,6 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         today = jax.jit(lambda q, w, pk, sc, bt, q_pos: il.index_topk_xla_today(
             q, w, pk, sc, bt, q_pos, RATIO, cfg=cfg))
         today_args = path_args
-        scores_k = jax.jit(lambda *a: il.context_scores(*a, RATIO, G))
 
         def visible(q_pos):  # [B, 1, G] entry ids, -1 past each row's visible count
             g = jnp.arange(G, dtype=jnp.int32)
@@ -150,8 +148,8 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         sargs = (q, w, pk, sc, bt, q_pos)
     nbytes = B * (n * ENTRY_BYTES + IH * ID * 2 + IH * 2 + n * 4 + n * 4)   # keys, q, w, row ids, f32 scores
     row.update(entries=n, bytes=nbytes)
-    try:
-        s_k = scores_k(*sargs)
+    with timing.guarded(f"{mode} B={B} ctx={ctx}: check", row, "check_error", check="ERROR"):
+        s_k = scores_g(*sargs)[0]
         s_r, tk_ref = reference(*sargs)
         ok, info = check_scores(s_k, s_r)
         row.update(check="PASS" if ok else "FAIL", **info)
@@ -160,20 +158,16 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
         log(f"{mode} B={B} ctx={ctx}:", {k: row[k] for k in ("check", "max_rel", "frac_not_identical",
                                                             "topk_overlap_vs_ref", "topk_overlap_vs_today")})
         del s_k, s_r
-    except Exception as ex:  # noqa: BLE001
-        row.update(check="ERROR", check_error=timing.failure(f"{mode} B={B} ctx={ctx}: check", ex))
     kern = jax.jit(il.entry_scores_kernel)
     for name, f, a in (("kernel", kern, (q, w, pk, sc, rows)), ("path", path, path_args), ("xla", today, today_args)):
         if name == "xla" and args.no_xla:
             continue
-        try:
+        with timing.guarded(f"{mode} B={B} ctx={ctx}: {name} timing", row, f"{name}_error"):
             tot, mx, nk, how = time_gpu(f, a, iters=args.iters, flush=flush)
             row[f"{name}_us"] = mx if name == "kernel" else tot      # kernel: the Mosaic kernel alone
             row.update({f"{name}_total_us": tot, f"{name}_nkernels": nk, "timing": how})
-        except Exception as ex:  # noqa: BLE001
-            row[f"{name}_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: {name} timing", ex)
     # the top-k alone on the kernel's scores: lax.top_k (a sort), the radix selects, the threshold kernel; same ids
-    try:
+    with timing.guarded(f"{mode} B={B} ctx={ctx}: top-k timing", row, "topk_error"):
         s_t, g_t = scores_g(*sargs)
         tk_fns = {m: jax.jit(functools.partial(il.topk_entries, k=k_top, method=m)) for m in SELECT_METHODS}
         want = np.asarray(tk_fns["lax"](s_t, g_t))
@@ -186,8 +180,6 @@ def run_case(mode, B, ctx, args, flush, bw, rows_out):
             f"{m} {row[f'topk_{m}_us']:.1f} us ({row[f'topk_{m}_nkernels']} kernels, longest "
             f"{row[f'topk_{m}_max_us']:.1f})" for m in SELECT_METHODS) + f", same ids {row['topk_radix_same']}")
         del s_t, g_t
-    except Exception as ex:  # noqa: BLE001
-        row["topk_error"] = timing.failure(f"{mode} B={B} ctx={ctx}: top-k timing", ex)
     if "kernel_us" in row:
         row["roofline_us"] = nbytes / (bw * 1e12) * 1e6
         row["pct_bw"] = 100 * row["roofline_us"] / row["kernel_us"]

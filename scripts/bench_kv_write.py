@@ -14,25 +14,18 @@ everything here is launch-bound, so the time columns are the point.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import sys
 import time
-import traceback
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import timing  # noqa: I001  (first: puts the repository on sys.path)
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
-from dsv41 import rope  # noqa: E402
-from dsv41.config import ModelConfig  # noqa: E402
-from pallas_kernels import kv_write as kw  # noqa: E402
-from timing import fmt, log  # noqa: E402
+from dsv41 import rope
+from dsv41.config import ModelConfig
+from pallas_kernels import kv_write as kw
+from timing import fmt, log
 
 CFG = ModelConfig()
 KINDS = {"full-r2 (L2)": (2, 2), "full-r1 (L20)": (1, 20), "swa-only (L0)": (0, 0)}
@@ -91,11 +84,9 @@ def make_inputs(ratio, layer, sh: Shape, steps, seed):
     if B > 2:
         write_lo[0] = pos[0] + steps // 2
     bt = rng.permutation(sh.P)[: B * sh.C].reshape(B, sh.C).astype(np.int32)
-    x = {
-        "swa_kv": jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.bfloat16),
-        "slot": jnp.asarray(slot), "pos": jnp.asarray(pos), "n_valid": jnp.asarray(n_valid),
-        "block_table": jnp.asarray(bt), "write_lo": jnp.asarray(write_lo),
-    }
+    x = {"swa_kv": jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.bfloat16), "slot": jnp.asarray(slot),
+         "pos": jnp.asarray(pos), "n_valid": jnp.asarray(n_valid), "block_table": jnp.asarray(bt),
+         "write_lo": jnp.asarray(write_lo)}
     static = {}
     if ratio:
         x["comp_kv"] = jnp.asarray(rng.standard_normal((steps, B, Dh)), jnp.float32 if ratio == 2 else jnp.bfloat16)
@@ -112,18 +103,15 @@ def step_program(ratio, static, steps, variant):
     """-> jitted f(lkv, x) running `steps` decode steps; variant 'xla' | 'fused' | 'interpret'."""
     kc = kw.KVWriteConfig(ratio, CFG.norm_eps)
 
-    def one(lkv, x, t, backend):
-        kwargs = {}
-        if ratio:
-            kwargs = {"comp_kv": x["comp_kv"][t], "comp_score": x["comp_score"][t] if ratio == 2 else None,
-                          "p_comp": x["p_comp"], "p_idx": x["p_idx"], "freqs": static["freqs"]}
-        pos = x["pos"] + t
-        args = (x["swa_kv"][t], x["slot"], pos, x["n_valid"], x["block_table"], x["write_lo"])
-        return kw.kv_write_decode(lkv, *args, kcfg=kc, backend=backend, **kwargs)
+    backend = {"xla": "xla", "fused": "pallas", "interpret": "interpret"}[variant]
 
     def run(lkv, x):
         for t in range(steps):
-            lkv = one(lkv, x, t, {"xla": "xla", "fused": "pallas", "interpret": "interpret"}[variant])
+            comp = {} if not ratio else {"comp_kv": x["comp_kv"][t], "p_comp": x["p_comp"], "p_idx": x["p_idx"],
+                                         "comp_score": x["comp_score"][t] if ratio == 2 else None,
+                                         "freqs": static["freqs"]}
+            lkv = kw.kv_write_decode(lkv, x["swa_kv"][t], x["slot"], x["pos"] + t, x["n_valid"], x["block_table"],
+                                     x["write_lo"], kcfg=kc, backend=backend, **comp)
         return lkv
 
     return jax.jit(run, donate_argnums=0)
@@ -177,42 +165,30 @@ def run_case(kind, B, args, bw, smoke):
     x, static = make_inputs(ratio, layer, sh, steps, seed=B * 7 + ratio)
     pool0 = make_pool(ratio, sh, 1)
     # every program is compiled once (AOT) and serves both the check and the timing
-    variants = {"xla": ("xla", (x,)), "fused": ("interpret" if smoke else "fused", (x,))}
     comp = {}
-    for name, (variant, fargs) in variants.items():
-        try:
+    for name, variant in {"xla": "xla", "fused": "interpret" if smoke else "fused"}.items():
+        with timing.guarded(f"{kind} B {B} {name} compile", row, f"err_{name}"):
             t = time.time()
-            comp[name] = step_program(ratio, static, steps, variant).lower(pool0, *fargs).compile()
+            comp[name] = step_program(ratio, static, steps, variant).lower(pool0, x).compile()
             log(kind, "B", B, name, f"compiled in {time.time() - t:.1f}s")
-        except Exception:  # noqa: BLE001
-            row[f"err_{name}"] = traceback.format_exc()[-2000:]
-            log(kind, "B", B, name, "compile failed:\n" + row[f"err_{name}"])
     del pool0
 
     def run(name):  # from a fresh copy of the same poisoned pool
-        return comp[name](make_pool(ratio, sh, 1), *variants[name][1])
+        return comp[name](make_pool(ratio, sh, 1), x)
 
-    try:  # the whole path: fused vs today's XLA path
+    with timing.guarded(f"{kind} B {B} check", row, "check_error", check="ERROR"):  # fused vs the XLA path
         ref, out = run("xla"), run("fused")
         d, changed = diff_bytes(out, ref), diff_bytes(make_pool(ratio, sh, 1), ref)
         row["diff_bytes"], row["changed_bytes"] = d, changed
         row["check"] = "PASS" if sum(d.values()) == 0 and sum(changed.values()) > 0 else "FAIL"
         log(kind, "B", B, row["check"], "differing bytes", d, "bytes written", sum(changed.values()))
-    except Exception:  # noqa: BLE001
-        row["check"] = "ERROR"
-        row["check_error"] = traceback.format_exc()[-2000:]
-        log(kind, "B", B, "check failed:\n" + row["check_error"])
     for name in ("xla", "fused"):
         if name not in comp:
             continue
-        try:
-            t = time_program(comp[name], make_pool(ratio, sh, 2), variants[name][1], args.reps,
-                             calls=1 if smoke else 5)
+        with timing.guarded(f"{kind} B {B} {name} timing", row, f"err_time_{name}"):
+            t = time_program(comp[name], make_pool(ratio, sh, 2), (x,), args.reps, 1 if smoke else 5)
             row[f"us_{name}"] = t / steps * 1e6
             log(kind, "B", B, name, f"{row[f'us_{name}']:.2f} us/step")
-        except Exception:  # noqa: BLE001
-            row[f"err_time_{name}"] = traceback.format_exc()[-2000:]
-            log(kind, "B", B, name, "timing failed:\n" + row[f"err_time_{name}"])
     row["bytes"] = step_bytes(ratio, B)
     row["us_roofline"] = row["bytes"] / (bw * 1e12) * 1e6
     return row
@@ -223,50 +199,38 @@ def print_table(rows, bw):
           f"(wall clock, median, {rows[0]['steps'] if rows else '?'} steps per program).", flush=True)
     out = []
     for r in rows:
-        x, f = r.get("us_xla"), r.get("us_fused")
-        over = f / r["us_roofline"] if f and r.get("us_roofline") else None
-        out.append([r["kind"], r["B"], r["check"], fmt(sum(r["diff_bytes"].values()) if "diff_bytes" in r else None,
-                                                        "{}"),
-                    fmt(x), fmt(f),
-                    fmt(r.get("us_roofline"), "{:.4f}"), fmt(x / f if x and f else None), fmt(over, "{:.0f}x")])
-    timing.print_table(["case", "B", "check", "diff B", "xla us", "fused us", "roof us",
-                        "xla/fused", "fused/roof"], out)
+        x, f, roof = r.get("us_xla"), r.get("us_fused"), r.get("us_roofline")
+        diff = sum(r["diff_bytes"].values()) if "diff_bytes" in r else None
+        out.append([r["kind"], r["B"], r["check"], fmt(diff, "{}"), fmt(x), fmt(f), fmt(roof, "{:.4f}"),
+                    fmt(x / f if x and f else None), fmt(f / roof if f and roof else None, "{:.0f}x")])
+    timing.print_table(["case", "B", "check", "diff B", "xla us", "fused us", "roof us", "xla/fused", "fused/roof"],
+                       out)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap = timing.bench_args(__doc__, budget_s=105.0)
     ap.add_argument("--steps", type=int, default=4, help="decode steps per program (unrolled)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--batches", default="64,8,1")
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--budget-s", type=float, default=105.0, help="start no new case after this")
     ap.add_argument("--cpu-smoke", action="store_true", help="interpreter, small pools, B=1 (logic only)")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     if smoke:  # the interpreter is slow: check the logic, not the numbers
         args.steps, args.batches, args.reps = 2, "1", 1
-    log("jax", jax.__version__, jax.devices())
-    bwres = {"hbm_TBps": 4.3} if smoke else timing.ceilings()
-    bw = bwres["hbm_TBps"]
-    log("ceilings", timing.ceiling_line(bwres))
-    rows = []
+    bwres = {"hbm_TBps": 4.3} if smoke else timing.bench_ceilings()
+    bw, rows = bwres["hbm_TBps"], []
     for B in (int(b) for b in args.batches.split(",")):
         for kind in args.kinds.split(","):
-            if time.time() - timing.T0 > args.budget_s:
-                log("budget reached, skipping", kind, B)
+            if timing.over_budget(args.budget_s, f"{kind} B={B}"):
                 continue
             try:
                 rows.append(run_case(kind, B, args, bw, smoke))
-            except Exception:  # noqa: BLE001
-                log(kind, B, "failed:\n" + traceback.format_exc())
+            except Exception as ex:  # noqa: BLE001
                 rows.append({"kind": kind, "B": B, "check": "ERROR", "steps": args.steps,
-                             "error": traceback.format_exc()[-2000:]})
+                             "error": timing.failure(f"{kind} B={B}", ex)})
+        timing.write_json(args.out, "bench_kv_write.json", {"bandwidth": bwres, "rows": rows, "args": vars(args)})
     print_table(rows, bw)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_kv_write.json"), "w") as fh:
-            json.dump({"bandwidth": bwres, "rows": rows, "argv": sys.argv}, fh, indent=1, default=str)
     log("done")
 
 

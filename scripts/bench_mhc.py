@@ -74,7 +74,7 @@ def main():
     ceil = timing.bench_ceilings()
     bw = ceil["hbm_TBps"]
 
-    def dump():
+    def dump():  # after each case: a killed run keeps its rows
         timing.write_json(args.out, "bench_mhc.json", {"ceilings": ceil, "rows": ROWS, "elapsed_s": timing.elapsed_s()})
 
     def wall(f, a):  # median us of one blocking call: launch gaps and host work, which CUPTI's sum does not see
@@ -84,7 +84,7 @@ def main():
     def run_case(t, first):
         row = {"T": t, "site": "first" if first else "expand"}
         ROWS.append(row)
-        try:
+        with timing.guarded(f"T={t} {row['site']}", row, check="ERROR"):
             a = make_inputs(jax.random.key(1000 + t), t, d)
             if first:
                 a[0] = a[2] = a[3] = None
@@ -107,8 +107,6 @@ def main():
             tx, _, nx = timing.time_gpu(xla, a, iters=args.iters)
             row.update(xla_us=tx * 1e3, xla_launches=len(nx), xla_kernels=nx, xla_wall_us=wall(xla, a))
             log({k: v for k, v in row.items() if not k.endswith("_kernels")})
-        except Exception as ex:  # noqa: BLE001
-            row.update(check="ERROR", error=timing.failure(f"T={t} {row['site']}", ex)[:300])
         dump()
 
     for t in tokens:
@@ -118,7 +116,6 @@ def main():
             break
         run_case(t, True)
     table(bw)
-    dump()
 
 
 def table(bw):
@@ -132,7 +129,7 @@ def table(bw):
                     r.get("pallas_launches", "-"), fmt(x, "{:.1f}"), r.get("xla_launches", "-"), fmt(rf),
                     fmt(x / p if p and x else None), fmt(rf / p if p and rf else None, "{:.3f}"),
                     fmt(r.get("pallas_wall_us"), "{:.1f}"), fmt(r.get("xla_wall_us"), "{:.1f}"),
-                    r.get("errors", r.get("error", ""))])
+                    r.get("errors", r.get("error", "")[:300])])
     timing.print_table(["T", "site", "check", "pallas us", "kernel us", "#k", "xla us", "#k", "roof us", "xla/pal",
                         "roof/pal", "wall pal", "wall xla", "errors"], out, "rll" + "r" * 10 + "l")
 

@@ -22,21 +22,19 @@ import sys
 import threading
 import time
 
-from timing import print_table
+from timing import print_table  # noqa: I001 (first: puts the repository on sys.path)
+import numpy as np
+from jax.experimental import multihost_utils
+
+from serving import multihost
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.engine.sampling import SamplingParams
 
 SIZES = (64, 1024, 16384)  # bytes: a decode step's frame, one new request, a long prompt's new request
 
 
 def child(pid: int, port: int, devices: int, out: str) -> int:
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    from serving import multihost
-    from serving.engine.config import EngineConfig
-    from serving.engine.engine import Engine
-    from serving.engine.sampling import SamplingParams
-
     cluster = multihost.initialize(multihost.Cluster(2, pid, f"127.0.0.1:{port}"))
     lock = threading.Lock()
     # the raw side channel: round trips of a frame of each size
@@ -125,13 +123,10 @@ def main() -> int:
                 [[n, f"{r * 1e6:.0f}", f"{b * 1e6:.0f}"] for n, r, b in res["channel"]])
     fr = res["frames"][2:]  # times: past the first steps, which compile
     print(f"\nserved run: {len(res['frames'])} steps of the tiny preset, DP2 x TP{a.devices} + EP over 2 processes\n")
-    print_table(["", "median", "max"],
-                [["frame bytes / step (all followers)", statistics.median(f[0] for f in fr),
-                  max(f[0] for f in res["frames"])],
-                 ["leader send (us)", f"{statistics.median(f[1] for f in fr) * 1e6:.0f}",
-                  f"{max(f[1] for f in fr) * 1e6:.0f}"],
-                 ["step (ms)", f"{statistics.median(f[2] for f in fr) * 1e3:.1f}",
-                  f"{max(f[2] for f in fr) * 1e3:.1f}"]])
+    print_table(["", "median", "max"], [
+        ["frame bytes / step (all followers)", statistics.median(f[0] for f in fr), max(f[0] for f in res["frames"])],
+        *([what, f"{statistics.median(f[i] for f in fr) * k:.{d}f}", f"{max(f[i] for f in fr) * k:.{d}f}"]
+          for what, i, k, d in (("leader send (us)", 1, 1e6, 0), ("step (ms)", 2, 1e3, 1)))])
     return 0
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Check and time the fused MoE router (pallas_kernels/router.py) at Flash's shapes (D 5120, E 384, top-6).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_router.py --out $OUT [--tokens 64,1,8,512,2048,4096]
@@ -87,11 +86,11 @@ def main():
             results["errors"].append(f"skipped T={t} (budget)")
             continue
         x = jax.random.normal(jax.random.fold_in(key, t), (t, D), jnp.float32).astype(jnp.bfloat16)
-        case = {"T": t, "config": repr(R.default_config(t, D, E)), "timings": {}, "checks": []}
-        results["cases"].append(case)
         byts, flops = E * D * 2 + t * D * 2, 2 * t * D * E
         roof_ms = max(byts / (ceil["hbm_TBps"] * 1e12), flops / (ceil["mm_TFLOPs"] * 1e12)) * 1e3
-        case.update(bytes=byts, flops=flops, roofline_ms=roof_ms)
+        case = {"T": t, "config": repr(R.default_config(t, D, E)), "timings": {}, "checks": [], "bytes": byts,
+                "flops": flops, "roofline_ms": roof_ms}
+        results["cases"].append(case)
         fns = {"pallas": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="pallas")),
                "xla": jax.jit(lambda x, g: R.route_fused(x, g, cfg, backend="xla"))}
         try:
@@ -109,20 +108,16 @@ def main():
                 case["checks"].append({"path": name, "ok": False, "error": timing.failure(f"T={t} {name}", ex)})
         late = timing.elapsed_s() > args.budget_s + 10  # past the budget mid-case: the timings are skipped
         for name, fn in fns.items() if not late else ():
-            try:
+            with timing.guarded(f"T={t} {name} timing", case["timings"].setdefault(name, {})) as tm:
                 ms, _, names = timing.time_gpu(fn, (x, gate), iters=args.iters, flush=do_flush)
-                case["timings"][name] = {"us": ms * 1e3, "how": timing.how(names)}
+                tm.update(us=ms * 1e3, how=timing.how(names))
                 log(f"T={t} {name}: {ms * 1e3:.2f} us ({timing.how(names)})")
-            except Exception as ex:  # noqa: BLE001
-                case["timings"][name] = {"error": timing.failure(f"T={t} {name} timing", ex)}
         if ref is not None and not late:
-            try:
+            with timing.guarded(f"T={t} torch", case["timings"].setdefault("torch", {})) as tm:
                 res, us = torch_route(x, gate, rc, ref, args.iters)
                 case["checks"].append(res)
-                case["timings"]["torch"] = {"us": us, "how": "cuda events"}
+                tm.update(us=us, how="cuda events")
                 log(f"T={t} torch: {us:.2f} us")
-            except Exception as ex:  # noqa: BLE001
-                case["timings"]["torch"] = {"error": timing.failure(f"T={t} torch", ex)}
         timing.write_json(args.out, "results.json", results)
 
     print(f"\nFused MoE router, D={D} E={E} k={K}; GPU us per call (L2 flushed), roofline = "
@@ -136,7 +131,8 @@ def main():
             d = ck.get(p)
             if d is None or "error" in d:
                 return "-" if d is None else "ERROR"
-            return ("PASS" if d["ok"] else "FAIL") + f" {d['max_abs_w_err']:.1e}/{d['hard_mismatch_rows']}h{d['near_tie_rows']}n"
+            return (("PASS" if d["ok"] else "FAIL")
+                    + f" {d['max_abs_w_err']:.1e}/{d['hard_mismatch_rows']}h{d['near_tie_rows']}n")
 
         p, xl, roof = tm.get("pallas"), tm.get("xla"), c["roofline_ms"] * 1e3
         rows.append([c["T"], cs("pallas"), cs("xla"), fmt(p), fmt(xl), fmt(roof), fmt(xl / p if p and xl else None),

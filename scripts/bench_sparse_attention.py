@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Check and time the fused sparse-attention decode kernel (pallas_kernels/sparse_attention.py) on the H200.
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_sparse_attention.py [--variants 1:10:r,64:2:s]
@@ -97,20 +96,16 @@ def main():
     ref32 = jax.jit(lambda *a: sa.sparse_attention_reference(*a, out_dtype=jnp.float32))(*inp)
     bytes_, flops = b * (h * d * 2 + w * 528 + k * 288 + h * d * 2), b * 4 * h * d * (w + k)
     t_x = t_torch = e_torch = float("nan")
-    try:
+    with timing.guarded(f"B={b} XLA timing"):
       t_x, _, names_x = time_gpu(ref_fn, inp, iters=args.iters, flush=flush)
       log(f"B={b}: XLA reference {t_x * 1e3:.1f} us (cold), kernels {names_x[:6]}")
-    except Exception as e:  # noqa: BLE001
-      timing.failure(f"B={b} XLA timing", e)
-    try:
+    with timing.guarded(f"B={b} PyTorch baseline"):
       t_torch, e_torch = torch_baseline(inp, ref32, args.iters)
       log(f"B={b}: PyTorch over bf16 caches {t_torch:.1f} us (cold), rel_l2 {e_torch:.2e}")
-    except Exception as e:  # noqa: BLE001
-      timing.failure(f"B={b} PyTorch baseline", e)
     for s, vname, cfg in variants[b]:
       s = s or sa.default_num_splits(b, n_tiles)
       entry = {"B": b, "S": s, "variant": vname, "config": str(cfg), "bytes": bytes_, "flops": flops}
-      try:
+      with timing.guarded(f"{vname} B={b} S={s}", entry):
         f = jax.jit(lambda *a, _s=s, _c=cfg: sa.sparse_attention_decode(*a, num_splits=_s, config=_c))
         t_c0 = time.time()
         out = jax.block_until_ready(f(*inp))
@@ -134,8 +129,6 @@ def main():
                      warm_kernel_us=t_kw * 1e3, xla_us=t_x * 1e3, torch_us=t_torch, torch_rel_l2=e_torch, kernels=names)
         log(f"  cold: path {t_all * 1e3:.1f} us, main kernel {t_k * 1e3:.1f} us; "
             f"warm: path {t_warm * 1e3:.1f} us, kernel {t_kw * 1e3:.1f} us; kernels {names}")
-      except Exception as ex:  # noqa: BLE001
-        entry["error"] = timing.failure(f"{vname} B={b} S={s}", ex)
       rows.append(entry)
 
   print(f"\nceilings: {timing.ceiling_line(bw)}")

@@ -1,7 +1,7 @@
 """DSpark speculative decoding on one GPU: the step cost of verify + draft against a plain decode step, and the
 decode rate that cost gives at each acceptance length (issue #41's table for docs/PERFORMANCE.md).
 
-    PYTHONPATH=. python3 scripts/bench_speculative.py [--batches 1,8,64] [--ctx 4096] [--k 5] [--cut]
+    PYTHONPATH=. python3 scripts/bench_speculative.py [--batches 1,8,64] [--decode-ctx 4096] [--k 5] [--cut]
 
 The bench preset (Flash's per-layer widths) with its three DSpark stages at Flash's widths (128 experts, top-3), in
 the release's stored formats (FP8 linears, FP4 experts) with the engine's default kernels, as `dsv41 serve` runs.
@@ -15,46 +15,30 @@ either engine is timed end to end (`Engine.step`: host batch, program, host book
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-import sys
 
+from timing import engine_args, fake_decode_state, make_engine, write_json  # noqa: I001 (first: sys.path)
+from timing import median_wall_s as timed
 import jax
 
-from dsv41 import model
 from dsv41 import params as P
-from dsv41 import tokenizer as T
 from dsv41.config import preset
-from serving.engine.config import EngineConfig, SpeculativeConfig
-from serving.engine.engine import Engine
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import fake_decode_state  # noqa: E402
-from timing import median_wall_s as timed  # noqa: E402
+from serving.engine.config import SpeculativeConfig
 
 log = logging.getLogger("bench_speculative")
 LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
 
 
-def make(cfg, params, seqs: int, max_len: int, spec: SpeculativeConfig | None) -> Engine:
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
-                  config=EngineConfig(max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048,
-                                      enable_prefix_caching=False,
-                                      min_decode_bucket=seqs, speculative_config=spec))
-
-
-def step_time(eng: Engine, B: int, ctx: int, reps: int) -> tuple[float, float]:
-    """-> (first step s (compile), median step s) of B requests decoding at position ctx."""
+def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None):
+    """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
+    default kernels (`auto`), one decode bucket of B rows."""
+    eng = make_engine(cfg, params, True, max_len, B, "auto", min_decode_bucket=B, speculative_config=spec)
     fake_decode_state(eng, B, ctx)
     return timed(eng.step, reps=1), timed(eng.step, reps=reps)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="bench")
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--ctx", type=int, default=4096, help="context of every request when timing starts")
+    ap = engine_args(__doc__, batches="1,8,64", weights=False)
     ap.add_argument("--k", default="5", help="num_speculative_tokens, one program each (e.g. 1,2,5)")
     ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
     ap.add_argument("--reps", type=int, default=10)
@@ -64,21 +48,21 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     params = P.init_params(cfg, seed=0)
     ks = sorted(int(k) for k in args.k.split(","))
-    max_len = -(-(args.ctx + (ks[-1] + 1) * (args.reps + 2) + 64) // 64) * 64
+    max_len = -(-(args.decode_ctx + (ks[-1] + 1) * (args.reps + 2) + 64) // 64) * 64
     specs = [(f"k={k}", SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=True)) for k in ks]
     specs += [(f"k={ks[-1]} cut to 0", SpeculativeConfig(num_speculative_tokens=ks[-1], forced_acceptance=True,
                                                          confidence_threshold=1.0))] * args.cut
     rows = []
     for B in batches:
-        fp, tp = step_time(make(cfg, params, B, max_len, None), B, args.ctx, args.reps)
+        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None)
         for name, spec in specs:
-            fs, ts = step_time(make(cfg, params, B, max_len, spec), B, args.ctx, args.reps)
+            fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec)
             rows.append((B, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens, tp, ts))
             log.info("B=%d plain %.2f ms, %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, name, ts * 1e3, fp, fs)
 
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
-          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), context {args.ctx}\n")
+          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), context {args.decode_ctx}\n")
     lengths = [L for L in LENGTHS if L <= ks[-1] + 1]
     print("| batch | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
           + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")
@@ -87,6 +71,7 @@ def main():
         cells = [f"{B * L / ts:,.0f} ({tp * L / ts:.2f}x)" if L <= k + 1 else "" for L in lengths]
         print(f"| {B} | {name} | {tp * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | {B / tp:,.0f} | "
               + " | ".join(cells) + " |")
+    write_json(args.out, "bench_speculative.json", {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -28,16 +28,23 @@ import tempfile
 import time
 from unittest import mock
 
+from timing import fmt, log, print_table  # noqa: I001 (first: puts the repository on sys.path)
+import jax
 import numpy as np
 
-from timing import fmt, log, print_table
+from dsv41 import model, quant
+from dsv41 import params as P
+from dsv41 import tokenizer as T
+from dsv41.config import preset
+from serving import cli_serve, compilation_cache
+from serving.engine import backends, compile_events, kv_pool
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
 
 logger = logging.getLogger("bench_startup")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from serving import cli_serve
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     cli_serve.add_serve_args(ap)  # the engine flags and their defaults exactly as `dsv41 serve` takes them
@@ -57,8 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _one_row_tables(params: dict) -> dict:
     """The abstract tree with each Engram table as one host row of zeros: warm-up's all-padding batches gather
     row 0 only, and the tables (gigabytes for Flash) never reach the programs."""
-    from dsv41 import quant
-
     def one_row(t):
         return quant.Fp8Rows(*(np.zeros((1, *a.shape[1:]), a.dtype) for a in (t.weight, t.scale)))
 
@@ -70,17 +75,6 @@ def _one_row_tables(params: dict) -> dict:
 def abstract_engine(args: argparse.Namespace):
     """The serve engine of `args` over ShapeDtypeStruct weights and KV pool: the constructor's pool allocation and
     kernel weight preparation are swapped for their shapes here rather than the engine taught an abstract mode."""
-    import jax
-
-    from dsv41 import model
-    from dsv41 import params as P
-    from dsv41 import tokenizer as T
-    from dsv41.config import preset
-    from serving import cli_serve
-    from serving.engine import backends, kv_pool
-    from serving.engine.config import EngineConfig
-    from serving.engine.engine import Engine
-
     if args.checkpoint:
         raise SystemExit("--abstract measures a preset (--preset tiny / bench / flash); drop --checkpoint")
     cfg = preset(args.preset)
@@ -110,10 +104,6 @@ def abstract_engine(args: argparse.Namespace):
 
 def measure(eng, args: argparse.Namespace) -> list[dict]:
     """Lowers and compiles each program of the engine, one at a time (times undisturbed by the others)."""
-    import jax
-
-    from serving.engine import compile_events
-
     rows = []
     shapes = eng.program_shapes()
     if args.programs:
@@ -172,8 +162,6 @@ def measure_forward(name: str, tokens: int) -> dict:
 
 
 def child(args: argparse.Namespace) -> None:
-    from serving import cli_serve, compilation_cache
-
     compilation_cache.configure(compilation_cache.dir_from_args(args))
     t0 = time.perf_counter()
     eng = abstract_engine(args) if args.abstract else cli_serve.build_engine(args)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Time the vision tower + aligner (dsv41/vision.py `span_embeddings`, one image per call) at the release's sizes.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bench_vision.py --out $OUT [--sizes 544x544,2048x2048] \
@@ -66,7 +65,7 @@ def main() -> None:
             break
         w, h = (int(s) for s in size.split("x"))
         row = {"size": size, "attention": impl}
-        try:
+        with timing.guarded(f"{size} {impl}", row):
             inp = ip.vision_inputs(ip.preprocess(image_of(w, h), cfg.vision), cfg.vision)
             g = ip.plan_grid(w, h, cfg.vision)[0]
             n_pad = inp.patches.shape[0]
@@ -82,8 +81,6 @@ def main() -> None:
             row.update(grid=f"{g.vit_h}x{g.vit_w}", patches=g.n_patches, bucket=n_pad, span=g.span_len, ms=ms,
                        longest_ms=longest, how=timing.how(names), compile_s=compile_s, gflop=fl / 1e9,
                        tflops=tf, mm_frac=tf / ceil["mm_TFLOPs"])
-        except Exception as ex:  # noqa: BLE001
-            row["error"] = timing.failure(f"{size} {impl}", ex)
         ROWS.append(row)
         timing.write_json(args.out, "bench_vision.json", {"ceilings": ceil, "rows": ROWS})
     print(f"\nvision tower + aligner, one image per call ({args.preset}: {cfg.vision.n_layers} layers x "

@@ -18,11 +18,9 @@ import sys
 import tempfile
 import time
 
+from timing import KERNELS, cupti_kernels, device_params, fake_decode_state  # noqa: I001 (first: sys.path)
+from timing import engine_args, make_engine, median_wall_s as timed, print_table, with_fp4_experts, write_json
 import jax
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_engine import KERNELS, device_params, fake_decode_state, make_engine, with_fp4_experts  # the engine's set-up
-from timing import bench_args, cupti_kernels, median_wall_s as timed, print_table, write_json
 
 from dsv41 import params as P
 from dsv41.config import preset
@@ -93,11 +91,8 @@ def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top:
 
 
 def main():
-    ap = bench_args(__doc__)
+    ap = engine_args(__doc__, batches="1,64")
     ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
-    ap.add_argument("--weights", choices=["bf16", "release"], default="bf16")
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--decode-ctx", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -105,13 +100,13 @@ def main():
         sys.exit("profile_step.py needs a GPU (CUPTI)")
     jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dsv41_profile_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    cfg = preset("bench")
+    cfg = preset(args.preset)
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     if args.weights == "bf16" and KERNELS[args.backend][1] != "xla":
         params = with_fp4_experts(params)
     jax.block_until_ready(params)
     batches = [int(b) for b in args.batches.split(",") if b]
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bench preset ({cfg.n_layers} layers, "
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.preset} preset ({cfg.n_layers} layers, "
           f"{cfg.n_routed_experts} experts), kernels={args.backend}, weights={args.weights}, {time.strftime('%F')}")
     results = []
     if batches:

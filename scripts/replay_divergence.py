@@ -94,8 +94,7 @@ def main():
         # one prefill chunk size, one block-table width and one decode batch: each program compiles once
         ec = EngineConfig(max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=512,
                           swa_bounded_replay=replay, swa_replay_tokens=n_replay, enable_prefix_caching=False,
-                          numerics=num, keep_logits=True, min_prefill_bucket=512,
-                          min_decode_bucket=decode_bucket)
+                          numerics=num, keep_logits=True, min_prefill_bucket=512, min_decode_bucket=decode_bucket)
         eng = TeacherForced(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), ec)
         eng.forced = {}
         return eng

@@ -1,11 +1,14 @@
 """The benches' one shared module: CUPTI kernel time (wall clock where CUPTI is unavailable), PyTorch's CUDA-event
 time, the HBM and matmul-rate ceilings measured in the same run, the shared flags, tables and results files.
+The engine benches' set-up: random device weights, the kernel configurations by name, a faked decode batch.
 A timed jitted function must take every array it reads as an argument: a closed-over array becomes a constant."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -14,9 +17,18 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 # the benches import this first (their folder is on sys.path): the repository's packages then import without PYTHONPATH
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dsv41 import model, quant  # noqa: E402
+from dsv41 import params as P  # noqa: E402
+from dsv41 import tokenizer as T  # noqa: E402
+from serving.engine.backends import KernelOptions  # noqa: E402
+from serving.engine.config import EngineConfig  # noqa: E402
+from serving.engine.engine import Engine, SamplingParams, _Request  # noqa: E402
+
 T0 = time.time()
 _CUPTI_OK = None  # None: not tried yet; False after a failure (then wall clock only)
 
@@ -40,6 +52,19 @@ def bench_args(doc: str, *, out: str = "", iters: int | None = None, budget_s: f
     return ap
 
 
+def engine_args(doc: str, *, batches: str, weights: bool = True):
+    """An engine bench's parser: bench_args' and --preset, --batches, --decode-ctx, --weights (with `weights`)."""
+    ap = bench_args(doc)
+    ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
+    ap.add_argument("--batches", default=batches, help="decode batch sizes")
+    ap.add_argument("--decode-ctx", "--ctx", type=int, default=4096, help="every request's context when timed")
+    if weights:
+        ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
+                        help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
+                             "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
+    return ap
+
+
 def over_budget(budget_s: float, what: str) -> bool:
     """True (logged) past budget_s: the caller skips `what`, so the device call's limit does not cut the table."""
     if elapsed_s() <= budget_s:
@@ -53,6 +78,18 @@ def failure(what: str, ex: BaseException) -> str:
     log(f"{what} FAILED: {type(ex).__name__}: {str(ex)[:500]}")
     traceback.print_exc()
     return repr(ex)[:1000]
+
+
+@contextlib.contextmanager
+def guarded(what: str, row: dict | None = None, key: str = "error", **on_error):
+    """Runs the block (`as` gives it `row`); a failure is logged (`failure`) and, with `row`, its text goes to
+    row[key] and `on_error` into row: one failure must not lose the table."""
+    try:
+        yield row
+    except Exception as ex:  # noqa: BLE001
+        err = failure(what, ex)
+        if row is not None:
+            row.update({key: err, **on_error})
 
 
 def write_json(out_dir: str, name: str, obj) -> None:
@@ -239,3 +276,87 @@ def print_table(header: list[str], rows: list[list], align: str = "") -> None:
     print("|" + "|".join("---" if a == "l" else "---:" for a in align) + "|")
     for r in rows:
         print("| " + " | ".join(str(c) for c in r) + " |", flush=True)
+
+
+def device_params(cfg, seed=0):
+    """Dense bf16 weights drawn on the device; Engram tables as host zeros (read by row, never on the GPU)."""
+    specs = P.param_specs(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P.Spec))
+    key = jax.random.key(seed)
+    out = []
+    for i, s in enumerate(leaves):
+        if s.fmt == "table":
+            out.append(quant.Fp8Rows(np.zeros(s.shape, ml_dtypes.float8_e4m3fn),
+                                     np.full((s.shape[0], s.shape[1] // 32), 127, np.uint8)))
+            continue
+        dt = jnp.float32 if s.fmt == "f32" else jnp.bfloat16
+        if s.init == "ones":
+            out.append(jnp.ones(s.shape, dt))
+            continue
+        std = {"small": 0.1, "hc": 0.5 / math.sqrt(s.shape[-1]), "embed": 1.0}.get(s.init, 1 / math.sqrt(s.shape[-1]))
+        out.append((jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32) * std).astype(dt))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# kernel configurations by name -> (attention, routed experts, mHC site, router site, FP8 linears)
+KERNEL_NAMES = {"xla": "plain XLA", "attn": "the KV-path kernels", "pallas": "KV path + grouped FP4 expert GEMM",
+                "all": "those + the fused mHC and router sites", "auto": "the engine's defaults, as `dsv41 serve` "
+                "runs: with release weights the FP8 linear kernel too", "fp8": "auto + the FP8 linear kernel; needs "
+                "release weights", "xla-linears": "auto with XLA's FP8 linears"}
+KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla", "xla", "xla", "xla"),
+           "pallas": ("pallas", "pallas", "xla", "xla", "xla"), "all": ("pallas", "pallas", "pallas", "pallas", "xla"),
+           "auto": ("auto", "auto", "auto", "auto", "auto"), "fp8": ("auto", "auto", "auto", "auto", "pallas"),
+           "xla-linears": ("auto", "auto", "auto", "auto", "xla")}
+
+
+# configuration suffixes (auto+unfused-rope+kernel-topk): what each changes from the engine's defaults
+SUFFIXES = {"unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
+            "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
+                           "(KernelOptions(prefill_indexer_kernel=False))",
+            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))"}
+
+
+def kernels_of(config: str) -> tuple[str, ...]:
+    """A configuration name -> its kernel backends (KERNELS); suffixes after '+' (SUFFIXES) change one option."""
+    name, *suffixes = config.split("+")
+    unknown = [s for s in suffixes if s not in SUFFIXES]
+    if name not in KERNELS or unknown:
+        raise SystemExit(f"configuration {config!r}: choose one of {sorted(KERNELS)}, optionally with "
+                         f"+{' +'.join(SUFFIXES)}")
+    return KERNELS[name]
+
+
+def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, **config):
+    """An engine of `backend`'s kernels (`kernels_of`), no prefix cache, prefill chunks of 2048; `config`: other
+    EngineConfig fields."""
+    attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
+    suffixes = backend.split("+")[1:]
+    opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
+                         prefill_indexer_kernel="xla-indexer" not in suffixes,
+                         indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
+        max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
+        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=2048,
+        attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
+        linear_backend=linear_be, kernel_options=opts, **config))
+
+
+def with_fp4_experts(params):
+    """The routed experts quantized to the release's FP4 (what the grouped FP4 kernel reads); the rest stays."""
+    q = jax.jit(quant.quantize_fp4_weight)
+    layers = [{**lp, "ffn": {**lp["ffn"], "experts": {k: q(w) for k, w in lp["ffn"]["experts"].items()}}}
+              for lp in params["layers"]]
+    return {**params, "layers": layers}
+
+
+def fake_decode_state(eng, B, ctx):
+    """B running requests at position ctx with their pages assigned (the pool holds zeros: cost is the same)."""
+    eng.running.clear()
+    pages = iter(range(eng.layout.num_pages))
+    for i in range(B):
+        r = _Request(f"d{i}", [5] * ctx, SamplingParams(max_tokens=10**6, ignore_eos=True), None, float(i),
+                     prefill_len=ctx)
+        r.output, r.computed, r.rank, r.slot = [7], ctx, 0, i
+        r.pages = [next(pages) for _ in range(-(-(ctx + 1) // eng.layout.page_tokens))]
+        r.history = eng.hasher.initial_history(1)
+        eng.running[r.id] = r
