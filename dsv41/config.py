@@ -641,6 +641,14 @@ def preset(name: str) -> ModelConfig:
     raise ConfigError(f"unknown preset {name!r}; choose one of {list(PRESET_NAMES)}")
 
 
+def with_schedule(cfg: ModelConfig, name: str) -> ModelConfig:
+    """cfg at its widths with preset `name`'s layer schedule (roles, ratios, sources, Engram and DSpark layers):
+    e.g. the bench preset's Flash widths on Flash's 40 layers."""
+    src = preset(name)
+    kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return ModelConfig(**_with_engram_rows(**{**kw, **{k: getattr(src, k) for k in _FLASH_SCHEDULE}}))
+
+
 def check_layers(cfg: ModelConfig, layers: Sequence[int]) -> None:
     for layer in layers:
         if not 0 <= layer < cfg.n_layers:

@@ -17,7 +17,6 @@ Random weights made on the device: dense bf16, the routed experts in FP4 where t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import time
@@ -28,23 +27,13 @@ import numpy as np
 
 from dsv41 import layer_runs, model, quant
 from dsv41 import params as P
-from dsv41.config import preset
+from dsv41.config import preset, with_schedule
 from serving.engine import programs
 from serving.engine.engine import SamplingParams
 from timing import KERNEL_NAMES, SUFFIXES, device_params, fake_decode_state, kernels_of, make_engine, with_fp4_experts
 from timing import median_wall_s as timed
 
 log = logging.getLogger("bench_engine")
-
-
-def with_schedule(cfg, name: str):
-    """cfg at its widths with preset `name`'s layer schedule (roles, ratios, sources, Engram and DSpark layers)."""
-    from dsv41 import config as C
-
-    src = C.preset(name)
-    kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    kw.update({k: getattr(src, k) for k in C._FLASH_SCHEDULE})
-    return C.ModelConfig(**C._with_engram_rows(**kw))
 
 
 def linear_flops(cfg, core, n: int, replay: bool) -> float:

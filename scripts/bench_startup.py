@@ -2,18 +2,16 @@
 serve`'s engine flags, from an empty persistent compilation cache (cold), then from the cache the cold run filled
 (warm), each run in a fresh process (jax opens its cache once per process and keeps compiled programs in memory).
 
-    PYTHONPATH=. python3 scripts/bench_startup.py --preset tiny                       # CPU, a minute or two
-    PYTHONPATH=. python3 scripts/bench_startup.py --preset bench --max-model-len 8192
-    PYTHONPATH=. python3 scripts/bench_startup.py --preset flash --abstract --max-model-len 65536  # one GPU
+    PYTHONPATH=. python3 scripts/bench_startup.py --preset tiny     # CPU; --preset flash --abstract on one GPU
 
 --abstract: weights and KV pool as jax.ShapeDtypeStruct (Engram tables one row), so a model larger than the device
 (Flash on one H200) compiles as serving would compile it. One program at a time (warm-up overlaps several).
 
 How compile time grows with the layer count (flat: layers of one kind share one body, dsv41/layer_runs.py): the
-smallest program of each kind named and `model.forward` on 64 tokens, cold only, 40 layers against 8:
+smallest program of each kind named, cold only, 40 layers against 8:
 
     PYTHONPATH=. python3 scripts/bench_startup.py --abstract --cold-only --programs decode --smallest \
-        --forward 64 --preset tiny40       # then --preset tiny (CPU); on the H200: --preset flash, --preset bench
+        --preset tiny40       # then --preset tiny (CPU); on the H200: --preset flash, --preset bench
 """
 
 from __future__ import annotations
@@ -54,8 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--programs", help="comma-separated program kinds to measure (encoder, decoder, full, decode); "
                     "default: all of Engine.program_shapes()")
     ap.add_argument("--smallest", action="store_true", help="only the first (smallest) shape of each kind")
-    ap.add_argument("--forward", type=int, metavar="TOKENS",
-                    help="also lower and compile model.forward (abstract weights, batch 1, TOKENS tokens)")
     ap.add_argument("--cold-only", action="store_true", help="skip the warm (cache hit) run")
     ap.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)  # one run, JSON on stdout
     return ap.parse_args(argv)
@@ -128,37 +124,7 @@ def measure(eng, args: argparse.Namespace) -> list[dict]:
                      "source": c.source})
         logger.info("%d/%d %s B=%d T=%d pages=%d: lower %.2f s, compile %.2f s (%s)", i + 1, len(shapes), kind, B,
                     T, pages, t1 - t0, t2 - t1, c.source)
-    if args.forward:
-        rows.append(measure_forward(args.preset, args.forward))
     return rows
-
-
-def measure_forward(name: str, tokens: int) -> dict:
-    """Lower and compile `model.forward`'s program on abstract release weights (stacked by run as forward stacks
-    them), batch 1."""
-    import jax
-    import jax.numpy as jnp
-
-    from dsv41 import engram, layer_runs, model, quant
-    from dsv41 import params as P
-    from dsv41.config import preset
-    from serving.engine import compile_events
-
-    cfg = preset(name)
-    core, tables = model.strip_tables(P.abstract_params(cfg))
-    core = layer_runs.stack_params({k: v for k, v in core.items() if k not in P.VISION_KEYS}, cfg)
-    ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
-    hashed = jax.ShapeDtypeStruct((1, tokens, cfg.engram_n_cols), jnp.int32)
-    rows = [jax.eval_shape(engram.gather_rows, t, hashed) for t in tables]
-    t0 = time.perf_counter()
-    lowered = model._forward.lower(core, ids, rows, cfg=cfg, num=quant.REFERENCE)
-    t1 = time.perf_counter()
-    with compile_events.capture() as c:
-        lowered.compile()
-    t2 = time.perf_counter()
-    logger.info("forward B=1 T=%d: lower %.2f s, compile %.2f s (%s)", tokens, t1 - t0, t2 - t1, c.source)
-    return {"kind": "forward", "B": 1, "T": tokens, "pages": 0, "lower_s": t1 - t0, "compile_s": t2 - t1,
-            "source": c.source}
 
 
 def child(args: argparse.Namespace) -> None:
