@@ -143,11 +143,11 @@ def test_index_scores_in_entry_blocks_equal_one_pass(dtype, monkeypatch):
     q = jnp.asarray(rng.standard_normal((B, S, IH, ID)), dtype)
     w = jnp.asarray(rng.standard_normal((B, S, IH)), dtype)
     k = jnp.asarray(rng.standard_normal((B, G, ID)), dtype)
-    one = jax.jit(indexer.raw_scores, static_argnums=3)(q, w, k, dtype)
+    # a fresh function a trace: traces do not key on the module constant (and clearing jax's caches would make
+    # every later test in this worker compile its programs again)
+    one = jax.jit(lambda *a: indexer.raw_scores(*a, dtype))(q, w, k)
     monkeypatch.setattr(indexer, "MAX_PRODUCT_BYTES", 4 * B * S * IH * 128)  # blocks of 128: 3, the last ragged
-    jax.clear_caches()  # traces do not key on the module constant
-    blocked = jax.jit(indexer.raw_scores, static_argnums=3)(q, w, k, dtype)
-    jax.clear_caches()
+    blocked = jax.jit(lambda *a: indexer.raw_scores(*a, dtype))(q, w, k)
     assert blocked.shape == (B, S, G)
     if dtype == jnp.bfloat16:
         np.testing.assert_array_equal(np.asarray(blocked), np.asarray(one))
@@ -169,14 +169,14 @@ def test_index_products_written_in_the_activation_dtype_are_the_same_scores(dtyp
     q = jnp.asarray(rng.standard_normal((B, S, IH, ID)), dtype)
     w = jnp.asarray(rng.standard_normal((B, S, IH)), dtype)
     k = jnp.asarray(rng.standard_normal((B, G, ID)), dtype)
-    f = jax.jit(indexer.raw_scores, static_argnums=(3, 4))
-    today = f(q, w, k, dtype, False)
-    np.testing.assert_array_equal(np.asarray(f(q, w, k, dtype, True)), np.asarray(today))
+    def f(in_dtype: bool):  # a fresh function a trace: traces do not key on the module constant
+        return jax.jit(lambda *a: indexer.raw_scores(*a, dtype, in_dtype))(q, w, k)
+
+    today = f(False)
+    np.testing.assert_array_equal(np.asarray(f(True)), np.asarray(today))
     item = jnp.dtype(dtype).itemsize
     monkeypatch.setattr(indexer, "MAX_PRODUCT_BYTES", item * B * S * IH * 256)  # blocks of 256: 3, ragged
-    jax.clear_caches()  # traces do not key on the module constant
-    blocked = f(q, w, k, dtype, True)
-    jax.clear_caches()
+    blocked = f(True)
     if dtype == jnp.bfloat16:
         np.testing.assert_array_equal(np.asarray(blocked), np.asarray(today))
     else:
