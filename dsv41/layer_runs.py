@@ -97,17 +97,24 @@ def _stacked_sharding(x) -> Any:
     return sharding.stacked(sh) if isinstance(sh, jax.sharding.NamedSharding) else None
 
 
-def _stack_trees(trees: list):
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+@functools.lru_cache(maxsize=None)
+def _stacker(sharding) -> Callable:
+    """A jitted stack of one leaf's per-layer arrays [n, ...] placed at `sharding` (None: where jit puts it), one
+    per placement (a fresh jit a call would trace and compile every leaf)."""
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
 
 
-def stack_layers(layers: list, cfg: ModelConfig) -> list:
+def stack_layers(layers: list, cfg: ModelConfig, consume: bool = False) -> list:
     """Per-layer dicts (release layout, any weight formats, device or abstract arrays) -> one entry a run: for a
     run of several layers a tree whose leaves are stacked on a new leading layer axis [n, ...], placed as the
     layer's leaf plus that axis, which no mesh axis splits (`sharding.stacked`); a run of one stays its layer's
-    dict (in a list, as `scan` takes it: nothing to copy). Copies the weights of the runs of several layers (while
-    the caller holds the per-layer tree, both are in memory): call it once per model, at load (the engine) or
-    before repeated `model.forward` calls."""
+    dict (in a list, as `scan` takes it: nothing to copy).
+
+    Stacking copies the weights of the runs of several layers. consume=False: the per-layer arrays are left
+    as they are (while the caller holds them, both copies are in memory: call it once per model). consume=True:
+    each leaf's per-layer arrays are deleted as soon as their stack exists, so memory peaks at the weights plus
+    one leaf of one run, not twice the weights; the caller's `layers` is unusable afterwards (its owner, e.g. the
+    engine on the tree it loaded, asks for this)."""
     out = []
     for run in runs(cfg):
         trees = [layers[i] for i in run.layers]
@@ -115,26 +122,30 @@ def stack_layers(layers: list, cfg: ModelConfig) -> list:
             out.append(trees)
             continue
         leaves, treedef = jax.tree_util.tree_flatten(trees[0])
+        per_leaf = zip(*(jax.tree_util.tree_flatten(t)[0] for t in trees))
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             out.append(jax.tree_util.tree_unflatten(treedef, [
                 jax.ShapeDtypeStruct((run.n, *x.shape), x.dtype, sharding=_stacked_sharding(x)) for x in leaves]))
             continue
-        shardings = [_stacked_sharding(x) for x in leaves]
-        if all(s is None for s in shardings):
-            out.append(jax.jit(_stack_trees)(trees))
-        else:
-            out.append(jax.jit(_stack_trees, out_shardings=jax.tree_util.tree_unflatten(treedef, shardings))(trees))
+        stacked = []
+        for xs in per_leaf:
+            stacked.append(_stacker(_stacked_sharding(xs[0]))(*xs))
+            if consume:
+                for x in xs:
+                    if isinstance(x, jax.Array) and not x.is_deleted():
+                        x.delete()
+        out.append(jax.tree_util.tree_unflatten(treedef, stacked))
     return out
 
 
-def stack_params(params: dict, cfg: ModelConfig, stack: bool = True) -> dict:
+def stack_params(params: dict, cfg: ModelConfig, stack: bool = True, consume: bool = False) -> dict:
     """A params tree with its "layers" list replaced by the `RUNS_KEY` list, one entry a run: its layers stacked
-    (`stack_layers`), or (stack=False) the list of its layers' dicts, unrolled by `scan`. A tree already grouped is
-    returned as it is."""
+    (`stack_layers`; consume: deleting the per-layer arrays as they are stacked), or (stack=False) the list of its
+    layers' dicts, unrolled by `scan`. A tree already grouped is returned as it is."""
     if RUNS_KEY in params:
         return params
     out = {k: v for k, v in params.items() if k != "layers"}
-    out[RUNS_KEY] = (stack_layers(params["layers"], cfg) if stack
+    out[RUNS_KEY] = (stack_layers(params["layers"], cfg, consume) if stack
                      else [[params["layers"][i] for i in run.layers] for run in runs(cfg)])
     return out
 

@@ -59,6 +59,30 @@ def test_stacked_layers_hold_each_layer(runs_model):
         assert len(got) == len(want) and all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
 
 
+def test_consumed_stacking_holds_the_weights_once(runs_model, monkeypatch):
+    """consume=True (the engine on the tree it loaded): the per-layer arrays go as their stacks come, so the live
+    device bytes never exceed the weights plus one leaf of one run, and end where they began."""
+    cfg, params = runs_model
+    own = jax.tree_util.tree_map(jnp.array, params)  # a copy to hand over
+    live = lambda: sum(a.nbytes for a in jax.live_arrays())  # noqa: E731
+    before, peaks, stacker = live(), [], layer_runs._stacker
+
+    def recording(sharding):
+        fn = stacker(sharding)
+        return lambda *xs: (out := fn(*xs), peaks.append(live() - before))[0]
+
+    monkeypatch.setattr(layer_runs, "_stacker", recording)
+    stacked = layer_runs.stack_params(own, cfg, consume=True)
+    largest = max(x.nbytes for x in jax.tree_util.tree_leaves(params["layers"]))
+    assert peaks and max(peaks) <= largest * max(r.n for r in layer_runs.runs(cfg))
+    assert live() == before
+    assert own["layers"][3]["attn"]["wq_a"].is_deleted() and not own["layers"][2]["attn"]["wq_a"].is_deleted()
+    for i in range(cfg.n_layers):
+        got = jax.tree_util.tree_leaves(layer_runs.layer_params(stacked, cfg, i))
+        assert all(np.array_equal(np.asarray(g), np.asarray(w))
+                   for g, w in zip(got, jax.tree_util.tree_leaves(params["layers"][i])))
+
+
 def lowered_forward_chars(cfg) -> int:
     core, tables = model.strip_tables(P.abstract_params(cfg))
     core = layer_runs.stack_params({k: v for k, v in core.items() if k not in P.VISION_KEYS}, cfg)
