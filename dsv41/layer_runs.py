@@ -1,11 +1,12 @@
 """Runs of layers that share one compiled body: consecutive layers whose attention plan, compress ratio, KV source,
 RoPE frequencies, Engram / split role and parameter shapes are all equal (`runs`). A program traces each run's
-body once and loops it over the run's layers (`scan`), so its compile time grows with the number of runs, not of
-layers (Flash: 18 runs of 40 layers; no run of two layers or more holds a KV source, an Engram layer or the split
-layer, so those keep their static per-layer code).
+body once and loops it over the run's layers (`scan`), so its compile time grows with the number of bodies, not of
+layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its periods (Flash: 11 runs of
+40 layers, 12 bodies; L21-36 three reuse layers and a reindex layer, four times). No run of two layers or more
+holds a KV source, an Engram layer or the split layer, so those keep their static per-layer code.
 
 The parameters of the programs hold the layers grouped by run (`stack_params`): stacked (each leaf [n, ...] for a
-run of n layers, scanned), or a list of the run's per-layer dicts (stack=False: the runs unrolled, each layer's
+run of n layers, scanned; a periodic run a tuple of its parts, leaves [periods, part length, ...]), or a list of the run's per-layer dicts (stack=False: the runs unrolled, each layer's
 weights their own buffers, as a kernel that reads a weight in place needs while it cannot take a layer index: a
 scan's per-layer slice of a stacked weight is a copy wherever XLA does not fuse it into its reader). On disk and
 in `init_params` / `load_checkpoint` trees the layers stay one dict a layer, as released.

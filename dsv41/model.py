@@ -55,7 +55,7 @@ def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Num
                    pos: jax.Array, freqs: np.ndarray, trace: dict | None = None,
                    ops: Ops = XLA, layer_name: int | None = None) -> tuple[jax.Array, Carry]:
     """One layer's attention over a whole sequence. x [B, S, D] (attn_norm'd), pos [B, S] = arange. layer: any
-    layer of its run (`layer_runs`: the static plan); layer_name: the layer itself, for the trace (default layer).
+    layer of its body (`layer_runs`: the static plan); layer_name: the layer itself, for the trace (default layer).
 
     `carry` holds what earlier layers handed on (`layer_plan.Carry`: compressed KV and index keys of the latest
     KV source, the latest top-k, the candidate mask). -> (output [B, S, D], the carry for the next layer)."""

@@ -47,7 +47,8 @@ def test_runs_of_the_flash_schedule():
     assert spans(preset("tiny")) == [(i, 1, ()) for i in range(8)]  # every layer kind once
     assert spans(runs_config()) == [(0, 2, ()), (2, 1, ()), (3, 1, ()), (4, 6, ((4, 1), (5, 2)))]
     assert layer_runs.run_of(preset("flash"), 12) == (5, 3)
-    assert layer_runs.run_of(preset("flash"), 28) == (9, 7) and layer_runs.runs(preset("flash"))[9].locate(7) == (1, 1, 0)
+    assert layer_runs.run_of(preset("flash"), 28) == (9, 7)
+    assert layer_runs.runs(preset("flash"))[9].locate(7) == (1, 1, 0)  # L28: the reindex part of period 1
     with pytest.raises(ValueError, match="do not start and end at runs"):
         layer_runs.runs_between(preset("flash"), 0, 5)
 
