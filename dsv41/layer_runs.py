@@ -1,15 +1,17 @@
 """Runs of layers that share one compiled body: consecutive layers whose attention plan, compress ratio, KV source,
 RoPE frequencies, Engram / split role and parameter shapes are all equal (`runs`). A program traces each run's
 body once and loops it over the run's layers (`scan`), so its compile time grows with the number of bodies, not of
-layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its periods (Flash: 11 runs of
-40 layers, 12 bodies; L21-36 three reuse layers and a reindex layer, four times). No run of two layers or more
-holds a KV source, an Engram layer or the split layer, so those keep their static per-layer code.
+layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its periods (Flash: 10 runs of
+40 layers, 11 bodies; L21-39 three reuse layers and a reindex layer, four times, then three reuse layers). No run
+of two layers or more holds a KV source, an Engram layer or the split layer, so those keep their static per-layer
+code.
 
 The parameters of the programs hold the layers grouped by run (`stack_params`): stacked (each leaf [n, ...] for a
-run of n layers, scanned; a periodic run a tuple of its parts, leaves [periods, part length, ...]), or a list of the run's per-layer dicts (stack=False: the runs unrolled, each layer's
-weights their own buffers, as a kernel that reads a weight in place needs while it cannot take a layer index: a
-scan's per-layer slice of a stacked weight is a copy wherever XLA does not fuse it into its reader). On disk and
-in `init_params` / `load_checkpoint` trees the layers stay one dict a layer, as released.
+run of n layers, scanned; a periodic run a tuple of its parts, leaves [periods, part length, ...]), or a list of
+the run's per-layer dicts (stack=False: the runs unrolled, each layer's weights their own buffers, as a kernel
+that reads a weight in place needs while it cannot take a layer index: a scan's per-layer slice of a stacked
+weight is a copy wherever XLA does not fuse it into its reader). On disk and in `init_params` / `load_checkpoint`
+trees the layers stay one dict a layer, as released.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ RUNS_KEY = "runs"
 class Run:
     """Layers [first, first + n): everything static about them is the first layer's (its `plan`). A periodic run
     (`parts` set) repeats a period of parts, each part `count` consecutive layers of one body (`plan`: that of its
-    first layer in the first period): its layers' plans differ by position, not by period."""
+    first layer in the first period): its layers' plans differ by position, not by period. Its last period may
+    stop after any part (Flash: L21-39, four periods and the first part of a fifth)."""
 
     first: int
     n: int
@@ -58,6 +61,11 @@ class Run:
                 return q, t, o
             o -= c
         raise AssertionError("unreachable: o < period")
+
+    def periods(self, q: int = 0) -> int:
+        """How many periods hold part q (the last period may hold a prefix of the parts)."""
+        full, rest = divmod(self.n, self.period)
+        return full + (rest > sum(c for _, c in self.parts[:q]))
 
     def view(self, q: int) -> Run:
         """The run as part q's layers see it: the part's plan, the run's geometry (its first layer, its length:
@@ -100,14 +108,15 @@ def _simple_runs(cfg: ModelConfig) -> list[tuple[Run, tuple]]:
 def runs(cfg: ModelConfig) -> tuple[Run, ...]:
     """The model's layers as runs with one scanned body: maximal runs of consecutive layers of one body, and where
     a sequence of such runs repeats (same bodies, same lengths) twice or more, one periodic run of them (the
-    longest span, first from the left). Only runs without code of their own repeat (a KV source's pages, the
+    longest span, first from the left; its last period may hold only its first runs). Only runs without code of
+    their own repeat (a KV source's pages, the
     Engram and split layers stay runs of one), so every layer of a periodic run reads the pool the same way: its
     rings, one record for the run."""
     simple = _simple_runs(cfg)
     out: list[Run] = []
     r = 0
     while r < len(simple):
-        best = (1, 1)  # (periods, runs a period)
+        best: tuple = (1, 1, 0)  # (full periods, runs a period, runs of a last partial period)
         for p in range(2, MAX_PERIOD_RUNS + 1):
             pattern = [(k, run.n) for run, k in simple[r:r + p]]
             if len(pattern) < p or any(k[0] is not None for k, _ in pattern):
@@ -115,16 +124,19 @@ def runs(cfg: ModelConfig) -> tuple[Run, ...]:
             reps = 1
             while [(k, run.n) for run, k in simple[r + reps * p:r + (reps + 1) * p]] == pattern:
                 reps += 1
-            if reps > 1 and reps * p > best[0] * best[1]:
-                best = (reps, p)
-        reps, p = best
+            tail = 0  # the parts of a last, partial period
+            while tail < p - 1 and [(k, run.n) for run, k in simple[r + reps * p + tail:][:1]] == pattern[tail:][:1]:
+                tail += 1
+            if reps > 1 and reps * p + tail > best[0] * best[1] + best[2]:
+                best = (reps, p, tail)
+        reps, p, tail = best
         if reps == 1:
             out.append(simple[r][0])
         else:
             period = [run for run, _ in simple[r:r + p]]
-            out.append(Run(period[0].first, reps * sum(x.n for x in period), period[0].plan,
-                           tuple((x.plan, x.n) for x in period)))
-        r += reps * p
+            out.append(Run(period[0].first, reps * sum(x.n for x in period) + sum(x.n for x in period[:tail]),
+                           period[0].plan, tuple((x.plan, x.n) for x in period)))
+        r += reps * p + tail
     return tuple(out)
 
 
@@ -201,8 +213,9 @@ def stack_layers(layers: list, cfg: ModelConfig, consume: bool = False) -> list:
         elif not run.parts:
             out.append(_stack_group([layers[i] for i in run.layers], (run.n,), consume))
         else:
-            reps, o, parts = run.n // run.period, 0, []
-            for _, c in run.parts:
+            o, parts = 0, []
+            for q, (_, c) in enumerate(run.parts):
+                reps = run.periods(q)
                 trees = [layers[run.first + t * run.period + o + j] for t in range(reps) for j in range(c)]
                 parts.append(_stack_group(trees, (reps, c), consume))
                 o += c
@@ -270,20 +283,37 @@ def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
     if not run.parts:
         return scan_part(state, run_params, run.first, run)
 
+    reps = run.periods()
+    full = [q for q in range(len(run.parts)) if run.periods(q) == reps]  # the other parts skip the last period
+
+    def part(state, part_params, first, q):
+        if run.parts[q][1] == 1:  # no loop around a single layer
+            state, y = body(state, jax.tree_util.tree_map(lambda a: a[0], part_params), first, run.view(q))
+            return state, None if y is None else jax.tree_util.tree_map(lambda a: a[None], y)
+        return scan_part(state, part_params, first, run.view(q))
+
     def period(state, args):
-        t, parts = args
+        t, sliced = args
         ys, o = [], 0
-        for q, ((_, c), part) in enumerate(zip(run.parts, parts)):
+        for q, (_, c) in enumerate(run.parts):
             first = run.first + t * run.period + o
-            if c == 1:  # no loop around a single layer
-                state, y = body(state, jax.tree_util.tree_map(lambda a: a[0], part), first, run.view(q))
-                y = None if y is None else jax.tree_util.tree_map(lambda a: a[None], y)
-            else:
-                state, y = scan_part(state, part, first, run.view(q))
+            if q in full:
+                state, y = part(state, sliced[full.index(q)], first, q)
+            else:  # its weights one period short: read in place (the index clamped), skipped in the last period
+                def taken(state, q=q, first=first):
+                    lp = jax.tree_util.tree_map(
+                        lambda a: jax.lax.dynamic_index_in_dim(a, jnp.minimum(t, a.shape[0] - 1), keepdims=False),
+                        run_params[q])
+                    return part(state, lp, first, q)
+
+                out = jax.eval_shape(taken, state)[1]
+                state, y = jax.lax.cond(t < run.periods(q), taken, lambda state, out=out: (state, None if out is None
+                                        else jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out)),
+                                        state)
             ys.append(y)
             o += c
         return state, None if ys[0] is None else jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *ys)
 
-    reps = run.n // run.period
-    state, ys = jax.lax.scan(period, state, (jnp.arange(reps, dtype=jnp.int32), run_params))
-    return state, None if ys is None else jax.tree_util.tree_map(lambda a: a.reshape(run.n, *a.shape[2:]), ys)
+    state, ys = jax.lax.scan(period, state, (jnp.arange(reps, dtype=jnp.int32), [run_params[q] for q in full]))
+    return state, None if ys is None else jax.tree_util.tree_map(
+        lambda a: a.reshape(reps * run.period, *a.shape[2:])[:run.n], ys)
