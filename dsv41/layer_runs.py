@@ -109,9 +109,8 @@ def runs(cfg: ModelConfig) -> tuple[Run, ...]:
     """The model's layers as runs with one scanned body: maximal runs of consecutive layers of one body, and where
     a sequence of such runs repeats (same bodies, same lengths) twice or more, one periodic run of them (the
     longest span, first from the left; its last period may hold only its first runs). Only runs without code of
-    their own repeat (a KV source's pages, the
-    Engram and split layers stay runs of one), so every layer of a periodic run reads the pool the same way: its
-    rings, one record for the run."""
+    their own repeat (a KV source's pages, the Engram and split layers stay runs of one), so every layer of a
+    periodic run reads the pool the same way: its rings, one record for the run."""
     simple = _simple_runs(cfg)
     out: list[Run] = []
     r = 0
