@@ -1,14 +1,17 @@
 """Runs of layers that share one compiled body: consecutive layers whose attention plan, compress ratio, KV source,
 RoPE frequencies, Engram / split role and parameter shapes are all equal (`runs`). A program traces each run's
-body once and loops it over the run's layers (`scan`), so its compile time grows with the number of runs, not of
-layers (Flash: 18 runs of 40 layers; no run of two layers or more holds a KV source, an Engram layer or the split
-layer, so those keep their static per-layer code).
+body once and loops it over the run's layers (`scan`), so its compile time grows with the number of bodies, not of
+layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its periods (Flash: 10 runs of
+40 layers, 11 bodies; L21-39 three reuse layers and a reindex layer, four times, then three reuse layers). No run
+of two layers or more holds a KV source, an Engram layer or the split layer, so those keep their static per-layer
+code.
 
 The parameters of the programs hold the layers grouped by run (`stack_params`): stacked (each leaf [n, ...] for a
-run of n layers, scanned), or a list of the run's per-layer dicts (stack=False: the runs unrolled, each layer's
-weights their own buffers, as a kernel that reads a weight in place needs while it cannot take a layer index: a
-scan's per-layer slice of a stacked weight is a copy wherever XLA does not fuse it into its reader). On disk and
-in `init_params` / `load_checkpoint` trees the layers stay one dict a layer, as released.
+run of n layers, scanned; a periodic run a tuple of its parts, leaves [periods, part length, ...]), or a list of
+the run's per-layer dicts (stack=False: the runs unrolled, each layer's weights their own buffers, as a kernel
+that reads a weight in place needs while it cannot take a layer index: a scan's per-layer slice of a stacked
+weight is a copy wherever XLA does not fuse it into its reader). On disk and in `init_params` / `load_checkpoint`
+trees the layers stay one dict a layer, as released.
 """
 
 from __future__ import annotations
@@ -32,15 +35,42 @@ RUNS_KEY = "runs"
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """Layers [first, first + n): everything static about them is the first layer's (its `plan`)."""
+    """Layers [first, first + n): everything static about them is the first layer's (its `plan`). A periodic run
+    (`parts` set) repeats a period of parts, each part `count` consecutive layers of one body (`plan`: that of its
+    first layer in the first period): its layers' plans differ by position, not by period. Its last period may
+    stop after any part (Flash: L21-39, four periods and the first part of a fifth)."""
 
     first: int
     n: int
     plan: LayerPlan
+    parts: tuple[tuple[LayerPlan, int], ...] = ()
 
     @property
     def layers(self) -> range:
         return range(self.first, self.first + self.n)
+
+    @property
+    def period(self) -> int:
+        return sum(c for _, c in self.parts) if self.parts else 1
+
+    def locate(self, j: int) -> tuple[int, int, int]:
+        """The run's j-th layer -> (its part, its period, its position in the part)."""
+        t, o = divmod(j, self.period)
+        for q, (_, c) in enumerate(self.parts or ((self.plan, 1),)):
+            if o < c:
+                return q, t, o
+            o -= c
+        raise AssertionError("unreachable: o < period")
+
+    def periods(self, q: int = 0) -> int:
+        """How many periods hold part q (the last period may hold a prefix of the parts)."""
+        full, rest = divmod(self.n, self.period)
+        return full + (rest > sum(c for _, c in self.parts[:q]))
+
+    def view(self, q: int) -> Run:
+        """The run as part q's layers see it: the part's plan, the run's geometry (its first layer, its length:
+        its KV record holds every layer's rings)."""
+        return dataclasses.replace(self, plan=self.parts[q][0]) if self.parts else self
 
 
 def _body_key(cfg: ModelConfig, layer: int) -> tuple:
@@ -58,18 +88,54 @@ def _body_key(cfg: ModelConfig, layer: int) -> tuple:
             tuple(jax.tree_util.tree_leaves(specs, is_leaf=is_spec)))
 
 
-@functools.lru_cache(maxsize=16)
-def runs(cfg: ModelConfig) -> tuple[Run, ...]:
-    """The model's layers as maximal runs of consecutive layers with one body."""
-    out: list[Run] = []
-    key = None
+# Periods tried: of up to this many runs (Flash: a reindex layer and three reuse layers, two runs)
+MAX_PERIOD_RUNS = 4
+
+
+def _simple_runs(cfg: ModelConfig) -> list[tuple[Run, tuple]]:
+    """Maximal runs of consecutive layers with one body, each with its body key."""
+    out: list[tuple[Run, tuple]] = []
     for layer in range(cfg.n_layers):
         k = _body_key(cfg, layer)
-        if out and k == key:
-            out[-1] = dataclasses.replace(out[-1], n=out[-1].n + 1)
+        if out and k == out[-1][1]:
+            out[-1] = (dataclasses.replace(out[-1][0], n=out[-1][0].n + 1), k)
         else:
-            out.append(Run(layer, 1, LayerPlan.of(cfg, layer)))
-            key = k
+            out.append((Run(layer, 1, LayerPlan.of(cfg, layer)), k))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def runs(cfg: ModelConfig) -> tuple[Run, ...]:
+    """The model's layers as runs with one scanned body: maximal runs of consecutive layers of one body, and where
+    a sequence of such runs repeats (same bodies, same lengths) twice or more, one periodic run of them (the
+    longest span, first from the left; its last period may hold only its first runs). Only runs without code of
+    their own repeat (a KV source's pages, the Engram and split layers stay runs of one), so every layer of a
+    periodic run reads the pool the same way: its rings, one record for the run."""
+    simple = _simple_runs(cfg)
+    out: list[Run] = []
+    r = 0
+    while r < len(simple):
+        best: tuple = (1, 1, 0)  # (full periods, runs a period, runs of a last partial period)
+        for p in range(2, MAX_PERIOD_RUNS + 1):
+            pattern = [(k, run.n) for run, k in simple[r:r + p]]
+            if len(pattern) < p or any(k[0] is not None for k, _ in pattern):
+                continue
+            reps = 1
+            while [(k, run.n) for run, k in simple[r + reps * p:r + (reps + 1) * p]] == pattern:
+                reps += 1
+            tail = 0  # the parts of a last, partial period
+            while tail < p - 1 and [(k, run.n) for run, k in simple[r + reps * p + tail:][:1]] == pattern[tail:][:1]:
+                tail += 1
+            if reps > 1 and reps * p + tail > best[0] * best[1] + best[2]:
+                best = (reps, p, tail)
+        reps, p, tail = best
+        if reps == 1:
+            out.append(simple[r][0])
+        else:
+            period = [run for run, _ in simple[r:r + p]]
+            out.append(Run(period[0].first, reps * sum(x.n for x in period) + sum(x.n for x in period[:tail]),
+                           period[0].plan, tuple((x.plan, x.n) for x in period)))
+        r += reps * p + tail
     return tuple(out)
 
 
@@ -90,51 +156,80 @@ def runs_between(cfg: ModelConfig, first: int, last: int) -> list[tuple[int, Run
     return out
 
 
-def _stacked_sharding(x) -> Any:
+def _stacked_sharding(x, axes: int = 1) -> Any:
     from dsv41 import sharding
 
     sh = getattr(x, "sharding", None)
-    return sharding.stacked(sh) if isinstance(sh, jax.sharding.NamedSharding) else None
+    if not isinstance(sh, jax.sharding.NamedSharding):
+        return None
+    for _ in range(axes):
+        sh = sharding.stacked(sh)
+    return sh
 
 
-def _stack_trees(trees: list):
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+@functools.lru_cache(maxsize=None)
+def _stacker(sharding, lead: tuple[int, ...]) -> Callable:
+    """A jitted stack of one leaf's per-layer arrays [*lead, ...] (lead: n, or periods and the part's length),
+    placed at `sharding` (None: where jit puts it), one per placement (a fresh jit a call would trace and compile
+    every leaf)."""
+    return jax.jit(lambda *xs: jnp.stack(xs).reshape(*lead, *xs[0].shape), out_shardings=sharding)
 
 
-def stack_layers(layers: list, cfg: ModelConfig) -> list:
+def _stack_group(trees: list, lead: tuple[int, ...], consume: bool):
+    """The layers' trees (in order) -> one tree, leaves [*lead, ...]; consume: each leaf's per-layer arrays deleted
+    once stacked."""
+    leaves, treedef = jax.tree_util.tree_flatten(trees[0])
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return jax.tree_util.tree_unflatten(treedef, [
+            jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype, sharding=_stacked_sharding(x, len(lead)))
+            for x in leaves])
+    stacked = []
+    for xs in zip(*(jax.tree_util.tree_flatten(t)[0] for t in trees)):
+        stacked.append(_stacker(_stacked_sharding(xs[0], len(lead)), lead)(*xs))
+        if consume:
+            for x in xs:
+                if isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
+    return jax.tree_util.tree_unflatten(treedef, stacked)
+
+
+def stack_layers(layers: list, cfg: ModelConfig, consume: bool = False) -> list:
     """Per-layer dicts (release layout, any weight formats, device or abstract arrays) -> one entry a run: for a
-    run of several layers a tree whose leaves are stacked on a new leading layer axis [n, ...], placed as the
-    layer's leaf plus that axis, which no mesh axis splits (`sharding.stacked`); a run of one stays its layer's
-    dict (in a list, as `scan` takes it: nothing to copy). Copies the weights of the runs of several layers (while
-    the caller holds the per-layer tree, both are in memory): call it once per model, at load (the engine) or
-    before repeated `model.forward` calls."""
+    run of several layers a tree whose leaves are stacked on a new leading layer axis [n, ...]; for a periodic run
+    a tuple, one such tree a part, its leaves [periods, part length, ...]; placed as the layer's leaf plus those
+    axes, which no mesh axis splits (`sharding.stacked`). A run of one stays its layer's dict (in a list, as `scan`
+    takes it: nothing to copy).
+
+    Stacking copies the weights of the runs of several layers. consume=False: the per-layer arrays are left
+    as they are (while the caller holds them, both copies are in memory: call it once per model). consume=True:
+    each leaf's per-layer arrays are deleted as soon as their stack exists, so memory peaks at the weights plus
+    one leaf of one run, not twice the weights; the caller's `layers` is unusable afterwards (its owner, e.g. the
+    engine on the tree it loaded, asks for this)."""
     out = []
     for run in runs(cfg):
-        trees = [layers[i] for i in run.layers]
         if run.n == 1:
-            out.append(trees)
-            continue
-        leaves, treedef = jax.tree_util.tree_flatten(trees[0])
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            out.append(jax.tree_util.tree_unflatten(treedef, [
-                jax.ShapeDtypeStruct((run.n, *x.shape), x.dtype, sharding=_stacked_sharding(x)) for x in leaves]))
-            continue
-        shardings = [_stacked_sharding(x) for x in leaves]
-        if all(s is None for s in shardings):
-            out.append(jax.jit(_stack_trees)(trees))
+            out.append([layers[run.first]])
+        elif not run.parts:
+            out.append(_stack_group([layers[i] for i in run.layers], (run.n,), consume))
         else:
-            out.append(jax.jit(_stack_trees, out_shardings=jax.tree_util.tree_unflatten(treedef, shardings))(trees))
+            o, parts = 0, []
+            for q, (_, c) in enumerate(run.parts):
+                reps = run.periods(q)
+                trees = [layers[run.first + t * run.period + o + j] for t in range(reps) for j in range(c)]
+                parts.append(_stack_group(trees, (reps, c), consume))
+                o += c
+            out.append(tuple(parts))
     return out
 
 
-def stack_params(params: dict, cfg: ModelConfig, stack: bool = True) -> dict:
+def stack_params(params: dict, cfg: ModelConfig, stack: bool = True, consume: bool = False) -> dict:
     """A params tree with its "layers" list replaced by the `RUNS_KEY` list, one entry a run: its layers stacked
-    (`stack_layers`), or (stack=False) the list of its layers' dicts, unrolled by `scan`. A tree already grouped is
-    returned as it is."""
+    (`stack_layers`; consume: deleting the per-layer arrays as they are stacked), or (stack=False) the list of its
+    layers' dicts, unrolled by `scan`. A tree already grouped is returned as it is."""
     if RUNS_KEY in params:
         return params
     out = {k: v for k, v in params.items() if k != "layers"}
-    out[RUNS_KEY] = (stack_layers(params["layers"], cfg) if stack
+    out[RUNS_KEY] = (stack_layers(params["layers"], cfg, consume) if stack
                      else [[params["layers"][i] for i in run.layers] for run in runs(cfg)])
     return out
 
@@ -143,30 +238,81 @@ def layer_params(params: dict, cfg: ModelConfig, layer: int) -> dict:
     """One layer's dict out of a run-stacked tree (a view for tests and tools; the programs scan the runs)."""
     r, j = run_of(cfg, layer)
     group = params[RUNS_KEY][r]
-    return group[j] if isinstance(group, list) else jax.tree_util.tree_map(lambda a: a[j], group)
+    if isinstance(group, list):
+        return group[j]
+    if isinstance(group, tuple):  # a periodic run's parts
+        q, t, k = runs(cfg)[r].locate(j)
+        return jax.tree_util.tree_map(lambda a: a[t, k], group[q])
+    return jax.tree_util.tree_map(lambda a: a[j], group)
 
 
-def scan(body: Callable, state, run: Run, run_params, xs=None, unroll: bool = False):
-    """body(state, layer params, layer, x) -> (state, y) over the run's layers: run_params stacked [n, ...] (sliced
-    per layer) or a list of the layers' dicts (`stack_params`).
+def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
+    """body(state, layer params, layer, view) -> (state, y) over the run's layers; view: the run as the layer's
+    body sees it (`Run.view`: its part's plan on a periodic run). run_params: stacked (`stack_params`: [n, ...], or
+    a periodic run's parts [periods, part length, ...]) or a list of the layers' dicts.
 
     A run of one, a list, or unroll (a traced path that names per-layer intermediates) calls body per layer with
-    the static layer index; otherwise one `lax.scan` whose body gets the layer index traced. -> (state, ys stacked
-    [n, ...] or None)."""
-    listed = isinstance(run_params, list)
-    if run.n == 1 or unroll or listed:
+    the static layer index; otherwise one `lax.scan` whose body gets the layer index traced (a periodic run: a scan
+    over its periods whose body runs each part, a part of several layers its own inner scan).
+    -> (state, ys stacked [n, ...] in layer order, or None)."""
+    if run.n == 1 or unroll or isinstance(run_params, list):
         ys = []
         for j in range(run.n):
-            lp = run_params[j] if listed else jax.tree_util.tree_map(lambda a: a[j], run_params)
-            x = None if xs is None else jax.tree_util.tree_map(lambda a: a[j], xs)
-            state, y = body(state, lp, run.first + j, x)
+            q, t, k = run.locate(j)
+            if isinstance(run_params, list):
+                lp = run_params[j]
+            elif run.parts:
+                lp = jax.tree_util.tree_map(lambda a: a[t, k], run_params[q])
+            else:
+                lp = jax.tree_util.tree_map(lambda a: a[j], run_params)
+            state, y = body(state, lp, run.first + j, run.view(q))
             ys.append(y)
         if ys[0] is None:
             return state, None
         return state, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
 
-    def step(state, args):
-        lp, j, x = args
-        return body(state, lp, run.first + j, x)
+    def scan_part(state, part_params, first, view):
+        def step(state, args):
+            lp, j = args
+            return body(state, lp, first + j, view)
 
-    return jax.lax.scan(step, state, (run_params, jnp.arange(run.n, dtype=jnp.int32), xs))
+        n = jax.tree_util.tree_leaves(part_params)[0].shape[0]
+        return jax.lax.scan(step, state, (part_params, jnp.arange(n, dtype=jnp.int32)))
+
+    if not run.parts:
+        return scan_part(state, run_params, run.first, run)
+
+    reps = run.periods()
+    full = [q for q in range(len(run.parts)) if run.periods(q) == reps]  # the other parts skip the last period
+
+    def part(state, part_params, first, q):
+        if run.parts[q][1] == 1:  # no loop around a single layer
+            state, y = body(state, jax.tree_util.tree_map(lambda a: a[0], part_params), first, run.view(q))
+            return state, None if y is None else jax.tree_util.tree_map(lambda a: a[None], y)
+        return scan_part(state, part_params, first, run.view(q))
+
+    def period(state, args):
+        t, sliced = args
+        ys, o = [], 0
+        for q, (_, c) in enumerate(run.parts):
+            first = run.first + t * run.period + o
+            if q in full:
+                state, y = part(state, sliced[full.index(q)], first, q)
+            else:  # its weights one period short: read in place (the index clamped), skipped in the last period
+                def taken(state, q=q, first=first):
+                    lp = jax.tree_util.tree_map(
+                        lambda a: jax.lax.dynamic_index_in_dim(a, jnp.minimum(t, a.shape[0] - 1), keepdims=False),
+                        run_params[q])
+                    return part(state, lp, first, q)
+
+                out = jax.eval_shape(taken, state)[1]
+                state, y = jax.lax.cond(t < run.periods(q), taken, lambda state, out=out: (state, None if out is None
+                                        else jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out)),
+                                        state)
+            ys.append(y)
+            o += c
+        return state, None if ys[0] is None else jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *ys)
+
+    state, ys = jax.lax.scan(period, state, (jnp.arange(reps, dtype=jnp.int32), [run_params[q] for q in full]))
+    return state, None if ys is None else jax.tree_util.tree_map(
+        lambda a: a.reshape(reps * run.period, *a.shape[2:])[:run.n], ys)

@@ -55,7 +55,7 @@ def attention_full(x: jax.Array, p: dict, layer: int, cfg: ModelConfig, num: Num
                    pos: jax.Array, freqs: np.ndarray, trace: dict | None = None,
                    ops: Ops = XLA, layer_name: int | None = None) -> tuple[jax.Array, Carry]:
     """One layer's attention over a whole sequence. x [B, S, D] (attn_norm'd), pos [B, S] = arange. layer: any
-    layer of its run (`layer_runs`: the static plan); layer_name: the layer itself, for the trace (default layer).
+    layer of its body (`layer_runs`: the static plan); layer_name: the layer itself, for the trace (default layer).
 
     `carry` holds what earlier layers handed on (`layer_plan.Carry`: compressed KV and index keys of the latest
     KV source, the latest top-k, the candidate mask). -> (output [B, S, D], the carry for the next layer)."""
@@ -192,7 +192,7 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
     carry = Carry()
     groups = layer_runs.stack_params(params, cfg, stack=False)[layer_runs.RUNS_KEY]  # a per-layer tree: unrolled
     for r, run in enumerate(layer_runs.runs(cfg)):
-        def body(state, lp, i, _, run=run):
+        def body(state, lp, i, run):
             h, pre, carry = state
             if run.n == 1 and i in cfg.engram_layer_ids:  # (an Engram layer is a run of one: i is static)
                 if trace is not None:
@@ -202,7 +202,7 @@ def _forward(params: dict, ids: jax.Array, rows: list, cfg: ModelConfig, num: Nu
                     trace[f"engram{i}.out"] = h
 
             def attn_fn(x, carry):
-                return attention_full(x, lp["attn"], run.first, cfg, num, carry, pos, freqs[run.first],
+                return attention_full(x, lp["attn"], run.plan.layer, cfg, num, carry, pos, freqs[run.plan.layer],
                                       trace, ops, layer_name=i)
 
             return block(h, pre, lp, i, cfg, num, attn_fn, carry, trace, image_mask, ops=ops), None

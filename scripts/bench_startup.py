@@ -113,15 +113,18 @@ def measure(eng, args: argparse.Namespace) -> list[dict]:
         lowered = fn.lower(*fargs, **static)
         t1 = time.perf_counter()
         with compile_events.capture() as c:
-            lowered.compile()
+            compiled = lowered.compile()
         t2 = time.perf_counter()
+        # the programs' sizes: on a busy machine a steadier measure of the layer count's cost than its times
+        hlo = (len(lowered.as_text()), len(compiled.as_text() or ""))
+        del compiled
         # jax keeps every compiled executable in memory; on the CPU, ~80 of the tiny preset's exhausted the
         # process's memory maps (LLVM: "Cannot allocate memory"). Each program is measured alone anyway.
         del lowered
         jax.clear_caches()
         kind, B, T, pages = shape
         rows.append({"kind": kind, "B": B, "T": T, "pages": pages, "lower_s": t1 - t0, "compile_s": t2 - t1,
-                     "source": c.source})
+                     "source": c.source, "hlo_chars": hlo})
         logger.info("%d/%d %s B=%d T=%d pages=%d: lower %.2f s, compile %.2f s (%s)", i + 1, len(shapes), kind, B,
                     T, pages, t1 - t0, t2 - t1, c.source)
     return rows
@@ -149,12 +152,13 @@ def run_child(argv: list[str], which: str, cache_dir: str) -> dict:
 def report(cold: dict, warm: dict | None) -> None:
     """The per-program table and the totals; warm None: the cold run only (--cold-only)."""
     runs = [("cold", cold)] + ([("warm", warm)] if warm else [])
-    header = ["program", "B x T", "pages"] + [f"{w} s ({n})" for n, _ in runs for w in ("lower", "compile")]
-    rows = [[c["kind"], f"{c['B']} x {c['T']}", c["pages"]]
+    header = (["program", "B x T", "pages", "HLO k chars (lowered / optimized)"]
+              + [f"{w} s ({n})" for n, _ in runs for w in ("lower", "compile")])
+    rows = [[c["kind"], f"{c['B']} x {c['T']}", c["pages"], "%d / %d" % tuple(n // 1000 for n in c["hlo_chars"])]
             + [fmt(r["programs"][i][w]) for _, r in runs for w in ("lower_s", "compile_s")]
             + ([warm["programs"][i]["source"]] if warm else [])
             for i, c in enumerate(cold["programs"])]
-    print_table(header + (["warm"] if warm else []), rows, "lrr" + "rr" * len(runs) + ("l" if warm else ""))
+    print_table(header + (["warm"] if warm else []), rows, "lrrr" + "rr" * len(runs) + ("l" if warm else ""))
     print()
     totals = []
     for name, r in (("cold (empty cache)", cold), ("warm (cache hit)", warm)):

@@ -69,7 +69,10 @@ def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 
 class Engine(Scheduler, Prefill, Speculative, Warmup):
-    def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig(),
+                 *, own_params: bool = False):
+        # own_params: the caller hands `params` over (from_checkpoint, from_preset): stacking the runs of layers
+        # deletes their per-layer arrays as it goes, so start-up holds the weights once, not twice
         if not isinstance(config, EngineConfig):
             raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
                               f"pass engine options as EngineConfig(...) fields")
@@ -97,7 +100,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         except backends.BackendError as e:
             raise EngineError(str(e)) from None
         scan = backends.scans_layers(self.backends) if config.scan_layers is None else config.scan_layers
-        self.params = layer_runs.stack_params(self.params, cfg, stack=scan)
+        self.params = layer_runs.stack_params(self.params, cfg, stack=scan, consume=own_params)
         # one device: the module's programs, whose compiled cache every engine in the process shares
         self.programs = (programs.ONE_DEVICE if self.mesh is None else
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))
@@ -164,7 +167,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
 
         cfg = preset(name)
         params = P.init_params(cfg, seed)
-        return cls(cfg, params, T.load_tokenizer(), model.hasher_for(params, cfg), config)
+        return cls(cfg, params, T.load_tokenizer(), model.hasher_for(params, cfg), config, own_params=True)
 
     @classmethod
     def from_checkpoint(cls, path: str, engram_tables: str = "ram", config: EngineConfig = EngineConfig()) -> "Engine":
@@ -185,7 +188,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         if engram_tables == "ram":
             params = checkpoint.resident_tables(params)
         # the hasher from the token map load_checkpoint put in the tree: the one model.forward uses too
-        return cls(cfg, params, T.load_tokenizer(path), model.hasher_for(params, cfg), config)
+        return cls(cfg, params, T.load_tokenizer(path), model.hasher_for(params, cfg), config, own_params=True)
 
     # ---- requests -----------------------------------------------------------------------------
 

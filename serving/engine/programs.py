@@ -442,7 +442,7 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
         phase = phases.get(run.first, "full")
         tapped = taps is not None and any(i in cfg.dspark_target_layer_ids for i in run.layers)
 
-        def body(state, lp, i, _, run=run, phase=phase, tapped=tapped):
+        def body(state, lp, i, run, phase=phase, tapped=tapped):
             h, pre, rec, carry = state
             if run.n == 1 and i in cfg.engram_layer_ids and phase != "attn_only":  # (a run of one: i static)
                 with jax.named_scope("engram"):
@@ -454,13 +454,13 @@ def _layers(params, pool, b: Batch, h, pre, cfg, num, first: int, last: int, pha
                 with jax.named_scope("attention"):
                     x = rms_norm(mhc.collapse(h, pre), lp["attn_norm"], cfg.norm_eps)
                     _, rec, carry = run_attention(x, lp["attn"], run, i, cfg, num, pool, rec, b, carry,
-                                                  freqs[run.first], phase, backends)
+                                                  freqs[run.plan.layer], phase, backends)
                 return (h, pre, rec, carry), tap
 
             def attn_fn(x, state):
                 rec, carry = state
                 y, rec, carry = run_attention(x, lp["attn"], run, i, cfg, num, pool, rec, b, carry,
-                                              freqs[run.first], phase, backends)
+                                              freqs[run.plan.layer], phase, backends)
                 return y, (rec, carry)
 
             h, pre, (rec, carry) = model.block(h, pre, lp, i, cfg, num, attn_fn, (rec, carry),
