@@ -4,8 +4,7 @@
     python scripts/bench_load.py --preset tiny    # CPU smoke test
 
 Writes random bytes in the stored formats, evicts them from the page cache (fsync + POSIX_FADV_DONTNEED, no root
-needed), times a raw parallel read of the shards, cold and warm `load_checkpoint`, orbax save / cold restore.
-"""
+needed), times a raw parallel read of the shards, cold and warm `load_checkpoint`, orbax save / cold restore."""
 
 from __future__ import annotations
 

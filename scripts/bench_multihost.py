@@ -7,8 +7,7 @@ the tiny preset (DP2 + EP, a data rank per process): bytes per step and the lead
     PYTHONPATH=. python3 scripts/bench_multihost.py --devices 4      # 4 devices a process (DP2 x TP4 + EP)
     PYTHONPATH=. python3 scripts/bench_multihost.py --gpu --devices 4  # 8 GPUs: 4 a process (CUDA_VISIBLE_DEVICES)
 
-Both processes run on this host; across hosts the side channel's round trip adds the network's.
-"""
+Both processes run on this host; across hosts the side channel's round trip adds the network's."""
 
 from __future__ import annotations
 

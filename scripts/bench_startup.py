@@ -117,10 +117,9 @@ def measure(eng, args: argparse.Namespace) -> list[dict]:
         t2 = time.perf_counter()
         # the programs' sizes: on a busy machine a steadier measure of the layer count's cost than its times
         hlo = (len(lowered.as_text()), len(compiled.as_text() or ""))
-        del compiled
         # jax keeps every compiled executable in memory; on the CPU, ~80 of the tiny preset's exhausted the
         # process's memory maps (LLVM: "Cannot allocate memory"). Each program is measured alone anyway.
-        del lowered
+        del lowered, compiled
         jax.clear_caches()
         kind, B, T, pages = shape
         rows.append({"kind": kind, "B": B, "T": T, "pages": pages, "lower_s": t1 - t0, "compile_s": t2 - t1,
@@ -152,8 +151,8 @@ def run_child(argv: list[str], which: str, cache_dir: str) -> dict:
 def report(cold: dict, warm: dict | None) -> None:
     """The per-program table and the totals; warm None: the cold run only (--cold-only)."""
     runs = [("cold", cold)] + ([("warm", warm)] if warm else [])
-    header = (["program", "B x T", "pages", "HLO k chars (lowered / optimized)"]
-              + [f"{w} s ({n})" for n, _ in runs for w in ("lower", "compile")])
+    header = ["program", "B x T", "pages", "HLO k chars (lowered / optimized)"] + [
+        f"{w} s ({n})" for n, _ in runs for w in ("lower", "compile")]
     rows = [[c["kind"], f"{c['B']} x {c['T']}", c["pages"], "%d / %d" % tuple(n // 1000 for n in c["hlo_chars"])]
             + [fmt(r["programs"][i][w]) for _, r in runs for w in ("lower_s", "compile_s")]
             + ([warm["programs"][i]["source"]] if warm else [])
