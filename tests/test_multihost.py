@@ -136,14 +136,21 @@ def wait_healthy(url: str, procs, tmp, name: str) -> dict:
     pytest.fail(f"{name}: /health never answered 200{logs(tmp, name)}")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_processes_serve_the_one_process_tokens(layout, servers):
-    url, _, tmp, answer = servers[layout]
-    args = cli_serve.add_serve_args(argparse.ArgumentParser()).parse_args(ENGINE + LAYOUTS[layout])
-    eng = cli_serve.build_engine(args)  # the same engine on this process's devices
+@pytest.fixture(scope="module")
+def one_device_text():
+    """(tokens, text) of the same engine on one device: a layout's greedy tokens are the one-device engine's
+    (tests/test_engine_mesh.py), so one reference serves every layout (and compiles once)."""
+    args = cli_serve.add_serve_args(argparse.ArgumentParser()).parse_args(ENGINE)
+    eng = cli_serve.build_engine(args)
     ref = eng.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    text = TextPipeline(eng.tokenizer, stop=(), stop_token_ids=(), skip_special_tokens=False).feed(
+    return ref, TextPipeline(eng.tokenizer, stop=(), stop_token_ids=(), skip_special_tokens=False).feed(
         ref, finished=True, finish_reason="length")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_processes_serve_the_one_device_tokens(layout, servers, one_device_text):
+    url, _, tmp, answer = servers[layout]
+    ref, text = one_device_text
     code, body = answer.result(TIMEOUT_S)
     assert code == 200, f"{body}{logs(tmp, layout)}"
     assert body["usage"]["completion_tokens"] == MAX_TOKENS
