@@ -85,8 +85,9 @@ def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
 
 
 @pytest.mark.xdist_group(MESH_GROUP)
-@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(data_parallel_size=4, enable_expert_parallel=True)],
-                         ids=["tp2", "dep4"])
+# (TP alone: tests/test_multihost.py serves TP4 over two processes with the one-device tokens; a TP2 engine here
+# too cost CI a minute)
+@pytest.mark.parametrize("kw", [dict(data_parallel_size=4, enable_expert_parallel=True)], ids=["dep4"])
 def test_tensor_and_expert_parallel_match_the_one_device_engine(kw):
     eng = tiny_engine.make(num_pages=8, **kw)
     toks, logits, _ = serve(eng)
