@@ -99,7 +99,8 @@ class Speculative:
             self.params, self.pool, b, samp, has_q, np.full(len(rows), self.spec.forced_acceptance), n_verify,
             **self.static, spec_tokens=k)
         out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
-        n_next = verify_lengths(np.asarray(conf), self.spec.confidence_threshold)
+        thr = self.spec.confidence_threshold  # without one, the confidences never leave the device
+        n_next = np.full(len(rows), k, np.int32) if thr is None else verify_lengths(np.asarray(conf), thr)
         outs = []
         for i, r in enumerate(rows):
             if r is None:
