@@ -4,6 +4,8 @@ host work, idle). Bench preset (Flash widths, 8 layers), GPU only.
 
     PYTHONPATH=. python3 scripts/profile_step.py --backend auto --batches 1,64 --prefill 8192 [--out DIR]
 
+--speculative K: the decode step is DSpark's verify + draft step (k = K, forced acceptance, the 3 stages at Flash's
+widths), as `--speculative-config '{"method": "dspark", "num_speculative_tokens": K}'` serves it.
 The first decode batch's kernels are also summed by model part (`mhc`, `attention`, `moe/router`, ...): the named
 scopes of the compiled program's HLO matched to CUPTI's kernel names (cuBLAS kernels count as "unmatched").
 """
@@ -24,7 +26,7 @@ import jax
 
 from dsv41 import params as P
 from dsv41.config import preset
-from serving.engine import programs
+from serving.engine.config import SpeculativeConfig
 from serving.engine.engine import SamplingParams
 
 log = logging.getLogger("profile_step")
@@ -70,6 +72,21 @@ def by_part(kernels: list[tuple[str, float]], parts: dict[str, str]) -> dict[str
     return {k: (n, ms) for k, (n, ms) in out.items()}
 
 
+def recording(progs, name: str):
+    """Wraps progs.<name> to keep its last call's argument shapes; -> a function giving that call's compiled HLO
+    text (the pool is donated, so the arrays themselves are gone after the call)."""
+    f = getattr(progs, name)
+    seen = {}
+
+    def rec(*args, **kw):
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x  # noqa: E731
+        seen["args"] = jax.tree_util.tree_map(shape, args)
+        return f(*args, **kw)
+
+    setattr(progs, name, rec)
+    return lambda **kw: f.lower(*seen["args"], **kw).compile().as_text()
+
+
 def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top: int) -> dict:
     by_kind, by_name = collections.defaultdict(float), collections.defaultdict(lambda: [0.0, 0])
     for name, ms in kernels:
@@ -94,13 +111,14 @@ def main():
     ap = engine_args(__doc__, batches="1,64")
     ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K", help="decode with DSpark, k = K (0: off)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if jax.devices()[0].platform != "gpu":
         sys.exit("profile_step.py needs a GPU (CUPTI)")
     jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dsv41_profile_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    cfg = preset(args.preset)
+    cfg = preset(args.preset).replace(n_mtp_layers=3 if args.speculative else 0)
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     if args.weights == "bf16" and KERNELS[args.backend][1] != "xla":
         params = with_fp4_experts(params)
@@ -111,18 +129,23 @@ def main():
     results = []
     if batches:
         max_len = -(-(args.decode_ctx + 256) // 64) * 64
-        eng = make_engine(cfg, params, True, max_len, max(batches), args.backend)
+        spec = SpeculativeConfig(num_speculative_tokens=args.speculative, forced_acceptance=True) \
+            if args.speculative else None
+        max_len += (args.speculative + 1) * 16
+        eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec)
+        program = "run_spec" if spec else "run_full"
+        hlo = recording(eng.programs, program)
+        static = {**eng.static, **({"spec_tokens": args.speculative} if spec else {})}
         eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own
         for j, B in enumerate(batches):
             fake_decode_state(eng, B, args.decode_ctx)
             eng.step()  # compile
             wall = timed(eng.step, reps=10) * 1e3
             kernels = cupti_kernels(eng.step)
-            results.append(summarize(f"decode step, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
+            what = f"DSpark verify + draft step (k={args.speculative})" if spec else "decode step"
+            results.append(summarize(f"{what}, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
             if j == 0:
-                b, s = eng.decode_inputs(list(eng.running.values()))
-                text = programs.run_full.lower(eng.params, eng.pool, b, s, **eng.static).compile().as_text()
-                parts = by_part(kernels, hlo_parts(text))
+                parts = by_part(kernels, hlo_parts(hlo(**static)))
                 total = sum(ms for _, ms in parts.values())
                 print()
                 print_table(["model part", "kernels", "ms", "of kernel time"], [
