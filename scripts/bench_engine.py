@@ -6,9 +6,10 @@ overhead, compile times (ceilings: scripts/timing.py). Prints markdown tables fo
         [--decode-max-model-len 16384,65536]   (a decode at --decode-ctx in engines of each size)
 
 Scanned runs of layers (dsv41/layer_runs.py; the bench schedule's runs are all one layer) against every layer
-unrolled, at Flash's 40-layer schedule (the release's weight formats: 40 layers of bf16 experts do not fit):
+unrolled, at Flash's 40-layer schedule (the release's weight formats; 40 layers of 64 experts do not fit one H200
+once held as given, as the kernel's layout and stacked, so 16 experts a layer):
 
-    PYTHONPATH=. python3 scripts/bench_engine.py --schedule flash --weights release --backends auto \
+    PYTHONPATH=. python3 scripts/bench_engine.py --schedule flash --experts 16 --weights release --backends auto \
         --batches 1,64 --skip-prefill [--scan-layers|--no-scan-layers]
 
 Random weights made on the device: dense bf16, the routed experts in FP4 where the FP4 expert GEMM runs.
@@ -104,6 +105,8 @@ def main():
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--schedule", help="another preset's layer schedule at --preset's widths (flash: 40 layers)")
+    ap.add_argument("--experts", type=int, help="routed experts a layer (default: the preset's); fewer to fit more "
+                                                "layers, the widths stay")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                     help="runs of layers in one scanned body, or every layer unrolled (EngineConfig.scan_layers; "
                          "default: the engine's)")
@@ -122,6 +125,8 @@ def main():
     cfg = preset(args.preset)
     if args.schedule:
         cfg = with_schedule(cfg, args.schedule)
+    if args.experts:
+        cfg = cfg.replace(n_routed_experts=args.experts)
     dev = jax.devices()[0]
     ceil = timing.ceilings(quick=True) if dev.platform == "cpu" else timing.bench_ceilings()
     hbm, mxu = ceil["hbm_TBps"] * 1e12, ceil["mm_TFLOPs"] * 1e12
