@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The standing device runs, one group a device call (10 minutes), from the repository root; logs go to $OUT:
-#   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~8 min); SHARD 1-5: all @pytest.mark.gpu
-#                  tests in five parts that each fit one device call (the engine's GPU tests, shards 3-5, compile
+#   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~8 min); SHARD 1-6: all @pytest.mark.gpu
+#                  tests in six parts that each fit one device call (the engine's GPU tests, shards 3-6, compile
 #                  bench-preset programs, ~2 min a test); PATHS: the gpu tests there
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
@@ -31,8 +31,9 @@ case "${1:-}" in
       1) set -- tests/pallas_kernels/test_{expert_gemm,fp8_linear,codec_ptx,indexer_chunk,indexer_logits,kv_write}.py ;;
       2) set -- tests/pallas_kernels/test_{mhc,router,sparse_attention,topk_select}.py ;;
       3) set -- tests/test_engine_gpu.py; k="layer_by_layer" ;;
-      4) set -- tests/test_engine_gpu.py; k="not layer_by_layer and not all_kernels" ;;
+      4) set -- tests/test_engine_gpu.py; k="not layer_by_layer and not all_kernels and not scanned" ;;
       5) set -- tests/test_engine_gpu.py; k="all_kernels" ;;
+      6) set -- tests/test_engine_gpu.py; k="scanned" ;;
       "") set -- tests/pallas_kernels ;;
     esac
     timeout -k 10 "${TESTS_TIMEOUT:-580}" $PY -m pytest -q -s -rA --tb=short -m gpu -p no:cacheprovider \

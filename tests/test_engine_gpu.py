@@ -163,6 +163,29 @@ def test_fused_sites_match_xla_in_a_block(bench):
         assert rel < MOE_TOL and np.abs(pk - px).max() < 1e-4
 
 
+# the bench widths on 12 layers with runs of two: reuse layers 3-4 and 6-7 read KV from layers 2 and 5 (the
+# bench preset's own runs are one layer each, so scanning them changes nothing)
+RUNS_OF_TWO = dict(n_layers=12, compress_ratios=(0, 0, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 5, 8),
+                   index_source_layers=(2, 5, 8, 10), candidate_source_layer=8, engram_layer_ids=(1,),
+                   dspark_target_layer_ids=(9, 10, 11), n_routed_experts=16)
+
+
+def test_scanned_runs_match_unrolled():
+    """The kernels (`auto`) with runs of layers scanned (one compiled body a run, its weights stacked) against
+    every layer unrolled: the same kernels on the same inputs, so the logits agree to bf16 rounding (XLA may fuse
+    the glue between kernels differently inside a loop) and the greedy tokens are the same. What must hold
+    before `backends.scans_layers` scans where kernels run."""
+    cfg = preset("bench").replace(**RUNS_OF_TWO)
+    params = P.init_params(cfg, seed=0)
+    ids = list(np.random.default_rng(5).integers(3, cfg.vocab_size, 300))
+    tu, lu = _run(cfg, params, ids, scan_layers=False)
+    ts, ls = _run(cfg, params, ids, scan_layers=True)
+    rel = [float(np.abs(lu[i] - ls[i]).max() / np.abs(lu[i]).max()) for i in range(len(lu))]
+    print(f"scanned vs unrolled, kernels auto: rel. max logit difference per step {np.round(rel, 5).tolist()}; "
+          f"tokens {tu} vs {ts}")
+    assert np.all(np.isfinite(ls)) and max(rel) < 1e-2 and ts == tu
+
+
 def _run(cfg, params, ids, **kw):
     eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
                  config=EngineConfig(max_num_seqs=1, max_model_len=2048,
