@@ -5,6 +5,8 @@
   pools, prefix hits and the batch layout.
 - Expert parallelism changes summation orders: the expert-parallel op, without a pool, is checked to float32
   summation order (1e-5). (Engines under TP4 / DEP run in tests/test_multihost.py, across two processes.)
+- DSpark speculative decoding under DEP (data ranks, experts over all devices): the one-device plain engine's
+  greedy tokens.
 - TP8: the tiny preset with 8 output groups, so that every tensor-parallel split is 8 ways, against the same
   model on one device, to float32 summation order.
 """
@@ -22,7 +24,7 @@ from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
 from dsv41.ops import XLA
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.engine import Engine, EngineError, SamplingParams
 
 needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
@@ -130,7 +132,7 @@ def test_bad_layout_fails_before_a_checkpoint_loads(tmp_path, monkeypatch):
     """from_checkpoint checks the layout against config.json before it reads any weight."""
     from dsv41 import checkpoint
     from dsv41.config import preset
-    from serving.engine.config import EngineConfig
+    from serving.engine.config import EngineConfig, SpeculativeConfig
     from serving.engine.engine import Engine
 
     monkeypatch.setattr(checkpoint, "_read_layout", lambda *a: pytest.fail("weights were read"))
@@ -185,3 +187,22 @@ def test_tensor_parallel_8_is_the_one_device_engine():
     (t1, l1), (t8, l8) = out[1], out[8]
     assert t8 == t1
     assert np.abs(l8 - l1).max() < 1e-4 * np.abs(l1).max()
+
+
+def test_speculative_decoding_under_dep_keeps_the_greedy_tokens():
+    """Both ranks verify and draft in one program, each over its own rows' rings and pages."""
+    prompts = PROMPTS[1], PROMPTS[0][:37]  # the odd one re-runs the token before its anchor
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = tiny_engine.make()
+    eng = tiny_engine.make(speculative_config=SpeculativeConfig(num_speculative_tokens=5),
+                           max_model_len=tiny_engine.BASE["max_model_len"] - 5, data_parallel_size=2,
+                           enable_expert_parallel=True)
+    for p in prompts:
+        eng.add_request(f"r{len(p)}", p, greedy)
+    toks, ranks = {}, {}
+    while eng.has_work():
+        ranks.update({r.id: r.rank for r in eng.running.values()})
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert sorted(ranks.values()) == [0, 1] and eng.stats()["spec_drafts"] > 0
+    assert toks == {f"r{len(p)}": plain.generate(p, greedy) for p in prompts}
