@@ -131,9 +131,6 @@ def test_bad_layouts_fail_before_anything_runs(kw, msg):
 def test_bad_layout_fails_before_a_checkpoint_loads(tmp_path, monkeypatch):
     """from_checkpoint checks the layout against config.json before it reads any weight."""
     from dsv41 import checkpoint
-    from dsv41.config import preset
-    from serving.engine.config import EngineConfig, SpeculativeConfig
-    from serving.engine.engine import Engine
 
     monkeypatch.setattr(checkpoint, "_read_layout", lambda *a: pytest.fail("weights were read"))
     monkeypatch.setattr(checkpoint, "_read_config", lambda path, cfg: preset("tiny"))
