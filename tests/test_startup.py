@@ -6,7 +6,8 @@ file (a module fixture, one xdist worker): a CPU compile of the three is most of
 - scripts/bench_startup.py: the cold run compiles each program, the warm run loads each from the cache, and the
   abstract mode's programs (ShapeDtypeStruct weights and pool) are the very programs the allocated engine
   compiles: the allocated engine's run finds every one in the cache the abstract runs left.
-- after `Engine.warmup()` from that cache, requests compile no program of the engine.
+- the allocated serve engine's `Engine.warmup()` loads each program from that cache, and requests after it
+  compile no program of the engine.
 """
 
 from __future__ import annotations
@@ -45,15 +46,22 @@ def bench_cache(tmp_path_factory):
     return _run(str(SCRIPT), "--abstract", "--compilation-cache-dir", str(cache)), cache
 
 
-def test_cold_then_warm_and_abstract_equals_allocated(bench_cache):
-    table, cache = bench_cache
+@pytest.fixture(scope="module")
+def served(bench_cache):
+    """The allocated serve engine's run over that cache (`_after_warmup`, its own process): warm-up's program
+    sources, then what requests compiled."""
+    return _last_json(_run(__file__, "--after-warmup", str(bench_cache[1]), flags=[]))
+
+
+def test_cold_then_warm_and_abstract_equals_allocated(bench_cache, served):
+    table, _ = bench_cache
     lines = [line for line in table.splitlines() if line.startswith("| ")]
     programs = [line.split("|")[1].strip() for line in lines[1:4]]
     assert programs == ["encoder", "decoder", "decode"] and all(line.endswith("| cache hit |") for line in lines[1:4])
     assert any("cold (empty cache) | 3 |" in line and "| 0/3 |" in line for line in lines), table
     assert any("warm (cache hit) | 3 |" in line and "| 3/3 |" in line for line in lines), table
-    allocated = _last_json(_run(str(SCRIPT), "--child", "warm", "--compilation-cache-dir", str(cache)))
-    assert [p["source"] for p in allocated["programs"]] == ["cache hit"] * 3
+    # the allocated engine's warm-up loads every program the abstract runs compiled
+    assert served["warmup_sources"] == ["cache hit"] * 3, served
 
 
 def test_serve_defaults_compile_few_programs():
@@ -80,12 +88,10 @@ def test_serve_defaults_compile_few_programs():
         + [("decode", B, 1, 128) for B in (1, 2, 4, 8)])
 
 
-def test_requests_after_warmup_compile_no_program(bench_cache):
-    """The serve engine warmed up from the module's cache (every program a load), then a prompt of two chunks
-    (the replay decoder after them) beside a short one, decoding together: no program of the engine compiles."""
-    _, cache = bench_cache
-    out = _last_json(_run(__file__, "--after-warmup", str(cache), flags=[]))
-    assert out["warmup_sources"] == ["cache hit"] * 3, out
+def test_requests_after_warmup_compile_no_program(served):
+    """The serve engine warmed up from the module's cache, then a prompt of two chunks (the replay decoder after
+    them) beside a short one, decoding together: no program of the engine compiles."""
+    out = served
     assert out["program_cache_sizes"][0] == out["program_cache_sizes"][1], out
     assert not [n for n in out["compiled_after"] if n in PROGRAM_NAMES], out
     assert out["tokens"] == [3, 3], out
