@@ -155,10 +155,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting", type=int, help="waiting-queue bound; beyond it requests get 503 + Retry-After")
     g.add_argument("--min-prefill-bucket", type=int,
                    help="smallest padded prefill chunk; chunks pad to powers of two from here up to "
-                        "--max-num-batched-tokens (equal to it: one prefill program, more padding)")
+                        "--max-num-batched-tokens (equal to it: one prefill program, more padding; default: 16 "
+                        "on a GPU, the chunk on the CPU)")
     g.add_argument("--min-decode-bucket", type=int,
                    help="smallest padded decode batch; batches pad to it times powers of two up to "
-                        "--max-num-seqs (equal to it: one decode program)")
+                        "--max-num-seqs (equal to it: one decode program; default: 1 on a GPU, --max-num-seqs "
+                        "on the CPU)")
     add_parallel_args(g)
     add_multihost_args(g)
     add_speculative_arg(g)

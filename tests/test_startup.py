@@ -1,11 +1,13 @@
 """Start-up against a persistent compilation cache, each run in its own process (jax opens the cache once per
-process), on the tiny preset's `dsv41 serve` engine with three programs (one prefill width, one block-table width,
-one decode width: encoder, decoder, decode). One cold compile serves the whole file (a module fixture, one xdist
-worker): a CPU compile of the three is most of its time.
+process), on `dsv41 serve --preset tiny`'s engine with its default flags, which on the CPU is three programs (one
+prefill chunk, one block-table width, one decode batch: encoder, decoder, decode). One cold compile serves the whole
+file (a module fixture, one xdist worker): a CPU compile of the three is most of its time.
 
 - scripts/bench_startup.py: the cold run compiles each program, the warm run loads each from the cache, and the
   abstract mode's programs (ShapeDtypeStruct weights and pool) are the very programs the allocated engine
   compiles: the allocated engine's run finds every one in the cache the abstract runs left.
+- the allocated serve engine's `Engine.warmup()` loads each program from that cache, and requests after it
+  compile no program of the engine.
 """
 
 from __future__ import annotations
@@ -21,14 +23,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_startup.py"
-# one prefill width, one block-table width, one decode width: encoder, decoder, decode
-FLAGS = ["--preset", "tiny", "--max-model-len", "512", "--max-num-seqs", "2", "--max-num-batched-tokens", "128",
-         "--min-prefill-bucket", "128", "--min-decode-bucket", "2"]
+# the serve defaults: on the CPU one prefill chunk, one block-table width, one decode batch (encoder, decoder, decode)
+FLAGS = ["--preset", "tiny"]
 pytestmark = pytest.mark.xdist_group("startup")  # the tests share the module fixture's cold compile
 
 
-def _run(*cmd: str) -> str:
-    out = subprocess.run([sys.executable, *cmd, *FLAGS], capture_output=True, text=True, timeout=600,
+def _run(*cmd: str, flags: list[str] = FLAGS) -> str:
+    out = subprocess.run([sys.executable, *cmd, *flags], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
@@ -45,26 +46,95 @@ def bench_cache(tmp_path_factory):
     return _run(str(SCRIPT), "--abstract", "--compilation-cache-dir", str(cache)), cache
 
 
-def test_cold_then_warm_and_abstract_equals_allocated(bench_cache):
-    table, cache = bench_cache
+@pytest.fixture(scope="module")
+def served(bench_cache):
+    """The allocated serve engine's run over that cache (`_after_warmup`, its own process): warm-up's program
+    sources, then what requests compiled."""
+    return _last_json(_run(__file__, "--after-warmup", str(bench_cache[1]), flags=[]))
+
+
+def test_cold_then_warm_and_abstract_equals_allocated(bench_cache, served):
+    table, _ = bench_cache
     lines = [line for line in table.splitlines() if line.startswith("| ")]
     programs = [line.split("|")[1].strip() for line in lines[1:4]]
     assert programs == ["encoder", "decoder", "decode"] and all(line.endswith("| cache hit |") for line in lines[1:4])
     assert any("cold (empty cache) | 3 |" in line and "| 0/3 |" in line for line in lines), table
     assert any("warm (cache hit) | 3 |" in line and "| 3/3 |" in line for line in lines), table
-    allocated = _last_json(_run(str(SCRIPT), "--child", "warm", "--compilation-cache-dir", str(cache)))
-    assert [p["source"] for p in allocated["programs"]] == ["cache hit"] * 3
+    # the allocated engine's warm-up loads every program the abstract runs compiled
+    assert served["warmup_sources"] == ["cache hit"] * 3, served
 
 
 def test_serve_defaults_compile_few_programs():
     """`dsv41 serve --preset tiny` with its default flags (max_model_len 8192 = 128 pages, 8 sequences, 512-token
-    chunks): the block table is one width, so warm-up compiles the prefill chunk buckets, the replay decoder and
-    the decode batch buckets, 11 programs (88 when each also came in every block-table width up to 128 pages)."""
+    chunks): the block table is one width, and on the CPU the bucket floors are the chunk and max_num_seqs
+    (`EngineConfig.bucket_floors`), so warm-up compiles one encoder chunk, the replay decoder and one decode batch.
+    A GPU's floors (16 tokens, 1 row) give the prefill chunk buckets and the decode batch buckets, 11 programs."""
     import argparse
 
     from serving.cli_serve import add_serve_args, build_engine
+    from serving.engine.config import EngineConfig
 
-    eng = build_engine(add_serve_args(argparse.ArgumentParser()).parse_args(["--preset", "tiny"]))
-    shapes = eng.program_shapes()
-    assert shapes == ([("encoder", 1, T, 128) for T in (16, 32, 64, 128, 256, 512)] + [("decoder", 1, 1, 128)]
-                      + [("decode", B, 1, 128) for B in (1, 2, 4, 8)])
+    assert EngineConfig().bucket_floors("gpu") == (16, 1)
+    assert EngineConfig().bucket_floors("cpu") == (512, 8)
+    assert EngineConfig(min_prefill_bucket=64).bucket_floors("cpu") == (64, 8)  # a given floor wins
+
+    def shapes(*flags: str):
+        return build_engine(add_serve_args(argparse.ArgumentParser()).parse_args(["--preset", "tiny", *flags])
+                            ).program_shapes()
+
+    assert shapes() == [("encoder", 1, 512, 128), ("decoder", 1, 1, 128), ("decode", 8, 1, 128)]
+    assert shapes("--min-prefill-bucket", "16", "--min-decode-bucket", "1") == (
+        [("encoder", 1, T, 128) for T in (16, 32, 64, 128, 256, 512)] + [("decoder", 1, 1, 128)]
+        + [("decode", B, 1, 128) for B in (1, 2, 4, 8)])
+
+
+def test_requests_after_warmup_compile_no_program(served):
+    """The serve engine warmed up from the module's cache, then a prompt of two chunks (the replay decoder after
+    them) beside a short one, decoding together: no program of the engine compiles."""
+    out = served
+    assert out["program_cache_sizes"][0] == out["program_cache_sizes"][1], out
+    assert not [n for n in out["compiled_after"] if n in PROGRAM_NAMES], out
+    assert out["tokens"] == [3, 3], out
+
+
+PROGRAM_NAMES = {"jit(_full)", "jit(_encoder)", "jit(_decoder)", "jit(_spec)"}
+
+
+def _after_warmup(cache: str) -> dict:
+    """(a child process) What the requests after warm-up compiled: the jitted functions' names."""
+    import argparse
+    from unittest import mock
+
+    import numpy as np
+    from jax import monitoring
+
+    from serving import compilation_cache
+    from serving.cli_serve import add_serve_args, build_engine
+    from serving.engine import compile_events, warmup
+    from serving.engine.engine import SamplingParams
+
+    compilation_cache.configure(cache)
+    eng = build_engine(add_serve_args(argparse.ArgumentParser()).parse_args(FLAGS))
+    sources = []
+    real_report = warmup._report
+    with mock.patch.object(warmup, "_report", lambda s, c: sources.append(c.source) or real_report(s, c)):
+        eng.warmup(workers=1)  # one at a time: each program's own load, as `_report` sees it
+    progs = eng.programs.run_encoder, eng.programs.run_decoder, eng.programs.run_full
+    sizes = [[p._cache_size() for p in progs]]
+    compiled = []
+    monitoring.register_event_duration_secs_listener(
+        lambda e, d, **kw: compiled.append(kw.get("fun_name")) if e == compile_events.BACKEND_COMPILE else None)
+    rng = np.random.default_rng(0)
+    for i, n in enumerate((eng.chunk + 100, 20)):
+        eng.add_request(f"r{i}", rng.integers(0, 900, n).tolist(), SamplingParams(max_tokens=3, ignore_eos=True))
+    tokens = {}
+    while eng.has_work():
+        for o in eng.step():
+            tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
+    sizes.append([p._cache_size() for p in progs])
+    return {"warmup_sources": sources, "program_cache_sizes": sizes, "compiled_after": compiled,
+            "tokens": [tokens[k] for k in sorted(tokens)]}
+
+
+if __name__ == "__main__":  # the child of test_requests_after_warmup_compile_no_program
+    sys.stdout.write(json.dumps(_after_warmup(sys.argv[sys.argv.index("--after-warmup") + 1])) + "\n")

@@ -29,7 +29,7 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 HIT, COMPILED, IN_MEMORY = "cache hit", "compiled", "in memory"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: `capture` removes its own block from a stack of nested ones
 class Compiles:
     cache_hits: int = 0
     cache_misses: int = 0

@@ -80,9 +80,10 @@ class EngineConfig:
     keep_logits: bool = False  # tests and the replay study read the logits behind each token
     # shape buckets: prefill chunks pad to a power of two >= min_prefill_bucket, decode batches to
     # min_decode_bucket times a power of two; fewer buckets mean fewer compiles, bigger ones more padding. Block
-    # tables are always max_model_len wide: the context length is read at run time, not compiled in
-    min_prefill_bucket: int = 16
-    min_decode_bucket: int = 1
+    # tables are always max_model_len wide: the context length is read at run time, not compiled in.
+    # None: the platform's (`bucket_floors`)
+    min_prefill_bucket: int | None = None
+    min_decode_bucket: int | None = None
     # one shape per program, whatever shares the step: prefill at the chunk, decode at max_num_seqs' bucket, every
     # block table max_model_len wide (overrides the two above). A request's logits and tokens are then the same
     # bits alone, in any batch, or after a prefix hit (docs/ARCHITECTURE.md "Batch invariance"); costs padding
@@ -140,8 +141,24 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise EngineError("speculative_config must be a SpeculativeConfig (SpeculativeConfig.from_json parses "
                               f"the flag's JSON), got {type(self.speculative_config).__name__}")
-        if min(self.min_prefill_bucket, self.min_decode_bucket) < 1:
-            raise EngineError("min_prefill_bucket and min_decode_bucket must be >= 1")
+        for name in ("min_prefill_bucket", "min_decode_bucket"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise EngineError(f"{name} must be an integer >= 1 or None (the platform's), got {v!r}")
+
+    def bucket_floors(self, platform: str) -> tuple[int, int]:
+        """(min_prefill_bucket, min_decode_bucket) on `platform` (jax's: 'cpu', 'gpu'), the platform's where
+        None. A GPU: 16 tokens and 1 row, so that short prompts and small batches run programs of their size. The
+        CPU: the chunk and max_num_seqs, one prefill and one decode program. There a step's time is per-operation
+        overhead more than rows (the tiny preset's decode step took 34 ms at 1 row and 27 at 8), while each program
+        costs 5-10 s of compile at start-up: `dsv41 serve --preset tiny` warms up 3 programs instead of 11. A short
+        prompt pays the chunk's padding (tiny: a 20-token prompt's prefill 273 ms at 512 tokens, 103 at 32)."""
+        if platform == "cpu":
+            floors = (self.max_num_batched_tokens, self.max_num_seqs)
+        else:
+            floors = (16, 1)
+        given = (self.min_prefill_bucket, self.min_decode_bucket)
+        return tuple(g if g is not None else f for g, f in zip(given, floors))
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -127,8 +127,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         # speculative decoding writes up to k drafts past the newest token: their pages too
         pages_per_seq = -(-(self.max_model_len + self.spec_tokens) // page_tokens)
         self.max_pages_per_seq = pages_per_seq
-        self.min_prefill_bucket = config.min_prefill_bucket
-        self.min_decode_bucket = min(config.min_decode_bucket, _bucket(max_num_seqs))
+        self.min_prefill_bucket, min_decode = config.bucket_floors(jax.default_backend())
+        self.min_decode_bucket = min(min_decode, _bucket(max_num_seqs))
         if config.batch_invariant:
             # the floors at the ceilings: every bucket (`_batch`, `decode_inputs`, `_prefill_chunk`,
             # `program_shapes`) is then the top one, so no row's program depends on the rows beside it

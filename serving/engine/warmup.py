@@ -73,11 +73,11 @@ class Warmup:
         progress.start(n)
         stop = should_stop or (lambda: False)
         t0 = time.perf_counter()
-        parallel = bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir) \
-            and workers > 1
-        log.info("warm-up: %d programs to compile and load (%s)", n,
-                 f"{workers} compile threads, persistent cache {jax.config.jax_compilation_cache_dir}" if parallel
-                 else "one at a time, no persistent cache")
+        cached = bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+        parallel = cached and workers > 1
+        log.info("warm-up: %d programs to compile and load (%s, %s)", n,
+                 f"{workers} compile threads" if parallel else "one at a time",
+                 f"persistent cache {jax.config.jax_compilation_cache_dir}" if cached else "no persistent cache")
         if parallel:
             if not self._compile_in_threads(shapes, workers, stop, progress):
                 return []
