@@ -4,9 +4,7 @@
   must be the one-device engine's bit for bit: this checks routing, rank-local pages and slots, the per-rank
   pools, prefix hits and the batch layout.
 - Expert parallelism changes summation orders: the expert-parallel op, without a pool, is checked to float32
-  summation order (1e-5). (Engines under TP4 / DEP run in tests/test_multihost.py, across two processes.)
-- DSpark speculative decoding under DEP (data ranks, experts over all devices): the one-device plain engine's
-  greedy tokens.
+  summation order (1e-5). (Engines under TP / EP run in tests/test_multihost.py, across two processes.)
 """
 
 import dataclasses
@@ -18,10 +16,8 @@ import pytest
 
 import tiny_engine
 from dsv41 import moe, sharding
-from dsv41.config import preset
 from dsv41.ops import XLA
-from serving.engine.config import EngineConfig, SpeculativeConfig
-from serving.engine.engine import Engine, EngineError, SamplingParams
+from serving.engine.engine import EngineError, SamplingParams
 
 needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 pytestmark = [needs8]
@@ -127,6 +123,9 @@ def test_bad_layouts_fail_before_anything_runs(kw, msg):
 def test_bad_layout_fails_before_a_checkpoint_loads(tmp_path, monkeypatch):
     """from_checkpoint checks the layout against config.json before it reads any weight."""
     from dsv41 import checkpoint
+    from dsv41.config import preset
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
 
     monkeypatch.setattr(checkpoint, "_read_layout", lambda *a: pytest.fail("weights were read"))
     monkeypatch.setattr(checkpoint, "_read_config", lambda path, cfg: preset("tiny"))
@@ -163,22 +162,3 @@ def test_kv_budget_plans(capsys):
     assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel"]) == 0
     assert "TP1 x DP8 + EP (8 GPUs)" in capsys.readouterr().out
     assert cli.main(["kv-budget"]) == 1  # the full model on one H200: the weights alone do not fit
-
-
-def test_speculative_decoding_under_dep_keeps_the_greedy_tokens():
-    """Both ranks verify and draft in one program, each over its own rows' rings and pages."""
-    prompts = PROMPTS[1], PROMPTS[0][:37]  # the odd one re-runs the token before its anchor
-    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
-    plain = tiny_engine.make(swa_bounded_replay=False)  # exact prefill: one prefill program less to compile
-    eng = tiny_engine.make(speculative_config=SpeculativeConfig(num_speculative_tokens=5),
-                           max_model_len=tiny_engine.BASE["max_model_len"] - 5, data_parallel_size=2,
-                           enable_expert_parallel=True, swa_bounded_replay=False)
-    for p in prompts:
-        eng.add_request(f"r{len(p)}", p, greedy)
-    toks, ranks = {}, {}
-    while eng.has_work():
-        ranks.update({r.id: r.rank for r in eng.running.values()})
-        for o in eng.step():
-            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert sorted(ranks.values()) == [0, 1] and eng.stats()["spec_drafts"] > 0
-    assert toks == {f"r{len(p)}": plain.generate(p, greedy) for p in prompts}
