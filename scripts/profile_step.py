@@ -8,11 +8,18 @@ host work, idle). Bench preset (Flash widths, 8 layers), GPU only.
 widths), as `--speculative-config '{"method": "dspark", "num_speculative_tokens": K}'` serves it.
 The first decode batch's kernels are also summed by model part (`mhc`, `attention`, `moe/router`, ...): the named
 scopes of the compiled program's HLO matched to CUPTI's kernel names (cuBLAS kernels count as "unmatched").
+
+--timeline: each decode batch's steps are also traced (jax.profiler) and placed on one clock: per step, the GPU's
+busy time and its idle gaps, which kernel each long gap waits for, and the host thread's time per event name. A gap
+the host does not fill means the device waits for launches; a step whose dispatch does not return before the
+device is done holds the host (a device-to-host read inside the program). One batch size a run.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import glob
 import logging
 import os
 import re
@@ -107,12 +114,83 @@ def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top:
     return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind), "kernels": kernels}
 
 
+def _events(plane, line_prefix: str):
+    return [(e.start_ns, e.end_ns, e.name) for ln in plane.lines if ln.name.startswith(line_prefix)
+            for e in ln.events]
+
+
+def timeline(xplane: str, steps: int, top: int = 12) -> dict:
+    """A jax.profiler trace of `steps` decode steps -> the GPU's busy time and idle gaps a step (between the first
+    kernel's start and the last one's end), the gaps by the kind of kernel they wait for, the longest gaps with
+    the kernels around them, and the host's busiest event names; printed as tables."""
+    pd = jax.profiler.ProfileData.from_file(xplane)
+    gpu = [p for p in pd.planes if p.name.startswith("/device:GPU")]
+    log.info("trace planes %s; GPU lines %s", [p.name for p in pd.planes], [ln.name for p in gpu for ln in p.lines])
+    kernels = sorted((e.start_ns, e.end_ns, e.name) for p in gpu for ln in p.lines if ln.name.startswith("Stream")
+                     for e in ln.events)
+    if not kernels:
+        log.warning("no kernels in the trace")
+        return {}
+    gaps, longest = collections.defaultdict(lambda: [0, 0.0]), []
+    busy, end = 0.0, kernels[0][0]
+    for i, (k0, k1, name) in enumerate(kernels):
+        if k0 > end:
+            g = (k0 - end) / 1e3
+            gaps[kind_of(name)][0] += 1
+            gaps[kind_of(name)][1] += g
+            longest.append((g, kernels[i - 1][2], name))
+        busy += max(0, k1 - max(k0, end)) / 1e3
+        end = max(end, k1)
+    span = (end - kernels[0][0]) / 1e3
+    idle = span - busy
+    print()
+    print_table(["steps", "kernels / step", "span us / step", "GPU busy us / step", "idle us / step", "idle"],
+                [[steps, f"{len(kernels) / steps:.0f}", f"{span / steps:.0f}", f"{busy / steps:.0f}",
+                  f"{idle / steps:.0f}", f"{100 * idle / span:.0f}%"]])
+    print()
+    print_table(["gaps before a kernel of kind", "gaps / step", "us / step"],
+                [[k, f"{c / steps:.0f}", f"{us / steps:.0f}"]
+                 for k, (c, us) in sorted(gaps.items(), key=lambda kv: -kv[1][1])])
+    print()
+    print_table(["longest gaps us", "after", "before"],
+                [[f"{g:.1f}", f"`{a[:60]}`", f"`{b[:60]}`"] for g, a, b in sorted(longest, reverse=True)[:top]], "rll")
+    host = collections.defaultdict(lambda: [0, 0.0])
+    for p in pd.planes:
+        if p.name.startswith("/host"):
+            for ln in p.lines:
+                for e in ln.events:
+                    if kernels[0][0] <= e.start_ns < end:
+                        host[(ln.name[:30], e.name[:70])][0] += 1
+                        host[(ln.name[:30], e.name[:70])][1] += e.duration_ns / 1e3
+    print()
+    print_table(["host thread", "event", "calls / step", "us / step"],
+                [[f"`{t}`", f"`{e}`", f"{c / steps:.0f}", f"{us / steps:.0f}"]
+                 for (t, e), (c, us) in sorted(host.items(), key=lambda kv: -kv[1][1])[:3 * top]], align="llrr")
+    return {"span_us": span, "busy_us": busy, "gaps": dict(gaps), "longest": sorted(longest, reverse=True)[:50],
+            "host": {f"{t} | {e}": v for (t, e), v in host.items()}}
+
+
+def traced(fn, reps: int) -> str:
+    """Runs fn reps times under jax.profiler -> the trace's xplane file."""
+    d = tempfile.mkdtemp(prefix="dsv41_trace")
+    with jax.profiler.trace(d):
+        for _ in range(reps):
+            fn()
+    return glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+
+
 def main():
     ap = engine_args(__doc__, batches="1,64")
     ap.add_argument("--backend", default="auto", choices=sorted(KERNELS))
     ap.add_argument("--prefill", type=int, default=8192, help="prompt tokens (0: no prefill profile)")
     ap.add_argument("--speculative", type=int, default=0, metavar="K", help="decode with DSpark, k = K (0: off)")
+    ap.add_argument("--parts", action=argparse.BooleanOptionalAction, default=True,
+                    help="the first batch's kernels by model part (compiles the program once more)")
+    ap.add_argument("--timeline", action="store_true", help="also trace the decode steps: GPU idle gaps, host time")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if args.timeline and len(batches) > 1:
+        ap.error("--timeline takes one batch size a run: Mosaic's CUPTI reader fails after a jax.profiler trace")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if jax.devices()[0].platform != "gpu":
         sys.exit("profile_step.py needs a GPU (CUPTI)")
@@ -123,7 +201,6 @@ def main():
     if args.weights == "bf16" and KERNELS[args.backend][1] != "xla":
         params = with_fp4_experts(params)
     jax.block_until_ready(params)
-    batches = [int(b) for b in args.batches.split(",") if b]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.preset} preset ({cfg.n_layers} layers, "
           f"{cfg.n_routed_experts} experts), kernels={args.backend}, weights={args.weights}, {time.strftime('%F')}")
     results = []
@@ -134,7 +211,7 @@ def main():
         max_len += (args.speculative + 1) * 16
         eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec)
         program = "run_spec" if spec else "run_full"
-        hlo = recording(eng.programs, program)
+        hlo = recording(eng.programs, program) if args.parts else None  # its tree_map costs ms a step
         static = {**eng.static, **({"spec_tokens": args.speculative} if spec else {})}
         eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own
         for j, B in enumerate(batches):
@@ -144,7 +221,7 @@ def main():
             kernels = cupti_kernels(eng.step)
             what = f"DSpark verify + draft step (k={args.speculative})" if spec else "decode step"
             results.append(summarize(f"{what}, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
-            if j == 0:
+            if j == 0 and args.parts:
                 parts = by_part(kernels, hlo_parts(hlo(**static)))
                 total = sum(ms for _, ms in parts.values())
                 print()
@@ -152,6 +229,9 @@ def main():
                     [k, n, f"{ms:.3f}", f"{100 * ms / total:.0f}%"]
                     for k, (n, ms) in sorted(parts.items(), key=lambda kv: -kv[1][1])])
                 results[-1]["by_part"] = parts
+            if args.timeline:
+                print(f"\n### timeline of 5 steps, batch {B}")
+                results[-1]["timeline"] = timeline(traced(eng.step, 5), 5)
         del eng
     if args.prefill:
         n = args.prefill

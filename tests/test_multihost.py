@@ -37,7 +37,8 @@ from serving import cli_serve, multihost
 from serving.engine.sampling import SamplingParams
 from serving.response import TextPipeline
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
+pytestmark = [pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)"),
+              pytest.mark.xdist_group("multihost")]  # one worker starts the servers (a module fixture per worker)
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
 CACHE = ROOT / ".jax_cache"  # the persistent compilation cache tests/conftest.py gives this process
