@@ -114,11 +114,6 @@ def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top:
     return {"label": label, "wall_ms": wall_ms, "kernel_ms": total, "by_kind": dict(by_kind), "kernels": kernels}
 
 
-def _events(plane, line_prefix: str):
-    return [(e.start_ns, e.end_ns, e.name) for ln in plane.lines if ln.name.startswith(line_prefix)
-            for e in ln.events]
-
-
 def timeline(xplane: str, steps: int, top: int = 12) -> dict:
     """A jax.profiler trace of `steps` decode steps -> the GPU's busy time and idle gaps a step (between the first
     kernel's start and the last one's end), the gaps by the kind of kernel they wait for, the longest gaps with
