@@ -664,6 +664,39 @@ _STATIC = ("cfg", "num", "backends")
 _ENCODER_STATIC = _STATIC + ("replay_tokens",)
 _PREFILL_STATIC = _STATIC + ("dspark_seed",)
 _SPEC_STATIC = _STATIC + ("spec_tokens",)
+# XLA's CPU backend at full optimization took over 7 minutes on the tiny preset's speculative program (the plain
+# programs: ~10 s); its fast-compile preset, 19 s. The plain programs keep the default: the preset compiles them no
+# faster and runs them ~1.5x slower. Only where the program compiles for the CPU (`_PlatformJit`).
+_SPEC_CPU_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
+
+
+class _PlatformJit:
+    """`jax.jit(fn, **kw)` with `cpu_options` as its compiler options where jax's default backend is the CPU, made
+    at the first use (the platform is known only once jax is initialized, after `jax.distributed` where it runs).
+    Forwards what callers use of a jitted function: calls, `lower`, `trace`, `_cache_size`."""
+
+    def __init__(self, fn, cpu_options: dict, **kw):
+        self._make = lambda: jax.jit(fn, **kw, **({"compiler_options": cpu_options}
+                                                   if jax.default_backend() == "cpu" else {}))
+        self._jitted = None
+
+    @property
+    def jitted(self):
+        if self._jitted is None:
+            self._jitted = self._make()
+        return self._jitted
+
+    def __call__(self, *args, **kw):
+        return self.jitted(*args, **kw)
+
+    def lower(self, *args, **kw):
+        return self.jitted.lower(*args, **kw)
+
+    def trace(self, *args, **kw):
+        return self.jitted.trace(*args, **kw)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
 
 
 class Programs:
@@ -683,7 +716,8 @@ class Programs:
             self.run_full = jit(_full, static_argnames=_PREFILL_STATIC)
             self.run_decoder = jit(_decoder, static_argnames=_PREFILL_STATIC)
             self.run_encoder = jit(_encoder, static_argnames=_ENCODER_STATIC)
-            self.run_spec = jit(_spec, static_argnames=_SPEC_STATIC)
+            self.run_spec = _PlatformJit(_spec, _SPEC_CPU_OPTIONS, static_argnames=_SPEC_STATIC,
+                                         donate_argnames=("pool",))
             return
         rank = sharding.rank_sharding(mesh)
         specs = jax.tree_util.tree_map(sharding.manual_spec, param_shardings)
@@ -715,8 +749,9 @@ class Programs:
             return spec(params, pool, b, samp, has_q, forced, n_verify, cfg=cfg, num=num, backends=backends,
                         spec_tokens=spec_tokens)
 
-        def jit(fn, static=_STATIC, out=rank):
-            return _PerRankArgs(jax.jit(fn, static_argnames=static, donate_argnames=("pool",), out_shardings=out),
+        def jit(fn, static=_STATIC, out=rank, cpu_options=None):
+            kw = dict(static_argnames=static, donate_argnames=("pool",), out_shardings=out)
+            return _PerRankArgs(jax.jit(fn, **kw) if cpu_options is None else _PlatformJit(fn, cpu_options, **kw),
                                 rank)
 
         # across processes the host reads every rank's sampled tokens: replicated, each host has them locally
@@ -724,7 +759,8 @@ class Programs:
         self.run_full = jit(run_full, _PREFILL_STATIC, out=(rank, rank, tok))
         self.run_decoder = jit(run_decoder, _PREFILL_STATIC, out=(rank, rank, tok))
         self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
-        self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok, tok))
+        self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok, tok),
+                            cpu_options=_SPEC_CPU_OPTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
