@@ -665,7 +665,7 @@ _ENCODER_STATIC = _STATIC + ("replay_tokens",)
 _PREFILL_STATIC = _STATIC + ("dspark_seed",)
 _SPEC_STATIC = _STATIC + ("spec_tokens",)
 # XLA's CPU backend at full optimization took over 7 minutes on the tiny preset's speculative program (the plain
-# programs: ~10 s); its fast-compile preset, 19 s. The plain programs keep the default: the preset compiles them no
+# programs: ~10 s); its fast-compile preset, 18-19 s. The plain programs keep the default: the preset compiles them no
 # faster and runs them ~1.5x slower. Only where the program compiles for the CPU (`_PlatformJit`).
 _SPEC_CPU_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
 
