@@ -8,6 +8,7 @@
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
+#   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
 OUT=${OUT:-out}
@@ -79,8 +80,16 @@ case "${1:-}" in
     echo "profile_step rc=$?"
     grep -vE "^20[0-9-]+ [0-9:,]+ |WARNING|^\s*$" "$OUT/profile.txt" | head -120
     ;;
+  timeline)
+    for B in 1 64; do  # one batch a process: Mosaic's CUPTI reader fails after a trace
+      timeout -k 10 220 $PY scripts/profile_step.py --backend auto --weights release --batches $B --prefill 0 \
+        --no-parts --timeline --out "$OUT" > "$OUT/timeline$B.txt" 2>&1
+      echo "timeline batch $B rc=$?"
+      grep -A70 "### timeline" "$OUT/timeline$B.txt" | head -45
+    done
+    ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|serve|profile" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|serve|profile|timeline" >&2
     exit 2
     ;;
 esac
