@@ -104,7 +104,7 @@ def servers(tmp_path_factory):
             body = wait_healthy(url, procs, tmp, name)
             assert [p["process"] for p in body["processes"]] == [0, 1], body
             assert all(p["alive"] for p in body["processes"]), body
-        # both servers compile and answer while this process builds the references
+        # the ANSWERED layouts compile and answer while this process builds the reference
         yield {name: (*v, pool.submit(request, v[0] + "/v1/completions", COMPLETION) if name in ANSWERED else None)
                for name, v in out.items()}
     finally:
