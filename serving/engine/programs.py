@@ -30,7 +30,7 @@ from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
 from serving.engine.backends import Backends, KernelOptions
-from serving.engine import spec_sampling
+from serving.engine import host_rows, spec_sampling
 from serving.engine import kv_pool
 from serving.engine.kv_pool import KVPool
 
@@ -695,7 +695,8 @@ class _PlatformJit:
 
 class Programs:
     """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_spec`), jitted for one placement, each
-    taking (params, pool, batch, ...) and returning the new pool (donated).
+    taking (params, pool, batch, ...) and returning the new pool (donated). A call's host arrays reach the device
+    as one buffer (`host_rows`).
 
     mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
     `shard_map` manual over the data axis takes each rank's rows of the batch and its own pool (both stacked on
@@ -706,12 +707,16 @@ class Programs:
     def __init__(self, mesh=None, param_shardings=None):
         self.mesh = mesh
         if mesh is None:
-            jit = functools.partial(jax.jit, donate_argnames=("pool",))
-            self.run_full = jit(_full, static_argnames=_PREFILL_STATIC)
-            self.run_decoder = jit(_decoder, static_argnames=_PREFILL_STATIC)
-            self.run_encoder = jit(_encoder, static_argnames=_ENCODER_STATIC)
-            self.run_spec = _PlatformJit(_spec, _SPEC_CPU_OPTIONS, static_argnames=_SPEC_STATIC,
-                                         donate_argnames=("pool",))
+            def jit(fn, static, cpu_options=None):
+                kw = dict(static_argnames=static + ("layout",), donate_argnames=("pool",))
+                fn = host_rows.one_transfer(fn)
+                return host_rows.OneTransfer(jax.jit(fn, **kw) if cpu_options is None else
+                                             _PlatformJit(fn, cpu_options, **kw))
+
+            self.run_full = jit(_full, _PREFILL_STATIC)
+            self.run_decoder = jit(_decoder, _PREFILL_STATIC)
+            self.run_encoder = jit(_encoder, _ENCODER_STATIC)
+            self.run_spec = jit(_spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
             return
         rank = sharding.rank_sharding(mesh)
         specs = jax.tree_util.tree_map(sharding.manual_spec, param_shardings)
@@ -744,9 +749,10 @@ class Programs:
                         spec_tokens=spec_tokens)
 
         def jit(fn, static=_STATIC, out=rank, cpu_options=None):
-            kw = dict(static_argnames=static, donate_argnames=("pool",), out_shardings=out)
-            return _PerRankArgs(jax.jit(fn, **kw) if cpu_options is None else _PlatformJit(fn, cpu_options, **kw),
-                                rank)
+            kw = dict(static_argnames=static + ("layout",), donate_argnames=("pool",), out_shardings=out)
+            fn = host_rows.one_transfer(fn)
+            return host_rows.OneTransfer(_PerRankArgs(
+                jax.jit(fn, **kw) if cpu_options is None else _PlatformJit(fn, cpu_options, **kw), rank))
 
         # across processes the host reads every rank's sampled tokens: replicated, each host has them locally
         tok = sharding.replicated(mesh) if jax.process_count() > 1 else rank
@@ -774,6 +780,9 @@ class _PerRankArgs:
 
     def lower(self, *args, **static):
         return self.fn.lower(*self._args(*args), **static)
+
+    def _cache_size(self) -> int:
+        return self.fn._cache_size()
 
 
 ONE_DEVICE = Programs()

@@ -1,0 +1,111 @@
+"""A program call's host arrays as one transfer: every numpy argument whose leading axis is the batch's rows B
+travels inside one uint8 [B, row bytes] buffer (each row: its bytes of every such array, in argument order), and
+the jitted program slices and bitcasts them back.
+
+Why one buffer: XLA runs a GPU program's kernels as a CUDA graph and, on each call, updates only the commands
+that read an argument whose device address changed. A fresh transfer per array (tokens, positions, block table,
+Engram rows, sampling values) gave the kernels that read them a changed address, and updating those (the Mosaic
+kernels' captures are re-traced), with the transfers, cost the host ~1.7 ms of a batch-1 decode step whose kernels
+take 2.5 ms (docs/PERFORMANCE.md, section 2). With one buffer only the few fusions that unpack it change; the kernels read their unpacked copies,
+which XLA keeps at fixed places in its temporary buffer. Rows stay rows, so a mesh splits the buffer over data
+ranks as it split the arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostRows:
+    data: Any  # uint8 [B, row bytes]
+    fields: tuple = dataclasses.field(metadata=dict(static=True))  # ((numpy dtype, shape of one row), ...)
+
+
+def pack(arrays: list[np.ndarray]) -> HostRows:
+    """Arrays [B, ...] (one B) -> their rows side by side in one buffer."""
+    B = arrays[0].shape[0]
+    cols = [np.ascontiguousarray(a).view(np.uint8).reshape(B, -1) for a in arrays]
+    data = np.empty((B, sum(c.shape[1] for c in cols)), np.uint8)
+    at = 0
+    for c in cols:
+        data[:, at: at + c.shape[1]] = c
+        at += c.shape[1]
+    return HostRows(data, tuple((a.dtype, a.shape[1:]) for a in arrays))
+
+
+def unpack(rows: HostRows) -> list[jax.Array]:
+    """`pack`'s arrays, on the device (traced)."""
+    B = rows.data.shape[0]
+    out, at = [], 0
+    for dtype, shape in rows.fields:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        x = rows.data[:, at: at + n]
+        at += n
+        if dtype == np.bool_:
+            x = x != 0
+        elif dtype.itemsize > 1:
+            x = jax.lax.bitcast_convert_type(x.reshape(B, -1, dtype.itemsize), dtype)
+        elif dtype != np.uint8:
+            x = jax.lax.bitcast_convert_type(x, dtype)
+        out.append(jnp.reshape(x, (B, *shape)))
+    return out
+
+
+def split(args: tuple) -> tuple[HostRows | None, tuple, Any]:
+    """A call's arguments -> (the packed host arrays, the other leaves, the static layout `join` needs). Packed:
+    numpy arrays whose leading axis is the first such array's; the rest (device arrays, scalars) pass as they
+    are."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    B = next((x.shape[0] for x in leaves if isinstance(x, np.ndarray) and x.ndim), None)
+    host = tuple(isinstance(x, np.ndarray) and x.ndim > 0 and x.shape[0] == B for x in leaves)
+    packed = [x for x, h in zip(leaves, host) if h]
+    rest = tuple(x for x, h in zip(leaves, host) if not h)
+    return (pack(packed) if packed else None), rest, (tree, host)
+
+
+def join(rows: HostRows | None, rest: tuple, layout) -> tuple:
+    """`split`'s arguments again, inside the program."""
+    tree, host = layout
+    packed, rest = iter(unpack(rows) if rows is not None else ()), iter(rest)
+    return jax.tree_util.tree_unflatten(tree, [next(packed) if h else next(rest) for h in host])
+
+
+def one_transfer(fn):
+    """fn(params, pool, *args, **static) -> the function a program jits: (params, pool, rows, rest, *, layout,
+    **static), its arguments as `split` gives them."""
+
+    def program(params, pool, rows, rest, *, layout, **static):
+        return fn(params, pool, *join(rows, rest, layout), **static)
+
+    program.__name__ = program.__qualname__ = fn.__name__
+    return program
+
+
+class OneTransfer:
+    """A jitted `one_transfer` program called as fn(params, pool, *args, **static): packs args' host arrays
+    (`split`). Forwards what callers use of a jitted function: calls, `lower`, `trace`, `_cache_size`."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, params, pool, *args, **static):
+        rows, rest, layout = split(args)
+        return self.jitted(params, pool, rows, rest, layout=layout, **static)
+
+    def lower(self, params, pool, *args, **static):
+        rows, rest, layout = split(args)
+        return self.jitted.lower(params, pool, rows, rest, layout=layout, **static)
+
+    def trace(self, params, pool, *args, **static):
+        rows, rest, layout = split(args)
+        return self.jitted.trace(params, pool, rows, rest, layout=layout, **static)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
