@@ -24,11 +24,12 @@ def test_rows_pack_and_unpack_every_dtype_bit_for_bit():
 def test_split_packs_only_host_rows_and_join_restores_the_arguments():
     B = 2
     dev = jnp.ones((B, 3))
+    big = np.ones((B, host_rows.MAX_ROW_BYTES + 1), np.uint8)
     args = ({"t": np.arange(B * 4, dtype=np.int32).reshape(B, 4), "d": dev, "n": None},
-            [np.zeros(5, np.float32), np.array([True, False])], 7)
+            [np.zeros(5, np.float32), np.array([True, False]), big], 7)
     rows, rest, layout = host_rows.split(args)
     assert len(rows.fields) == 2  # the [B, 4] tokens and the [B] mask; [5] has another leading axis
-    assert len(rest) == 3  # dev, the [5] array, the int
+    assert len(rest) == 4  # dev, the [5] array, the large rows, the int
     back = jax.jit(host_rows.join, static_argnums=2)(rows, rest, layout)
     flat, want = jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(args)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(args)

@@ -1,5 +1,5 @@
 """A program call's host arrays as one transfer: every numpy argument whose leading axis is the batch's rows B
-travels inside one uint8 [B, row bytes] buffer (each row: its bytes of every such array, in argument order), and
+(and whose rows are small: `MAX_ROW_BYTES`) travels inside one uint8 [B, row bytes] buffer (each row: its bytes of every such array, in argument order), and
 the jitted program slices and bitcasts them back.
 
 Why one buffer: XLA runs a GPU program's kernels as a CUDA graph and, on each call, updates only the commands
@@ -58,13 +58,20 @@ def unpack(rows: HostRows) -> list[jax.Array]:
     return out
 
 
+# Arrays with larger rows pass as their own transfer: a prefill chunk's Engram rows (6 KiB a token, 12 MiB for a
+# 2048-token chunk) would cost the host a copy of that size, and a program that long does not feel the update of
+# the few fusions that read them.
+MAX_ROW_BYTES = 64 * 1024
+
+
 def split(args: tuple) -> tuple[HostRows | None, tuple, Any]:
     """A call's arguments -> (the packed host arrays, the other leaves, the static layout `join` needs). Packed:
-    numpy arrays whose leading axis is the first such array's; the rest (device arrays, scalars) pass as they
-    are."""
+    numpy arrays whose leading axis is the first such array's, rows of at most MAX_ROW_BYTES; the rest (device
+    arrays, scalars, large rows) pass as they are."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     B = next((x.shape[0] for x in leaves if isinstance(x, np.ndarray) and x.ndim), None)
-    host = tuple(isinstance(x, np.ndarray) and x.ndim > 0 and x.shape[0] == B for x in leaves)
+    host = tuple(isinstance(x, np.ndarray) and x.ndim > 0 and x.shape[0] == B and x.nbytes <= B * MAX_ROW_BYTES
+                 for x in leaves)
     packed = [x for x, h in zip(leaves, host) if h]
     rest = tuple(x for x, h in zip(leaves, host) if not h)
     return (pack(packed) if packed else None), rest, (tree, host)
