@@ -166,7 +166,7 @@ def main():
         b, s = eng.decode_inputs(reqs)
 
         def dev_only():
-            eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, s, **eng.static)
+            eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, **eng.static)
             tok.block_until_ready()
 
         dev_t = timed(dev_only, reps=10)

@@ -38,10 +38,7 @@ def zero_rows(cfg, B, T):
 
 def fill(core, pool, b, cfg, num):
     """Run a chunk through the XLA path (writes its KV) -> the new pool."""
-    B = b.tokens.shape[0]
-    samp = programs.Sampling(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
-                             np.zeros((B, 2), np.uint32))
-    pool, _, _ = programs.run_full(core, pool, b, samp, cfg=cfg, num=num)
+    pool, _, _ = programs.run_full(core, pool, b, cfg=cfg, num=num)
     return pool
 
 

@@ -46,6 +46,9 @@ class Watched:
         pool, logits, tok = self.programs.run_decoder(*a, **kw)
         return pool, Sealed(logits), Sealed(tok)
 
+    def sample(self, logits, samp, **kw):  # a program's logits into another program: on the device, no read
+        return Sealed(self.programs.sample(logits.a, samp, **kw))
+
     def run_encoder(self, params, pool, b, **kw):
         self.chunks.append(int(np.max(b.n_valid)))
         return self.programs.run_encoder(params, pool, b, **kw)

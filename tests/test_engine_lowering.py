@@ -39,18 +39,13 @@ def _batch(cfg, B, T, ctx_pages):
     return programs.Batch(i(B, T), i(B), i(B), i(B), i(B, ctx_pages), i(B), i(B, cfg.n_layers), rows)
 
 
-def _sampling(B):
-    return programs.Sampling(SD((B,), jnp.float32), SD((B,), jnp.float32), SD((B,), jnp.int32),
-                             SD((B, 2), jnp.uint32))
-
-
 @pytest.fixture(scope="module")
 def decode_hlo(bench):
     """The decode step of test_decode_lowers_for_cuda, lowered once for the tests that read it."""
     cfg, core, pool = bench
     B = 2
     be = BK.Backends("pallas", BK.KernelOptions(indexer_topk="kernel", fuse_rope=False), ALL_KERNELS)
-    return programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg,
+    return programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), cfg=cfg,
                                    num=quant.REFERENCE, backends=be).lower(
         lowering_platforms=("cuda",)).as_text()
 
@@ -63,7 +58,7 @@ def decode_fp8_hlo(bench):
     B = 64
     core = jax.eval_shape(lambda c: BK.prepare_linears(c, cfg), core)
     ops = BK.kernel_ops(experts=True, linears=True, mhc="pallas")
-    return programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), _sampling(B), cfg=cfg, num=quant.REFERENCE,
+    return programs.run_full.trace(core, pool, _batch(cfg, B, 1, 8), cfg=cfg, num=quant.REFERENCE,
                                    backends=BK.Backends("pallas", ops=ops)).lower(
         lowering_platforms=("cuda",)).as_text()
 

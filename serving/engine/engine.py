@@ -308,6 +308,15 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
     def _sampling(self, rows: list[_Request | None]) -> programs.Sampling:
         return sampling_arrays(rows, self.cfg.vocab_size, self._fail)
 
+    def _drawn(self, logits: jax.Array, greedy: jax.Array, samp: programs.Sampling) -> jax.Array:
+        """A step's token ids: its program's argmax where no row draws, else `Programs.sample`'s, with the
+        branches this step needs (the host knows them: no device-to-host read)."""
+        draws = samp.temperature > 0
+        if not draws.any():
+            return greedy
+        filtered = bool((draws & ((samp.top_k > 0) | (samp.top_p < 1.0))).any())
+        return self.programs.sample(logits, samp, draw=True, filtered=filtered)
+
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -385,7 +394,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             return self._decode_speculative(reqs)
         rows = self._decode_rows(reqs)
         b, samp = self._decode_batch(rows)
-        self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, samp, **self.static)
+        self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, **self.static)
+        tok = self._drawn(logits, tok, samp)
         for r in filter(None, rows):
             r.computed = r.num_tokens
         self.counters["decode_steps"] += 1

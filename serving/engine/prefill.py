@@ -31,11 +31,11 @@ class Prefill:
         b = self._batch(rows, chunks, {r.id: r.computed for r in reqs}, T)
         if not self.replay:
             last = [r if r is not None and ends[r.id] == r.prefill_len else None for r in rows]
-            self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, self._sampling(last),
-                                                            **self.prefill_static)
+            samp = self._sampling(last)
+            self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, **self.prefill_static)
             for r in reqs:
                 r.computed = ends[r.id]
-            return self._first_tokens(last, logits, tok)
+            return self._first_tokens(last, logits, self._drawn(logits, tok, samp))
         W = self.replay_tokens
         self.pool, h, pre = self.programs.run_encoder(self.params, self.pool, b, **self.static, replay_tokens=W)
         last: list[_Request | None] = [None] * len(rows)
@@ -56,11 +56,11 @@ class Prefill:
         if not any(last):
             return []
         bd, hp, pp = self._decoder_inputs(last, b.block_table.shape[1])
-        self.pool, logits, tok = self.programs.run_decoder(self.params, self.pool, bd, hp, pp, self._sampling(last),
-                                                           **self.prefill_static)
+        samp = self._sampling(last)
+        self.pool, logits, tok = self.programs.run_decoder(self.params, self.pool, bd, hp, pp, **self.prefill_static)
         for r in filter(None, last):
             r.tail = None
-        return self._first_tokens(last, logits, tok)
+        return self._first_tokens(last, logits, self._drawn(logits, tok, samp))
 
     def _chunk_budget(self, rank: int) -> int:
         """Prompt tokens of this step's chunk on `rank`: max_num_batched_tokens less the tokens of the rank's

@@ -6,6 +6,8 @@
 - `run_decoder`: the rest of the split layer and the layers after it on each request's last `replay_tokens`
   prompt tokens (SWA bounded replay: their windows start at N - replay_tokens).
 - `run_spec`: a speculative decode step, DSpark's drafts verified and the next block drafted.
+- `sample`: the tokens of a step in which some row draws (top-k / top-p sampling), its branches chosen on the
+  host; the other programs return their logits and argmax.
 The layer math is dsv41's; what is new here is reading/writing the pool.
 """
 
@@ -482,34 +484,49 @@ def _last_rows(x, n_valid, n: int):
     return jnp.take_along_axis(x, t.reshape(*t.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def sample(logits: jax.Array, s: Sampling) -> jax.Array:
+def sample(logits: jax.Array, s: Sampling, draw: bool | None = None, filtered: bool | None = None) -> jax.Array:
     """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p filtered sampling.
 
     The filters sort every row over the vocabulary (0.9 ms at batch 64 on the H200); a batch in which no
     sampled row asks for top-k or top-p (the OpenAI defaults) skips them, and an all-greedy batch skips the
-    draw as well."""
+    draw as well. draw / filtered: whether some row draws, and some drawing row filters, where the caller knows
+    (static: no branch; the engine's sampling program, `Programs.sample`); None: decided on the device by a
+    `lax.cond`, whose predicate the host reads before the call can return (the speculative program, which
+    verifies with the tokens it samples)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, -1)
+    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    if draw is False:
+        return greedy
     t = jnp.maximum(s.temperature, 1e-5)[:, None]
     sampled = s.temperature > 0
-    filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
+    filters = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
 
-    def draw(z):
-        z = jax.lax.cond(jnp.any(filtered), lambda v: spec_sampling.filter_top_k_top_p(v, s.top_k, s.top_p),
-                         lambda v: v, z)
+    def top_k_top_p(z):
+        return spec_sampling.filter_top_k_top_p(z, s.top_k, s.top_p)
+
+    def drawn(z):
+        if filtered is None:
+            z = jax.lax.cond(jnp.any(filters), top_k_top_p, lambda v: v, z)
+        elif filtered:
+            z = top_k_top_p(z)
         keys = jax.vmap(jax.random.wrap_key_data)(s.key)
         return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
 
-    drawn = jax.lax.cond(jnp.any(sampled), draw, lambda z: jnp.zeros(z.shape[:1], jnp.int32), logits / t)
-    return jnp.where(sampled, drawn, greedy).astype(jnp.int32)
+    if draw is None:
+        d = jax.lax.cond(jnp.any(sampled), drawn, lambda z: jnp.zeros(z.shape[:1], jnp.int32), logits / t)
+    else:
+        d = drawn(logits / t)
+    return jnp.where(sampled, d, greedy).astype(jnp.int32)
 
 
-def _head_sample(params, h, pre, b: Batch, cfg, samp: Sampling | None):
+def _head(params, h, pre, b: Batch, cfg) -> tuple[jax.Array, jax.Array]:
+    """-> logits [B, V] at each row's last valid token, their argmax int32 [B]. Sampling is its own program
+    (`Programs.sample`), run only for steps with rows that draw: the model's program has no branch whose
+    predicate the host must read, so its call returns once launched."""
     h_last = _last_rows(h, b.n_valid, 1)
     pre_last = _last_rows(pre, b.n_valid, 1)
     logits = model.head(params, h_last, pre_last, cfg)[:, 0]
-    tok = sample(logits, samp) if samp is not None else jnp.argmax(logits, -1).astype(jnp.int32)
-    return logits, tok
+    return logits, jnp.argmax(logits, -1).astype(jnp.int32)
 
 
 def _dspark_write(params, pool: KVPool, b: Batch, taps: dict, cfg: ModelConfig, num: Numerics, ops) -> KVPool:
@@ -593,9 +610,9 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
     return pool, logits, out, m, nxt, conf
 
 
-def _full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
-          backends: Backends = Backends(), dspark_seed: bool = False):
-    """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, sampled ids [B]).
+def _full(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(),
+          dspark_seed: bool = False):
+    """All layers on the batch's chunk. -> (pool, logits [B, V] at each row's last valid token, their argmax [B]).
     backends (`backends.Backends`): an attention backend other than 'xla' runs the fused kernels (decode: KV
     writes, indexer, attention; longer chunks: attention, one kernel row per query token) with its options; its
     ops run the linears, MoE and mHC sites. dspark_seed: also write the chunk's DSpark context keys (a prefill
@@ -607,8 +624,8 @@ def _full(params, pool: KVPool, b: Batch, samp: Sampling, *, cfg: ModelConfig, n
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends, taps)
     if dspark_seed:
         pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
-    with jax.named_scope("head_sample"):
-        logits, tok = _head_sample(params, h, pre, b, cfg, samp)
+    with jax.named_scope("head"):
+        logits, tok = _head(params, h, pre, b, cfg)
     return pool, logits, tok
 
 
@@ -624,18 +641,18 @@ def _encoder(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics,
     return pool, _last_rows(h, b.n_valid, n), _last_rows(pre, b.n_valid, n)
 
 
-def _decoder(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, *, cfg: ModelConfig, num: Numerics,
+def _decoder(params, pool: KVPool, b: Batch, h, pre, *, cfg: ModelConfig, num: Numerics,
              backends: Backends = Backends(), dspark_seed: bool = False):
     """The rest of the split layer (its KV is in the pool) and the layers after it, on the trimmed rows.
     b.pos0 = N - n_valid. dspark_seed: also write the rows' DSpark context keys (the target layers are decoder
-    layers). -> (pool, logits [B, V], sampled ids [B])."""
+    layers). -> (pool, logits [B, V], their argmax [B])."""
     split = cfg.split_layer
     taps = {} if dspark_seed else None
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, split, cfg.n_layers, {split: "attn_only"}, backends,
                            taps)
     if dspark_seed:
         pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
-    logits, tok = _head_sample(params, h, pre, b, cfg, samp)
+    logits, tok = _head(params, h, pre, b, cfg)
     return pool, logits, tok
 
 
@@ -664,6 +681,7 @@ _STATIC = ("cfg", "num", "backends")
 _ENCODER_STATIC = _STATIC + ("replay_tokens",)
 _PREFILL_STATIC = _STATIC + ("dspark_seed",)
 _SPEC_STATIC = _STATIC + ("spec_tokens",)
+_SAMPLE_STATIC = ("draw", "filtered")
 # XLA's CPU backend at full optimization took over 7 minutes on the tiny preset's speculative program (the plain
 # programs: ~10 s); its fast-compile preset, 18-19 s. The plain programs keep the default: the preset compiles them no
 # faster and runs them ~1.5x slower. Only where the program compiles for the CPU (`_PlatformJit`).
@@ -696,7 +714,8 @@ class _PlatformJit:
 class Programs:
     """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_spec`), jitted for one placement, each
     taking (params, pool, batch, ...) and returning the new pool (donated). A call's host arrays reach the device
-    as one buffer (`host_rows`).
+    as one buffer (`host_rows`). `sample(logits, sampling, draw=, filtered=)`: the tokens of a step with rows
+    that draw (`sample`).
 
     mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
     `shard_map` manual over the data axis takes each rank's rows of the batch and its own pool (both stacked on
@@ -717,6 +736,7 @@ class Programs:
             self.run_decoder = jit(_decoder, _PREFILL_STATIC)
             self.run_encoder = jit(_encoder, _ENCODER_STATIC)
             self.run_spec = jit(_spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
+            self.sample = jax.jit(sample, static_argnames=_SAMPLE_STATIC)
             return
         rank = sharding.rank_sharding(mesh)
         specs = jax.tree_util.tree_map(sharding.manual_spec, param_shardings)
@@ -731,17 +751,17 @@ class Programs:
                                      axis_names=manual, check_vma=False)(params, *args)
             return fn
 
-        full, enc, dec = per_rank(_full, 3), per_rank(_encoder, 2), per_rank(_decoder, 5)
+        full, enc, dec = per_rank(_full, 2), per_rank(_encoder, 2), per_rank(_decoder, 4)
         spec = per_rank(_spec, 6)
 
-        def run_full(params, pool, b, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
-            return full(params, pool, b, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
+        def run_full(params, pool, b, *, cfg, num, backends=Backends(), dspark_seed=False):
+            return full(params, pool, b, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
 
         def run_encoder(params, pool, b, *, cfg, num, backends=Backends(), replay_tokens=None):
             return enc(params, pool, b, cfg=cfg, num=num, backends=backends, replay_tokens=replay_tokens)
 
-        def run_decoder(params, pool, b, h, pre, samp, *, cfg, num, backends=Backends(), dspark_seed=False):
-            return dec(params, pool, b, h, pre, samp, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
+        def run_decoder(params, pool, b, h, pre, *, cfg, num, backends=Backends(), dspark_seed=False):
+            return dec(params, pool, b, h, pre, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
 
         def run_spec(params, pool, b, samp, has_q, forced, n_verify, *, cfg, num, backends=Backends(),
                      spec_tokens=0):
@@ -761,6 +781,8 @@ class Programs:
         self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
         self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok, tok),
                             cpu_options=_SPEC_CPU_OPTIONS)
+        # (logits, sampling): `_PerRankArgs` places the sampling rows; the logits are the step's, placed already
+        self.sample = _PerRankArgs(jax.jit(sample, static_argnames=_SAMPLE_STATIC, out_shardings=tok), rank)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,12 +41,12 @@ class Warmup:
             on = self.pool.runs[0].swa_q.sharding
             h = jnp.zeros((B, W, hc, self.cfg.dim), self.num.jdtype, device=on)
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
-            return progs.run_decoder, (self.params, self.pool, b, h, pre, samp), self.prefill_static
+            return progs.run_decoder, (self.params, self.pool, b, h, pre), self.prefill_static
         if kind == "decode" and self.spec is not None:
             forced = np.full(B, self.spec.forced_acceptance)
             return (progs.run_spec, (self.params, self.pool, b, samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)),
                     {**static, "spec_tokens": self.spec.num_speculative_tokens})
-        return progs.run_full, (self.params, self.pool, b, samp), static if kind == "decode" else self.prefill_static
+        return progs.run_full, (self.params, self.pool, b), static if kind == "decode" else self.prefill_static
 
     @property
     def warmup_progress(self) -> WarmupProgress:
@@ -91,6 +91,8 @@ class Warmup:
                 with compile_events.capture() as c:
                     out = fn(*args, **static)
                 self.pool = out[0]
+                if shape[0] != "encoder" and not (shape[0] == "decode" and self.spec is not None):
+                    self._warm_sample(out[1])
                 if not parallel:
                     r = _report(shape, c)
                     eta = progress.compiled(r)
@@ -105,6 +107,13 @@ class Warmup:
         progress.finish()
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
         return shapes
+
+    def _warm_sample(self, logits) -> None:
+        """Compiles (or finds) `Programs.sample`'s variants for a program's logits [B, V]: small programs, so that a
+        step with rows that draw compiles nothing either."""
+        samp = self._sampling([None] * logits.shape[0])
+        for filtered in (False, True):
+            self.programs.sample(logits, samp, draw=True, filtered=filtered)
 
     def _compile_in_threads(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress) -> bool:
         """Compiles every shape into the persistent cache, `workers` at a time; False when stopped early."""
