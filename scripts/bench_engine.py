@@ -158,7 +158,7 @@ def main():
     sizes = [int(x) for x in args.decode_max_model_len.split(",") if x] or [max(max_len, args.decode_ctx + 128)]
     for be, B, size in [(be, B, n) for be in backends for B in batches for n in sizes]:
         eng = make_engine(cfg, params_of(be), True, size, max(batches), be, scan_layers=args.scan_layers)
-        fake_decode_state(eng, B, args.decode_ctx)
+        fake_decode_state(eng, B, args.decode_ctx, args.temperature)
         compile_s = timed(eng.step, reps=1)
         # a step that waits for its own tokens, then (async scheduling) one that reads the previous step's
         step = [timed(eng.step, reps=10) for eng.async_scheduling in (False, True)]

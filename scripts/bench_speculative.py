@@ -29,11 +29,12 @@ log = logging.getLogger("bench_speculative")
 LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
 
 
-def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None):
+def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None,
+              temperature: float = 0.0):
     """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
-    default kernels (`auto`), one decode bucket of B rows."""
+    default kernels (`auto`), one decode bucket of B rows, at that temperature."""
     eng = make_engine(cfg, params, True, max_len, B, "auto", min_decode_bucket=B, speculative_config=spec)
-    fake_decode_state(eng, B, ctx)
+    fake_decode_state(eng, B, ctx, temperature)
     return timed(eng.step, reps=1), timed(eng.step, reps=reps)
 
 
@@ -54,9 +55,9 @@ def main():
                                                          confidence_threshold=1.0))] * args.cut
     rows = []
     for B in batches:
-        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None)
+        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature)
         for name, spec in specs:
-            fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec)
+            fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature)
             rows.append((B, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens, tp, ts))
             log.info("B=%d plain %.2f ms, %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, name, ts * 1e3, fp, fs)
 

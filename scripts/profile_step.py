@@ -210,7 +210,7 @@ def main():
         static = {**eng.static, **({"spec_tokens": args.speculative} if spec else {})}
         eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own
         for j, B in enumerate(batches):
-            fake_decode_state(eng, B, args.decode_ctx)
+            fake_decode_state(eng, B, args.decode_ctx, args.temperature)
             eng.step()  # compile
             wall = timed(eng.step, reps=10) * 1e3
             kernels = cupti_kernels(eng.step)

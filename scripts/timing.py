@@ -58,6 +58,8 @@ def engine_args(doc: str, *, batches: str, weights: bool = True):
     ap.add_argument("--preset", default="bench", help="tiny for a CPU smoke run")
     ap.add_argument("--batches", default=batches, help="decode batch sizes")
     ap.add_argument("--decode-ctx", "--ctx", type=int, default=4096, help="every request's context when timed")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the decode rows' temperature (0: greedy; > 0: each step also runs the sampling program)")
     if weights:
         ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
                         help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
@@ -349,12 +351,14 @@ def with_fp4_experts(params):
     return {**params, "layers": layers}
 
 
-def fake_decode_state(eng, B, ctx):
-    """B running requests at position ctx with their pages assigned (the pool holds zeros: cost is the same)."""
+def fake_decode_state(eng, B, ctx, temperature=0.0):
+    """B running requests at position ctx with their pages assigned (the pool holds zeros: cost is the same).
+    temperature > 0: every request draws (no top-k / top-p), so each step also runs the sampling program."""
     eng.running.clear()
     pages = iter(range(eng.layout.num_pages))
     for i in range(B):
-        r = _Request(f"d{i}", [5] * ctx, SamplingParams(max_tokens=10**6, ignore_eos=True), None, float(i),
+        r = _Request(f"d{i}", [5] * ctx, SamplingParams(max_tokens=10**6, temperature=temperature, seed=i,
+                                                         ignore_eos=True), None, float(i),
                      prefill_len=ctx)
         r.output, r.computed, r.rank, r.slot = [7], ctx, 0, i
         r.pages = [next(pages) for _ in range(-(-(ctx + 1) // eng.layout.page_tokens))]
