@@ -258,12 +258,12 @@ def test_sample_branches():
         out = np.asarray(f(logits, _sampling([50.0] * 4, [1] * 4, [3] * 4, seed)))
         assert all(out[i] in top3[i] for i in range(4))
     # the engine's sampling program: the branches the host chose (`Engine._drawn`) give the device's choice
-    g = jax.jit(sample, static_argnames=("draw", "filtered"))
+    g = jax.jit(sample, static_argnames="filtered")
     for t, p, k in [([0, 5.0, 5.0, 0], [1, 1, 1e-6, 1], [0, 1, 0, 0]), ([50.0] * 4, [1] * 4, [0] * 4),
                     ([50.0, 0, 50.0, 50.0], [1, 1, 0.5, 1], [0, 3, 0, 0])]:
         s = _sampling(t, p, k, seed=3)
         filtered = any(ti > 0 and (ki > 0 or pi < 1) for ti, pi, ki in zip(t, p, k))
-        assert (np.asarray(g(logits, s, draw=True, filtered=filtered)) == np.asarray(f(logits, s))).all()
+        assert (np.asarray(g(logits, s, filtered=filtered)) == np.asarray(f(logits, s))).all()
 
 
 @pytest.mark.parametrize("kw, msg", [

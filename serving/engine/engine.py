@@ -311,11 +311,10 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
     def _drawn(self, logits: jax.Array, greedy: jax.Array, samp: programs.Sampling) -> jax.Array:
         """A step's token ids: its program's argmax where no row draws, else `Programs.sample`'s, with the
         branches this step needs (the host knows them: no device-to-host read)."""
-        draws = samp.temperature > 0
+        draws, filters = programs.row_branches(samp)
         if not draws.any():
             return greedy
-        filtered = bool((draws & ((samp.top_k > 0) | (samp.top_p < 1.0))).any())
-        return self.programs.sample(logits, samp, draw=True, filtered=filtered)
+        return self.programs.sample(logits, samp, filtered=bool(filters.any()))
 
     # ---- the loop -----------------------------------------------------------------------------
 

@@ -484,22 +484,26 @@ def _last_rows(x, n_valid, n: int):
     return jnp.take_along_axis(x, t.reshape(*t.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def sample(logits: jax.Array, s: Sampling, draw: bool | None = None, filtered: bool | None = None) -> jax.Array:
+def row_branches(s: Sampling):
+    """-> (the rows that draw, the drawing rows that filter by top-k / top-p), bool [B] each; numpy arrays for
+    host sampling values (`Engine` picks `sample`'s branches from them), jax arrays inside a program."""
+    sampled = s.temperature > 0
+    return sampled, sampled & ((s.top_k > 0) | (s.top_p < 1.0))
+
+
+def sample(logits: jax.Array, s: Sampling, filtered: bool | None = None) -> jax.Array:
     """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p filtered sampling.
 
     The filters sort every row over the vocabulary (0.9 ms at batch 64 on the H200); a batch in which no
     sampled row asks for top-k or top-p (the OpenAI defaults) skips them, and an all-greedy batch skips the
-    draw as well. draw / filtered: whether some row draws, and some drawing row filters, where the caller knows
-    (static: no branch; the engine's sampling program, `Programs.sample`); None: decided on the device by a
-    `lax.cond`, whose predicate the host reads before the call can return (the speculative program, which
-    verifies with the tokens it samples)."""
+    draw as well. filtered None: both decided on the device by `lax.cond`s, whose predicates the host reads
+    before the call can return (the speculative program, which verifies with the tokens it samples); a bool:
+    the caller knows that some row draws and whether a drawing row filters (static, no branch: the engine's
+    sampling program `Programs.sample`, run only for such steps)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
-    if draw is False:
-        return greedy
+    greedy = jnp.argmax(logits, -1)
     t = jnp.maximum(s.temperature, 1e-5)[:, None]
-    sampled = s.temperature > 0
-    filters = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
+    sampled, filters = row_branches(s)
 
     def top_k_top_p(z):
         return spec_sampling.filter_top_k_top_p(z, s.top_k, s.top_p)
@@ -512,7 +516,7 @@ def sample(logits: jax.Array, s: Sampling, draw: bool | None = None, filtered: b
         keys = jax.vmap(jax.random.wrap_key_data)(s.key)
         return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
 
-    if draw is None:
+    if filtered is None:
         d = jax.lax.cond(jnp.any(sampled), drawn, lambda z: jnp.zeros(z.shape[:1], jnp.int32), logits / t)
     else:
         d = drawn(logits / t)
@@ -681,7 +685,7 @@ _STATIC = ("cfg", "num", "backends")
 _ENCODER_STATIC = _STATIC + ("replay_tokens",)
 _PREFILL_STATIC = _STATIC + ("dspark_seed",)
 _SPEC_STATIC = _STATIC + ("spec_tokens",)
-_SAMPLE_STATIC = ("draw", "filtered")
+_SAMPLE_STATIC = ("filtered",)
 # XLA's CPU backend at full optimization took over 7 minutes on the tiny preset's speculative program (the plain
 # programs: ~10 s); its fast-compile preset, 18-19 s. The plain programs keep the default: the preset compiles them no
 # faster and runs them ~1.5x slower. Only where the program compiles for the CPU (`_PlatformJit`).
@@ -711,11 +715,21 @@ class _PlatformJit:
         return self.jitted._cache_size()
 
 
+def _program(fn, static: tuple, cpu_options: dict | None = None, rank=None, **jit_kw):
+    """fn(params, pool, *args, **static) jitted as an engine program: the pool donated, the host arguments in one
+    transfer (`host_rows`), `cpu_options` where it compiles for the CPU (`_PlatformJit`), the per-rank arguments
+    placed over data ranks (rank: their sharding, on a mesh)."""
+    kw = dict(static_argnames=static + ("layout",), donate_argnames=("pool",), **jit_kw)
+    fn = host_rows.one_transfer(fn)
+    jitted = jax.jit(fn, **kw) if cpu_options is None else _PlatformJit(fn, cpu_options, **kw)
+    return host_rows.OneTransfer(jitted if rank is None else _PerRankArgs(jitted, rank))
+
+
 class Programs:
     """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_spec`), jitted for one placement, each
     taking (params, pool, batch, ...) and returning the new pool (donated). A call's host arrays reach the device
-    as one buffer (`host_rows`). `sample(logits, sampling, draw=, filtered=)`: the tokens of a step with rows
-    that draw (`sample`).
+    as one buffer (`host_rows`). `sample(logits, sampling, filtered=)`: the tokens of a step with rows that draw
+    (`sample`).
 
     mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
     `shard_map` manual over the data axis takes each rank's rows of the batch and its own pool (both stacked on
@@ -726,16 +740,10 @@ class Programs:
     def __init__(self, mesh=None, param_shardings=None):
         self.mesh = mesh
         if mesh is None:
-            def jit(fn, static, cpu_options=None):
-                kw = dict(static_argnames=static + ("layout",), donate_argnames=("pool",))
-                fn = host_rows.one_transfer(fn)
-                return host_rows.OneTransfer(jax.jit(fn, **kw) if cpu_options is None else
-                                             _PlatformJit(fn, cpu_options, **kw))
-
-            self.run_full = jit(_full, _PREFILL_STATIC)
-            self.run_decoder = jit(_decoder, _PREFILL_STATIC)
-            self.run_encoder = jit(_encoder, _ENCODER_STATIC)
-            self.run_spec = jit(_spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
+            self.run_full = _program(_full, _PREFILL_STATIC)
+            self.run_decoder = _program(_decoder, _PREFILL_STATIC)
+            self.run_encoder = _program(_encoder, _ENCODER_STATIC)
+            self.run_spec = _program(_spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
             self.sample = jax.jit(sample, static_argnames=_SAMPLE_STATIC)
             return
         rank = sharding.rank_sharding(mesh)
@@ -769,10 +777,7 @@ class Programs:
                         spec_tokens=spec_tokens)
 
         def jit(fn, static=_STATIC, out=rank, cpu_options=None):
-            kw = dict(static_argnames=static + ("layout",), donate_argnames=("pool",), out_shardings=out)
-            fn = host_rows.one_transfer(fn)
-            return host_rows.OneTransfer(_PerRankArgs(
-                jax.jit(fn, **kw) if cpu_options is None else _PlatformJit(fn, cpu_options, **kw), rank))
+            return _program(fn, static, cpu_options, rank, out_shardings=out)
 
         # across processes the host reads every rank's sampled tokens: replicated, each host has them locally
         tok = sharding.replicated(mesh) if jax.process_count() > 1 else rank

@@ -113,7 +113,7 @@ class Warmup:
         step with rows that draw compiles nothing either."""
         samp = self._sampling([None] * logits.shape[0])
         for filtered in (False, True):
-            self.programs.sample(logits, samp, draw=True, filtered=filtered)
+            self.programs.sample(logits, samp, filtered=filtered)
 
     def _compile_in_threads(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress) -> bool:
         """Compiles every shape into the persistent cache, `workers` at a time; False when stopped early."""
