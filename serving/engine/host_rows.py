@@ -5,10 +5,10 @@ of every such array, in argument order), and the jitted program slices and bitca
 Why one buffer: XLA runs a GPU program's kernels as a CUDA graph and, on each call, updates only the commands
 that read an argument whose device address changed. A fresh transfer per array (tokens, positions, block table,
 Engram rows, sampling values) gave the kernels that read them a changed address, and updating those (the Mosaic
-kernels' captures are re-traced), with the transfers, cost the host ~1.7 ms of a batch-1 decode step whose
-kernels take 2.5 ms (docs/PERFORMANCE.md, section 2). With one buffer only the few fusions that unpack it
-change; the kernels read their unpacked copies, which XLA keeps at fixed places in its temporary buffer. Rows
-stay rows, so a mesh splits the buffer over data ranks as it split the arrays.
+kernels' captures are re-traced) held the host; the batch-1 engine step fell by 1.6 ms with one buffer
+(docs/PERFORMANCE.md, section 2). With one buffer only the few fusions that unpack it change; the kernels read
+their unpacked copies, which XLA keeps at fixed places in its temporary buffer. Rows stay rows, so a mesh splits
+the buffer over data ranks as it split the arrays.
 """
 
 from __future__ import annotations
