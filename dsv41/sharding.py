@@ -9,6 +9,7 @@ ranks), as vLLM's DEP (--data-parallel-size N --enable-expert-parallel) does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -23,6 +24,8 @@ from dsv41.config import ConfigError, ModelConfig
 
 DATA, TENSOR = "data", "tensor"
 MESH_AXES = (DATA, TENSOR)
+# the ways tokens reach the ranks that hold their experts (vLLM's --all2all-backend names)
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "ragged_all_to_all")
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -61,11 +64,13 @@ class ParallelismError(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Parallelism:
-    """vLLM's --tensor-parallel-size, --data-parallel-size, --enable-expert-parallel."""
+    """vLLM's --tensor-parallel-size, --data-parallel-size, --enable-expert-parallel, --all2all-backend (how
+    tokens reach their experts' ranks: `ALL2ALL_BACKENDS`, `ExpertParallel`)."""
 
     tensor: int = 1
     data: int = 1
     expert: bool = False
+    all2all: str = "allgather_reducescatter"
 
     @property
     def devices(self) -> int:
@@ -88,6 +93,11 @@ class Parallelism:
         if self.expert and self.data == 1:
             raise ParallelismError("expert parallelism needs --data-parallel-size > 1; for one data rank use "
                                    "tensor parallelism")
+        if self.all2all not in ALL2ALL_BACKENDS:
+            raise ParallelismError(f"unknown --all2all-backend {self.all2all!r}; choose one of {ALL2ALL_BACKENDS}")
+        if self.all2all != ALL2ALL_BACKENDS[0] and not self.expert:
+            raise ParallelismError(f"--all2all-backend {self.all2all} exchanges tokens between expert-parallel "
+                                   "ranks; add --enable-expert-parallel or drop it")
         n = len(jax.devices()) if n_devices is None else n_devices
         if self.devices > n:
             raise ParallelismError(f"--tensor-parallel-size {self.tensor} x --data-parallel-size {self.data} asks "
@@ -300,44 +310,132 @@ def manual_spec(sh: jax.sharding.Sharding) -> PartitionSpec:
     return PartitionSpec(*parts)
 
 
+def ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+    """`jax.lax.ragged_all_to_all`'s result built from an all-gather, for one slice per rank (offsets and sizes
+    [axis size]): XLA's CPU backend has no ragged-all-to-all, so the CPU tests check the exchange's bookkeeping
+    through this and the GPU runs the collective. Moves every rank's whole operand; never a fast path."""
+    del recv_sizes  # implied by the senders' send_sizes
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)  # [n, rows, ...]
+    src_off = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # [n]: where each sender's slice for me starts
+    size = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    dst_off = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    o = jnp.arange(output.shape[0], dtype=dst_off.dtype)
+    inside = (o[None] >= dst_off[:, None]) & (o[None] < (dst_off + size)[:, None])  # [n, out rows]
+    src = jnp.argmax(inside, axis=0)
+    row = jnp.clip(src_off[src] + o - dst_off[src], 0, operand.shape[0] - 1)
+    got = ops[src, row]
+    return jnp.where(inside.any(0).reshape((-1,) + (1,) * (output.ndim - 1)), got, output)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """`Ops.routed_experts` with the routed experts split over every rank (data x tensor: DEP, vLLM's
-    --enable-expert-parallel), inside the engine's data-manual programs. Tokens are exchanged by all-gather +
-    reduce-scatter: each data rank gathers every rank's tokens and routing, each rank runs its own experts on the
-    slots routed to them (`inner`, any `Ops.routed_experts`, on a permutation that puts the other ranks' slots
-    past its groups: no rows computed for them), the partial sums are added over tensor ranks and scattered back
-    over data ranks. tensor: the mesh's tensor size (static; 1 makes the expert loop manual over data only)."""
+    --enable-expert-parallel), inside the engine's data-manual programs. Each rank runs its own experts on the
+    token slots routed to them (`inner`, any `Ops.routed_experts`, on a permutation that puts the other slots past
+    its groups: no rows computed for them); the tokens get there by one of `ALL2ALL_BACKENDS` (`exchange`):
+
+    - "allgather_reducescatter": every data rank gathers every rank's tokens and routing, and the partial sums are
+      added over tensor ranks and reduce-scattered back over data ranks. Moves ranks x T rows each way whatever
+      the routing; simple, and one collective of each kind.
+    - "ragged_all_to_all": each token goes only to the data ranks that hold one of its experts (once per rank, for
+      all of its experts there), and only its partial sums come back (`jax.lax.ragged_all_to_all` both ways).
+      Moves the routed rows, at most min(top-k, ranks) x T; what DEP over many GPUs needs (an all-gather over 72
+      ranks moves 72 x T rows into every GPU).
+
+    tensor: the mesh's tensor size (static; 1 makes the expert loop manual over data only). ragged: the
+    collective (`ragged_all_to_all_reference` where XLA has none: CPU)."""
 
     inner: Callable
     tensor: int = 1
+    exchange: str = "allgather_reducescatter"
+    ragged: Callable = jax.lax.ragged_all_to_all
+
+    def __post_init__(self):
+        if self.exchange not in ALL2ALL_BACKENDS:
+            raise ParallelismError(f"unknown --all2all-backend {self.exchange!r}; choose one of {ALL2ALL_BACKENDS}")
 
     def __call__(self, x, w, idx, experts, cfg: ModelConfig, num, permutation=None):
         # the router's permutation (if any) orders all experts; each rank makes its own below
+        espec = jax.tree_util.tree_map(lambda _: PartitionSpec(TENSOR), experts)
+        rep = PartitionSpec()
+        if self.exchange == "ragged_all_to_all":
+            # every axis manual: the collective is over data ranks of one tensor index, each tensor rank sending
+            # the tokens of its own counterparts' experts
+            f = functools.partial(self._routed, cfg=cfg, num=num)
+            return per_tensor_rank(f, in_specs=(espec, rep, rep, rep), out_specs=rep)(experts, x, w, idx)
         xg = jax.lax.all_gather(x, DATA, tiled=True)  # [ranks_data * T, D]
         wg = jax.lax.all_gather(w, DATA, tiled=True)
         ig = jax.lax.all_gather(idx, DATA, tiled=True)
 
         def local(experts, xg, wg, ig):
-            rank = jax.lax.axis_index(DATA)
-            if self.tensor > 1:
-                rank = rank * self.tensor + jax.lax.axis_index(TENSOR)
-            n_local = jax.tree_util.tree_leaves(experts)[0].shape[0]
-            lid = ig - rank * n_local
-            mine = (lid >= 0) & (lid < n_local)
-            lid = jnp.where(mine, lid, n_local).reshape(-1)  # others sort last, past every group
-            order = jnp.argsort(lid, stable=True)
-            sizes = jnp.bincount(lid, length=n_local).astype(jnp.int32)  # drops n_local
-            y = self.inner(xg, jnp.where(mine, wg, 0.0), ig, experts, cfg, num, (order, sizes))
+            y = self._own_experts(experts, xg, wg, ig, cfg, num)
             if self.tensor > 1:
                 y = jax.lax.psum(y, TENSOR)
             return jax.lax.psum_scatter(y, DATA, scatter_dimension=0, tiled=True)
 
         if self.tensor == 1:
             return local(experts, xg, wg, ig)
-        espec = jax.tree_util.tree_map(lambda _: PartitionSpec(TENSOR), experts)
-        return jax.shard_map(local, in_specs=(espec, PartitionSpec(), PartitionSpec(), PartitionSpec()),
-                             out_specs=PartitionSpec(), axis_names={TENSOR})(experts, xg, wg, ig)
+        return jax.shard_map(local, in_specs=(espec, rep, rep, rep), out_specs=rep,
+                             axis_names={TENSOR})(experts, xg, wg, ig)
+
+    def _rank(self):
+        rank = jax.lax.axis_index(DATA)
+        return rank * self.tensor + jax.lax.axis_index(TENSOR) if self.tensor > 1 else rank
+
+    def _own_experts(self, experts, x, w, idx, cfg, num):
+        """inner on this rank's experts: x [N, D], w / idx [N, k] (global expert ids) -> its partial sums [N, D]."""
+        n_local = jax.tree_util.tree_leaves(experts)[0].shape[0]
+        lid = idx - self._rank() * n_local
+        mine = (lid >= 0) & (lid < n_local)
+        lid = jnp.where(mine, lid, n_local).reshape(-1)  # others sort last, past every group
+        order = jnp.argsort(lid, stable=True)
+        sizes = jnp.bincount(lid, length=n_local).astype(jnp.int32)  # drops n_local
+        return self.inner(x, jnp.where(mine, w, 0.0), idx, experts, cfg, num, (order, sizes))
+
+    def _routed(self, experts, x, w, idx, *, cfg, num):
+        """The "ragged_all_to_all" exchange on one device (every axis manual): x [T, D], w / idx [T, k] ->
+        [T, D], the routed experts' sum over every rank."""
+        T, k = idx.shape
+        ranks = jax.lax.axis_size(DATA)
+        n_local = jax.tree_util.tree_leaves(experts)[0].shape[0]
+        me, t = jax.lax.axis_index(DATA), (jax.lax.axis_index(TENSOR) if self.tensor > 1 else 0)
+        owner = idx // n_local  # [T, k]: the rank (data * tensor + tensor index) of each slot's expert
+        dest = jnp.where(owner % self.tensor == t, owner // self.tensor, ranks)  # data rank, ranks: another tensor's
+        sends = (dest[:, :, None] == jnp.arange(ranks)[None, None]).any(1)  # [T, ranks]
+        send_sizes = sends.sum(0, dtype=jnp.int32)
+        # the sent (token, rank) pairs by rank then token, at most min(k, ranks) a token
+        N = T * min(k, ranks)
+        key = jnp.where(sends, jnp.arange(ranks, dtype=jnp.int32)[None] * T + jnp.arange(T, dtype=jnp.int32)[:, None],
+                        ranks * T).reshape(-1)
+        tok = (jnp.argsort(key, stable=True)[:N] // ranks).astype(jnp.int32)
+        in_off = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+        recv_sizes = jax.lax.all_to_all(send_sizes, DATA, 0, 0, tiled=True)
+        their_off = jax.lax.all_to_all(in_off, DATA, 0, 0, tiled=True)  # where my rows sit in each sender's buffer
+        # each sender's rows land in slab [sender * T, sender * T + its count) of every receiver
+        slab = jnp.full((ranks,), me * T, jnp.int32)
+        meta = jnp.concatenate([jax.lax.bitcast_convert_type(w.astype(jnp.float32), jnp.int32), idx.astype(jnp.int32)],
+                               -1)
+        empty_meta = jnp.concatenate([jnp.zeros((ranks * T, k), jnp.int32), jnp.full((ranks * T, k), -1, jnp.int32)],
+                                     -1)  # weight 0, expert -1: nobody's
+        xr = self.ragged(x[tok], jnp.zeros((ranks * T,) + x.shape[1:], x.dtype), in_off, send_sizes, slab,
+                         recv_sizes, axis_name=DATA)
+        mr = self.ragged(meta[tok], empty_meta, in_off, send_sizes, slab, recv_sizes, axis_name=DATA)
+        wr, ir = jax.lax.bitcast_convert_type(mr[:, :k], jnp.float32).astype(w.dtype), mr[:, k:]
+        y = self._own_experts(experts, xr, wr, ir, cfg, num)  # [ranks * T, D]
+        # N rows back, then a zero row that tokens with fewer ranks point at
+        back = self.ragged(y, jnp.zeros((N + 1,) + y.shape[1:], y.dtype), jnp.arange(ranks, dtype=jnp.int32) * T,
+                           recv_sizes, their_off, send_sizes, axis_name=DATA)
+        # each token's rows by a gather, added rank after rank (a float scatter-add is atomics on a GPU, its order
+        # varying run to run): row of (token, rank) = the rank's offset + the token's place among its tokens
+        row = jnp.where(sends, in_off[None] + jnp.cumsum(sends, 0, dtype=jnp.int32) - 1, N)  # [T, ranks]
+        first = jnp.sort(jnp.where(sends, jnp.arange(ranks, dtype=jnp.int32)[None], ranks), 1)[:, :min(k, ranks)]
+        at = jnp.take_along_axis(jnp.pad(row, ((0, 0), (0, 1)), constant_values=N), first, 1)  # [T, min(k, ranks)]
+        out = back[at[:, 0]]
+        for j in range(1, at.shape[1]):  # the token's j-th rank (ranks: none, the zero row)
+            out = out + back[at[:, j]]
+        return jax.lax.psum(out, TENSOR) if self.tensor > 1 else out
 
 
 # ---- kernel ops under tensor parallelism ------------------------------------------------------------------------

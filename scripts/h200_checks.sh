@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The standing device runs, one group a device call (10 minutes), from the repository root; logs go to $OUT:
-#   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~8 min); SHARD 1-6: all @pytest.mark.gpu
-#                  tests in six parts that each fit one device call (the engine's GPU tests, shards 3-6, compile
+#   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~8 min); SHARD 1-7: all @pytest.mark.gpu
+#                  tests in seven parts that each fit one device call (the engine's GPU tests, shards 3-7, compile
 #                  bench-preset programs, ~2 min a test); PATHS: the gpu tests there
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
@@ -9,6 +9,8 @@
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
+#   exchange       the expert-parallel token exchanges on every GPU of the machine (2-8: a multi-GPU kind): the
+#                  ragged one's GPU test, then both timed at Flash widths, decode and prefill sizes
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 set -u
 OUT=${OUT:-out}
@@ -32,9 +34,10 @@ case "${1:-}" in
       1) set -- tests/pallas_kernels/test_{expert_gemm,fp8_linear,codec_ptx,indexer_chunk,indexer_logits,kv_write}.py ;;
       2) set -- tests/pallas_kernels/test_{mhc,router,sparse_attention,topk_select}.py ;;
       3) set -- tests/test_engine_gpu.py; k="layer_by_layer" ;;
-      4) set -- tests/test_engine_gpu.py; k="not layer_by_layer and not all_kernels and not scanned" ;;
+      4) set -- tests/test_engine_gpu.py; k="not layer_by_layer and not all_kernels and not scanned and not shared" ;;
       5) set -- tests/test_engine_gpu.py; k="all_kernels" ;;
       6) set -- tests/test_engine_gpu.py; k="scanned" ;;
+      7) set -- tests/test_engine_gpu.py; k="shared" ;;
       "") set -- tests/pallas_kernels ;;
     esac
     timeout -k 10 "${TESTS_TIMEOUT:-580}" $PY -m pytest -q -s -rA --tb=short -m gpu -p no:cacheprovider \
@@ -88,8 +91,14 @@ case "${1:-}" in
       grep -A70 "### timeline" "$OUT/timeline$B.txt" | head -45
     done
     ;;
+  exchange)
+    timeout -k 10 120 $PY -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/test_engine_gpu.py \
+      -k ragged_expert_exchange > "$OUT/exchange_test.txt" 2>&1
+    echo "pytest rc=$?"; grep -E "ragged exchange|passed|failed|skipped|Error" "$OUT/exchange_test.txt" | tail -8
+    bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
+    ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|serve|profile|timeline" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac

@@ -42,6 +42,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add_speculative_arg(p)
 
 
+def _given(**kw) -> dict:
+    """The keyword arguments whose flag was given (the others keep their defaults)."""
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def build_engine(args: argparse.Namespace):
     from serving.cli_serve import speculative_config
     from serving.engine.config import EngineConfig
@@ -56,6 +61,7 @@ def build_engine(args: argparse.Namespace):
                           linear_backend=args.linear_backend, tensor_parallel_size=args.tensor_parallel_size or 1,
                           data_parallel_size=args.data_parallel_size or 1,
                           enable_expert_parallel=bool(args.enable_expert_parallel),
+                          **_given(all2all_backend=args.all2all_backend),
                           speculative_config=speculative_config(args.speculative_config))
     if args.checkpoint:
         return Engine.from_checkpoint(args.checkpoint, engram_tables=args.engram_tables, config=config)
@@ -114,7 +120,8 @@ def cmd_kv_budget(args: argparse.Namespace) -> int:
     tables = sum(x.weight.size + x.scale.size for x in P.engram_tables(P.abstract_params(cfg)))
     if args.plans:
         return _print_plans(cfg, args.max_model_len)
-    par = Parallelism(args.tensor_parallel_size or 1, args.data_parallel_size or 1, bool(args.enable_expert_parallel))
+    par = Parallelism(args.tensor_parallel_size or 1, args.data_parallel_size or 1, bool(args.enable_expert_parallel),
+                      **_given(all2all=args.all2all_backend))
     try:
         c = kv_pool.capacity(cfg, par, int(args.gpu_memory_gb * 2**30), args.max_model_len)
     except ParallelismError as e:

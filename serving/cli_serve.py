@@ -71,6 +71,11 @@ def add_parallel_args(g) -> None:
                    help="data-parallel ranks, each running its own requests on its own KV pool (default 1)")
     g.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="split the routed experts over every device (needs --data-parallel-size > 1)")
+    g.add_argument("--all2all-backend", default=None,
+                   help="how tokens reach the ranks of their experts under --enable-expert-parallel: "
+                        "allgather_reducescatter (the default: every rank gathers every token, partial sums "
+                        "reduce-scattered back) or ragged_all_to_all (each token only to the ranks of its experts "
+                        "and back: fewer bytes as the rank count grows; docs/ARCHITECTURE.md)")
 
 
 def add_multihost_args(g) -> None:
@@ -161,6 +166,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="smallest padded decode batch; batches pad to it times powers of two up to "
                         "--max-num-seqs (equal to it: one decode program; default: 1 on a GPU, --max-num-seqs "
                         "on the CPU)")
+    g.add_argument("--max-prefill-rows", type=int,
+                   help="short prompts share a prefill call: up to this many a data rank, each finishing within "
+                        "--max-num-batched-tokens / this many tokens, in one program of that shape (e.g. 4; default "
+                        "1: one prompt a rank a call; off where that share is below --min-prefill-bucket)")
     add_parallel_args(g)
     add_multihost_args(g)
     add_speculative_arg(g)
@@ -221,11 +230,12 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "router_backend": "--router-backend", "linear_backend": "--linear-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
-                 "min_prefill_bucket": "--min-prefill-bucket",
+                 "min_prefill_bucket": "--min-prefill-bucket", "max_prefill_rows": "--max-prefill-rows",
                  "min_decode_bucket": "--min-decode-bucket", "batch_invariant": "--batch-invariant",
                  "async_scheduling": "--[no-]async-scheduling",
                  "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
-                 "enable_expert_parallel": "--enable-expert-parallel", "speculative_config": "--speculative-config"}
+                 "enable_expert_parallel": "--enable-expert-parallel", "all2all_backend": "--all2all-backend",
+                 "speculative_config": "--speculative-config"}
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:

@@ -44,6 +44,7 @@ _STAT_COUNTERS = {
     "prefix_cache_hit_tokens": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "preemptions": ("num_preemptions", "Requests preempted (their KV freed, to be recomputed)."),
     "prefill_tokens": ("engine_prefill_tokens", "Prompt tokens run by prefill steps."),
+    "prefill_calls": ("engine_prefill_calls", "Prefill program calls (short prompts may share one)."),
     "decode_steps": ("engine_decode_steps", "Decode steps run."),
 }
 # speculative decoding (vLLM's spec_decode families), exported when the engine speculates; acceptance length =

@@ -171,17 +171,60 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
 
 def test_program_shapes_cover_the_buckets(tiny):
     """What warm-up compiles: every prefill chunk bucket and every decode batch bucket, each with the one
-    block-table width (max_model_len's pages: the context length is a run-time value)."""
-    eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1)
+    block-table width (max_model_len's pages: the context length is a run-time value), and the short prompts'
+    shared call (3 rows of 32 tokens: 3 sequences, at most 128 tokens) with its decoder."""
+    eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1,
+               max_prefill_rows=4)
     shapes = eng.program_shapes()
     c = 8  # 512 tokens / 64 per page
-    assert shapes == ([("encoder", 1, T, c) for T in (32, 64, 128)] + [("decoder", 1, 1, c)]
-                      + [("decode", B, 1, c) for B in (1, 2, 4)])
+    assert shapes == ([("encoder", 1, T, c) for T in (32, 64, 128)] + [("encoder", 3, 32, c)]
+                      + [("decoder", 1, 1, c), ("decoder", 3, 1, c)] + [("decode", B, 1, c) for B in (1, 2, 4)])
+    one = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1)
+    assert [s for s in one.program_shapes() if s[0] != "decode"] == (
+        [("encoder", 1, T, c) for T in (32, 64, 128)] + [("decoder", 1, 1, c)])
     exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_decode_bucket=1)
     assert exact.program_shapes() == [("full", 1, 128, 8), ("decode", 1, 1, 8), ("decode", 2, 1, 8)]
     # min_decode_bucket: a lone sequence's decode step pads to that many rows, one program fewer
     assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128,
                 min_decode_bucket=2).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
+
+
+def test_short_prompts_share_one_prefill_call(tiny):
+    """Two short prompts admitted together run in one prefill call of the shared shape (2 rows x 64 tokens) and one
+    replay decoder call of 2 rows; each gets the tokens and logits it gets alone (a call a prompt at the 128-token
+    bucket: float32 summation orders may differ with the shapes, 1e-5)."""
+    eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4)
+    assert eng.shared_prefill == (2, 64)  # 2 rows: max_num_seqs
+    ps = {"a": prompt(40, seed=11), "b": prompt(57, seed=12)}
+    for rid, p in ps.items():
+        eng.add_request(rid, p, GREEDY4)
+    toks = {}
+    while eng.has_work():
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert eng.counters["prefill_calls"] == 1
+    alone = make(tiny)
+    for rid, p in ps.items():
+        t, logits = run(alone, p)
+        assert toks[rid] == t
+        np.testing.assert_allclose(np.stack(eng.finished_logits[rid]), logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths, want", [
+    ((40, 30), [40, 30]),  # both finish in one shared call
+    ((200, 40), [64, 40]),  # the oldest goes on with 64 tokens, the short one finishes beside it
+    ((40, 70), None),  # the second needs more than a row: one call a prompt
+    ((200, 300), None),
+])
+def test_shared_call_takes_the_prompts_it_can_finish_behind_the_oldest(tiny, lengths, want):
+    eng = make(tiny, min_prefill_bucket=64, num_pages=12, max_prefill_rows=2)
+    for i, n in enumerate(lengths):
+        eng.add_request(f"p{i}", prompt(n, seed=i), GREEDY4)
+    eng._admit()
+    picks = eng._shared_picks({0: sorted(eng.running.values(), key=lambda r: r.arrival)})
+    assert (None if picks is None else [end - r.computed for r, end in picks]) == want
+    if picks:
+        assert [r.id for r, _ in picks] == ["p0", "p1"]
 
 
 def test_warmup_leaves_nothing_to_compile(tiny):

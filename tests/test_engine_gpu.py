@@ -219,3 +219,70 @@ def test_engine_with_all_kernels_end_to_end(bench, replay, sites):
     print(f"replay={replay} sites={sites}: rel. max logit difference per step {np.round(rel, 4).tolist()} (inputs "
           f"equal for the first {same + 1}); tokens {tx} vs {tp}")
     assert np.all(np.isfinite(lp)) and rel[0] < E2E_TOL
+
+
+def test_shared_prefill_call_with_the_kernels(bench):
+    """Short prompts in one prefill call of the shared shape (`--max-prefill-rows`: 4 rows x 128 tokens, exact
+    prefill) through the kernels (`auto`) against each prompt in a call of its own: the same kernels on the same
+    rows, the other rows padding, so the first tokens' logits agree to the kernels' rounding (checked as loosely as
+    the end-to-end runs: random weights amplify a rounding through eight layers). What must hold before
+    `max_prefill_rows` > 1 becomes a GPU default."""
+    cfg, params = bench
+    prompts = [list(np.random.default_rng(40 + i).integers(3, cfg.vocab_size, n)) for i, n in enumerate((100, 70, 120))]
+
+    def first_logits(rows):
+        eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                     config=EngineConfig(max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=512,
+                                         enable_prefix_caching=False, swa_bounded_replay=False, numerics=NUM,
+                                         keep_logits=True, min_prefill_bucket=128, min_decode_bucket=4,
+                                         max_prefill_rows=rows))
+        for i, p in enumerate(prompts):
+            eng.add_request(f"p{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
+        while eng.has_work():
+            eng.step()
+        return eng.counters["prefill_calls"], [np.asarray(eng.finished_logits[f"p{i}"][0], np.float32)
+                                               for i in range(len(prompts))]
+
+    calls, shared = first_logits(4)
+    alone_calls, alone = first_logits(1)
+    rel = [float(np.abs(a - s).max() / np.abs(a).max()) for a, s in zip(alone, shared)]
+    print(f"shared prefill call: {calls} call(s) against {alone_calls}; rel. max logit difference {np.round(rel, 4)}")
+    assert calls == 1 and alone_calls == len(prompts)
+    assert all(np.all(np.isfinite(s)) for s in shared) and max(rel) < E2E_TOL
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 or more GPUs (expert parallelism)")
+def test_ragged_expert_exchange_on_the_gpus():
+    """`--all2all-backend ragged_all_to_all` through XLA's collective (the CPU tests run its all-gather form) on a
+    DEP mesh of the machine's GPUs (2, 4 or 8), at 10 and 1 tokens a rank: the same sums as the default exchange
+    (float32, another order) and as the plain MoE on one device."""
+    import dataclasses
+
+    import tiny_engine
+    from dsv41 import sharding
+    from dsv41.ops import XLA
+
+    cfg, params = tiny_engine.tiny()
+    n = max(d for d in (2, 4, 8) if d <= len(jax.devices()))
+    par = sharding.Parallelism(data=n, expert=True)
+    mesh = sharding.make_mesh(par)
+    p = sharding.place_params(params, cfg, par, mesh)["layers"][3]["ffn"]
+    specs = jax.tree_util.tree_map(lambda a: sharding.manual_spec(a.sharding), p)
+    R = sharding.rank_sharding(mesh).spec
+
+    def program(exchange):
+        ep = sharding.ExpertParallel(moe.routed_experts, 1, exchange)  # the collective itself
+        ops = dataclasses.replace(XLA, routed_experts=ep)
+        return jax.jit(jax.shard_map(lambda p, x: moe.moe(x, p, cfg, tiny_engine.NUM, ops=ops), mesh=mesh,
+                                     in_specs=(specs, R), out_specs=R, axis_names={sharding.DATA}))
+
+    for T in (10, 1):
+        x = np.random.default_rng(T).standard_normal((n, T, cfg.dim)).astype(np.float32)
+        want = np.asarray(moe.moe(x, params["layers"][3]["ffn"], cfg, tiny_engine.NUM))
+        ragged = np.asarray(program("ragged_all_to_all")(p, x))
+        gathered = np.asarray(program("allgather_reducescatter")(p, x))
+        scale = np.abs(want).max()
+        d_gathered, d_one = np.abs(ragged - gathered).max() / scale, np.abs(ragged - want).max() / scale
+        print(f"ragged exchange on {n} GPUs, {T} tokens a rank: max |difference| / max |output| against the "
+              f"all-gather exchange {d_gathered:.2e}, against one device {d_one:.2e}")
+        assert d_gathered <= 1e-5 and d_one <= 1e-3

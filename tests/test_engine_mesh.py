@@ -93,25 +93,44 @@ def test_one_rank_out_of_pages_preempts_only_there():
 
 
 @pytest.mark.xdist_group(MESH_GROUP)
+@pytest.mark.parametrize("exchange", sharding.ALL2ALL_BACKENDS)
 @pytest.mark.parametrize("par", [sharding.Parallelism(data=4, expert=True),
                                  sharding.Parallelism(data=2, tensor=2, expert=True)], ids=["dep4", "dp2xtp2+ep"])
-def test_expert_parallel_op_is_the_plain_moe(par):
+def test_expert_parallel_op_is_the_plain_moe(par, exchange):
+    """Both token exchanges, at a prefill-like 10 and a decode-like 2 tokens a data rank. The ragged one runs
+    through `ragged_all_to_all_reference` (XLA's CPU backend has no ragged-all-to-all); with the collective itself
+    the program must still lower (its shard_map typing is checked on the CPU too). Neither adds floats by a
+    scatter (atomics on a GPU, in an order that varies run to run)."""
+    from test_gpu_conversions import _float_scatter_adds
+
     cfg, params = tiny_engine.tiny()
     mesh = sharding.make_mesh(par)
     placed = sharding.place_params(params, cfg, par, mesh)
     p = placed["layers"][3]["ffn"]
-    x = np.random.default_rng(1).standard_normal((8, 5, cfg.dim)).astype(np.float32)
-    want = moe.moe(x, params["layers"][3]["ffn"], cfg, tiny_engine.NUM)
-    ep = dataclasses.replace(XLA, routed_experts=sharding.ExpertParallel(moe.routed_experts, par.tensor))
     specs = jax.tree_util.tree_map(lambda a: sharding.manual_spec(a.sharding), p)
     R = sharding.rank_sharding(mesh).spec
-    got = jax.jit(jax.shard_map(lambda p, x: moe.moe(x, p, cfg, tiny_engine.NUM, ops=ep), mesh=mesh,
-                                in_specs=(specs, R), out_specs=R, axis_names={sharding.DATA}))(p, x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+    def program(ragged):
+        ep = dataclasses.replace(XLA, routed_experts=sharding.ExpertParallel(moe.routed_experts, par.tensor, exchange,
+                                                                             ragged))
+        return jax.jit(jax.shard_map(lambda p, x: moe.moe(x, p, cfg, tiny_engine.NUM, ops=ep), mesh=mesh,
+                                     in_specs=(specs, R), out_specs=R, axis_names={sharding.DATA}))
+
+    for T in (5, 1):
+        x = np.random.default_rng(T).standard_normal((8, T, cfg.dim)).astype(np.float32)
+        want = moe.moe(x, params["layers"][3]["ffn"], cfg, tiny_engine.NUM)
+        got = program(sharding.ragged_all_to_all_reference)(p, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+    adds = []
+    _float_scatter_adds(jax.make_jaxpr(program(sharding.ragged_all_to_all_reference))(p, x).jaxpr, adds)
+    assert not adds, adds
+    if exchange == "ragged_all_to_all":
+        assert "ragged_all_to_all" in program(jax.lax.ragged_all_to_all).lower(p, x).as_text()
 
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(enable_expert_parallel=True), "needs --data-parallel-size > 1"),
+    (dict(data_parallel_size=2, all2all_backend="ragged_all_to_all"), "add --enable-expert-parallel"),
     (dict(tensor_parallel_size=3), "cannot be split 3 ways"),
     (dict(tensor_parallel_size=4, data_parallel_size=4), "asks for 16 devices but 8 are present"),
 ])
@@ -162,3 +181,12 @@ def test_kv_budget_plans(capsys):
     assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel"]) == 0
     assert "TP1 x DP8 + EP (8 GPUs)" in capsys.readouterr().out
     assert cli.main(["kv-budget"]) == 1  # the full model on one H200: the weights alone do not fit
+    assert cli.main(["kv-budget", "--data-parallel-size", "8", "--all2all-backend", "ragged_all_to_all"]) == 2
+
+
+def test_the_engine_exchanges_tokens_as_asked():
+    """--all2all-backend reaches the programs' routed-experts op; the CPU exchanges through the all-gather form
+    (`test_expert_parallel_op_is_the_plain_moe` checks both exchanges' numbers)."""
+    eng = tiny_engine.make(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="ragged_all_to_all")
+    op = eng.backends.ops.routed_experts
+    assert (op.exchange, op.ragged) == ("ragged_all_to_all", sharding.ragged_all_to_all_reference)

@@ -112,6 +112,8 @@ def test_rules_place_representative_weights(par, expect):
     (sharding.Parallelism(tensor=4, data=4), 8, "asks for 16 devices but 8 are present"),
     (sharding.Parallelism(tensor=2, expert=True), 8, "expert parallelism needs --data-parallel-size > 1"),
     (sharding.Parallelism(tensor=0), 8, "must be >= 1"),
+    (sharding.Parallelism(data=2, all2all="ragged_all_to_all"), 8, "add --enable-expert-parallel"),
+    (sharding.Parallelism(data=2, expert=True, all2all="nccl"), 8, "unknown --all2all-backend 'nccl'"),
 ])
 def test_bad_layouts_get_one_clear_error(par, n, message):
     with pytest.raises(sharding.ParallelismError, match=re.escape(message)):
@@ -122,3 +124,35 @@ def test_good_layouts_validate():
     for par in (sharding.Parallelism(), sharding.Parallelism(tensor=4), sharding.Parallelism(data=8, expert=True),
                 sharding.Parallelism(tensor=2, data=2, expert=True), sharding.Parallelism(tensor=2, data=4)):
         par.validate(preset("tiny"), 8)
+
+
+@needs8
+def test_ragged_all_to_all_reference_follows_the_documented_semantics():
+    """`sharding.ragged_all_to_all_reference` (the CPU's stand-in for `jax.lax.ragged_all_to_all`) against the
+    send / receive loop of jax's docstring, written out in numpy: uneven sizes, empty slices, slices placed out of
+    order and the output's own values kept where nothing lands."""
+    n, rows, out_rows = 4, 6, 9
+    rng = np.random.default_rng(0)
+    operand = rng.standard_normal((n, rows, 3)).astype(np.float32)
+    output = rng.standard_normal((n, out_rows, 3)).astype(np.float32)
+    send = rng.integers(0, 3, (n, n)).astype(np.int32)  # send[s, d]: rows s sends d
+    in_off = np.stack([rng.integers(0, rows - send[s].max() + 1, n) for s in range(n)]).astype(np.int32)
+    out_off = np.zeros((n, n), np.int32)  # out_off[s, d]: where s's rows land on d, disjoint per receiver
+    for d in range(n):
+        at = 0
+        for s in rng.permutation(n):
+            out_off[s, d], at = at, at + send[s, d] + 1
+    want = output.copy()
+    for s in range(n):
+        for d in range(n):
+            want[d, out_off[s, d]:out_off[s, d] + send[s, d]] = operand[s, in_off[s, d]:in_off[s, d] + send[s, d]]
+    mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+    P = jax.sharding.PartitionSpec
+
+    def f(a, o, io, ss, oo, rs):
+        return sharding.ragged_all_to_all_reference(a[0], o[0], io[0], ss[0], oo[0], rs[0], axis_name="x")[None]
+
+    args = [jax.device_put(a, jax.NamedSharding(mesh, P("x"))) for a in (operand, output, in_off, send, out_off,
+                                                                         send.T.copy())]
+    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))(*args)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -122,9 +122,11 @@ def test_routed_experts_split_over_the_width(t):
     assert _rel(got, whole) < 1e-2  # per-rank bf16 rounding of the partial sums
 
 
-def test_routed_experts_under_expert_parallel_keep_their_experts_split():
+@pytest.mark.parametrize("exchange", sharding.ALL2ALL_BACKENDS)
+def test_routed_experts_under_expert_parallel_keep_their_experts_split(exchange):
     """DP2 x TP2 + EP: experts split over all four ranks on the expert axis, width whole; the prepared weights
-    stay split as the FP4 ones (ExpertParallel's shard_map gives the kernel each rank's experts)."""
+    stay split as the FP4 ones (ExpertParallel's shard_map gives the kernel each rank's experts), whichever way
+    the tokens travel (the ragged exchange through its CPU form)."""
     par = sharding.Parallelism(tensor=2, data=2, expert=True)
     mesh = sharding.make_mesh(par)
     placed = _prepare({k: _place(w, EXPERT_AXES[k], mesh, par) for k, w in EXPERTS.items()})
@@ -133,7 +135,7 @@ def test_routed_experts_under_expert_parallel_keep_their_experts_split():
     assert w13.weight.addressable_shards[0].data.shape == (E // 4, 2 * F, D // 2)
     assert w13.scale_t.addressable_shards[0].data.shape == (E // 4, D // 32, 2 * F)
     want = np.asarray(_run_experts(X, W, IDX, _prepare(EXPERTS)))
-    ep = sharding.ExpertParallel(BK.routed_experts_op, par.tensor)
+    ep = sharding.ExpertParallel(BK.routed_experts_op, par.tensor, exchange, sharding.ragged_all_to_all_reference)
     R = sharding.rank_sharding(mesh).spec
     specs = jax.tree_util.tree_map(lambda a: sharding.manual_spec(a.sharding), placed)
     xs = jnp.tile(X[None], (2, 1, 1))  # each data rank the same tokens

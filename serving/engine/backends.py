@@ -17,7 +17,7 @@ from dsv41.nn import grouped_linear, linear, linear_input
 from dsv41.ops import XLA, Ops
 from dsv41.quant import Fp4Weight, Numerics
 from dsv41.sharding import (ExpertParallel, Parallelism, TensorReplicated, TensorShards, last_dim_spec,
-                            per_tensor_rank, tensor_spec, tensor_sum, tensor_ways)
+                            per_tensor_rank, ragged_all_to_all_reference, tensor_spec, tensor_sum, tensor_ways)
 from pallas_kernels import expert_gemm, fp8_linear, router
 from pallas_kernels.indexer_logits import TOPK_METHODS
 from pallas_kernels.mhc import mhc_fused
@@ -360,8 +360,8 @@ def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "au
     linears run on their slices with the sums the split needs, the mHC and router sites run whole on every rank
     (`TensorReplicated`: their weights are replicated), and in the KV path (programs.py) the KV writes and the
     indexer run whole on every rank, the sparse attention on each rank's heads. Expert
-    parallelism wraps the chosen routed-experts op in `sharding.ExpertParallel` (tokens all-gathered, each rank
-    its experts, partial sums reduce-scattered)."""
+    parallelism wraps the chosen routed-experts op in `sharding.ExpertParallel` (each rank its experts; the tokens
+    exchanged as `Parallelism.all2all` says)."""
     tp = parallelism.tensor > 1
     width_ways = parallelism.tensor if not parallelism.expert else 1
     attention, moe_backend, mhc_site, route = resolve_backends(cfg, params, attention, moe_backend, mhc_backend,
@@ -376,8 +376,16 @@ def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "au
         route = route if route is moe.route_plain else TensorReplicated(route)
     ops = kernel_ops(experts=moe_backend != "xla", linears=linear_backend != "xla", mhc_site=mhc_site, route=route)
     if parallelism.expert:
-        ops = dataclasses.replace(ops, routed_experts=ExpertParallel(ops.routed_experts, parallelism.tensor))
+        ops = dataclasses.replace(ops, routed_experts=expert_parallel(ops.routed_experts, parallelism))
     return Backends(attention, options, ops), params
+
+
+def expert_parallel(routed_experts, parallelism: Parallelism) -> ExpertParallel:
+    """routed_experts (an `Ops.routed_experts`) on each expert-parallel rank's experts, the tokens exchanged as
+    parallelism.all2all says. XLA's CPU backend has no ragged-all-to-all: there (tests) the exchange runs through
+    its all-gather form."""
+    ragged = ragged_all_to_all_reference if jax.default_backend() == "cpu" else jax.lax.ragged_all_to_all
+    return ExpertParallel(routed_experts, parallelism.tensor, parallelism.all2all, ragged)
 
 
 def kernel_ops(*, experts: bool = False, linears: bool = False, mhc: str = "xla", router: str = "xla",

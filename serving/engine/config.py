@@ -84,6 +84,11 @@ class EngineConfig:
     # None: the platform's (`bucket_floors`)
     min_prefill_bucket: int | None = None
     min_decode_bucket: int | None = None
+    # short prompts share a prefill call: up to this many a rank, each at most max_num_batched_tokens /
+    # max_prefill_rows tokens (rounded down to a bucket), in one program of that shape (one more program, two with
+    # bounded replay). Off where that share is below min_prefill_bucket (the CPU's floor is the chunk) and under
+    # batch_invariant. 1 (one prompt a rank a call) until the H200 has run the shared shape's kernels and timed it
+    max_prefill_rows: int = 1
     # one shape per program, whatever shares the step: prefill at the chunk, decode at max_num_seqs' bucket, every
     # block table max_model_len wide (overrides the two above). A request's logits and tokens are then the same
     # bits alone, in any batch, or after a prefix hit (docs/ARCHITECTURE.md "Batch invariance"); costs padding
@@ -105,6 +110,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"  # vLLM's --all2all-backend: `sharding.ALL2ALL_BACKENDS`
     # DSpark speculative decoding (None: off): greedy tokens unchanged, sampled ones by rejection sampling
     speculative_config: SpeculativeConfig | None = None
     # vLLM's --async-scheduling: a step's programs run while the caller handles the previous step's tokens (each
@@ -116,14 +122,14 @@ class EngineConfig:
     @property
     def parallelism(self) -> Parallelism:
         return Parallelism(tensor=self.tensor_parallel_size, data=self.data_parallel_size,
-                           expert=self.enable_expert_parallel)
+                           expert=self.enable_expert_parallel, all2all=self.all2all_backend)
 
     def __post_init__(self):
         for name in ("batch_invariant", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("page_tokens", 2),
-                         ("max_waiting", 0), ("swa_replay_tokens", 1), ("tensor_parallel_size", 1),
+        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_rows", 1),
+                         ("page_tokens", 2), ("max_waiting", 0), ("swa_replay_tokens", 1), ("tensor_parallel_size", 1),
                          ("data_parallel_size", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:

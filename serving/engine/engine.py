@@ -45,7 +45,8 @@ from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-expor
 from serving.engine.kv_pool import PoolLayout
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.sampling import SamplingParams, sampling_arrays
-from serving.engine.scheduler import Rank, Scheduler, StepOutput, _bucket, _Request  # noqa: F401 (re-exported)
+from serving.engine.scheduler import (Rank, Scheduler, StepOutput, _bucket, _Request,  # noqa: F401 (re-exported)
+                                      shared_prefill_shape)
 from serving.engine.prefill import Prefill
 from serving.engine.speculative import Speculative
 from serving.engine.warmup import Warmup
@@ -134,6 +135,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             # `program_shapes`) is then the top one, so no row's program depends on the rows beside it
             self.min_prefill_bucket = self.chunk
             self.min_decode_bucket = _bucket(max_num_seqs)
+        self.shared_prefill = None if config.batch_invariant else shared_prefill_shape(
+            min(config.max_prefill_rows, max_num_seqs), self.chunk, self.min_prefill_bucket)
         num_pages = config.num_pages or max_num_seqs * pages_per_seq
         # per data-parallel rank, as vLLM's --max-num-seqs is per DP engine
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs,
@@ -319,17 +322,16 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Reads the previous step's tokens (async scheduling), admits what fits, runs one prefill chunk on each
-        data rank that has a prompt to fill (its oldest), then one decode step over every running sequence.
-        -> the tokens read in this call: with async scheduling those of the programs the previous call
-        dispatched, else this call's."""
+        """Reads the previous step's tokens (async scheduling), admits what fits, runs one prefill call (on each
+        data rank that has a prompt to fill, its oldest's next chunk, or several short prompts: `_prefill`), then
+        one decode step over every running sequence. -> the tokens read in this call: with async scheduling those
+        of the programs the previous call dispatched, else this call's."""
         outs = self._undelivered = self._undelivered + self._read()
         self._admit()
-        oldest: dict[int, _Request] = {}
-        for r in self.running.values():
-            if r.prefilling and (r.rank not in oldest or r.arrival < oldest[r.rank].arrival):
-                oldest[r.rank] = r
-        firsts = self._prefill_chunks(sorted(oldest.values(), key=lambda r: r.rank)) if oldest else []
+        queued: dict[int, list[_Request]] = {}  # each rank's prompts to fill, oldest first
+        for r in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.arrival):
+            queued.setdefault(r.rank, []).append(r)
+        firsts = self._prefill(queued) if queued else []
         outs += firsts
         # a prompt whose first token was read in this step, or is not read yet, decodes from the next step on
         done = {o.request_id for o in firsts} | {r.id for f in self._in_flight for r in f.rows if r is not None}

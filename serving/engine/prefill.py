@@ -1,6 +1,6 @@
-"""A prompt's prefill, the engine's side: the next chunk of each rank's oldest prompt in one call, and under SWA
-bounded replay the encoder chunk by chunk, then the decoder on the prompt's last `swa_replay_tokens` rows (its
-tail); the image rows of a chunk."""
+"""A prompt's prefill, the engine's side: the next chunk of each rank's oldest prompt in one call (or several short
+prompts a rank in one call of the shared shape), and under SWA bounded replay the encoder chunk by chunk, then the
+decoder on the prompt's last `swa_replay_tokens` rows (its tail); the image rows of a chunk."""
 
 from __future__ import annotations
 
@@ -16,18 +16,68 @@ from serving.engine.scheduler import _bucket, _Request
 class Prefill:
     """The engine's prefill path (a mixin of `Engine`)."""
 
-    def _prefill_chunks(self, reqs: list[_Request]) -> list:
-        """The next chunk of each request's prefill (one request per rank), in one call. -> the StepOutputs of
-        the first tokens of those whose prefill finished (`Engine._dispatched`: none while they are in flight)."""
-        chunks, ends = {}, {}
-        for r in reqs:
-            end = min(r.prefill_len, r.computed + self._chunk_budget(r.rank))
-            if r.replay_at and r.computed < r.replay_at:
-                end = min(end, r.replay_at)
+    def _prefill(self, queued: dict[int, list[_Request]]) -> list:
+        """This step's prefill call over each rank's prompts to fill (oldest first): the shared call when some
+        rank has several prompts that it can finish (`_shared_picks`), else the next chunk of each rank's oldest.
+        -> the StepOutputs of the first tokens of those whose prefill finished (`Engine._dispatched`: none while
+        they are in flight)."""
+        picks = self._shared_picks(queued)
+        if picks is not None:
+            return self._prefill_chunks(picks, *self.shared_prefill)
+        oldest = [q[0] for _, q in sorted(queued.items())]
+        return self._prefill_chunks([(r, self._chunk_end(r, self._chunk_budget(r.rank))) for r in oldest], 1, None)
+
+    def _shared_picks(self, queued: dict[int, list[_Request]]) -> list[tuple[_Request, int]] | None:
+        """(request, chunk end) of the shared call (`EngineConfig.max_prefill_rows`), or None when no rank has two
+        prompts for it. A rank's oldest prompt always runs (at most T tokens of it: a long one goes on with its
+        next chunk); the next ones join in arrival order while they finish within T tokens, the rank's budget and
+        its rows. The oldest runs in every call, so short prompts never starve a long one."""
+        if self.shared_prefill is None:
+            return None
+        R, T = self.shared_prefill
+        picks, several = [], False
+        for rank, q in sorted(queued.items()):
+            left = self._chunk_budget(rank)
+            first = q[0]
+            end = self._chunk_end(first, min(left, T))
+            picks.append((first, end))
+            left -= end - first.computed
+            n = 1
+            for r in q[1:]:
+                if n == R:
+                    break
+                stop = self._chunk_end(r, self.max_model_len)
+                if stop - r.computed <= min(left, T):
+                    picks.append((r, stop))
+                    left -= stop - r.computed
+                    n += 1
+            several |= n > 1
+        return picks if several else None
+
+    @staticmethod
+    def _chunk_end(r: _Request, budget: int) -> int:
+        """Where r's next chunk of at most `budget` tokens ends: its prefill's end, or the point where bounded
+        replay restarts it as a prefix hit would (`replay_at`)."""
+        end = min(r.prefill_len, r.computed + budget)
+        if r.replay_at and r.computed < r.replay_at:
+            end = min(end, r.replay_at)
+        return end
+
+    def _prefill_chunks(self, picks: list[tuple[_Request, int]], per_rank: int, T: int | None) -> list:
+        """The chunks [computed, end) of the picked requests (at most per_rank a rank) in one call of per_rank rows
+        a rank x T tokens (None: the bucket of the longest chunk)."""
+        for r, end in picks:
             self._hold_pages(r, end)
-            chunks[r.id], ends[r.id] = r.token_range(r.computed, end), end
-        T = min(self.chunk, _bucket(max(map(len, chunks.values())), self.min_prefill_bucket))
-        rows = self._placed(reqs, 1)
+        # holding one request's pages may have preempted another of the picks (the newest on its rank)
+        picks = [(r, end) for r, end in picks if self.running.get(r.id) is r]
+        if not picks:
+            return []
+        reqs = [r for r, _ in picks]
+        chunks = {r.id: r.token_range(r.computed, end) for r, end in picks}
+        ends = {r.id: end for r, end in picks}
+        T = T or min(self.chunk, _bucket(max(map(len, chunks.values())), self.min_prefill_bucket))
+        rows = self._placed(reqs, per_rank)
+        self.counters["prefill_calls"] += 1
         b = self._batch(rows, chunks, {r.id: r.computed for r in reqs}, T)
         if not self.replay:
             last = [r if r is not None and ends[r.id] == r.prefill_len else None for r in rows]
@@ -53,8 +103,11 @@ class Prefill:
                 self._restart_as_hit(r)
             elif r.computed == r.prefill_len:
                 last[i] = r
-        if not any(last):
+        done = [r for r in last if r is not None]
+        if not done:
             return []
+        # the decoder's rows: one a rank unless a shared call finished several prompts on one rank
+        last = self._placed(done, 1 if len({r.rank for r in done}) == len(done) else per_rank)
         bd, hp, pp = self._decoder_inputs(last, b.block_table.shape[1])
         samp = self._sampling(last)
         self.pool, logits, tok = self.programs.run_decoder(self.params, self.pool, bd, hp, pp, **self.prefill_static)

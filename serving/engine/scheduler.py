@@ -98,6 +98,23 @@ def _bucket(n: int, lo: int = 1) -> int:
     return b
 
 
+def _ladder(lo: int, hi: int) -> list[int]:
+    """The buckets from lo up to hi: lo times powers of two below hi, then hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+def shared_prefill_shape(rows: int, chunk: int, min_bucket: int) -> tuple[int, int] | None:
+    """(rows a rank, tokens a row) of the prefill call that short prompts share: the largest prefill bucket T
+    with rows x T <= chunk, so the call costs no more tokens than a whole chunk. None: off (one row, or no bucket
+    that small)."""
+    fits = [T for T in _ladder(min(min_bucket, chunk), chunk) if rows * T <= chunk]
+    return (rows, fits[-1]) if rows > 1 and fits else None
+
+
 @dataclasses.dataclass
 class Rank:
     """One data-parallel rank's share of the pool: free pages and slots (rank-local ids), its prefix cache."""
@@ -307,23 +324,19 @@ class Scheduler:
 
     def program_shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
-        buckets (B counts every rank's rows). The block table is always max_pages_per_seq wide (the context length
-        is a run-time value); coarser buckets (min_prefill_bucket = the chunk, min_decode_bucket = max_num_seqs)
-        mean fewer programs and more padding."""
-
-        def ladder(lo: int, hi: int) -> list[int]:
-            out, b = [], lo
-            while b < hi:
-                out.append(b)
-                b *= 2
-            return out + [hi]
+        buckets (B counts every rank's rows), the short prompts' shared prefill call included. The block table is
+        always max_pages_per_seq wide (the context length is a run-time value); coarser buckets
+        (min_prefill_bucket = the chunk, min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
 
         D, c = len(self.ranks), self.max_pages_per_seq
-        chunks = ladder(min(self.min_prefill_bucket, self.chunk), self.chunk)
+        chunks = _ladder(min(self.min_prefill_bucket, self.chunk), self.chunk)
         prefill = "encoder" if self.replay else "full"
         shapes = [(prefill, D, T, c) for T in chunks]
+        if self.shared_prefill:
+            R, T = self.shared_prefill
+            shapes.append((prefill, D * R, T, c))
         if self.replay:
-            shapes.append(("decoder", D, 1, c))
+            shapes += [("decoder", D * R, 1, c) for R in (1, *(self.shared_prefill or ())[:1])]
         decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", D * B, self.decode_tokens, c) for B in ladder(self.min_decode_bucket, decode_top)]
+        shapes += [("decode", D * B, self.decode_tokens, c) for B in _ladder(self.min_decode_bucket, decode_top)]
         return shapes

@@ -30,7 +30,6 @@ class Warmup:
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
                            np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32),
                            np.zeros((B, L), np.int32), rows)
-        samp = self._sampling([None] * B)
         static, progs = self.static, self.programs
         if kind == "encoder":
             return progs.run_encoder, (self.params, self.pool, b), {**static, "replay_tokens": self.replay_tokens}
@@ -43,7 +42,7 @@ class Warmup:
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
             return progs.run_decoder, (self.params, self.pool, b, h, pre), self.prefill_static
         if kind == "decode" and self.spec is not None:
-            forced = np.full(B, self.spec.forced_acceptance)
+            forced, samp = np.full(B, self.spec.forced_acceptance), self._sampling([None] * B)
             return (progs.run_spec, (self.params, self.pool, b, samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)),
                     {**static, "spec_tokens": self.spec.num_speculative_tokens})
         return progs.run_full, (self.params, self.pool, b), static if kind == "decode" else self.prefill_static
