@@ -7,6 +7,13 @@ serve`'s engine flags, from an empty persistent compilation cache (cold), then f
 --abstract: weights and KV pool as jax.ShapeDtypeStruct (Engram tables one row), so a model larger than the device
 (Flash on one H200) compiles as serving would compile it. One program at a time (warm-up overlaps several).
 
+--serve: the user's path instead: `dsv41 serve FLAGS --warmup` from an empty cache, then again over the cache it
+filled, each timed from the command's start to the first 200 of /health (and its CPU seconds), with the programs
+its warm-up log reports:
+
+    PYTHONPATH=. python3 scripts/bench_startup.py --serve --preset tiny    # CPU (issue target: <= 20 s cold)
+    PYTHONPATH=. python3 scripts/bench_startup.py --serve                  # H200, bench preset, serve's defaults
+
 How compile time grows with the layer count (flat: layers of one kind share one body, dsv41/layer_runs.py): the
 smallest program of each kind named, cold only, 40 layers against 8:
 
@@ -20,10 +27,13 @@ import argparse
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from unittest import mock
 
 from timing import fmt, log, print_table  # noqa: I001 (first: puts the repository on sys.path)
@@ -36,6 +46,7 @@ from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving import cli_serve, compilation_cache
 from serving.engine import backends, compile_events, kv_pool
+from serving.engine.warmup_progress import parse_report_line
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 
@@ -53,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "default: all of Engine.program_shapes()")
     ap.add_argument("--smallest", action="store_true", help="only the first (smallest) shape of each kind")
     ap.add_argument("--cold-only", action="store_true", help="skip the warm (cache hit) run")
+    ap.add_argument("--serve", action="store_true",
+                    help="time `dsv41 serve --warmup` with these flags to a healthy /health, cold then warm")
+    ap.add_argument("--serve-timeout", type=float, default=1800, help="seconds a --serve run may take to be healthy")
     ap.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)  # one run, JSON on stdout
     return ap.parse_args(argv)
 
@@ -170,6 +184,106 @@ def report(cold: dict, warm: dict | None) -> None:
     print_table(["run", "programs", "lower s", "compile s", "cache hits", "engine build s", "process s"], totals)
 
 
+# this script's own flags, dropped from the command line that `--serve` hands `dsv41 serve` (valued / switches);
+# the cache directory and the port are set per run
+_OWN_VALUED = ("--programs", "--child", "--serve-timeout", "--compilation-cache-dir", "--port")
+_OWN_SWITCHES = ("--abstract", "--smallest", "--cold-only", "--serve")
+
+
+def serve_flags(argv: list[str], args: argparse.Namespace) -> list[str]:
+    """`dsv41 serve`'s flags from this command line: its own flags dropped, the preset made explicit (this
+    script's default, bench, is not serve's)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _OWN_VALUED:
+            skip = True
+        elif a not in _OWN_SWITCHES and not a.startswith(tuple(f + "=" for f in _OWN_VALUED)):
+            out.append(a)
+    return out if args.checkpoint else ["--preset", args.preset, *out]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float | None:
+    """The process's user + system CPU seconds so far (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) -> dict:
+    """Starts `dsv41 serve FLAGS --warmup` over the compilation cache cache_dir and polls /health until it answers
+    200 -> {"healthy_s" (from the command's start), "cpu_s", "programs" (warm-up's per-program reports)}; stops
+    the server."""
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "serving.cli", "serve", *flags, "--warmup", "--port", str(port),
+           "--compilation-cache-dir", cache_dir]
+    logger.info("starting %s", " ".join(cmd[2:]))
+    with tempfile.TemporaryFile("w+") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    out.seek(0)
+                    raise SystemExit(f"dsv41 serve exited ({proc.returncode}) before /health answered 200; its "
+                                     f"log ends:\n{out.read()[-4000:]}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    pass  # not listening yet, or 503 while warming up
+                if time.perf_counter() - t0 > timeout_s:
+                    raise SystemExit(f"dsv41 serve not healthy after {timeout_s:.0f} s (--serve-timeout)")
+                time.sleep(0.05)
+            healthy_s = time.perf_counter() - t0
+            cpu_s = _cpu_s(proc.pid)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        reports = [r for r in map(parse_report_line, out) if r is not None]
+    return {"healthy_s": healthy_s, "cpu_s": cpu_s, "programs": reports}
+
+
+def report_serve(cold: dict, warm: dict | None) -> None:
+    """Per program (by shape: the log's order is the order compiles finished) its source, lower and compile time
+    in each run, then each run's time to healthy."""
+    runs = [("cold", cold)] + ([("warm", warm)] if warm else [])
+    by_shape = [{(r.kind, r.B, r.T, r.pages): r for r in run["programs"]} for _, run in runs]
+    header = ["program", "B x T", "pages"] + [f"{w} ({n})" for n, _ in runs for w in ("source", "lower s", "compile s")]
+    rows = []
+    for key in by_shape[0]:
+        row = [key[0], f"{key[1]} x {key[2]}", key[3]]
+        for shapes in by_shape:
+            r = shapes.get(key)
+            row += [r.source, fmt(r.lower_s), fmt(r.compile_s)] if r else ["-", "-", "-"]
+        rows.append(row)
+    print_table(header, rows, "lrr" + "lrr" * len(runs))
+    print()
+    totals = [[name, len(run["programs"]), sum(r.source == compile_events.COMPILED for r in run["programs"]),
+               sum(r.source == compile_events.HIT for r in run["programs"]), fmt(run["healthy_s"]),
+               fmt(run["cpu_s"], "{:.1f}")] for name, run in (("cold (empty cache)", cold), ("warm (cache hit)", warm))
+              if run is not None]
+    print_table(["run", "programs", "compiled", "cache hits", "healthy after s", "CPU s"], totals)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -178,12 +292,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args)  # stdout: its one JSON line; its log goes to stderr
         return 0
+    if args.serve and (args.abstract or args.programs or args.smallest):
+        raise SystemExit("--serve times the server as a user starts it, every program with weights allocated; "
+                         "drop --abstract, --programs and --smallest")
     given = args.compilation_cache_dir
     if given and os.path.isdir(given) and os.listdir(given):
         raise SystemExit(f"--compilation-cache-dir {given} is not empty: the cold run would load from it; give an "
                          "empty or new directory (default: a fresh temporary one)")
     with tempfile.TemporaryDirectory(prefix="dsv41_bench_startup_") as tmp:
         cache_dir = given or tmp
+        if args.serve:
+            flags = serve_flags(argv, args)
+            cold = serve_to_healthy(flags, cache_dir, args.serve_timeout)
+            warm = None if args.cold_only else serve_to_healthy(flags, cache_dir, args.serve_timeout)
+            report_serve(cold, warm)
+            return 0
         mode = "abstract weights" if args.abstract else "weights allocated"
         log(f"preset {args.checkpoint or args.preset} ({mode}); compilation cache {cache_dir}")
         cold = run_child(argv, "cold", cache_dir)

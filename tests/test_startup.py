@@ -6,8 +6,9 @@ file (a module fixture, one xdist worker): a CPU compile of the three is most of
 - scripts/bench_startup.py: the cold run compiles each program, the warm run loads each from the cache, and the
   abstract mode's programs (ShapeDtypeStruct weights and pool) are the very programs the allocated engine
   compiles: the allocated engine's run finds every one in the cache the abstract runs left.
-- the allocated serve engine's `Engine.warmup()` loads each program from that cache, and requests after it
-  compile no program of the engine.
+- the allocated serve engine's `Engine.warmup()` (its compile threads, as `dsv41 serve --warmup` runs it) finds
+  each program in that cache and loads it without compiling again, and requests after it compile no program of
+  the engine.
 """
 
 from __future__ import annotations
@@ -60,8 +61,29 @@ def test_cold_then_warm_and_abstract_equals_allocated(bench_cache, served):
     assert programs == ["encoder", "decoder", "decode"] and all(line.endswith("| cache hit |") for line in lines[1:4])
     assert any("cold (empty cache) | 3 |" in line and "| 0/3 |" in line for line in lines), table
     assert any("warm (cache hit) | 3 |" in line and "| 3/3 |" in line for line in lines), table
-    # the allocated engine's warm-up loads every program the abstract runs compiled
-    assert served["warmup_sources"] == ["cache hit"] * 3, served
+    # the allocated engine's warm-up finds every program the abstract runs compiled (lowered the largest first,
+    # then loaded in the step order) and none "compiled again when loaded"
+    assert sorted(served["warmup_sources"]) == [["decode", "cache hit"], ["decoder", "cache hit"],
+                                                ["encoder", "cache hit"]], served
+    assert served["padding_calls"] == ["decode", "encoder", "decoder", "encoder", "decoder", "decode"], served
+    assert served["warmup_warnings"] == [], served
+
+
+def test_serve_timed_to_healthy_over_the_cache(bench_cache):
+    """`bench_startup.py --serve`'s run (the real `dsv41 serve --warmup` process, polled until /health answers
+    200) over the module's cache: the flags it hands serve, then every program a cache hit in its table."""
+    import argparse
+
+    import bench_startup
+
+    argv = ["--serve", "--preset", "tiny", "--cold-only", "--programs", "decode", "--max-num-seqs", "4",
+            "--port=9", "--serve-timeout", "60"]
+    assert bench_startup.serve_flags(argv, argparse.Namespace(checkpoint=None, preset="tiny")) == [
+        "--preset", "tiny", "--preset", "tiny", "--max-num-seqs", "4"]
+    run = bench_startup.serve_to_healthy(FLAGS, str(bench_cache[1]), timeout_s=300)
+    assert sorted((r.kind, r.source) for r in run["programs"]) == [
+        ("decode", "cache hit"), ("decoder", "cache hit"), ("encoder", "cache hit")], run
+    assert 0 < run["healthy_s"] < 300 and (run["cpu_s"] is None or run["cpu_s"] > 0), run
 
 
 def test_serve_defaults_compile_few_programs():
@@ -103,6 +125,7 @@ PROGRAM_NAMES = {"jit(_full)", "jit(_encoder)", "jit(_decoder)", "jit(_spec)"}
 def _after_warmup(cache: str) -> dict:
     """(a child process) What the requests after warm-up compiled: the jitted functions' names."""
     import argparse
+    import logging
     from unittest import mock
 
     import numpy as np
@@ -115,10 +138,16 @@ def _after_warmup(cache: str) -> dict:
 
     compilation_cache.configure(cache)
     eng = build_engine(add_serve_args(argparse.ArgumentParser()).parse_args(FLAGS))
-    sources = []
+    sources, warnings = [], []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    warmup.log.addHandler(handler)
     real_report = warmup._report
-    with mock.patch.object(warmup, "_report", lambda s, c: sources.append(c.source) or real_report(s, c)):
-        eng.warmup(workers=1)  # one at a time: each program's own load, as `_report` sees it
+    calls, real_call = [], eng._padding_call
+    with (mock.patch.object(warmup, "_report", lambda s, c: sources.append((s[0], c.source)) or real_report(s, c)),
+          mock.patch.object(eng, "_padding_call", lambda kind, *a: calls.append(kind) or real_call(kind, *a))):
+        eng.warmup(workers=2)  # the compile threads, then each program's load
+    warmup.log.removeHandler(handler)
     progs = eng.programs.run_encoder, eng.programs.run_decoder, eng.programs.run_full
     sizes = [[p._cache_size() for p in progs]]
     compiled = []
@@ -132,7 +161,8 @@ def _after_warmup(cache: str) -> dict:
         for o in eng.step():
             tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
     sizes.append([p._cache_size() for p in progs])
-    return {"warmup_sources": sources, "program_cache_sizes": sizes, "compiled_after": compiled,
+    return {"warmup_sources": sources, "padding_calls": calls, "warmup_warnings": warnings,
+            "program_cache_sizes": sizes, "compiled_after": compiled,
             "tokens": [tokens[k] for k in sorted(tokens)]}
 
 

@@ -115,40 +115,66 @@ class Warmup:
             self.programs.sample(logits, samp, filtered=filtered)
 
     def _compile_in_threads(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress) -> bool:
-        """Compiles every shape into the persistent cache, `workers` at a time; False when stopped early."""
+        """Compiles every shape into the persistent cache; False when stopped early. This thread traces and lowers
+        the programs one after another, the largest first (`_compile_order`), and hands each to one of `workers`
+        threads for XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL: lowered in
+        several threads at once, every program finished lowering late and every compile started late (the tiny
+        preset on 2 cores: 16.0 s to compile 3 programs, against 12.8 s one after another)."""
         n = len(shapes)
 
-        def compile_one(shape) -> compile_events.Compiles | None:
-            if stop():
-                return None
-            fn, args, static = self._padding_call(*shape)
+        def compile_one(lowered, lowering: compile_events.Compiles) -> compile_events.Compiles:
             with compile_events.capture() as c:
-                fn.lower(*args, **static).compile()
+                lowered.compile()
+            c.add(lowering)
             return c
 
+        def report(done) -> None:
+            for fut in done:
+                r = _report(futures.pop(fut), fut.result())
+                eta = progress.compiled(r)
+                log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
+                bar.update(1)
+
+        def stopped() -> bool:
+            if stop():
+                log.info("warm-up stopped after compiling %d of %d programs (the compiles under way finish in the "
+                         "background: XLA cannot interrupt them)", progress.snapshot()["programs_compiled"], n)
+                return True
+            return False
+
+        futures: dict[concurrent.futures.Future, tuple] = {}
         ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv41-compile")
         try:
             with _progress_bar(n, "warm-up: compiling") as bar:
-                futures = {ex.submit(compile_one, s): s for s in shapes}
-                pending = set(futures)
-                while pending:
-                    # a timeout, so that a stop is seen while long compiles run
-                    done, pending = concurrent.futures.wait(pending, timeout=0.25,
-                                                            return_when=concurrent.futures.FIRST_COMPLETED)
-                    if stop():
-                        log.info("warm-up stopped after compiling %d of %d programs (the compiles under way "
-                                 "finish in the background: XLA cannot interrupt them)",
-                                 progress.snapshot()["programs_compiled"], n)
+                for shape in sorted(shapes, key=_compile_order):
+                    if stopped():
                         return False
-                    for fut in done:
-                        r = _report(futures[fut], fut.result())
-                        eta = progress.compiled(r)
-                        log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
-                        bar.update(1)
+                    fn, args, static = self._padding_call(*shape)
+                    with compile_events.capture() as lowering:
+                        lowered = fn.lower(*args, **static)
+                    futures[ex.submit(compile_one, lowered, lowering)] = shape
+                    report([f for f in futures if f.done()])
+                while futures:
+                    # a timeout, so that a stop is seen while long compiles run
+                    done, _ = concurrent.futures.wait(futures, timeout=0.25,
+                                                      return_when=concurrent.futures.FIRST_COMPLETED)
+                    if stopped():
+                        return False
+                    report(done)
         finally:
             # not waiting: a stop (or an error) returns at once, and the queued compiles are dropped
             ex.shutdown(wait=False, cancel_futures=True)
         return True
+
+
+# whole-model programs first, then the prefill encoder, then the replay decoder; larger batches first within a kind:
+# the longest compiles start first, so the last to finish starts early
+_KIND_ORDER = {"decode": 0, "full": 1, "encoder": 1, "decoder": 2}
+
+
+def _compile_order(shape: tuple[str, int, int, int]) -> tuple[int, int]:
+    kind, B, T, _ = shape
+    return _KIND_ORDER[kind], -B * T
 
 
 def _report(shape: tuple[str, int, int, int], c: compile_events.Compiles) -> ProgramReport:

@@ -4,6 +4,7 @@ thread warms up, and the one log line per program that says what each cost."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -81,3 +82,16 @@ def report_line(i: int, n: int, r: ProgramReport, eta_s: float | None) -> str:
     eta = "" if eta_s is None else f", ETA {eta_s:.0f} s"
     return (f"{i}/{n} {r.kind} B={r.B} T={r.T} pages={r.pages}: {r.source}, lower {r.lower_s:.2f} s, "
             f"compile {r.compile_s:.2f} s{eta}")
+
+
+_REPORT_LINE = re.compile(r"(\d+)/(\d+) (\w+) B=(\d+) T=(\d+) pages=(\d+): ([\w ]+), lower ([\d.]+) s, "
+                          r"compile ([\d.]+) s")
+
+
+def parse_report_line(text: str) -> ProgramReport | None:
+    """The `ProgramReport` of a `report_line` found in text (a server's log line), or None."""
+    m = _REPORT_LINE.search(text)
+    if m is None:
+        return None
+    kind, B, T, pages, source, lower_s, compile_s = m.groups()[2:]
+    return ProgramReport(kind, int(B), int(T), int(pages), float(lower_s), float(compile_s), source)
