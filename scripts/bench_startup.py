@@ -277,11 +277,11 @@ def report_serve(cold: dict, warm: dict | None) -> None:
         rows.append(row)
     print_table(header, rows, "lrr" + "lrr" * len(runs))
     print()
-    totals = [[name, len(run["programs"]), sum(r.source == compile_events.COMPILED for r in run["programs"]),
-               sum(r.source == compile_events.HIT for r in run["programs"]), fmt(run["healthy_s"]),
-               fmt(run["cpu_s"], "{:.1f}")] for name, run in (("cold (empty cache)", cold), ("warm (cache hit)", warm))
-              if run is not None]
-    print_table(["run", "programs", "compiled", "cache hits", "healthy after s", "CPU s"], totals)
+    sources = (compile_events.COMPILED, compile_events.HIT, compile_events.STORED)
+    totals = [[name, len(run["programs"]), *(sum(r.source == s for r in run["programs"]) for s in sources),
+               fmt(run["healthy_s"]), fmt(run["cpu_s"], "{:.1f}")]
+              for name, run in (("cold (empty cache)", cold), ("warm (cache hit)", warm)) if run is not None]
+    print_table(["run", "programs", "compiled", "cache hits", "stored", "healthy after s", "CPU s"], totals)
 
 
 def main(argv: list[str] | None = None) -> int:

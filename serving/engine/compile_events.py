@@ -27,6 +27,8 @@ LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 HIT, COMPILED, IN_MEMORY = "cache hit", "compiled", "in memory"
+# a warm-up's source for an executable loaded from the program store (`serving.engine.executables`): not traced
+STORED = "stored"
 
 
 @dataclasses.dataclass(eq=False)  # identity: `capture` removes its own block from a stack of nested ones

@@ -38,7 +38,7 @@ import numpy as np
 from dsv41 import layer_runs, model, quant, sharding
 from dsv41.config import ModelConfig
 from dsv41.params import VISION_KEYS
-from serving.engine import backends, kv_pool, programs
+from serving.engine import backends, executables, kv_pool, programs
 from serving.engine import images as im
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-exported)
@@ -102,9 +102,14 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             raise EngineError(str(e)) from None
         scan = backends.scans_layers(self.backends) if config.scan_layers is None else config.scan_layers
         self.params = layer_runs.stack_params(self.params, cfg, stack=scan, consume=own_params)
-        # one device: the module's programs, whose compiled cache every engine in the process shares
+        # one device: the module's programs, whose compiled cache every engine in the process shares; the
+        # executables warm-up keeps (or loads from the program store) are this engine's own. Across processes the
+        # programs stay with jit (a multi-process executable is neither stored nor called directly here).
         self.programs = (programs.ONE_DEVICE if self.mesh is None else
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))
+        self.executables = executables.Executables(executables.default_store()) if jax.process_count() == 1 else None
+        if self.executables is not None:
+            self.programs = self.programs.bound(self.executables)
         # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
         self.static = {"cfg": cfg, "num": numerics, "backends": self.backends}
         self._init_speculative(cfg, config)

@@ -93,26 +93,3 @@ def one_transfer(fn):
 
     program.__name__ = program.__qualname__ = fn.__name__
     return program
-
-
-class OneTransfer:
-    """A jitted `one_transfer` program called as fn(params, pool, *args, **static): packs args' host arrays
-    (`split`). Forwards what callers use of a jitted function: calls, `lower`, `trace`, `_cache_size`."""
-
-    def __init__(self, jitted):
-        self.jitted = jitted
-
-    def __call__(self, params, pool, *args, **static):
-        rows, rest, layout = split(args)
-        return self.jitted(params, pool, rows, rest, layout=layout, **static)
-
-    def lower(self, params, pool, *args, **static):
-        rows, rest, layout = split(args)
-        return self.jitted.lower(params, pool, rows, rest, layout=layout, **static)
-
-    def trace(self, params, pool, *args, **static):
-        rows, rest, layout = split(args)
-        return self.jitted.trace(params, pool, rows, rest, layout=layout, **static)
-
-    def _cache_size(self) -> int:
-        return self.jitted._cache_size()

@@ -13,8 +13,10 @@ The layer math is dsv41's; what is new here is reading/writing the pool.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -32,9 +34,11 @@ from dsv41.nn import rms_norm
 from dsv41.quant import Numerics
 from dsv41.rope import cos_sin
 from serving.engine.backends import Backends, KernelOptions
-from serving.engine import host_rows, spec_sampling
+from serving.engine import executables, host_rows, spec_sampling
 from serving.engine import kv_pool
 from serving.engine.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -715,14 +719,88 @@ class _PlatformJit:
         return self.jitted._cache_size()
 
 
-def _program(fn, static: tuple, cpu_options: dict | None = None, rank=None, **jit_kw):
+def _program(name: str, fn, static: tuple, cpu_options: dict | None = None, rank=None, **jit_kw) -> "Program":
     """fn(params, pool, *args, **static) jitted as an engine program: the pool donated, the host arguments in one
     transfer (`host_rows`), `cpu_options` where it compiles for the CPU (`_PlatformJit`), the per-rank arguments
     placed over data ranks (rank: their sharding, on a mesh)."""
     kw = dict(static_argnames=static + ("layout",), donate_argnames=("pool",), **jit_kw)
     fn = host_rows.one_transfer(fn)
     jitted = jax.jit(fn, **kw) if cpu_options is None else _PlatformJit(fn, cpu_options, **kw)
-    return host_rows.OneTransfer(jitted if rank is None else _PerRankArgs(jitted, rank))
+    return Program(name, jitted, rank, cpu_options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """An engine program called as fn(params, pool, *args, **static): the host arrays packed into one transfer
+    (`host_rows.split`), placed over data ranks on a mesh (rank: their sharding), then run by the engine's
+    executable for that call's shapes (`executables`: kept from warm-up's compile or loaded from the program
+    store, so a call traces nothing) or else through jit."""
+
+    name: str
+    jitted: Any
+    rank: jax.sharding.NamedSharding | None = None
+    compiler_options: dict | None = dataclasses.field(default=None, hash=False)
+    executables: executables.Executables | None = dataclasses.field(default=None, compare=False, hash=False)
+
+    def _args(self, params, pool, args: tuple, static: dict) -> tuple[tuple, dict]:
+        rows, rest, layout = host_rows.split(args)
+        placed = (pool, rows, rest) if self.rank is None else sharding.put((pool, rows, rest), self.rank)
+        return (params, *placed), {"layout": layout, **static}
+
+    def __call__(self, params, pool, *args, **static):
+        a, kw = self._args(params, pool, args, static)
+        if self.executables:  # any kept: an engine without warm-up skips the lookup
+            compiled = self.executables.get(self.name, executables.call_signature(a, kw))
+            if compiled is not None:
+                return compiled(*a)
+        return self.jitted(*a, **kw)
+
+    def lower(self, params, pool, *args, **static):
+        a, kw = self._args(params, pool, args, static)
+        return self.jitted.lower(*a, **kw)
+
+    def trace(self, params, pool, *args, **static):
+        a, kw = self._args(params, pool, args, static)
+        return self.jitted.trace(*a, **kw)
+
+    def _store_key(self, a: tuple, kw: dict) -> str | None:
+        store = self.executables.store if self.executables is not None else None
+        if store is None:
+            return None
+        try:
+            return executables.key(self.name, a, kw, self.compiler_options)
+        except executables.Unkeyable as e:
+            log.warning("program store: %s is not stored (an argument has no stable description: %s)", self.name, e)
+            return None
+
+    def load(self, params, pool, *args, **static) -> bool:
+        """Finds this call's executable in the engine's program store and keeps it for the engine's calls of these
+        shapes: True, or False (no store, none stored, or the call cannot be keyed)."""
+        if self.executables is None:
+            return False
+        a, kw = self._args(params, pool, args, static)
+        k = self._store_key(a, kw)
+        compiled = None if k is None else self.executables.store.load(k)
+        if compiled is not None:
+            self.executables.put(self.name, executables.call_signature(a, kw), compiled)
+        return compiled is not None
+
+    def keep(self, compiled, params, pool, *args, store: bool, **static) -> None:
+        """Keeps a compiled executable of this call (`lower(...).compile()`) for the engine's calls of these shapes;
+        with store, writes it to the program store, before it first runs (one that ran did not serialize on the
+        CPU: "`LessThan` is not serializable"). Only an executable XLA compiled in this process is stored: one
+        loaded from jax's persistent cache and serialized again lost its code on the CPU ("Function
+        multiply_convert_fusion.72 not found" when the copy ran)."""
+        if self.executables is None:
+            return
+        a, kw = self._args(params, pool, args, static)
+        k = self._store_key(a, kw) if store else None
+        if k is not None:
+            self.executables.store.save(k, compiled)
+        self.executables.put(self.name, executables.call_signature(a, kw), compiled)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
 
 
 class Programs:
@@ -735,15 +813,17 @@ class Programs:
     `shard_map` manual over the data axis takes each rank's rows of the batch and its own pool (both stacked on
     axis 0) and leaves the tensor axis to XLA, which partitions heads, widths and the vocabulary as the weights
     are split (`param_shardings`: the tree of the params' shardings, as placed) and adds the reductions. Expert
-    parallelism is an `Ops.routed_experts` (`sharding.ExpertParallel`) inside that region."""
+    parallelism is an `Ops.routed_experts` (`sharding.ExpertParallel`) inside that region.
+
+    An engine runs them `bound` to its own `executables.Executables`; the jit caches stay shared."""
 
     def __init__(self, mesh=None, param_shardings=None):
         self.mesh = mesh
         if mesh is None:
-            self.run_full = _program(_full, _PREFILL_STATIC)
-            self.run_decoder = _program(_decoder, _PREFILL_STATIC)
-            self.run_encoder = _program(_encoder, _ENCODER_STATIC)
-            self.run_spec = _program(_spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
+            self.run_full = _program("full", _full, _PREFILL_STATIC)
+            self.run_decoder = _program("decoder", _decoder, _PREFILL_STATIC)
+            self.run_encoder = _program("encoder", _encoder, _ENCODER_STATIC)
+            self.run_spec = _program("spec", _spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
             self.sample = jax.jit(sample, static_argnames=_SAMPLE_STATIC)
             return
         rank = sharding.rank_sharding(mesh)
@@ -777,7 +857,8 @@ class Programs:
                         spec_tokens=spec_tokens)
 
         def jit(fn, static=_STATIC, out=rank, cpu_options=None):
-            return _program(fn, static, cpu_options, rank, out_shardings=out)
+            return _program("mesh_" + fn.__name__.removeprefix("run_"), fn, static, cpu_options, rank,
+                            out_shardings=out)
 
         # across processes the host reads every rank's sampled tokens: replicated, each host has them locally
         tok = sharding.replicated(mesh) if jax.process_count() > 1 else rank
@@ -788,6 +869,13 @@ class Programs:
                             cpu_options=_SPEC_CPU_OPTIONS)
         # (logits, sampling): `_PerRankArgs` places the sampling rows; the logits are the step's, placed already
         self.sample = _PerRankArgs(jax.jit(sample, static_argnames=_SAMPLE_STATIC, out_shardings=tok), rank)
+
+    def bound(self, ex: executables.Executables) -> "Programs":
+        """These programs (their jit caches shared) running an engine's own executables (`Program.executables`)."""
+        out = copy.copy(self)
+        for name in ("run_full", "run_encoder", "run_decoder", "run_spec"):
+            setattr(out, name, dataclasses.replace(getattr(self, name), executables=ex))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import compile_events, programs
+from serving.engine import compile_events, executables, programs
+from serving.engine.errors import EngineError
 from serving.engine.warmup_progress import ProgramReport, WarmupProgress, report_line
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,11 @@ class Warmup:
                ) -> list[tuple[str, int, int, int]]:
         """Compiles and loads every program of `program_shapes()` so that no request waits for a compile (the
         serving analog of capturing CUDA graphs at start-up). With a persistent compilation cache configured,
-        the programs are first compiled in `workers` threads at once (XLA compiles off the GIL), then each runs
-        once on an all-padding batch, which loads it from that cache. Logs one line per program (shape, lower
-        and compile time, whether it came from the persistent cache, ETA) and keeps `warmup_progress` current.
+        each program is first loaded from the program store beside it (`executables`: nothing traced) or
+        compiled, in `workers` threads at once (XLA compiles off the GIL), and kept as this engine's executable;
+        then each runs once on an all-padding batch. Without one, each program compiles as it first runs. Logs
+        one line per program (shape, lower and compile time, where it came from, ETA) and keeps
+        `warmup_progress` current.
         should_stop: checked between programs; True ends warm-up early (a server told to stop while warming).
         -> the shapes."""
         shapes = self.program_shapes()
@@ -73,14 +76,17 @@ class Warmup:
         stop = should_stop or (lambda: False)
         t0 = time.perf_counter()
         cached = bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
-        parallel = cached and workers > 1
+        parallel = cached
         log.info("warm-up: %d programs to compile and load (%s, %s)", n,
                  f"{workers} compile threads" if parallel else "one at a time",
                  f"persistent cache {jax.config.jax_compilation_cache_dir}" if cached else "no persistent cache")
+        stored: set = set()
         if parallel:
-            if not self._compile_in_threads(shapes, workers, stop, progress):
+            stored = self._compile_in_threads(shapes, workers, stop, progress)
+            if stored is None:
                 return []
-            log.info("warm-up: %d programs compiled in %.1f s; loading them", n, time.perf_counter() - t0)
+            log.info("warm-up: %d programs compiled or loaded (%d from the program store) in %.1f s; running each "
+                     "once", n, len(stored), time.perf_counter() - t0)
         with _progress_bar(n, "warm-up: loading" if parallel else "warm-up") as bar:
             for shape in shapes:
                 if stop():
@@ -89,6 +95,8 @@ class Warmup:
                 fn, args, static = self._padding_call(*shape)
                 with compile_events.capture() as c:
                     out = fn(*args, **static)
+                if shape in stored:
+                    _first_run(shape, out)
                 self.pool = out[0]
                 if shape[0] != "encoder" and not (shape[0] == "decode" and self.spec is not None):
                     self._warm_sample(out[1])
@@ -114,26 +122,33 @@ class Warmup:
         for filtered in (False, True):
             self.programs.sample(logits, samp, filtered=filtered)
 
-    def _compile_in_threads(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress) -> bool:
-        """Compiles every shape into the persistent cache; False when stopped early. This thread traces and lowers
-        the programs one after another, the largest first (`_compile_order`), and hands each to one of `workers`
-        threads for XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL: lowered in
-        several threads at once, every program finished lowering late and every compile started late (the tiny
-        preset on 2 cores: 16.0 s to compile 3 programs, against 12.8 s one after another)."""
+    def _compile_in_threads(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress
+                            ) -> set | None:
+        """Gives every shape's program its executable, loaded from the program store or compiled (into the
+        persistent cache and the store) -> the shapes loaded from the store; None when stopped early. This thread
+        loads, or traces and lowers, the programs one after another, the largest first (`_compile_order`), and
+        hands each lowered one to one of `workers` threads for XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL:
+        lowered in several threads at once, every program finished lowering late and every compile started late
+        (the tiny preset on 2 cores: 16.0 s to compile 3 programs, against 12.8 s one after another)."""
         n = len(shapes)
 
-        def compile_one(lowered, lowering: compile_events.Compiles) -> compile_events.Compiles:
+        def compile_one(shape, call, lowered, lowering: compile_events.Compiles) -> ProgramReport:
             with compile_events.capture() as c:
-                lowered.compile()
+                compiled = lowered.compile()
             c.add(lowering)
-            return c
+            fn, args, static = call
+            fn.keep(compiled, *args, store=c.source == compile_events.COMPILED, **static)
+            return _report(shape, c)
+
+        def record(r: ProgramReport) -> None:
+            eta = progress.compiled(r)
+            log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
+            bar.update(1)
 
         def report(done) -> None:
             for fut in done:
-                r = _report(futures.pop(fut), fut.result())
-                eta = progress.compiled(r)
-                log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
-                bar.update(1)
+                futures.pop(fut)
+                record(fut.result())
 
         def stopped() -> bool:
             if stop():
@@ -143,28 +158,34 @@ class Warmup:
             return False
 
         futures: dict[concurrent.futures.Future, tuple] = {}
+        stored = set()
         ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv41-compile")
         try:
             with _progress_bar(n, "warm-up: compiling") as bar:
                 for shape in sorted(shapes, key=_compile_order):
                     if stopped():
-                        return False
+                        return None
                     fn, args, static = self._padding_call(*shape)
+                    t0 = time.perf_counter()
+                    if fn.load(*args, **static):
+                        stored.add(shape)
+                        record(ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED))
+                        continue
                     with compile_events.capture() as lowering:
                         lowered = fn.lower(*args, **static)
-                    futures[ex.submit(compile_one, lowered, lowering)] = shape
+                    futures[ex.submit(compile_one, shape, (fn, args, static), lowered, lowering)] = shape
                     report([f for f in futures if f.done()])
                 while futures:
                     # a timeout, so that a stop is seen while long compiles run
                     done, _ = concurrent.futures.wait(futures, timeout=0.25,
                                                       return_when=concurrent.futures.FIRST_COMPLETED)
                     if stopped():
-                        return False
+                        return None
                     report(done)
         finally:
             # not waiting: a stop (or an error) returns at once, and the queued compiles are dropped
             ex.shutdown(wait=False, cancel_futures=True)
-        return True
+        return stored
 
 
 # whole-model programs first, then the prefill encoder, then the replay decoder; larger batches first within a kind:
@@ -175,6 +196,18 @@ _KIND_ORDER = {"decode": 0, "full": 1, "encoder": 1, "decoder": 2}
 def _compile_order(shape: tuple[str, int, int, int]) -> tuple[int, int]:
     kind, B, T, _ = shape
     return _KIND_ORDER[kind], -B * T
+
+
+def _first_run(shape: tuple[str, int, int, int], out) -> None:
+    """Waits for the first run of a program loaded from the program store: an entry that loads but does not run
+    stops the start with the fix named, rather than the first request."""
+    try:
+        jax.block_until_ready(out)
+    except Exception as e:
+        raise EngineError(f"warm-up: the {shape[0]} program {shape[1:]} loaded from the program store in "
+                          f"{jax.config.jax_compilation_cache_dir} failed when run ({type(e).__name__}: {e}); delete "
+                          f"its {executables.STORE_SUBDIR} directory (or give another --compilation-cache-dir) and "
+                          "start again") from e
 
 
 def _report(shape: tuple[str, int, int, int], c: compile_events.Compiles) -> ProgramReport:

@@ -1,0 +1,86 @@
+"""The program store's keys and entries (`serving.engine.executables`); the engine's use of it end to end (a
+restart loads every program, traces none, same tokens) is in tests/test_startup.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41.config import preset
+from dsv41.quant import Numerics
+from serving.engine import executables as X
+from serving.engine.backends import Backends
+
+
+def test_describe_is_plain_data_and_refuses_addresses():
+    cfg = preset("tiny")
+    assert X.describe(cfg) == X.describe(dataclasses.replace(cfg))  # by value, not identity
+    assert X.describe(cfg) != X.describe(dataclasses.replace(cfg, n_heads=4))
+    assert "0x" not in repr(X.describe(Backends()))  # functions by module and name
+    assert X.describe(np.zeros((2, 3), np.int32)) == ("host", (2, 3), "int32")
+    for bad in (lambda x: x, object()):
+        with pytest.raises(X.Unkeyable):
+            X.describe(bad)
+
+    def local(x):
+        return x
+
+    with pytest.raises(X.Unkeyable):
+        X.describe(local)
+
+
+def test_key_changes_with_whatever_changes_the_program():
+    dev = jax.devices()
+    x = jax.device_put(np.zeros((4, 8), np.float32), dev[0])
+    base = X.key("p", (x, np.zeros(4, np.int32)), {"cfg": preset("tiny"), "num": Numerics()})
+    assert base == X.key("p", (jnp.asarray(x), np.ones(4, np.int32)), {"num": Numerics(), "cfg": preset("tiny")})
+    variants = [
+        X.key("q", (x, np.zeros(4, np.int32)), {"cfg": preset("tiny"), "num": Numerics()}),  # another program
+        X.key("p", (x, np.zeros(5, np.int32)), {"cfg": preset("tiny"), "num": Numerics()}),  # a shape
+        X.key("p", (x.astype(jnp.bfloat16), np.zeros(4, np.int32)), {"cfg": preset("tiny"), "num": Numerics()}),
+        X.key("p", ((x,), np.zeros(4, np.int32)), {"cfg": preset("tiny"), "num": Numerics()}),  # the tree
+        X.key("p", (x, np.zeros(4, np.int32)), {"cfg": preset("tiny"), "num": Numerics(dtype="float32")}),
+        X.key("p", (x, np.zeros(4, np.int32)), {"cfg": preset("tiny"), "num": Numerics()}, {"xla_opt": 1}),
+    ]
+    if len(dev) > 1:  # the device an argument is on
+        variants.append(X.key("p", (jax.device_put(x, dev[1]), np.zeros(4, np.int32)),
+                              {"cfg": preset("tiny"), "num": Numerics()}))
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_store_round_trip_on_the_devices_it_was_compiled_for(tmp_path):
+    """An entry runs on the device its program was compiled for, not on every device of the backend."""
+    dev = jax.devices()[-1]
+    x = jax.device_put(np.arange(6, dtype=np.float32), dev)
+    compiled = jax.jit(lambda a: a * 2 + 1).lower(x).compile()
+    store = X.ProgramStore(tmp_path / X.STORE_SUBDIR)
+    store.save("k", compiled)
+    loaded = store.load("k")
+    out = loaded(x)
+    assert out.devices() == {dev}
+    np.testing.assert_array_equal(np.asarray(out), np.arange(6) * 2 + 1)
+    assert store.load("missing") is None
+
+
+def test_a_corrupt_entry_is_compiled_again(tmp_path, caplog):
+    store = X.ProgramStore(tmp_path)
+    (tmp_path / "bad.exe").write_bytes(b"not an executable")
+    with caplog.at_level(logging.WARNING, logger=X.__name__):
+        assert store.load("bad") is None
+    assert "could not be loaded" in caplog.text and "compiling it again" in caplog.text
+
+
+def test_executables_by_program_and_call_signature():
+    ex = X.Executables()
+    args = (None, None, np.zeros((2, 5), np.uint8), (jnp.zeros(3),))
+    sig = X.call_signature(args, {"layout": ("t",), "cfg": 1})
+    ex.put("full", sig, "exe")
+    assert ex.get("full", X.call_signature(args, {"cfg": 1, "layout": ("t",)})) == "exe"
+    assert ex.get("decoder", sig) is None
+    other = (None, None, np.zeros((4, 5), np.uint8), (jnp.zeros(3),))  # another batch size
+    assert ex.get("full", X.call_signature(other, {"layout": ("t",), "cfg": 1})) is None
