@@ -84,3 +84,20 @@ def test_executables_by_program_and_call_signature():
     assert ex.get("decoder", sig) is None
     other = (None, None, np.zeros((4, 5), np.uint8), (jnp.zeros(3),))  # another batch size
     assert ex.get("full", X.call_signature(other, {"layout": ("t",), "cfg": 1})) is None
+
+
+def test_store_round_trip_over_a_mesh_in_its_device_order(tmp_path):
+    """A program over a mesh whose devices are not in id order loads onto those devices, in that order."""
+    devs = jax.devices()
+    if len(devs) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = jax.sharding.Mesh(np.array([devs[3], devs[1]]), ("data",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x = jax.device_put(np.arange(8, dtype=np.float32), spec)
+    compiled = jax.jit(lambda a: a * 3, out_shardings=spec).lower(x).compile()
+    store = X.ProgramStore(tmp_path)
+    store.save("m", compiled)
+    out = store.load("m")(x)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(8) * 3)
+    assert [s.device.id for s in out.addressable_shards] == [3, 1]
+    assert [s.data.tolist() for s in out.addressable_shards] == [[0, 3, 6, 9], [12, 15, 18, 21]]
