@@ -6,8 +6,8 @@
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
-#   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS) to a healthy /health, from an
-#                  empty compilation cache and then from the one it filled (~5 min)
+#   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS, default --program-store) to
+#                  a healthy /health, from an empty compilation cache and then from the one it filled (~5 min)
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
@@ -66,7 +66,7 @@ case "${1:-}" in
     bench 60 router scripts/bench_router.py --out "$OUT" --budget-s 45
     ;;
   startup)
-    bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:-}
+    bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:---program-store}
     ;;
   serve)
     args="--preset bench --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048"

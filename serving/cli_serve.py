@@ -185,6 +185,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "with a GPU, off on CPU; fewer buckets = shorter warm-up)")
     g.add_argument("--seed", type=int, help="seed of the random weights of --preset")
     compilation_cache.add_args(g)
+    g.add_argument("--program-store", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep warm-up's compiled programs beside the compilation cache, so the next start loads "
+                        "them without tracing (default: on with the CPU, off with a GPU until timed there)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
@@ -235,7 +238,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "async_scheduling": "--[no-]async-scheduling",
                  "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
                  "enable_expert_parallel": "--enable-expert-parallel", "all2all_backend": "--all2all-backend",
-                 "speculative_config": "--speculative-config"}
+                 "speculative_config": "--speculative-config", "program_store": "--[no-]program-store"}
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str] | None = None) -> dict[str, Any]:

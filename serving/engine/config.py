@@ -118,6 +118,10 @@ class EngineConfig:
     # decoding steps stay synchronous (Engine.step). Off by default: in a tight decode loop on the H200 it made the
     # step slower (6.60 vs 6.08 ms at batch 1, docs/PERFORMANCE.md section 1) and its serving gain is unmeasured
     async_scheduling: bool = False
+    # warm-up's compiled programs kept on disk beside the persistent compilation cache and loaded at the next start
+    # without tracing (serving/engine/executables.py). None: `executables.on_by_default` (on the CPU, where it has
+    # run; on a GPU once `scripts/h200_checks.sh startup` has run it there)
+    program_store: bool | None = None
 
     @property
     def parallelism(self) -> Parallelism:

@@ -131,6 +131,13 @@ def call_signature(args: tuple, kwargs: dict) -> tuple:
 STORE_SUBDIR = "dsv41-programs"
 
 
+def on_by_default() -> bool:
+    """Whether an engine keeps its executables and uses the store when `EngineConfig.program_store` is unset: on
+    the CPU, where the tests run it; on a GPU not until a GPU run has loaded every program from it
+    (`bash scripts/h200_checks.sh startup` with `SERVE_ARGS=--program-store`)."""
+    return jax.default_backend() == "cpu"
+
+
 def default_store() -> "ProgramStore | None":
     """The program store beside jax's persistent compilation cache (`serving.compilation_cache`), or None: no cache
     configured, or a remote one."""
