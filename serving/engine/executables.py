@@ -3,7 +3,7 @@ engine's executables by call signature (`Executables`).
 
 Why: jax's persistent compilation cache keys an executable on its lowered program, so a restart must trace and lower
 every program before it can look one up, and tracing is most of a warm start: 12.6 s for the bench preset's decode
-program on the H200's host (docs/PERFORMANCE.md, section 6), for each of a serve engine's programs. The store keys
+program alone on the H200's host (docs/PERFORMANCE.md, section 6). The store keys
 an executable on what determines the program instead: its name and static arguments, the abstract signature of
 every argument (tree structure, shapes, dtypes, weak types, shardings and their devices), the source of the packages
 that trace it (dsv41, pallas_kernels, serving/engine), jax's and jaxlib's versions, the backend and its devices,
@@ -11,7 +11,7 @@ XLA_FLAGS and the jax options that change a lowering (`key`). An argument that h
 printed with its address) makes the program unkeyable: it is compiled, not stored.
 
 Entries are jax's serialized executables (`jax.experimental.serialize_executable`), one file each, written whole
-(a temporary file renamed) beside jax's cache (`compilation_cache.program_store_dir`). Like jax's cache, the
+(a temporary file renamed) beside jax's cache (`default_store`). Like jax's cache, the
 directory must be trusted: loading an entry runs what it holds. Engines of several processes (one mesh over
 hosts) keep their programs with jit and store none.
 """
@@ -78,8 +78,10 @@ def describe(x: Any) -> Any:
         return "host", x.shape, str(x.dtype)
     if isinstance(x, functools.partial):
         return "partial", describe(x.func), describe(x.args), describe(x.keywords)
-    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType)) or hasattr(x, "__wrapped__"):
-        name = f"{getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', '?')}"
+    if hasattr(x, "__wrapped__"):  # jax.jit, functools.wraps: what they wrap (a partial's arguments included)
+        return "wrapped", describe(x.__wrapped__)
+    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType)):
+        name = f"{x.__module__}.{x.__qualname__}"
         if "<locals>" in name or "<lambda>" in name:
             raise Unkeyable(name)
         return "function", name
@@ -183,9 +185,13 @@ class ProgramStore:
             blob = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, self._path(k))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, self._path(k))
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         except Exception as e:
             log.warning("program store: could not store %s (%s: %s)", k, type(e).__name__, e)
 
