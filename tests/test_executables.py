@@ -101,3 +101,19 @@ def test_store_round_trip_over_a_mesh_in_its_device_order(tmp_path):
     np.testing.assert_array_equal(np.asarray(out), np.arange(8) * 3)
     assert [s.device.id for s in out.addressable_shards] == [3, 1]
     assert [s.data.tolist() for s in out.addressable_shards] == [[0, 3, 6, 9], [12, 15, 18, 21]]
+
+
+def test_the_store_evicts_the_least_recently_used(tmp_path):
+    import os
+
+    compiled = jax.jit(lambda a: a + 1).lower(np.zeros(3, np.float32)).compile()
+    store = X.ProgramStore(tmp_path)
+    store.save("a", compiled)
+    size = (tmp_path / "a.exe").stat().st_size
+    store.max_bytes = 2 * size
+    store.save("b", compiled)
+    os.utime(tmp_path / "a.exe", (0, 0))
+    os.utime(tmp_path / "b.exe", (1, 1))
+    store.load("a")  # read: now the most recently used
+    store.save("c", compiled)
+    assert sorted(p.name for p in tmp_path.glob("*.exe")) == ["a.exe", "c.exe"]

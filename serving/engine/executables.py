@@ -150,10 +150,12 @@ def default_store() -> "ProgramStore | None":
 
 
 class ProgramStore:
-    """Serialized executables in a directory, by `key`."""
+    """Serialized executables in a directory, by `key`, at most max_bytes of them: a new entry evicts the least
+    recently used ones (each code change keys every program anew, and the old entries are never read again)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, max_bytes: int = 32 << 30):
         self.dir = pathlib.Path(directory)
+        self.max_bytes = max_bytes
 
     def _path(self, k: str) -> pathlib.Path:
         return self.dir / f"{k}.exe"
@@ -164,6 +166,7 @@ class ProgramStore:
         path = self._path(k)
         try:
             blob = path.read_bytes()
+            os.utime(path)  # used: the last to be evicted
         except FileNotFoundError:
             return None
         try:
@@ -192,8 +195,26 @@ class ProgramStore:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+            self._evict()
         except Exception as e:
             log.warning("program store: could not store %s (%s: %s)", k, type(e).__name__, e)
+
+    def _evict(self) -> None:
+        entries = []
+        for p in self.dir.glob("*.exe"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # another process evicted it
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        for _, size, p in sorted(entries):  # least recently used first
+            if total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+            log.info("program store: evicted %s (%.1f MB; the store keeps at most %.1f GB)", p.name, size / 1e6,
+                     self.max_bytes / 1e9)
 
 
 class Executables:
