@@ -127,9 +127,10 @@ class Warmup:
         """Gives every shape's program its executable, loaded from the program store or compiled (into the
         persistent cache and the store) -> the shapes loaded from the store; None when stopped early. This thread
         loads, or traces and lowers, the programs one after another, the largest first (`_compile_order`), and
-        hands each lowered one to one of `workers` threads for XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL:
-        lowered in several threads at once, every program finished lowering late and every compile started late
-        (the tiny preset on 2 cores: 16.0 s to compile 3 programs, against 12.8 s one after another)."""
+        hands each lowered one to one of `workers` threads for XLA's compile, which runs off the GIL meanwhile.
+        Lowering is Python under the GIL: lowered in several threads at once, every program finished lowering late
+        and every compile started late (the tiny preset on 2 cores: 16.0 s to compile 3 programs, against 12.8 s
+        one after another)."""
         n = len(shapes)
 
         def compile_one(shape, call, lowered, lowering: compile_events.Compiles) -> ProgramReport:
