@@ -246,7 +246,9 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 except (urllib.error.URLError, ConnectionError, TimeoutError):
                     pass  # not listening yet, or 503 while warming up
                 if time.perf_counter() - t0 > timeout_s:
-                    raise SystemExit(f"dsv41 serve not healthy after {timeout_s:.0f} s (--serve-timeout)")
+                    out.seek(0)
+                    raise SystemExit(f"dsv41 serve not healthy after {timeout_s:.0f} s (--serve-timeout); its log "
+                                     f"ends:\n{out.read()[-4000:]}")
                 time.sleep(0.05)
             healthy_s = time.perf_counter() - t0
             cpu_s = _cpu_s(proc.pid)

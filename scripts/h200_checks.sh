@@ -17,7 +17,7 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # (+ wheels installed to a path of their own)
 PY=${PYTHON:-python3}
 
 bench() {  # bench SECONDS NAME SCRIPT ARGS...: run a bench under a limit, its log to $OUT/NAME.txt, the table shown
