@@ -14,6 +14,9 @@
 #   exchange       the expert-parallel token exchanges on every GPU of the machine (2-8: a multi-GPU kind): the
 #                  ragged one's GPU test, then both timed at Flash widths, decode and prefill sizes
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
+# startup and serve run the server, whose packages (fastapi, starlette, pydantic, pydantic-core, annotated-types,
+# typing-inspection, uvicorn, httptools: pyproject.toml's pins) the device image lacks: carry their wheels (.whl,
+# downloaded for CPython 3.12 manylinux x86-64), pip install them --target a directory and put it on PYTHONPATH.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
