@@ -220,6 +220,11 @@ def _cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def _log_tail(out, chars: int = 4000) -> str:
+    """The end of a server's log without the access lines of this bench's /health polls (20 a second)."""
+    return "".join(line for line in out if '"GET /health"' not in line)[-chars:]
+
+
 def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) -> dict:
     """Starts `dsv41 serve FLAGS --warmup` over the compilation cache cache_dir and polls /health until it answers
     200 -> {"healthy_s" (from the command's start), "cpu_s", "programs" (warm-up's per-program reports)}; stops
@@ -238,7 +243,7 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 if proc.poll() is not None:
                     out.seek(0)
                     raise SystemExit(f"dsv41 serve exited ({proc.returncode}) before /health answered 200; its "
-                                     f"log ends:\n{out.read()[-4000:]}")
+                                     f"log ends:\n{_log_tail(out)}")
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                         if r.status == 200:
@@ -248,10 +253,11 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 if time.perf_counter() - t0 > timeout_s:
                     out.seek(0)
                     raise SystemExit(f"dsv41 serve not healthy after {timeout_s:.0f} s (--serve-timeout); its log "
-                                     f"ends:\n{out.read()[-4000:]}")
+                                     f"ends:\n{_log_tail(out)}")
                 time.sleep(0.05)
             healthy_s = time.perf_counter() - t0
             cpu_s = _cpu_s(proc.pid)
+            logger.info("healthy after %.1f s (%.1f CPU s)", healthy_s, cpu_s or float("nan"))
         finally:
             proc.terminate()
             try:
