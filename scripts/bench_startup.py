@@ -14,6 +14,12 @@ its warm-up log reports:
     PYTHONPATH=. python3 scripts/bench_startup.py --serve --preset tiny    # CPU (issue target: <= 20 s cold)
     PYTHONPATH=. python3 scripts/bench_startup.py --serve                  # H200, bench preset, serve's defaults
 
+--lower-for cuda: on any host (no GPU needed), each program as a GPU engine would choose it (kernels, buckets),
+traced and lowered for CUDA, not compiled: trace and lower seconds, the Mosaic GPU kernels it holds, its size.
+Lowering runs in one thread before any compile can start, so it bounds a cold start from below:
+
+    PYTHONPATH=. python3 scripts/bench_startup.py --abstract --lower-for cuda --preset bench
+
 How compile time grows with the layer count (flat: layers of one kind share one body, dsv41/layer_runs.py): the
 smallest program of each kind named, cold only, 40 layers against 8:
 
@@ -27,6 +33,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -67,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve", action="store_true",
                     help="time `dsv41 serve --warmup` with these flags to a healthy /health, cold then warm")
     ap.add_argument("--serve-timeout", type=float, default=1800, help="seconds a --serve run may take to be healthy")
+    ap.add_argument("--lower-for", choices=["cuda"],
+                    help="with --abstract: trace and lower each program for this platform as its engine would choose "
+                    "them (kernels, buckets), on this host; no compile")
     ap.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)  # one run, JSON on stdout
     return ap.parse_args(argv)
 
@@ -112,15 +122,21 @@ def abstract_engine(args: argparse.Namespace):
         return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config)
 
 
-def measure(eng, args: argparse.Namespace) -> list[dict]:
-    """Lowers and compiles each program of the engine, one at a time (times undisturbed by the others)."""
-    rows = []
+def selected_shapes(eng, args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """The engine's program shapes, those of --programs' kinds, the first of each kind with --smallest."""
     shapes = eng.program_shapes()
     if args.programs:
         kinds = args.programs.split(",")
         shapes = [s for s in shapes if s[0] in kinds]
     if args.smallest:
         shapes = [s for i, s in enumerate(shapes) if s[0] not in {t[0] for t in shapes[:i]}]
+    return shapes
+
+
+def measure(eng, args: argparse.Namespace) -> list[dict]:
+    """Lowers and compiles each program of the engine, one at a time (times undisturbed by the others)."""
+    rows = []
+    shapes = selected_shapes(eng, args)
     for i, shape in enumerate(shapes):
         fn, fargs, static = eng._padding_call(*shape)
         t0 = time.perf_counter()
@@ -141,6 +157,34 @@ def measure(eng, args: argparse.Namespace) -> list[dict]:
         logger.info("%d/%d %s B=%d T=%d pages=%d: lower %.2f s, compile %.2f s (%s)", i + 1, len(shapes), kind, B,
                     T, pages, t1 - t0, t2 - t1, c.source)
     return rows
+
+
+def measure_lowering(args: argparse.Namespace) -> None:
+    """--lower-for: the abstract engine built as on that platform (jax's default backend reported as it while the
+    engine chooses kernels and buckets), then each program traced and lowered for it; prints the table."""
+    platform = {"cuda": "gpu"}[args.lower_for]
+    with mock.patch.object(jax, "default_backend", lambda: platform):
+        eng = abstract_engine(args)
+    log(f"preset {args.preset}, lowered for {args.lower_for} on {jax.default_backend()} (attention backend "
+        f"{eng.backends.attention!r})")
+    rows = []
+    for shape in selected_shapes(eng, args):
+        fn, fargs, static = eng._padding_call(*shape)
+        t0 = time.perf_counter()
+        traced = fn.trace(*fargs, **static)
+        t1 = time.perf_counter()
+        text = traced.lower(lowering_platforms=(args.lower_for,)).as_text()
+        t2 = time.perf_counter()
+        # one Mosaic GPU custom call per kernel a program calls (a kernel called at several sites is lowered once)
+        kernels = len(set(re.findall(r'kernel_hash = "(.*?)"', text)))
+        kind, B, T, pages = shape
+        rows.append([kind, f"{B} x {T}", pages, t1 - t0, t2 - t1, kernels, len(text) // 1000])
+        logger.info("%s B=%d T=%d: trace %.2f s, lower %.2f s, %d kernels", kind, B, T, t1 - t0, t2 - t1, kernels)
+    print_table(["program", "B x T", "pages", "trace s", "lower s", "Mosaic GPU kernels", "lowered k chars"],
+                [[*r[:3], fmt(r[3]), fmt(r[4]), *r[5:]] for r in rows], "lrrrrrr")
+    print()
+    print_table(["programs", "trace s", "lower s", "kernels lowered"],
+                [[len(rows), fmt(sum(r[3] for r in rows)), fmt(sum(r[4] for r in rows)), sum(r[5] for r in rows)]])
 
 
 def child(args: argparse.Namespace) -> None:
@@ -186,7 +230,7 @@ def report(cold: dict, warm: dict | None) -> None:
 
 # this script's own flags, dropped from the command line that `--serve` hands `dsv41 serve` (valued / switches);
 # the cache directory and the port are set per run
-_OWN_VALUED = ("--programs", "--child", "--serve-timeout", "--compilation-cache-dir", "--port")
+_OWN_VALUED = ("--programs", "--lower-for", "--child", "--serve-timeout", "--compilation-cache-dir", "--port")
 _OWN_SWITCHES = ("--abstract", "--smallest", "--cold-only", "--serve")
 
 
@@ -303,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve and (args.abstract or args.programs or args.smallest):
         raise SystemExit("--serve times the server as a user starts it, every program with weights allocated; "
                          "drop --abstract, --programs and --smallest")
+    if args.lower_for:
+        if not args.abstract or args.serve:
+            raise SystemExit("--lower-for lowers for another platform than this host's: add --abstract (no weights "
+                             "allocated) and drop --serve")
+        measure_lowering(args)
+        return 0
     given = args.compilation_cache_dir
     if given and os.path.isdir(given) and os.listdir(given):
         raise SystemExit(f"--compilation-cache-dir {given} is not empty: the cold run would load from it; give an "

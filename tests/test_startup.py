@@ -129,6 +129,17 @@ def test_serve_defaults_compile_few_programs():
         + [("decode", B, 1, 128) for B in (1, 2, 4, 8)])
 
 
+def test_lower_for_cuda_on_this_host():
+    """`bench_startup.py --abstract --lower-for cuda`: the engine a GPU would build (its kernels and buckets) traced
+    and lowered for CUDA on this CPU host, no GPU needed: the tiny preset's GPU decode program (batch 1, the GPU's
+    decode floor) holds Mosaic GPU kernels."""
+    table = _run(str(SCRIPT), "--abstract", "--lower-for", "cuda", "--programs", "decode", "--smallest")
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
+    assert rows[0][:6] == ["program", "B x T", "pages", "trace s", "lower s", "Mosaic GPU kernels"], table
+    assert rows[1][:3] == ["decode", "1 x 1", "128"] and int(rows[1][5]) > 0, table
+    assert rows[2][0] == "programs" and rows[3][0] == "1", table
+
+
 def test_requests_after_warmup_compile_no_program(served):
     """The serve engine warmed up from the module's cache, then a prompt of two chunks (the replay decoder after
     them) beside a short one, decoding together: no program of the engine compiles."""

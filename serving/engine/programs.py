@@ -699,7 +699,7 @@ _SPEC_CPU_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
 class _PlatformJit:
     """`jax.jit(fn, **kw)` with `cpu_options` as its compiler options where jax's default backend is the CPU, made
     at the first use (the platform is known only once jax is initialized, after `jax.distributed` where it runs).
-    Forwards what callers use of a jitted function: calls, `lower`, `_cache_size`."""
+    Forwards what callers use of a jitted function: calls, `lower`, `trace`, `_cache_size`."""
 
     def __init__(self, fn, cpu_options: dict, **kw):
         self._fn, self._cpu_options, self._kw = fn, cpu_options, kw
@@ -714,6 +714,9 @@ class _PlatformJit:
 
     def lower(self, *args, **kw):
         return self.jitted.lower(*args, **kw)
+
+    def trace(self, *args, **kw):
+        return self.jitted.trace(*args, **kw)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()
