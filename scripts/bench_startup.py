@@ -235,8 +235,8 @@ _OWN_SWITCHES = ("--abstract", "--smallest", "--cold-only", "--serve")
 
 
 def serve_flags(argv: list[str], args: argparse.Namespace) -> list[str]:
-    """`dsv41 serve`'s flags from this command line: its own flags dropped, the preset made explicit (this
-    script's default, bench, is not serve's)."""
+    """`dsv41 serve`'s flags from this command line: its own flags dropped, the preset made explicit where none is
+    given (this script's default, bench, is not serve's)."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -245,7 +245,8 @@ def serve_flags(argv: list[str], args: argparse.Namespace) -> list[str]:
             skip = True
         elif a not in _OWN_SWITCHES and not a.startswith(tuple(f + "=" for f in _OWN_VALUED)):
             out.append(a)
-    return out if args.checkpoint else ["--preset", args.preset, *out]
+    given = any(a == "--preset" or a.startswith("--preset=") for a in out)
+    return out if args.checkpoint or given else ["--preset", args.preset, *out]
 
 
 def _free_port() -> int:
