@@ -9,7 +9,8 @@
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS, default --program-store) to
 #                  a healthy /health, from an empty compilation cache and then from the one it filled; with serve's
 #                  defaults (11 programs) the cold start alone took over 420 s on an H100 (docs/PERFORMANCE.md
-#                  section 6): to fit a call, SERVE_ARGS="--program-store --min-prefill-bucket 128 --min-decode-bucket 8"
+#                  section 6); to fit a call:
+#                  SERVE_ARGS="--program-store --min-prefill-bucket 128 --min-decode-bucket 8"
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
