@@ -704,6 +704,11 @@ class _Builder:
         return leaf
 
 
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The model config of a release-format checkpoint directory (its config.json), reading no weight."""
+    return _read_config(os.fspath(path), None)
+
+
 def _read_config(path: str, cfg: ModelConfig | None) -> ModelConfig:
     cpath = os.path.join(path, CONFIG_NAME)
     if not os.path.exists(cpath):

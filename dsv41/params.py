@@ -11,9 +11,11 @@ Leaves are plain arrays, `Fp8Weight` (e4m3 + UE8M0 32x32) or `Fp4Weight` (packed
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 from typing import Any, Callable, Iterator
 
 import jax
@@ -206,45 +208,60 @@ def stored_format(spec: Spec, cfg: ModelConfig) -> str:
 
 
 # Leaves at least this large (the bench and flash presets' experts, Engram tables) are drawn with jax.random on
-# the default device: a host RNG takes minutes for the bench preset's ~13 G values, a GPU seconds. Smaller ones
-# keep numpy's RNG, which costs no compile per shape (the tiny preset starts in a few seconds).
+# the default device: a host RNG takes minutes for the bench preset's ~27 G values, a GPU seconds. Smaller ones
+# keep numpy's RNG, which costs no compile per shape (the tiny preset starts in a few seconds), drawn in threads
+# (numpy fills arrays off the GIL: the bench preset's 0.8 G host values took 18 s in one thread on the H100's host).
 _DEVICE_RNG_MIN = 1 << 24
+_HOST_RNG_THREADS = min(16, os.cpu_count() or 1)
 
 
-def _dense_init(spec: Spec, key_data: np.ndarray) -> np.ndarray | jax.Array:
-    """A leaf's dense float32 values from its key's data (uint32 [2]): numpy's RNG seeded with it, or jax.random with
-    that key for leaves of at least `_DEVICE_RNG_MIN` values."""
+def _std(spec: Spec) -> float:
+    """The standard deviation a leaf's values are drawn with (its `init`)."""
+    if spec.init == "small":
+        return 0.1
+    if spec.init == "hc":  # the coefficient projection is read through an RMS-normalized stream
+        return 0.5 / math.sqrt(spec.shape[-1])
+    if spec.init in ("embed", "table"):
+        return 1.0
+    return 1 / math.sqrt(spec.fan_in())
+
+
+def _host_leaf(spec: Spec, key_data: np.ndarray, fmt: str) -> np.ndarray | None:
+    """A small leaf's values on the host (float32; bf16 where that is its stored format and it needs no
+    quantization on the device), or None for a leaf drawn on the device (`_device_leaf`)."""
     shape = spec.shape
     if spec.init == "ones":
-        return np.ones(shape, np.float32)
-    if spec.init == "zeros":
-        return np.zeros(shape, np.float32)
-    if spec.init == "small":
-        std = 0.1
-    elif spec.init == "hc":  # the coefficient projection is read through an RMS-normalized stream
-        std = 0.5 / math.sqrt(shape[-1])
-    elif spec.init in ("embed", "table"):
-        std = 1.0
-    else:
-        std = 1 / math.sqrt(spec.fan_in())
-    if math.prod(shape) >= _DEVICE_RNG_MIN:
-        w = _normal(jax.random.wrap_key_data(key_data), shape, std)
+        w = np.ones(shape, np.float32)
+    elif spec.init == "zeros":
+        w = np.zeros(shape, np.float32)
+    elif math.prod(shape) >= _DEVICE_RNG_MIN:
+        return None
     else:
         rng = np.random.default_rng(key_data.ravel().astype(np.uint32))
-        w = (rng.standard_normal(shape) * std).astype(np.float32)
-    if spec.init == "fp8_grid":  # values an FP8 weight with 32x32 block scales holds (what the release ships)
-        return _fp8_grid(w)
-    return w
+        w = rng.standard_normal(shape)  # float64, scaled, then rounded: the values every earlier seed gave
+        w *= _std(spec)
+        w = w.astype(np.float32)
+    if spec.init == "fp8_grid":  # rounded on the device with the quantizer (`_quantize_leaf`)
+        return w
+    # a cast on the host (round to nearest even, as XLA's): a compile per shape saved (0.3 s of the tiny preset)
+    return w.astype(jnp.bfloat16) if fmt == "bf16" else w
 
 
-@jax.jit
+def _device_leaf(spec: Spec, key_data: np.ndarray, fmt: str):
+    """A large leaf drawn and quantized on the default device in one program (one compile per distinct shape, init
+    and format: 11 for the bench preset)."""
+    return _draw_on_device(jax.random.wrap_key_data(key_data), spec.shape, _std(spec), spec.init == "fp8_grid", fmt)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "grid", "fmt"))
+def _draw_on_device(key: jax.Array, shape: tuple[int, ...], std: float, grid: bool, fmt: str):
+    w = jax.random.normal(key, shape, jnp.float32) * std
+    return _quantize(_fp8_grid(w) if grid else w, fmt)
+
+
 def _fp8_grid(w: np.ndarray | jax.Array) -> jax.Array:
+    """Values an FP8 weight with 32x32 block scales holds (what the release ships for a bf16-stored FP8 linear)."""
     return quant.quantize_fp8_weight(w).dequantize(jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnames=("shape",))
-def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
-    return jax.random.normal(key, shape, jnp.float32) * std
 
 
 def quantize_leaf(w: np.ndarray | jax.Array, fmt: str):
@@ -255,8 +272,12 @@ def quantize_leaf(w: np.ndarray | jax.Array, fmt: str):
     return _quantize_leaf(w, fmt)
 
 
-@functools.partial(jax.jit, static_argnames="fmt")
-def _quantize_leaf(w: np.ndarray | jax.Array, fmt: str):
+@functools.partial(jax.jit, static_argnames=("fmt", "grid"))
+def _quantize_leaf(w: np.ndarray | jax.Array, fmt: str, grid: bool = False):
+    return _quantize(_fp8_grid(w) if grid else w, fmt)
+
+
+def _quantize(w: np.ndarray | jax.Array, fmt: str):
     if fmt == "fp8":
         return quant.quantize_fp8_weight(w)
     if fmt == "fp4":
@@ -291,7 +312,17 @@ def init_tree(specs, cfg: ModelConfig, seed: int = 0) -> Params:
     # the keys' data on the host: iterating over a jax key array unstacks it, a compile per leaf count (0.6 s of the
     # tiny preset's start)
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), len(leaves))))
-    out = [quantize_leaf(_dense_init(s, k), stored_format(s, cfg)) for s, k in zip(leaves, keys)]
+    fmts = [stored_format(s, cfg) for s in leaves]
+    with concurrent.futures.ThreadPoolExecutor(_HOST_RNG_THREADS) as pool:
+        host = list(pool.map(_host_leaf, leaves, keys, fmts))
+    out = []
+    for s, k, fmt, w in zip(leaves, keys, fmts, host):
+        if w is None:
+            out.append(_device_leaf(s, k, fmt))
+        elif w.dtype == jnp.bfloat16 or (fmt == "f32" and s.init != "fp8_grid"):
+            out.append(jnp.asarray(w))
+        else:
+            out.append(_quantize_leaf(w, fmt, grid=s.init == "fp8_grid"))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -209,11 +209,6 @@ def _perm_from_kernel(codes: jax.Array) -> jax.Array:
     return c.reshape(*lead, k)
 
 
-@jax.jit  # one fused pass over the experts' bytes at load time, not a dozen full-size temporaries
-def _to_kernel_weight(packed: jax.Array) -> jax.Array:
-    return _nibbles_to_kernel_bits(pack_nibbles(_perm_to_kernel(unpack_nibbles(packed))))
-
-
 def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = False) -> PreparedFp4:
     """Fp4Weight [E, N, K] -> PreparedFp4 (do this once, when the weights are loaded)."""
     if isinstance(w, PreparedFp4):
@@ -221,12 +216,16 @@ def prepare_fp4_experts(w: Fp4Weight, check: bool = True, interpret: bool = Fals
     k = w.weight.shape[-1] * 2
     if k % 32:
         raise ValueError(f"in-features {k} must be a multiple of 32")
-    if check and not isinstance(w.scale, jax.core.Tracer):
-        smax = int(jnp.max(w.scale))
-        if smax > MAX_SCALE_BYTE:
-            raise ValueError(f"UE8M0 scale byte {smax} > {MAX_SCALE_BYTE}: |w| > 12 is outside the kernel's range")
-    scale_t = jnp.swapaxes(kernel_scale_bytes(w.scale, SCALE_BIAS), -1, -2)
-    return PreparedFp4(_to_kernel_weight(w.weight), scale_t, interpret)
+    weight, scale_t, smax = _kernel_layout(w.weight, w.scale)
+    if check and not isinstance(smax, jax.core.Tracer) and int(smax) > MAX_SCALE_BYTE:
+        raise ValueError(f"UE8M0 scale byte {int(smax)} > {MAX_SCALE_BYTE}: |w| > 12 is outside the kernel's range")
+    return PreparedFp4(weight, scale_t, interpret)
+
+
+@jax.jit  # one fused pass over the experts' bytes at load time, not a dozen full-size temporaries or programs
+def _kernel_layout(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    weight = _nibbles_to_kernel_bits(pack_nibbles(_perm_to_kernel(unpack_nibbles(packed))))
+    return weight, jnp.swapaxes(kernel_scale_bytes(scale, SCALE_BIAS), -1, -2), jnp.max(scale)
 
 
 def concat_out_features(*ws: PreparedFp4, blocks: int = 1) -> PreparedFp4:

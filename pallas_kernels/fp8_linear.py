@@ -30,6 +30,7 @@ docs/KERNELS_EXPERT_GEMM.md, "FP8 linears".)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +97,6 @@ def _perm_to_kernel(b: jax.Array) -> jax.Array:
     return jnp.moveaxis(c, -3, -2).reshape(*lead, k)  # (c, u, v): byte 4c + 2u + v
 
 
-@jax.jit  # one fused pass over the weight's bytes at load time, not a dozen full-size temporaries
-def _to_kernel_weight(raw: jax.Array) -> jax.Array:
-    return eg.fp8_bytes_to_kernel_bits(_perm_to_kernel(raw))
-
-
 def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True,
                        num_splits: int | None = None) -> PreparedFp8:
     """Fp8Weight [N, K] or [G, N, K] -> PreparedFp8 (once, at load). num_splits: K slices (default `splits`)."""
@@ -109,17 +105,24 @@ def prepare_fp8_linear(w: Fp8Weight, interpret: bool = False, check: bool = True
                          f"128, got {type(w).__name__} {getattr(w, 'shape', None)}")
     n, k = w.weight.shape[-2:]
     g = w.weight.shape[0] if w.weight.ndim == 3 else 1
-    if check and not isinstance(w.scale, jax.core.Tracer):
-        smax = int(jnp.max(w.scale))
-        if smax > MAX_SCALE_BYTE:
-            raise ValueError(f"UE8M0 scale byte {smax} > {MAX_SCALE_BYTE} is outside the FP8 kernel's range")
     s_ = num_splits or splits(n, k, eg._num_sms(), g)
     if (k // TK) % s_:
         raise ValueError(f"num_splits={s_} must divide K/{TK}={k // TK}")
-    raw = jax.lax.bitcast_convert_type(w.weight, jnp.uint8).reshape(g, n, k)
-    rows = jnp.repeat(w.scale.reshape(g, -1, k // 32), 32, axis=1)[:, :n]  # the block's byte for every row
+    weight, scale_t, smax = _kernel_layout(w.weight, w.scale, g)
+    if check and not isinstance(smax, jax.core.Tracer) and int(smax) > MAX_SCALE_BYTE:
+        raise ValueError(f"UE8M0 scale byte {int(smax)} > {MAX_SCALE_BYTE} is outside the FP8 kernel's range")
+    return PreparedFp8(weight, scale_t, s_, interpret)
+
+
+@functools.partial(jax.jit, static_argnames="g")
+def _kernel_layout(weight: jax.Array, scale: jax.Array, g: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One program a weight shape (the bytes' permutation and bit layout, the scales' layout, their largest byte):
+    a start-up's preparation compiles a few programs, not a dozen per shape."""
+    n, k = weight.shape[-2:]
+    raw = jax.lax.bitcast_convert_type(weight, jnp.uint8).reshape(g, n, k)
+    rows = jnp.repeat(scale.reshape(g, -1, k // 32), 32, axis=1)[:, :n]  # the block's byte for every row
     scale_t = jnp.swapaxes(eg.kernel_scale_bytes(rows, eg.FP8_SCALE_BIAS), 1, 2)
-    return PreparedFp8(_to_kernel_weight(raw), scale_t, s_, interpret)
+    return eg.fp8_bytes_to_kernel_bits(_perm_to_kernel(raw)), scale_t, jnp.max(scale)
 
 
 def unprepare_fp8_linear(p: PreparedFp8) -> Fp8Weight:

@@ -45,14 +45,10 @@ from unittest import mock
 
 from timing import fmt, log, print_table  # noqa: I001 (first: puts the repository on sys.path)
 import jax
-import numpy as np
 
-from dsv41 import model, quant
-from dsv41 import params as P
-from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving import cli_serve, compilation_cache
-from serving.engine import backends, compile_events, kv_pool
+from serving.engine import compile_events
 from serving.engine.warmup_progress import parse_report_line
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
@@ -81,45 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _one_row_tables(params: dict) -> dict:
-    """The abstract tree with each Engram table as one host row of zeros: warm-up's all-padding batches gather
-    row 0 only, and the tables (gigabytes for Flash) never reach the programs."""
-    def one_row(t):
-        return quant.Fp8Rows(*(np.zeros((1, *a.shape[1:]), a.dtype) for a in (t.weight, t.scale)))
-
-    layers = [{**lp, "engram": {**lp["engram"], "embed": one_row(lp["engram"]["embed"])}} if "engram" in lp else lp
-              for lp in params["layers"]]
-    return {**params, "layers": layers}
-
-
 def abstract_engine(args: argparse.Namespace):
-    """The serve engine of `args` over ShapeDtypeStruct weights and KV pool: the constructor's pool allocation and
-    kernel weight preparation are swapped for their shapes here rather than the engine taught an abstract mode."""
+    """The serve engine of `args` over ShapeDtypeStruct weights and KV pool (`Engine.abstract`)."""
     if args.checkpoint:
         raise SystemExit("--abstract measures a preset (--preset tiny / bench / flash); drop --checkpoint")
-    cfg = preset(args.preset)
-    params = _one_row_tables(P.abstract_params(cfg))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-    def allocate(cfg, lay, sharding=None):  # committed like the real pool: the programs compile per commitment
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding or device),
-                                      kv_pool.abstract_pool(cfg, lay))
-
-    real_build = backends.build
-
-    def build(cfg, params, num, **kw):
-        chosen = {}
-
-        def prepare(p):
-            chosen["backends"], out = real_build(cfg, p, num, **kw)
-            return out
-
-        prepared = jax.eval_shape(prepare, params)
-        return chosen["backends"], prepared
-
-    config = EngineConfig(**cli_serve.engine_kwargs(args, EngineConfig.field_names()))
-    with mock.patch.object(kv_pool, "allocate", allocate), mock.patch.object(backends, "build", build):
-        return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config)
+    return Engine.abstract(preset(args.preset), EngineConfig(**cli_serve.engine_kwargs(args, EngineConfig.field_names())))
 
 
 def selected_shapes(eng, args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
@@ -311,8 +273,9 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 proc.kill()
                 proc.wait()
         out.seek(0)
-        reports = [r for r in map(parse_report_line, out) if r is not None]
-    return {"healthy_s": healthy_s, "cpu_s": cpu_s, "programs": reports}
+        lines = [line for line in out if parse_report_line(line) is not None]
+    return {"healthy_s": healthy_s, "cpu_s": cpu_s, "programs": [parse_report_line(line) for line in lines],
+            "by_workers": sum("(compile worker" in line for line in lines)}
 
 
 def report_serve(cold: dict, warm: dict | None) -> None:
@@ -332,9 +295,10 @@ def report_serve(cold: dict, warm: dict | None) -> None:
     print()
     sources = (compile_events.COMPILED, compile_events.HIT, compile_events.STORED)
     totals = [[name, len(run["programs"]), *(sum(r.source == s for r in run["programs"]) for s in sources),
-               fmt(run["healthy_s"]), fmt(run["cpu_s"], "{:.1f}")]
+               run["by_workers"], fmt(run["healthy_s"]), fmt(run["cpu_s"], "{:.1f}")]
               for name, run in (("cold (empty cache)", cold), ("warm (cache hit)", warm)) if run is not None]
-    print_table(["run", "programs", "compiled", "cache hits", "stored", "healthy after s", "CPU s"], totals)
+    print_table(["run", "programs", "compiled", "cache hits", "stored", "by compile workers", "healthy after s",
+                 "server CPU s"], totals)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -188,6 +188,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--program-store", action=argparse.BooleanOptionalAction, default=None,
                    help="keep warm-up's compiled programs beside the compilation cache, so the next start loads "
                         "them without tracing (default: on with the CPU, off with a GPU until timed there)")
+    g.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                   help="processes that compile warm-up's programs into the program store while the weights load "
+                        "(0: the server's own process compiles them; default: half the host's cores, at most 8, "
+                        "where the server warms up with a GPU and the program store, else 0)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
@@ -262,7 +266,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
-    config = EngineConfig(**engine_kwargs(args, EngineConfig.field_names()))
+    kw = engine_kwargs(args, EngineConfig.field_names())
+    config = EngineConfig(**kw, compile_workers=compile_workers(args, kw))
     if args.checkpoint:
         if not os.path.isdir(args.checkpoint):
             raise SystemExit(f"--checkpoint {args.checkpoint}: not a directory; give the checkpoint's folder")
@@ -271,6 +276,34 @@ def build_engine(args: argparse.Namespace) -> Any:
     seed = {} if args.seed is None else {"seed": args.seed}
     log.info("building preset %r with random weights (%s)", args.preset or DEFAULT_PRESET, config)
     return Engine.from_preset(args.preset or DEFAULT_PRESET, config=config, **seed)
+
+
+def warmup_wanted(args: argparse.Namespace) -> bool:
+    """Whether `dsv41 serve` warms up: --warmup / --no-warmup, else with a GPU."""
+    import jax
+
+    given = getattr(args, "warmup", None)
+    return given if given is not None else jax.default_backend() == "gpu"
+
+
+def compile_workers(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
+    """--compile-workers, or its default: `precompile.default_count` where the server warms up on one device with
+    the program store, else 0."""
+    from serving.engine import executables, precompile
+
+    n = getattr(args, "compile_workers", None)
+    if n is not None:
+        if n < 0:
+            raise SystemExit(f"--compile-workers {n}: give 0 (compile in the server's process) or more")
+        return n
+    import jax
+
+    store = engine_kw.get("program_store")
+    one_device = engine_kw.get("tensor_parallel_size", 1) * engine_kw.get("data_parallel_size", 1) == 1
+    if not (warmup_wanted(args) and one_device and jax.process_count() == 1
+            and (executables.on_by_default() if store is None else store)):
+        return 0
+    return precompile.default_count(jax.default_backend())
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -340,9 +373,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_serve(engine: Any, args: argparse.Namespace) -> int:
-    import jax
-
-    warmup = args.warmup if args.warmup is not None else jax.default_backend() == "gpu"
+    warmup = warmup_wanted(args)
     if args.demo:
         if warmup:
             engine.warmup()

@@ -117,3 +117,34 @@ def test_the_store_evicts_the_least_recently_used(tmp_path):
     store.load("a")  # read: now the most recently used
     store.save("c", compiled)
     assert sorted(p.name for p in tmp_path.glob("*.exe")) == ["a.exe", "c.exe"]
+
+
+def test_compile_workers_start_only_where_they_can_serve_the_engine(caplog):
+    """`precompile.start` launches processes only for a one-device engine with a program store; `dsv41 serve` asks for
+    them by default only where it warms up a GPU (`precompile.default_count`), and a flag overrides it."""
+    import argparse
+
+    from serving import cli_serve
+    from serving.engine import precompile
+    from serving.engine.config import EngineConfig
+    from serving.engine.errors import EngineError
+
+    assert precompile.default_count("cpu", 16) == 0
+    assert [precompile.default_count("gpu", c) for c in (1, 2, 16, 128)] == [1, 1, 8, 8]
+    cfg = preset("tiny")
+    assert precompile.start(cfg, EngineConfig()) is None  # none asked
+    with caplog.at_level(logging.WARNING, "serving.engine.precompile"):
+        assert precompile.start(cfg, EngineConfig(compile_workers=2, program_store=False)) is None
+    assert "the program store is off" in caplog.text
+    with pytest.raises(EngineError, match="compile_workers"):
+        EngineConfig(compile_workers=-1)
+
+    def workers(*flags):
+        args = cli_serve.add_serve_args(argparse.ArgumentParser()).parse_args(["--preset", "tiny", *flags])
+        return cli_serve.compile_workers(args, cli_serve.engine_kwargs(args))
+
+    assert workers() == 0  # the CPU: none by default, warm-up or not
+    assert workers("--warmup") == 0
+    assert workers("--compile-workers", "3") == 3
+    with pytest.raises(SystemExit, match="--compile-workers -1"):
+        workers("--compile-workers", "-1")

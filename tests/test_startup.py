@@ -8,9 +8,10 @@ prefill chunk, one block-table width, one decode batch: encoder, decoder, decode
 - the allocated serve engine's `Engine.warmup()` (its compile threads, as `dsv41 serve --warmup` runs it) finds
   each program in that cache and loads it without compiling again, and requests after it compile no program of
   the engine.
-- `bench_startup.py --serve`: `dsv41 serve --warmup` compiles and stores every program (`serving.engine.
-  executables`); the next process (`dsv41 serve` again, then an engine's warm-up) loads every program from that
-  store, traces none, and gives the same tokens.
+- `bench_startup.py --serve`: `dsv41 serve --warmup --compile-workers 2` compiles and stores every program in its
+  compile worker processes (`serving.engine.precompile`, `serving.engine.executables`); the next process (`dsv41
+  serve` again, then an engine's warm-up) loads every program from that store, traces none, and gives the same
+  tokens.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def serve_cold_warm(tmp_path_factory):
     """(the table of `bench_startup.py --serve`: `dsv41 serve --warmup` from an empty cache, then again, that
     cache)."""
     cache = tmp_path_factory.mktemp("serve") / "cache"
-    return _run(str(SCRIPT), "--serve", "--serve-timeout", "300", "--compilation-cache-dir", str(cache)), cache
+    return _run(str(SCRIPT), "--serve", "--serve-timeout", "300", "--compilation-cache-dir", str(cache),
+                flags=[*FLAGS, "--compile-workers", "2"]), cache
 
 
 def test_abstract_equals_allocated(bench_cache, served):
@@ -96,8 +98,9 @@ def test_serve_cold_then_from_the_program_store(serve_cold_warm, served):
     # (program, source cold, source warm, warm lower s): traced for nothing the second time
     assert sorted((p[0], p[3], p[6], p[7]) for p in programs) == [
         (k, "compiled", "stored", "0.00") for k in ("decode", "decoder", "encoder")], table
-    assert any(line.startswith("| cold (empty cache) | 3 | 3 | 0 | 0 |") for line in lines), table
-    assert any(line.startswith("| warm (cache hit) | 3 | 0 | 0 | 3 |") for line in lines), table
+    # every program came from the compile workers (`serving.engine.precompile`): compiled, then found stored
+    assert any(line.startswith("| cold (empty cache) | 3 | 3 | 0 | 0 | 3 |") for line in lines), table
+    assert any(line.startswith("| warm (cache hit) | 3 | 0 | 0 | 3 | 3 |") for line in lines), table
     again = _last_json(_run(__file__, "--after-warmup", str(cache), flags=[]))
     assert sorted(again["warmup_sources"]) == [["decode", "stored"], ["decoder", "stored"], ["encoder", "stored"]]
     assert again["warmup_warnings"] == [] and again["padding_calls"] == served["padding_calls"], again

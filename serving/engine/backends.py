@@ -6,6 +6,7 @@ weights prepared for them. One `Backends` value is the programs' single static c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -346,6 +347,19 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     return attention, moe_backend, mhc_site, route
 
 
+def build_abstract(cfg: ModelConfig, params: dict, num: Numerics, **kw) -> tuple[Backends, dict]:
+    """`build` over a tree of jax.ShapeDtypeStructs: the same choices, the prepared tree's shapes (nothing
+    computed)."""
+    chosen = {}
+
+    def prepare(p):
+        chosen["backends"], out = build(cfg, p, num, **kw)
+        return out
+
+    prepared = jax.eval_shape(prepare, params)
+    return chosen["backends"], prepared
+
+
 def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "auto", moe_backend: str = "auto",
           mhc_backend: str = "auto", router_backend: str = "auto", linear_backend: str = "auto",
           options: KernelOptions = KernelOptions(), parallelism: Parallelism = Parallelism()) -> tuple[Backends, dict]:
@@ -466,13 +480,19 @@ def _grouped_fp8(w, groups: int, interpret: bool):
     not exactly FP8 with 32x32 block scales (then it stays dense)."""
     if quant.is_quantized(w) or w.ndim != 2 or w.shape[0] % groups:
         return None
-    q = quant.quantize_fp8_weight(w.reshape(groups, -1, w.shape[-1]))
+    q, exact = _as_grouped_fp8(w, groups)
     if not fp8_linear.supported(q):
         return None
-    if not isinstance(w, jax.core.Tracer):  # abstract trees (eval_shape) take the kernel layout as given
-        if not bool(jnp.array_equal(q.dequantize(w.dtype).reshape(w.shape), w)):
-            return None
+    if not isinstance(exact, jax.core.Tracer) and not bool(exact):  # abstract trees take the kernel layout as given
+        return None
     return fp8_linear.prepare_fp8_linear(q, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames="groups")
+def _as_grouped_fp8(w: jax.Array, groups: int) -> tuple[quant.Fp8Weight, jax.Array]:
+    """(w quantized as [G, out, in] FP8 with 32x32 block scales, whether that holds w's values exactly)."""
+    q = quant.quantize_fp8_weight(w.reshape(groups, -1, w.shape[-1]))
+    return q, jnp.array_equal(q.dequantize(w.dtype).reshape(w.shape), w)
 
 
 def prepare_linears(params: dict, cfg, interpret: bool = False) -> dict:

@@ -122,6 +122,10 @@ class EngineConfig:
     # without tracing (serving/engine/executables.py). None: `executables.on_by_default` (on the CPU, where it has
     # run; on a GPU once `scripts/h200_checks.sh startup` has run it there)
     program_store: bool | None = None
+    # processes that compile warm-up's programs into the program store while this one draws or loads the weights
+    # (serving/engine/precompile.py); 0: warm-up compiles in the engine's own process. Needs the program store and
+    # one device; `dsv41 serve` picks `precompile.default_count` when it warms up
+    compile_workers: int = 0
 
     @property
     def parallelism(self) -> Parallelism:
@@ -151,6 +155,8 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise EngineError("speculative_config must be a SpeculativeConfig (SpeculativeConfig.from_json parses "
                               f"the flag's JSON), got {type(self.speculative_config).__name__}")
+        if not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool) or self.compile_workers < 0:
+            raise EngineError(f"compile_workers must be an integer >= 0, got {self.compile_workers!r}")
         for name in ("min_prefill_bucket", "min_decode_bucket"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -38,7 +38,7 @@ import numpy as np
 from dsv41 import layer_runs, model, quant, sharding
 from dsv41.config import ModelConfig
 from dsv41.params import VISION_KEYS
-from serving.engine import backends, executables, kv_pool, programs
+from serving.engine import backends, executables, kv_pool, precompile, programs
 from serving.engine import images as im
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-exported)
@@ -69,11 +69,25 @@ def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return out
 
 
+def _one_row_tables(params: dict) -> dict:
+    """The tree with each Engram table as one host row of zeros (an abstract engine's: the tables never reach the
+    programs, and Flash's are gigabytes)."""
+    def one_row(t):
+        return quant.Fp8Rows(*(np.zeros((1, *a.shape[1:]), a.dtype) for a in (t.weight, t.scale)))
+
+    layers = [{**lp, "engram": {**lp["engram"], "embed": one_row(lp["engram"]["embed"])}} if "engram" in lp else lp
+              for lp in params["layers"]]
+    return {**params, "layers": layers}
+
+
 class Engine(Scheduler, Prefill, Speculative, Warmup):
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig(),
-                 *, own_params: bool = False):
+                 *, own_params: bool = False, abstract: bool = False,
+                 compiling: precompile.CompileWorkers | None = None):
         # own_params: the caller hands `params` over (from_checkpoint, from_preset): stacking the runs of layers
-        # deletes their per-layer arrays as it goes, so start-up holds the weights once, not twice
+        # deletes their per-layer arrays as it goes, so start-up holds the weights once, not twice.
+        # abstract: params are jax.ShapeDtypeStructs (`Engine.abstract`). compiling: worker processes already
+        # compiling this engine's programs into the program store (`warmup` waits for them).
         if not isinstance(config, EngineConfig):
             raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
                               f"pass engine options as EngineConfig(...) fields")
@@ -87,14 +101,22 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         except sharding.ParallelismError as e:
             raise EngineError(str(e)) from None
         self.mesh = sharding.make_mesh(par) if par.devices > 1 else None
+        if abstract and self.mesh is not None:
+            raise EngineError("an abstract engine runs on one device; leave the parallelism flags out")
+        self._compiling = compiling
         if self.mesh is not None:
             params = sharding.place_params(params, cfg, par, self.mesh)
         self.params, tables = model.strip_tables(params)
+        # the Engram tables go to the host (below) while the weights are prepared: gigabytes drawn on the device
+        for t in tables:
+            for a in (t.weight, t.scale):
+                if isinstance(a, jax.Array):
+                    a.copy_to_host_async()
         # the vision program's weights, apart: the text programs never read them
         self.vision_params = {k: self.params[k] for k in VISION_KEYS} if cfg.vision is not None else None
         self.params = {k: v for k, v in self.params.items() if k not in VISION_KEYS}
         try:
-            self.backends, self.params = backends.build(
+            self.backends, self.params = (backends.build_abstract if abstract else backends.build)(
                 cfg, self.params, numerics, attention=config.attention_backend, moe_backend=config.moe_backend,
                 mhc_backend=config.mhc_backend, router_backend=config.router_backend,
                 linear_backend=config.linear_backend, options=config.kernel_options, parallelism=par)
@@ -148,8 +170,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         # per data-parallel rank, as vLLM's --max-num-seqs is per DP engine
         self.layout = PoolLayout(num_pages=num_pages, page_tokens=page_tokens, num_slots=max_num_seqs,
                                  ranks=par.data, replay_tokens=self.replay_tokens, spec_tokens=self.spec_tokens)
-        self.pool = kv_pool.allocate(cfg, self.layout, None if self.mesh is None else
-                                     sharding.rank_sharding(self.mesh))
+        self.pool = (kv_pool.allocate_abstract if abstract else kv_pool.allocate)(
+            cfg, self.layout, None if self.mesh is None else sharding.rank_sharding(self.mesh))
         self.prefix_caching = self.replay if config.enable_prefix_caching is None else config.enable_prefix_caching
         self.ranks = [Rank.empty(num_pages, max_num_seqs, PrefixCache(page_tokens) if self.prefix_caching else None)
                       for _ in range(par.data)]
@@ -176,8 +198,22 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         from dsv41.config import preset
 
         cfg = preset(name)
+        compiling = precompile.start(cfg, config)  # while the weights are drawn
         params = P.init_params(cfg, seed)
-        return cls(cfg, params, T.load_tokenizer(), model.hasher_for(params, cfg), config, own_params=True)
+        return cls(cfg, params, T.load_tokenizer(), model.hasher_for(params, cfg), config, own_params=True,
+                   compiling=compiling)
+
+    @classmethod
+    def abstract(cls, cfg: ModelConfig, config: EngineConfig = EngineConfig()) -> "Engine":
+        """The engine `config` builds for `cfg`, over jax.ShapeDtypeStruct weights and KV pool (each Engram table one
+        host row: the all-padding batches of `warmup` gather row 0 only): its programs trace, lower and compile, and
+        key the program store, exactly as an allocated engine's, with nothing allocated, so a model larger than the
+        device compiles too (compile workers, `scripts/bench_startup.py --abstract`). It cannot step."""
+        from dsv41 import params as P
+        from dsv41 import tokenizer as T
+
+        return cls(cfg, _one_row_tables(P.abstract_params(cfg)), T.load_tokenizer(), model.builtin_hasher(cfg), config,
+                   abstract=True)
 
     @classmethod
     def from_checkpoint(cls, path: str, engram_tables: str = "ram", config: EngineConfig = EngineConfig()) -> "Engine":
@@ -192,13 +228,17 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         par = config.parallelism
         try:
             mesh = sharding.make_mesh(par) if par.devices > 1 else None
+            # while the weights load (a release-format directory's config; an orbax one's programs compile here)
+            compiling = (precompile.start(checkpoint.read_config(path), config)
+                         if mesh is None and not checkpoint.is_orbax_dir(path) else None)
             cfg, params = checkpoint.load_checkpoint(path, mesh=mesh, parallelism=par)
         except sharding.ParallelismError as e:
             raise EngineError(str(e)) from None
         if engram_tables == "ram":
             params = checkpoint.resident_tables(params)
         # the hasher from the token map load_checkpoint put in the tree: the one model.forward uses too
-        return cls(cfg, params, T.load_tokenizer(path), model.hasher_for(params, cfg), config, own_params=True)
+        return cls(cfg, params, T.load_tokenizer(path), model.hasher_for(params, cfg), config, own_params=True,
+                   compiling=compiling)
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -127,6 +127,13 @@ def abstract_pool(cfg: ModelConfig, lay: PoolLayout) -> KVPool:
     return KVPool(records, dspark, sd((S, lay.spec_tokens, cfg.dim), jnp.float32))
 
 
+def allocate_abstract(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:
+    """`allocate`'s pool as jax.ShapeDtypeStructs committed as it commits them (an abstract engine's)."""
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                                  abstract_pool(cfg, lay))
+
+
 def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:
     """The pool in zeros, committed to `sharding` (default: the default device; on a mesh,
     `dsv41.sharding.rank_sharding`: split by data rank, replicated over tensor ranks).

@@ -78,15 +78,20 @@ class Warmup:
         cached = bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
         parallel = cached
         log.info("warm-up: %d programs to compile and load (%s, %s)", n,
+                 f"{len(self._compiling.procs)} compile workers, then {workers} compile threads"
+                 if parallel and self._compiling is not None else
                  f"{workers} compile threads" if parallel else "one at a time",
                  f"persistent cache {jax.config.jax_compilation_cache_dir}" if cached else "no persistent cache")
         stored: set = set()
         if parallel:
-            stored = self._compile_in_threads(shapes, workers, stop, progress)
+            stored = self._compile_or_load(shapes, workers, stop, progress)
             if stored is None:
                 return []
             log.info("warm-up: %d programs compiled or loaded (%d from the program store) in %.1f s; running each "
                      "once", n, len(stored), time.perf_counter() - t0)
+        elif self._compiling is not None:
+            self._compiling.stop()  # nothing to load their programs from
+            self._compiling = None
         with _progress_bar(n, "warm-up: loading" if parallel else "warm-up") as bar:
             for shape in shapes:
                 if stop():
@@ -122,34 +127,13 @@ class Warmup:
         for filtered in (False, True):
             self.programs.sample(logits, samp, filtered=filtered)
 
-    def _compile_in_threads(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress
-                            ) -> set | None:
-        """Gives every shape's program its executable, loaded from the program store or compiled (into the
-        persistent cache and the store) -> the shapes loaded from the store; None when stopped early. This thread
-        loads, or traces and lowers, the programs one after another, the largest first (`_compile_order`), and
-        hands each lowered one to one of `workers` threads for XLA's compile, which runs off the GIL meanwhile.
-        Lowering is Python under the GIL: lowered in several threads at once, every program finished lowering late
-        and every compile started late (the tiny preset on 2 cores: 16.0 s to compile 3 programs, against 12.8 s
-        one after another)."""
+    def _compile_or_load(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress
+                         ) -> set | None:
+        """Warm-up's compile phase with a persistent cache: the compile workers' reports as they arrive (each
+        program counted and logged once, `precompile`), then `compile_programs` over every shape (those the
+        workers compiled load from the store). -> the shapes loaded from the store; None when stopped early."""
         n = len(shapes)
-
-        def compile_one(shape, call, lowered, lowering: compile_events.Compiles) -> ProgramReport:
-            with compile_events.capture() as c:
-                compiled = lowered.compile()
-            c.add(lowering)
-            fn, args, static = call
-            fn.keep(compiled, *args, store=c.source == compile_events.COMPILED, **static)
-            return _report(shape, c)
-
-        def record(r: ProgramReport) -> None:
-            eta = progress.compiled(r)
-            log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
-            bar.update(1)
-
-        def report(done) -> None:
-            for fut in done:
-                futures.pop(fut)
-                record(fut.result())
+        counted: set = set()
 
         def stopped() -> bool:
             if stop():
@@ -158,31 +142,72 @@ class Warmup:
                 return True
             return False
 
+        with _progress_bar(n, "warm-up: compiling") as bar:
+            def record(r: ProgramReport, where: str = "") -> None:
+                shape = (r.kind, r.B, r.T, r.pages)
+                if shape in counted:
+                    return
+                counted.add(shape)
+                eta = progress.compiled(r)
+                log.info("warm-up %s%s", report_line(progress.snapshot()["programs_compiled"], n, r, eta), where)
+                bar.update(1)
+
+            workers_ = self._compiling
+            if workers_ is not None:
+                self._compiling = None
+                for i, r in workers_.reports(stopped):
+                    record(r, f" (compile worker {i})")
+                if workers_.stopped:
+                    return None
+                log.info("warm-up: the compile workers are done after %.1f s", time.monotonic() - workers_.t0)
+            return self.compile_programs(shapes, workers, record, stopped)
+
+    def compile_programs(self, shapes, threads: int, on_ready: Callable[[ProgramReport], None],
+                         stop: Callable[[], bool] = lambda: False) -> set | None:
+        """Gives every shape's program its executable, loaded from the program store or compiled (into the
+        persistent cache and the store), calling on_ready with each program's report -> the shapes loaded from the
+        store; None when stop() turned True. This thread loads, or traces and lowers, the programs one after
+        another, the largest first (`compile_order`), and hands each lowered one to one of `threads` threads for
+        XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL: lowered in several
+        threads at once, every program finished lowering late and every compile started late (the tiny preset on 2
+        cores: 16.0 s to compile 3 programs, against 12.8 s one after another); processes lower side by side
+        (`precompile`)."""
+        def compile_one(shape, call, lowered, lowering: compile_events.Compiles) -> ProgramReport:
+            with compile_events.capture() as c:
+                compiled = lowered.compile()
+            c.add(lowering)
+            fn, args, static = call
+            fn.keep(compiled, *args, store=c.source == compile_events.COMPILED, **static)
+            return _report(shape, c)
+
+        def report(done) -> None:
+            for fut in done:
+                futures.pop(fut)
+                on_ready(fut.result())
+
         futures: dict[concurrent.futures.Future, tuple] = {}
         stored = set()
-        ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv41-compile")
+        ex = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dsv41-compile")
         try:
-            with _progress_bar(n, "warm-up: compiling") as bar:
-                for shape in sorted(shapes, key=_compile_order):
-                    if stopped():
-                        return None
-                    fn, args, static = self._padding_call(*shape)
-                    t0 = time.perf_counter()
-                    if fn.load(*args, **static):
-                        stored.add(shape)
-                        record(ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED))
-                        continue
-                    with compile_events.capture() as lowering:
-                        lowered = fn.lower(*args, **static)
-                    futures[ex.submit(compile_one, shape, (fn, args, static), lowered, lowering)] = shape
-                    report([f for f in futures if f.done()])
-                while futures:
-                    # a timeout, so that a stop is seen while long compiles run
-                    done, _ = concurrent.futures.wait(futures, timeout=0.25,
-                                                      return_when=concurrent.futures.FIRST_COMPLETED)
-                    if stopped():
-                        return None
-                    report(done)
+            for shape in sorted(shapes, key=compile_order):
+                if stop():
+                    return None
+                fn, args, static = self._padding_call(*shape)
+                t0 = time.perf_counter()
+                if fn.load(*args, **static):
+                    stored.add(shape)
+                    on_ready(ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED))
+                    continue
+                with compile_events.capture() as lowering:
+                    lowered = fn.lower(*args, **static)
+                futures[ex.submit(compile_one, shape, (fn, args, static), lowered, lowering)] = shape
+                report([f for f in futures if f.done()])
+            while futures:
+                # a timeout, so that a stop is seen while long compiles run
+                done, _ = concurrent.futures.wait(futures, timeout=0.25, return_when=concurrent.futures.FIRST_COMPLETED)
+                if stop():
+                    return None
+                report(done)
         finally:
             # not waiting: a stop (or an error) returns at once, and the queued compiles are dropped
             ex.shutdown(wait=False, cancel_futures=True)
@@ -194,7 +219,7 @@ class Warmup:
 _KIND_ORDER = {"decode": 0, "full": 1, "encoder": 1, "decoder": 2}
 
 
-def _compile_order(shape: tuple[str, int, int, int]) -> tuple[int, int]:
+def compile_order(shape: tuple[str, int, int, int]) -> tuple[int, int]:
     kind, B, T, _ = shape
     return _KIND_ORDER[kind], -B * T
 
