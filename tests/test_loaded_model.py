@@ -78,6 +78,27 @@ def test_readme_lines_on_a_checkpoint_with_its_own_tokenizer(release, tmp_path):
     np.testing.assert_array_equal(load_checkpoint(orbax)[1][model.TOKEN_MAP_KEY], token_map)
 
 
+def test_checkpoint_engine_programs_are_the_abstract_engines(release):
+    """An engine loaded from a checkpoint keys each program in the program store as `Engine.abstract` over its config
+    does: the programs compile workers store while the weights load are the ones the loaded engine runs."""
+    from serving.engine import executables
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
+
+    path, cfg, _, _ = release
+    config = EngineConfig(max_num_seqs=2, max_model_len=128)
+
+    def keys(eng):
+        out = []
+        for shape in eng.program_shapes():
+            fn, (params, pool, *args), static = eng._padding_call(*shape)
+            out.append(executables.key(fn.name, *fn._args(params, pool, tuple(args), static), fn.compiler_options))
+        return out
+
+    loaded = Engine.from_checkpoint(path, config=config)
+    assert keys(loaded) == keys(Engine.abstract(ckpt.read_config(path), config, checkpoint=path))
+
+
 def test_engine_from_checkpoint_hashes_with_the_loaded_map(release):
     """The engine built from the checkpoint hashes prompts with the checkpoint tokenizer's classes (its programs
     read the rows `eng.hasher` gives: tests/test_engine.py checks those against the full forward)."""

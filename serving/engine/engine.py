@@ -80,6 +80,20 @@ def _one_row_tables(params: dict) -> dict:
     return {**params, "layers": layers}
 
 
+def _committed(params: dict) -> dict:
+    """The one-device tree committed to the default device (no copy), as a checkpoint's load leaves it and as an
+    abstract engine's ShapeDtypeStructs say: every engine's programs then compile for one signature, and the
+    program store's keys of drawn, loaded and abstract weights agree (`precompile`)."""
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def commit(a):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev, weak_type=a.weak_type)
+        return jax.device_put(a, dev)
+
+    return jax.tree_util.tree_map(commit, params)
+
+
 class Engine(Scheduler, Prefill, Speculative, Warmup):
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig(),
                  *, own_params: bool = False, abstract: bool = False,
@@ -124,6 +138,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             raise EngineError(str(e)) from None
         scan = backends.scans_layers(self.backends) if config.scan_layers is None else config.scan_layers
         self.params = layer_runs.stack_params(self.params, cfg, stack=scan, consume=own_params)
+        if self.mesh is None:
+            self.params = _committed(self.params)
         # one device: the module's programs, whose compiled cache every engine in the process shares; the
         # executables warm-up keeps (or loads from the program store) are this engine's own. Across processes the
         # programs stay with jit (a multi-process executable is neither stored nor called directly here).
@@ -204,16 +220,21 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
                    compiling=compiling)
 
     @classmethod
-    def abstract(cls, cfg: ModelConfig, config: EngineConfig = EngineConfig()) -> "Engine":
+    def abstract(cls, cfg: ModelConfig, config: EngineConfig = EngineConfig(), checkpoint: str | None = None
+                 ) -> "Engine":
         """The engine `config` builds for `cfg`, over jax.ShapeDtypeStruct weights and KV pool (each Engram table one
         host row: the all-padding batches of `warmup` gather row 0 only): its programs trace, lower and compile, and
         key the program store, exactly as an allocated engine's, with nothing allocated, so a model larger than the
-        device compiles too (compile workers, `scripts/bench_startup.py --abstract`). It cannot step."""
+        device compiles too (compile workers, `scripts/bench_startup.py --abstract`). It cannot step.
+        checkpoint: the release directory cfg comes from, whose tokenizer the Engram hasher is built from."""
+        from dsv41 import checkpoint as ckpt
         from dsv41 import params as P
         from dsv41 import tokenizer as T
 
-        return cls(cfg, _one_row_tables(P.abstract_params(cfg)), T.load_tokenizer(), model.builtin_hasher(cfg), config,
-                   abstract=True)
+        tree = _one_row_tables(P.abstract_params(cfg))
+        if checkpoint is not None:
+            tree = ckpt.with_token_map(tree, cfg, checkpoint)
+        return cls(cfg, tree, T.load_tokenizer(checkpoint), model.hasher_for(tree, cfg), config, abstract=True)
 
     @classmethod
     def from_checkpoint(cls, path: str, engram_tables: str = "ram", config: EngineConfig = EngineConfig()) -> "Engine":
@@ -229,7 +250,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         try:
             mesh = sharding.make_mesh(par) if par.devices > 1 else None
             # while the weights load (a release-format directory's config; an orbax one's programs compile here)
-            compiling = (precompile.start(checkpoint.read_config(path), config)
+            compiling = (precompile.start(checkpoint.read_config(path), config, checkpoint=path)
                          if mesh is None and not checkpoint.is_orbax_dir(path) else None)
             cfg, params = checkpoint.load_checkpoint(path, mesh=mesh, parallelism=par)
         except sharding.ParallelismError as e:

@@ -49,6 +49,7 @@ class Job:
     index: int
     count: int
     cache_dir: str
+    checkpoint: str | None  # the release directory cfg comes from (its tokenizer), None for a preset
     jax_options: tuple[tuple[str, object], ...]
 
 
@@ -113,8 +114,9 @@ def default_count(platform: str, cpus: int | None = None) -> int:
     return max(1, min(8, (cpus or os.cpu_count() or 2) // 2))
 
 
-def start(cfg: ModelConfig, config: EngineConfig) -> CompileWorkers | None:
-    """Starts the compile workers `config` asks for (None: none asked, or the engine cannot use them)."""
+def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None) -> CompileWorkers | None:
+    """Starts the compile workers `config` asks for (None: none asked, or the engine cannot use them).
+    checkpoint: the release directory cfg was read from."""
     n = config.compile_workers
     if not n:
         return None
@@ -135,7 +137,7 @@ def start(cfg: ModelConfig, config: EngineConfig) -> CompileWorkers | None:
     for i in range(n):
         p = subprocess.Popen([sys.executable, "-m", "serving.engine.precompile_worker"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
-        p.stdin.write(pickle.dumps(Job(cfg, config, i, n, cache_dir, options)))
+        p.stdin.write(pickle.dumps(Job(cfg, config, i, n, cache_dir, checkpoint and os.path.abspath(checkpoint), options)))
         p.stdin.close()
         procs.append(p)
     log.info("compile workers: %d processes compile the warm-up's programs into %s while the weights load", n,

@@ -23,7 +23,8 @@ def work(job: Job) -> None:
     for o, v in job.jax_options:
         jax.config.update(o, v)
     compilation_cache.configure(job.cache_dir)
-    eng = Engine.abstract(job.cfg, dataclasses.replace(job.config, compile_workers=0, program_store=True))
+    eng = Engine.abstract(job.cfg, dataclasses.replace(job.config, compile_workers=0, program_store=True),
+                          checkpoint=job.checkpoint)
     mine = sorted(eng.program_shapes(), key=compile_order)[job.index::job.count]
 
     def send(r: ProgramReport) -> None:
