@@ -14,6 +14,11 @@ its warm-up log reports:
     PYTHONPATH=. python3 scripts/bench_startup.py --serve --preset tiny    # CPU (issue target: <= 20 s cold)
     PYTHONPATH=. python3 scripts/bench_startup.py --serve                  # H200, bench preset, serve's defaults
 
+--build: the engine's construction with random weights (what `dsv41 serve --preset` does before warm-up), by phase,
+with the XLA compiles each ran:
+
+    PYTHONPATH=. python3 scripts/bench_startup.py --build --preset bench
+
 --lower-for cuda: on any host (no GPU needed), each program as a GPU engine would choose it (kernels, buckets),
 traced and lowered for CUDA, not compiled: trace and lower seconds, the Mosaic GPU kernels it holds, its size.
 Lowering runs in one thread before any compile can start, so it bounds a cold start from below:
@@ -70,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve", action="store_true",
                     help="time `dsv41 serve --warmup` with these flags to a healthy /health, cold then warm")
     ap.add_argument("--serve-timeout", type=float, default=1800, help="seconds a --serve run may take to be healthy")
+    ap.add_argument("--build", action="store_true",
+                    help="time the engine's construction with random weights in this process, by phase (the weights "
+                    "drawn; the engine: kernel layouts, layer stacking, KV pool), with the XLA compiles each ran")
     ap.add_argument("--lower-for", choices=["cuda"],
                     help="with --abstract: trace and lower each program for this platform as its engine would choose "
                     "them (kernels, buckets), on this host; no compile")
@@ -81,7 +89,8 @@ def abstract_engine(args: argparse.Namespace):
     """The serve engine of `args` over ShapeDtypeStruct weights and KV pool (`Engine.abstract`)."""
     if args.checkpoint:
         raise SystemExit("--abstract measures a preset (--preset tiny / bench / flash); drop --checkpoint")
-    return Engine.abstract(preset(args.preset), EngineConfig(**cli_serve.engine_kwargs(args, EngineConfig.field_names())))
+    config = EngineConfig(**cli_serve.engine_kwargs(args, EngineConfig.field_names()))
+    return Engine.abstract(preset(args.preset), config)
 
 
 def selected_shapes(eng, args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
@@ -149,6 +158,42 @@ def measure_lowering(args: argparse.Namespace) -> None:
                 [[len(rows), fmt(sum(r[3] for r in rows)), fmt(sum(r[4] for r in rows)), sum(r[5] for r in rows)]])
 
 
+def measure_build(args: argparse.Namespace) -> None:
+    """--build: Engine.from_preset's two phases timed apart (no persistent cache: every compile counted)."""
+    from dsv41 import model
+    from dsv41 import params as P
+    from dsv41 import tokenizer as T
+
+    compiles = {"n": 0, "s": 0.0}
+
+    def on_duration(event: str, secs: float, **_) -> None:
+        if event == compile_events.BACKEND_COMPILE:
+            compiles["n"] += 1
+            compiles["s"] += secs
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    rows = []
+
+    def phase(name: str, fn):
+        n, s, t0 = compiles["n"], compiles["s"], time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out if not isinstance(out, Engine) else out.params)
+        rows.append([name, time.perf_counter() - t0, compiles["n"] - n, compiles["s"] - s])
+        logger.info("%s: %.2f s", name, rows[-1][1])
+        return out
+
+    phase("backend", jax.devices)
+    cfg = preset(args.preset)
+    config = EngineConfig(**cli_serve.engine_kwargs(args, EngineConfig.field_names()))
+    params = phase("weights (init_params)", lambda: P.init_params(cfg, args.seed or 0))
+    phase("engine (kernel layouts, layers, pool)",
+          lambda: Engine(cfg, params, T.load_tokenizer(), model.hasher_for(params, cfg), config, own_params=True))
+    rows.append(["total", sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows)])
+    log(f"preset {args.preset}, {jax.devices()[0].device_kind}, {os.cpu_count()} host cores")
+    print_table(["phase", "s", "XLA compiles", "compile s"], [[r[0], fmt(r[1]), r[2], fmt(r[3])] for r in rows],
+                "lrrr")
+
+
 def child(args: argparse.Namespace) -> None:
     compilation_cache.configure(compilation_cache.dir_from_args(args))
     t0 = time.perf_counter()
@@ -193,7 +238,7 @@ def report(cold: dict, warm: dict | None) -> None:
 # this script's own flags, dropped from the command line that `--serve` hands `dsv41 serve` (valued / switches);
 # the cache directory and the port are set per run
 _OWN_VALUED = ("--programs", "--lower-for", "--child", "--serve-timeout", "--compilation-cache-dir", "--port")
-_OWN_SWITCHES = ("--abstract", "--smallest", "--cold-only", "--serve")
+_OWN_SWITCHES = ("--abstract", "--smallest", "--cold-only", "--serve", "--build")
 
 
 def serve_flags(argv: list[str], args: argparse.Namespace) -> list[str]:
@@ -312,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve and (args.abstract or args.programs or args.smallest):
         raise SystemExit("--serve times the server as a user starts it, every program with weights allocated; "
                          "drop --abstract, --programs and --smallest")
+    if args.build:
+        measure_build(args)
+        return 0
     if args.lower_for:
         if not args.abstract or args.serve:
             raise SystemExit("--lower-for lowers for another platform than this host's: add --abstract (no weights "

@@ -201,3 +201,16 @@ def _after_warmup(cache: str) -> dict:
 
 if __name__ == "__main__":  # the child of test_requests_after_warmup_compile_no_program
     sys.stdout.write(json.dumps(_after_warmup(sys.argv[sys.argv.index("--after-warmup") + 1])) + "\n")
+
+
+def test_build_phases(capsys):
+    """`bench_startup.py --build`: the engine's construction with random weights, by phase, with the compiles each
+    phase ran."""
+    import bench_startup
+
+    assert bench_startup.main(["--build", "--preset", "tiny"]) == 0
+    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]]
+                                  for line in capsys.readouterr().out.splitlines() if line.startswith("| "))}
+    assert list(rows)[1:] == ["backend", "weights (init_params)", "engine (kernel layouts, layers, pool)", "total"]
+    # (compiles: in a process that compiled these shapes before, none)
+    assert int(rows["total"][1]) >= int(rows["weights (init_params)"][1]) >= 0

@@ -160,6 +160,9 @@ class ProgramStore:
     def _path(self, k: str) -> pathlib.Path:
         return self.dir / f"{k}.exe"
 
+    def has(self, k: str) -> bool:
+        return self._path(k).exists()
+
     def load(self, k: str):
         """The stored executable (a `jax.stages.Compiled`), or None: none stored, or it could not be loaded (a
         warning; it is compiled again and stored over)."""

@@ -132,12 +132,13 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
     cache_dir = jax.config.jax_compilation_cache_dir
     options = tuple((o, getattr(jax.config, o)) for o in executables._JAX_OPTIONS)
     # the workers hold no weights: no preallocated pool of device memory (the engine's process takes it)
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_PLATFORMS": jax.default_backend()}
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     procs = []
     for i in range(n):
         p = subprocess.Popen([sys.executable, "-m", "serving.engine.precompile_worker"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
-        p.stdin.write(pickle.dumps(Job(cfg, config, i, n, cache_dir, checkpoint and os.path.abspath(checkpoint), options)))
+        ckpt = checkpoint and os.path.abspath(checkpoint)
+        p.stdin.write(pickle.dumps(Job(cfg, config, i, n, cache_dir, ckpt, options)))
         p.stdin.close()
         procs.append(p)
     log.info("compile workers: %d processes compile the warm-up's programs into %s while the weights load", n,

@@ -31,7 +31,7 @@ def work(job: Job) -> None:
         sys.stdout.write(json.dumps(dataclasses.asdict(r)) + "\n")
         sys.stdout.flush()
 
-    eng.compile_programs(mine, threads=2, on_ready=send)
+    eng.compile_programs(mine, threads=2, on_ready=send, load=False)  # the engine's process loads them
 
 
 def main() -> int:

@@ -163,15 +163,15 @@ class Warmup:
             return self.compile_programs(shapes, workers, record, stopped)
 
     def compile_programs(self, shapes, threads: int, on_ready: Callable[[ProgramReport], None],
-                         stop: Callable[[], bool] = lambda: False) -> set | None:
+                         stop: Callable[[], bool] = lambda: False, load: bool = True) -> set | None:
         """Gives every shape's program its executable, loaded from the program store or compiled (into the
-        persistent cache and the store), calling on_ready with each program's report -> the shapes loaded from the
-        store; None when stop() turned True. This thread loads, or traces and lowers, the programs one after
-        another, the largest first (`compile_order`), and hands each lowered one to one of `threads` threads for
-        XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL: lowered in several
-        threads at once, every program finished lowering late and every compile started late (the tiny preset on 2
-        cores: 16.0 s to compile 3 programs, against 12.8 s one after another); processes lower side by side
-        (`precompile`)."""
+        persistent cache and the store), calling on_ready with each program's report -> the shapes found in the
+        store; None when stop() turned True. load=False (a compile worker): a stored program is left there.
+        This thread loads, or traces and lowers, the programs one after another, the largest first
+        (`compile_order`), and hands each lowered one to one of `threads` threads for XLA's compile, which runs off
+        the GIL meanwhile. Lowering is Python under the GIL: lowered in several threads at once, every program
+        finished lowering late and every compile started late (the tiny preset on 2 cores: 16.0 s to compile 3
+        programs, against 12.8 s one after another); processes lower side by side (`precompile`)."""
         def compile_one(shape, call, lowered, lowering: compile_events.Compiles) -> ProgramReport:
             with compile_events.capture() as c:
                 compiled = lowered.compile()
@@ -194,7 +194,7 @@ class Warmup:
                     return None
                 fn, args, static = self._padding_call(*shape)
                 t0 = time.perf_counter()
-                if fn.load(*args, **static):
+                if fn.load(*args, **static) if load else fn.stored(*args, **static):
                     stored.add(shape)
                     on_ready(ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED))
                     continue
