@@ -6,10 +6,10 @@
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
-#   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS, default --program-store) to
-#                  a healthy /health, from an empty compilation cache and then from the one it filled; with serve's
-#                  defaults (11 programs) the cold start alone took over 420 s on an H100 (docs/PERFORMANCE.md
-#                  section 6); to fit a call:
+#   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS, default --program-store,
+#                  which starts the compile workers) to a healthy /health, from an empty compilation cache and then
+#                  from the one it filled; with serve's defaults (11 programs) one process compiled for 281 s on an
+#                  H100 (docs/PERFORMANCE.md section 6); fewer programs:
 #                  SERVE_ARGS="--program-store --min-prefill-bucket 128 --min-decode-bucket 8"
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI

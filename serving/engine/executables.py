@@ -135,8 +135,10 @@ STORE_SUBDIR = "dsv41-programs"
 
 def on_by_default() -> bool:
     """Whether an engine keeps its executables and uses the store when `EngineConfig.program_store` is unset: on
-    the CPU, where the tests run it; on a GPU not until a GPU run has loaded every program from it
-    (`bash scripts/h200_checks.sh startup` with `SERVE_ARGS=--program-store`)."""
+    the CPU, where the tests run it; on a GPU not until `bash scripts/h200_checks.sh startup` (which passes
+    --program-store) has loaded every program of serve's defaults from it: there, programs compiled in the server's
+    process and kept failed at their first run ("Input buffer 4 is not 256-byte aligned", docs/PERFORMANCE.md
+    section 9)."""
     return jax.default_backend() == "cpu"
 
 
