@@ -313,16 +313,16 @@ def init_tree(specs, cfg: ModelConfig, seed: int = 0) -> Params:
     # tiny preset's start)
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), len(leaves))))
     fmts = [stored_format(s, cfg) for s in leaves]
-    with concurrent.futures.ThreadPoolExecutor(_HOST_RNG_THREADS) as pool:
-        host = list(pool.map(_host_leaf, leaves, keys, fmts))
     out = []
-    for s, k, fmt, w in zip(leaves, keys, fmts, host):
-        if w is None:
-            out.append(_device_leaf(s, k, fmt))
-        elif w.dtype == jnp.bfloat16 or (fmt == "f32" and s.init != "fp8_grid"):
-            out.append(jnp.asarray(w))
-        else:
-            out.append(_quantize_leaf(w, fmt, grid=s.init == "fp8_grid"))
+    with concurrent.futures.ThreadPoolExecutor(_HOST_RNG_THREADS) as pool:
+        # each host leaf goes to the device as soon as it (and every leaf before it) is drawn
+        for s, k, fmt, w in zip(leaves, keys, fmts, pool.map(_host_leaf, leaves, keys, fmts)):
+            if w is None:
+                out.append(_device_leaf(s, k, fmt))
+            elif w.dtype == jnp.bfloat16 or (fmt == "f32" and s.init != "fp8_grid"):
+                out.append(jnp.asarray(w))
+            else:
+                out.append(_quantize_leaf(w, fmt, grid=s.init == "fp8_grid"))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

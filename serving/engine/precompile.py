@@ -9,9 +9,9 @@ lowers and compiles the very programs the allocated engine runs, under the same 
 compile them side by side from the first second of start-up.
 
 `start(cfg, config)` launches `config.compile_workers` processes (`serving/engine/precompile_worker.py`). Worker i
-of n builds the abstract engine, takes every n-th program of the warm-up's compile order (largest first), loads it
-from the store when it is there already or lowers, compiles and stores it, and writes one JSON report a program on
-its stdout. `Warmup.warmup` waits for them (`CompileWorkers.reports`), counting and logging each program as its
+of n builds the abstract engine, takes every n-th program of the warm-up's compile order (largest first), leaves
+it where the store holds it already or lowers, compiles and stores it, and writes one JSON report a program on its
+stdout. `Warmup.warmup` waits for them (`CompileWorkers.reports`), counting and logging each program as its
 report arrives, then loads every program from the store; one the workers could not give it is compiled there as
 before. Only a one-device engine of one process with a program store starts workers.
 """
@@ -106,9 +106,9 @@ class CompileWorkers:
 
 
 def default_count(platform: str, cpus: int | None = None) -> int:
-    """Compile workers a serving engine starts when `EngineConfig.compile_workers` is None: on a GPU half the host's
-    cores, at most 8 (each process lowers one program at a time, and XLA's compile of a program uses several
-    threads); on the CPU none (the programs are small, and its cores run the compiles)."""
+    """Compile workers `dsv41 serve` starts without --compile-workers (where it warms up with the program store): on
+    a GPU half the host's cores, at most 8 (each process lowers one program at a time, and XLA's compile of a
+    program uses several threads); on the CPU none (the programs are small, and its cores run the compiles)."""
     if platform == "cpu":
         return 0
     return max(1, min(8, (cpus or os.cpu_count() or 2) // 2))
@@ -133,11 +133,11 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
     options = tuple((o, getattr(jax.config, o)) for o in executables._JAX_OPTIONS)
     # the workers hold no weights: no preallocated pool of device memory (the engine's process takes it)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    ckpt = checkpoint and os.path.abspath(checkpoint)
     procs = []
     for i in range(n):
         p = subprocess.Popen([sys.executable, "-m", "serving.engine.precompile_worker"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
-        ckpt = checkpoint and os.path.abspath(checkpoint)
         p.stdin.write(pickle.dumps(Job(cfg, config, i, n, cache_dir, ckpt, options)))
         p.stdin.close()
         procs.append(p)
