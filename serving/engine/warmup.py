@@ -167,8 +167,8 @@ class Warmup:
         """Gives every shape's program its executable, loaded from the program store or compiled (into the
         persistent cache and the store), calling on_ready with each program's report -> the shapes found in the
         store; None when stop() turned True. load=False (a compile worker): a stored program is left there.
-        This thread loads, or traces and lowers, the programs one after another, the largest first
-        (`compile_order`), and hands each lowered one to one of `threads` threads for XLA's compile, which runs off
+        The store's programs load in `threads` threads at once; then this thread traces and lowers the others one
+        after another, the largest first (`compile_order`), and hands each lowered one to one of `threads` threads for XLA's compile, which runs off
         the GIL meanwhile. Lowering is Python under the GIL: lowered in several threads at once, every program
         finished lowering late and every compile started late (the tiny preset on 2 cores: 16.0 s to compile 3
         programs, against 12.8 s one after another); processes lower side by side (`precompile`)."""
@@ -185,19 +185,31 @@ class Warmup:
                 futures.pop(fut)
                 on_ready(fut.result())
 
+        def from_store(shape) -> tuple[tuple, ProgramReport | None]:
+            """-> (the shape's padding call, its report if the store holds it)."""
+            fn, args, static = call = self._padding_call(*shape)
+            t0 = time.perf_counter()
+            if fn.load(*args, **static) if load else fn.stored(*args, **static):
+                return call, ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED)
+            return call, None
+
         futures: dict[concurrent.futures.Future, tuple] = {}
         stored = set()
         ex = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dsv41-compile")
         try:
+            # what the store holds first, in the threads at once (deserializing runs largely off the GIL)
+            calls = {}
+            for shape, (call, r) in zip(shapes, ex.map(from_store, shapes)):
+                calls[shape] = call
+                if r is not None:
+                    stored.add(shape)
+                    on_ready(r)
             for shape in sorted(shapes, key=compile_order):
                 if stop():
                     return None
-                fn, args, static = self._padding_call(*shape)
-                t0 = time.perf_counter()
-                if fn.load(*args, **static) if load else fn.stored(*args, **static):
-                    stored.add(shape)
-                    on_ready(ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED))
+                if shape in stored:
                     continue
+                fn, args, static = calls[shape]
                 with compile_events.capture() as lowering:
                     lowered = fn.lower(*args, **static)
                 futures[ex.submit(compile_one, shape, (fn, args, static), lowered, lowering)] = shape
