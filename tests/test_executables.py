@@ -156,3 +156,21 @@ def test_compile_workers_start_only_where_they_can_serve_the_engine(caplog):
     assert workers("--compile-workers", "3") == 3
     with pytest.raises(SystemExit, match="--compile-workers -1"):
         workers("--compile-workers", "-1")
+
+
+def test_the_store_knows_when_it_holds_an_engines_programs(tmp_path):
+    """`record_engine` / `holds_engine`: an engine whose programs are all stored needs no compile workers at its next
+    start; one entry gone (evicted), and it does again. The engine key ignores the options that change no program."""
+    from serving.engine.config import EngineConfig
+
+    store = X.ProgramStore(tmp_path)
+    cfg = preset("tiny")
+    k = X.engine_key(cfg, EngineConfig(compile_workers=4, program_store=True))
+    assert k == X.engine_key(cfg, EngineConfig()) != X.engine_key(cfg, EngineConfig(max_num_seqs=4))
+    assert not store.holds_engine(k)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.exe").write_bytes(b"x")
+    store.record_engine(k, ["a", "b"])
+    assert store.holds_engine(k)
+    (tmp_path / "b.exe").unlink()
+    assert not store.holds_engine(k)

@@ -121,6 +121,12 @@ def key(name: str, args: tuple, kwargs: dict, compiler_options: dict | None = No
     return hashlib.sha256(repr(desc).encode()).hexdigest()
 
 
+def engine_key(cfg: Any, config: Any) -> str:
+    """What names one engine's set of programs in the store: the model config and the engine options, but for those
+    that do not change a program (how many compile workers, whether the store is used)."""
+    return key("engine", (), {"cfg": cfg, "config": dataclasses.replace(config, compile_workers=0, program_store=None)})
+
+
 def call_signature(args: tuple, kwargs: dict) -> tuple:
     """What tells an engine's calls of one program apart (its parameters and pool are the same in every call):
     the static arguments, and the kinds (host or device array, scalar), shapes and dtypes of the other arguments.
@@ -164,6 +170,25 @@ class ProgramStore:
 
     def has(self, k: str) -> bool:
         return self._path(k).exists()
+
+    def _manifest(self, engine_key: str) -> pathlib.Path:
+        return self.dir / f"{engine_key}.programs"
+
+    def record_engine(self, engine_key: str, keys: list[str]) -> None:
+        """Notes that an engine (`engine_key`) warms up exactly these programs, every one of them stored."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._manifest(engine_key).write_text("\n".join(keys) + "\n")
+        except OSError as e:
+            log.warning("program store: could not record the engine's programs (%s)", e)
+
+    def holds_engine(self, engine_key: str) -> bool:
+        """Whether every program an engine recorded (`record_engine`) is still stored."""
+        try:
+            keys = self._manifest(engine_key).read_text().split()
+        except OSError:
+            return False
+        return bool(keys) and all(self.has(k) for k in keys)
 
     def load(self, k: str):
         """The stored executable (a `jax.stages.Compiled`), or None: none stored, or it could not be loaded (a

@@ -13,7 +13,9 @@ of n builds the abstract engine, takes every n-th program of the warm-up's compi
 it where the store holds it already or lowers, compiles and stores it, and writes one JSON report a program on its
 stdout. `Warmup.warmup` waits for them (`CompileWorkers.reports`), counting and logging each program as its
 report arrives, then loads every program from the store; one the workers could not give it is compiled there as
-before. Only a one-device engine of one process with a program store starts workers.
+before. Only a one-device engine of one process with a program store starts workers, and none start where the
+store holds every program of the engine already (a warm-up that ends with all of them stored notes it there:
+`ProgramStore.record_engine`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,10 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
            or jax.process_count() > 1 else None)
     if why:
         log.warning("compile workers: none started: %s; warm-up compiles in this process", why)
+        return None
+    if store.holds_engine(executables.engine_key(cfg, config)):
+        log.info("compile workers: none needed: the program store holds every program of this engine (%s)",
+                 store.dir)
         return None
     cache_dir = jax.config.jax_compilation_cache_dir
     options = tuple((o, getattr(jax.config, o)) for o in executables._JAX_OPTIONS)

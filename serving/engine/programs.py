@@ -788,6 +788,10 @@ class Program:
             self.executables.put(self.name, executables.call_signature(a, kw), compiled)
         return compiled is not None
 
+    def store_key(self, params, pool, *args, **static) -> str | None:
+        """This call's program store key (None: no store, or the call cannot be keyed)."""
+        return self._store_key(*self._args(params, pool, args, static))
+
     def stored(self, params, pool, *args, **static) -> bool:
         """Whether the program store holds this call's executable (not loaded: a compile worker's check)."""
         if self.executables is None or self.executables.store is None:

@@ -116,9 +116,19 @@ class Warmup:
                 progress.loaded()
                 bar.update(1)
         jax.block_until_ready(self.pool)
+        if parallel:
+            self._record_in_store(shapes)
         progress.finish()
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
         return shapes
+
+    def _record_in_store(self, shapes) -> None:
+        """Notes in the program store that it holds every program of this engine, so that the next start with the
+        same model and options starts no compile workers (`precompile.start`)."""
+        store = self.executables.store if self.executables is not None else None
+        keys = [self.__dict__.get("_store_keys", {}).get(shape) for shape in shapes]
+        if store is not None and all(k is not None and store.has(k) for k in keys):
+            store.record_engine(executables.engine_key(self.cfg, self.config), keys)
 
     def _warm_sample(self, logits) -> None:
         """Compiles (or finds) `Programs.sample`'s variants for a program's logits [B, V]: small programs, so that a
@@ -188,6 +198,7 @@ class Warmup:
         def from_store(shape) -> tuple[tuple, ProgramReport | None]:
             """-> (the shape's padding call, its report if the store holds it)."""
             fn, args, static = call = self._padding_call(*shape)
+            self._store_keys[shape] = fn.store_key(*args, **static)
             t0 = time.perf_counter()
             if fn.load(*args, **static) if load else fn.stored(*args, **static):
                 return call, ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED)
@@ -195,6 +206,7 @@ class Warmup:
 
         futures: dict[concurrent.futures.Future, tuple] = {}
         stored = set()
+        self._store_keys: dict[tuple, str | None] = {}  # each shape's program store key (`_record_in_store`)
         ex = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dsv41-compile")
         try:
             # what the store holds first, in the threads at once (deserializing runs largely off the GIL)
