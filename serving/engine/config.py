@@ -155,7 +155,8 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise EngineError("speculative_config must be a SpeculativeConfig (SpeculativeConfig.from_json parses "
                               f"the flag's JSON), got {type(self.speculative_config).__name__}")
-        if not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool) or self.compile_workers < 0:
+        n = self.compile_workers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise EngineError(f"compile_workers must be an integer >= 0, got {self.compile_workers!r}")
         for name in ("min_prefill_bucket", "min_decode_bucket"):
             v = getattr(self, name)

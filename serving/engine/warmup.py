@@ -178,10 +178,11 @@ class Warmup:
         persistent cache and the store), calling on_ready with each program's report -> the shapes found in the
         store; None when stop() turned True. load=False (a compile worker): a stored program is left there.
         The store's programs load in `threads` threads at once; then this thread traces and lowers the others one
-        after another, the largest first (`compile_order`), and hands each lowered one to one of `threads` threads for XLA's compile, which runs off
-        the GIL meanwhile. Lowering is Python under the GIL: lowered in several threads at once, every program
-        finished lowering late and every compile started late (the tiny preset on 2 cores: 16.0 s to compile 3
-        programs, against 12.8 s one after another); processes lower side by side (`precompile`)."""
+        after another, the largest first (`compile_order`), and hands each lowered one to one of `threads` threads
+        for XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL: lowered in several
+        threads at once, every program finished lowering late and every compile started late (the tiny preset on 2
+        cores: 16.0 s to compile 3 programs, against 12.8 s one after another); processes lower side by side
+        (`precompile`)."""
         def compile_one(shape, call, lowered, lowering: compile_events.Compiles) -> ProgramReport:
             with compile_events.capture() as c:
                 compiled = lowered.compile()
@@ -209,7 +210,7 @@ class Warmup:
         self._store_keys: dict[tuple, str | None] = {}  # each shape's program store key (`_record_in_store`)
         ex = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dsv41-compile")
         try:
-            # what the store holds first, in the threads at once (deserializing runs largely off the GIL)
+            # what the store holds first, in the threads at once
             calls = {}
             for shape, (call, r) in zip(shapes, ex.map(from_store, shapes)):
                 calls[shape] = call
