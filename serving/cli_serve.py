@@ -298,10 +298,9 @@ def compile_workers(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
         return n
     import jax
 
-    store = engine_kw.get("program_store")
     one_device = engine_kw.get("tensor_parallel_size", 1) * engine_kw.get("data_parallel_size", 1) == 1
     if not (warmup_wanted(args) and one_device and jax.process_count() == 1
-            and (executables.on_by_default() if store is None else store)):
+            and executables.used(engine_kw.get("program_store"))):
         return 0
     return precompile.default_count(jax.default_backend())
 

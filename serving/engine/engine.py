@@ -145,7 +145,7 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         # programs stay with jit (a multi-process executable is neither stored nor called directly here).
         self.programs = (programs.ONE_DEVICE if self.mesh is None else
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))
-        keep = executables.on_by_default() if config.program_store is None else config.program_store
+        keep = executables.used(config.program_store)
         self.executables = (executables.Executables(executables.default_store())
                             if keep and jax.process_count() == 1 else None)
         if self.executables is not None:

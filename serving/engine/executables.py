@@ -148,6 +148,11 @@ def on_by_default() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def used(program_store: bool | None) -> bool:
+    """Whether an engine with `EngineConfig.program_store` keeps its executables and uses the store."""
+    return on_by_default() if program_store is None else program_store
+
+
 def default_store() -> "ProgramStore | None":
     """The program store beside jax's persistent compilation cache (`serving.compilation_cache`), or None: no cache
     configured, or a remote one."""

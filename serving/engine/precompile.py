@@ -123,9 +123,8 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
     if not n:
         return None
     store = executables.default_store()
-    keeps = executables.on_by_default() if config.program_store is None else config.program_store
-    why = ("the program store is off (--program-store turns it on)" if not keeps else
-           "no persistent compilation cache is configured" if store is None else
+    why = ("the program store is off (--program-store turns it on)" if not executables.used(config.program_store)
+           else "no persistent compilation cache is configured" if store is None else
            "the engine spans several devices or processes" if config.parallelism.devices > 1
            or jax.process_count() > 1 else None)
     if why:

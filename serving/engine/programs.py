@@ -792,13 +792,6 @@ class Program:
         """This call's program store key (None: no store, or the call cannot be keyed)."""
         return self._store_key(*self._args(params, pool, args, static))
 
-    def stored(self, params, pool, *args, **static) -> bool:
-        """Whether the program store holds this call's executable (not loaded: a compile worker's check)."""
-        if self.executables is None or self.executables.store is None:
-            return False
-        k = self._store_key(*self._args(params, pool, args, static))
-        return k is not None and self.executables.store.has(k)
-
     def keep(self, compiled, params, pool, *args, store: bool, **static) -> None:
         """Keeps a compiled executable of this call (`lower(...).compile()`) for the engine's calls of these shapes;
         with store, writes it to the program store, before it first runs (one that ran did not serialize on the

@@ -116,19 +116,9 @@ class Warmup:
                 progress.loaded()
                 bar.update(1)
         jax.block_until_ready(self.pool)
-        if parallel:
-            self._record_in_store(shapes)
         progress.finish()
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
         return shapes
-
-    def _record_in_store(self, shapes) -> None:
-        """Notes in the program store that it holds every program of this engine, so that the next start with the
-        same model and options starts no compile workers (`precompile.start`)."""
-        store = self.executables.store if self.executables is not None else None
-        keys = [self.__dict__.get("_store_keys", {}).get(shape) for shape in shapes]
-        if store is not None and all(k is not None and store.has(k) for k in keys):
-            store.record_engine(executables.engine_key(self.cfg, self.config), keys)
 
     def _warm_sample(self, logits) -> None:
         """Compiles (or finds) `Programs.sample`'s variants for a program's logits [B, V]: small programs, so that a
@@ -176,7 +166,8 @@ class Warmup:
                          stop: Callable[[], bool] = lambda: False, load: bool = True) -> set | None:
         """Gives every shape's program its executable, loaded from the program store or compiled (into the
         persistent cache and the store), calling on_ready with each program's report -> the shapes found in the
-        store; None when stop() turned True. load=False (a compile worker): a stored program is left there.
+        store; None when stop() turned True. load=False (a compile worker): a stored program is left there; with
+        load, an engine whose every program ends up stored is noted in the store (`ProgramStore.record_engine`).
         The store's programs load in `threads` threads at once; then this thread traces and lowers the others one
         after another, the largest first (`compile_order`), and hands each lowered one to one of `threads` threads
         for XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL: lowered in several
@@ -196,18 +187,20 @@ class Warmup:
                 futures.pop(fut)
                 on_ready(fut.result())
 
+        store = self.executables.store if self.executables is not None else None
+        keys: dict[tuple, str | None] = {}  # each shape's program store key
+
         def from_store(shape) -> tuple[tuple, ProgramReport | None]:
             """-> (the shape's padding call, its report if the store holds it)."""
             fn, args, static = call = self._padding_call(*shape)
-            self._store_keys[shape] = fn.store_key(*args, **static)
+            k = keys[shape] = fn.store_key(*args, **static)
             t0 = time.perf_counter()
-            if fn.load(*args, **static) if load else fn.stored(*args, **static):
+            if fn.load(*args, **static) if load else (k is not None and store.has(k)):
                 return call, ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED)
             return call, None
 
         futures: dict[concurrent.futures.Future, tuple] = {}
         stored = set()
-        self._store_keys: dict[tuple, str | None] = {}  # each shape's program store key (`_record_in_store`)
         ex = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dsv41-compile")
         try:
             # what the store holds first, in the threads at once
@@ -236,6 +229,10 @@ class Warmup:
         finally:
             # not waiting: a stop (or an error) returns at once, and the queued compiles are dropped
             ex.shutdown(wait=False, cancel_futures=True)
+        if load and store is not None and all(k is not None and store.has(k) for k in keys.values()):
+            # every program of this engine is stored: the next start with the same model and options needs no
+            # compile workers (`precompile.start`)
+            store.record_engine(executables.engine_key(self.cfg, self.config), [keys[s] for s in shapes])
         return stored
 
 
