@@ -187,7 +187,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     compilation_cache.add_args(g)
     g.add_argument("--program-store", action=argparse.BooleanOptionalAction, default=None,
                    help="keep warm-up's compiled programs beside the compilation cache, so the next start loads "
-                        "them without tracing (default: on with the CPU, off with a GPU until timed there)")
+                        "them without tracing (default: on)")
     g.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="processes that compile warm-up's programs into the program store while the weights load "
                         "(0: the server's own process compiles them; default: half the host's cores, at most 8, "
@@ -289,7 +289,7 @@ def warmup_wanted(args: argparse.Namespace) -> bool:
 def compile_workers(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
     """--compile-workers, or its default: `precompile.default_count` where the server warms up on one device with
     the program store, else 0."""
-    from serving.engine import executables, precompile
+    from serving.engine import precompile
 
     n = getattr(args, "compile_workers", None)
     if n is not None:
@@ -300,7 +300,7 @@ def compile_workers(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
 
     one_device = engine_kw.get("tensor_parallel_size", 1) * engine_kw.get("data_parallel_size", 1) == 1
     if not (warmup_wanted(args) and one_device and jax.process_count() == 1
-            and executables.used(engine_kw.get("program_store"))):
+            and engine_kw.get("program_store", True)):
         return 0
     return precompile.default_count(jax.default_backend())
 

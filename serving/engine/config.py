@@ -119,9 +119,8 @@ class EngineConfig:
     # step slower (6.60 vs 6.08 ms at batch 1, docs/PERFORMANCE.md section 1) and its serving gain is unmeasured
     async_scheduling: bool = False
     # warm-up's compiled programs kept on disk beside the persistent compilation cache and loaded at the next start
-    # without tracing (serving/engine/executables.py). None: `executables.on_by_default` (on the CPU, where it has
-    # run; on a GPU once `scripts/h200_checks.sh startup` has run it there)
-    program_store: bool | None = None
+    # without tracing (serving/engine/executables.py); off: every program goes through jit
+    program_store: bool = True
     # processes that compile warm-up's programs into the program store while this one draws or loads the weights
     # (serving/engine/precompile.py); 0: warm-up compiles in the engine's own process. Needs the program store and
     # one device; `dsv41 serve` picks `precompile.default_count` when it warms up

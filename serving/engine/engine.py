@@ -145,9 +145,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         # programs stay with jit (a multi-process executable is neither stored nor called directly here).
         self.programs = (programs.ONE_DEVICE if self.mesh is None else
                          programs.Programs(self.mesh, jax.tree_util.tree_map(lambda a: a.sharding, self.params)))
-        keep = executables.used(config.program_store)
         self.executables = (executables.Executables(executables.default_store())
-                            if keep and jax.process_count() == 1 else None)
+                            if config.program_store and jax.process_count() == 1 else None)
         if self.executables is not None:
             self.programs = self.programs.bound(self.executables)
         # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)

@@ -124,7 +124,7 @@ def key(name: str, args: tuple, kwargs: dict, compiler_options: dict | None = No
 def engine_key(cfg: Any, config: Any) -> str:
     """What names one engine's set of programs in the store: the model config and the engine options, but for those
     that do not change a program (how many compile workers, whether the store is used)."""
-    return key("engine", (), {"cfg": cfg, "config": dataclasses.replace(config, compile_workers=0, program_store=None)})
+    return key("engine", (), {"cfg": cfg, "config": dataclasses.replace(config, compile_workers=0, program_store=True)})
 
 
 def call_signature(args: tuple, kwargs: dict) -> tuple:
@@ -137,20 +137,6 @@ def call_signature(args: tuple, kwargs: dict) -> tuple:
 
 
 STORE_SUBDIR = "dsv41-programs"
-
-
-def on_by_default() -> bool:
-    """Whether an engine keeps its executables and uses the store when `EngineConfig.program_store` is unset: on
-    the CPU, where the tests run it; on a GPU not until `bash scripts/h200_checks.sh startup` (which passes
-    --program-store) has loaded every program of serve's defaults from it: there, programs compiled in the server's
-    process and kept failed at their first run ("Input buffer 4 is not 256-byte aligned", docs/PERFORMANCE.md
-    section 9)."""
-    return jax.default_backend() == "cpu"
-
-
-def used(program_store: bool | None) -> bool:
-    """Whether an engine with `EngineConfig.program_store` keeps its executables and uses the store."""
-    return on_by_default() if program_store is None else program_store
 
 
 def default_store() -> "ProgramStore | None":

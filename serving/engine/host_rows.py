@@ -9,6 +9,11 @@ kernels' captures are re-traced) held the host; the batch-1 engine step fell by 
 (docs/PERFORMANCE.md, section 2). With one buffer only the few fusions that unpack it change; the kernels read
 their unpacked copies, which XLA keeps at fixed places in its temporary buffer. Rows stay rows, so a mesh splits
 the buffer over data ranks as it split the arrays.
+
+Each array's bytes start at a multiple of `ALIGN` within a row: with one row (a decode step of one sequence, or one
+row per data rank) an array is a contiguous range of the buffer, which XLA hands to a kernel in place (its
+dynamic-slice fusion), and Mosaic GPU kernels reject an operand that is not 256-byte aligned ("Input buffer 4 is
+not 256-byte aligned": the block table at byte 16 of the row, `dsv41 serve`'s defaults on a GPU).
 """
 
 from __future__ import annotations
@@ -28,26 +33,37 @@ class HostRows:
     fields: tuple = dataclasses.field(metadata=dict(static=True))  # ((numpy dtype, shape of one row), ...)
 
 
+ALIGN = 256  # bytes: the operand alignment Mosaic GPU kernels require (and XLA gives the buffers it allocates)
+
+
+def _offsets(fields: tuple) -> tuple[list[int], int]:
+    """Where each field's bytes start in a row, and the row's bytes (each start a multiple of ALIGN)."""
+    starts, at = [], 0
+    for dtype, shape in fields:
+        starts.append(at)
+        at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
+    return starts, at
+
+
 def pack(arrays: list[np.ndarray]) -> HostRows:
     """Arrays [B, ...] (one B) -> their rows side by side in one buffer."""
     B = arrays[0].shape[0]
-    cols = [np.ascontiguousarray(a).view(np.uint8).reshape(B, -1) for a in arrays]
-    data = np.empty((B, sum(c.shape[1] for c in cols)), np.uint8)
-    at = 0
-    for c in cols:
+    fields = tuple((a.dtype, a.shape[1:]) for a in arrays)
+    starts, row_bytes = _offsets(fields)
+    data = np.zeros((B, row_bytes), np.uint8)
+    for a, at in zip(arrays, starts):
+        c = np.ascontiguousarray(a).view(np.uint8).reshape(B, -1)
         data[:, at: at + c.shape[1]] = c
-        at += c.shape[1]
-    return HostRows(data, tuple((a.dtype, a.shape[1:]) for a in arrays))
+    return HostRows(data, fields)
 
 
 def unpack(rows: HostRows) -> list[jax.Array]:
     """`pack`'s arrays, on the device (traced)."""
     B = rows.data.shape[0]
-    out, at = [], 0
-    for dtype, shape in rows.fields:
+    out = []
+    for (dtype, shape), at in zip(rows.fields, _offsets(rows.fields)[0]):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         x = rows.data[:, at: at + n]
-        at += n
         if dtype == np.bool_:
             x = x != 0
         elif dtype.itemsize > 1:

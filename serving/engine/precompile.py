@@ -123,7 +123,7 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
     if not n:
         return None
     store = executables.default_store()
-    why = ("the program store is off (--program-store turns it on)" if not executables.used(config.program_store)
+    why = ("the program store is off (--no-program-store)" if not config.program_store
            else "no persistent compilation cache is configured" if store is None else
            "the engine spans several devices or processes" if config.parallelism.devices > 1
            or jax.process_count() > 1 else None)
