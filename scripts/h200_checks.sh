@@ -6,11 +6,10 @@
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
-#   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS, default --program-store,
-#                  which starts the compile workers) to a healthy /health, from an empty compilation cache and then
-#                  from the one it filled; with serve's defaults (11 programs) one process compiled for 281 s on an
-#                  H100 (docs/PERFORMANCE.md section 6); fewer programs:
-#                  SERVE_ARGS="--program-store --min-prefill-bucket 128 --min-decode-bucket 8"
+#   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
+#                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
+#                  filled (~4 min on an H100 host: docs/PERFORMANCE.md section 6); fewer programs:
+#                  SERVE_ARGS="--min-prefill-bucket 128 --min-decode-bucket 8"
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
@@ -72,7 +71,7 @@ case "${1:-}" in
     bench 60 router scripts/bench_router.py --out "$OUT" --budget-s 45
     ;;
   startup)
-    bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:---program-store}
+    bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:-}
     ;;
   serve)
     args="--preset bench --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048"
