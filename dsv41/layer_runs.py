@@ -12,6 +12,11 @@ the run's per-layer dicts (stack=False: the runs unrolled, each layer's weights 
 that reads a weight in place needs while it cannot take a layer index: a scan's per-layer slice of a stacked
 weight is a copy wherever XLA does not fuse it into its reader). On disk and in `init_params` / `load_checkpoint`
 trees the layers stay one dict a layer, as released.
+
+Where XLA does fuse a layer's slice into its reader, a kernel gets the slice in place, at the layer's offset in the
+stack, and Mosaic GPU kernels take only `ALIGN`-byte aligned operands: a replicated leaf whose layer is not a
+multiple of ALIGN bytes (the mHC `scale` [3] and `base` [24] float32) is stacked `Padded`, each layer flattened
+and padded to one, and `scan` hands the body the layer's own shape again.
 """
 
 from __future__ import annotations
@@ -31,6 +36,40 @@ from dsv41.params import Spec, layer_specs
 
 # The params-tree key of the layers grouped by run (`stack_params`), in place of "layers".
 RUNS_KEY = "runs"
+
+ALIGN = 256  # bytes: the operand alignment of Mosaic GPU kernels, so the stride of a layer in a stack
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Padded:
+    """A stacked leaf with layers of `shape`, each flattened and padded to a multiple of ALIGN bytes: data
+    [*lead, k]. Indexing its layer axes (`jax.tree_util.tree_map` over a run's tree, `lax.scan`) keeps it Padded;
+    `unpadded` gives a layer's array."""
+
+    data: Any
+    shape: tuple = dataclasses.field(metadata=dict(static=True))
+
+
+def unpadded(tree):
+    """A layer's tree with its `Padded` leaves (data [k]) as arrays of their shape."""
+    def one(x):
+        if not isinstance(x, Padded):
+            return x
+        return x.data[:int(np.prod(x.shape, dtype=np.int64))].reshape(x.shape)
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Padded))
+
+
+def _padded_size(x) -> int | None:
+    """The elements a layer of leaf x takes in its stack when it must be `Padded` (a replicated leaf of a size that
+    is not a multiple of ALIGN bytes), else None."""
+    nbytes = int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
+    sh = getattr(x, "sharding", None)
+    replicated = sh is None or sh.is_fully_replicated
+    if nbytes % ALIGN == 0 or not replicated or ALIGN % x.dtype.itemsize:
+        return None
+    return -(-nbytes // ALIGN) * ALIGN // x.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,11 +207,26 @@ def _stacked_sharding(x, axes: int = 1) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _stacker(sharding, lead: tuple[int, ...]) -> Callable:
+def _stacker(sharding, lead: tuple[int, ...], padded: int | None = None) -> Callable:
     """A jitted stack of one leaf's per-layer arrays [*lead, ...] (lead: n, or periods and the part's length),
     placed at `sharding` (None: where jit puts it), one per placement (a fresh jit a call would trace and compile
-    every leaf)."""
-    return jax.jit(lambda *xs: jnp.stack(xs).reshape(*lead, *xs[0].shape), out_shardings=sharding)
+    every leaf). padded: each layer flattened and padded to that many elements ([*lead, padded], `Padded`'s data)."""
+    if padded is None:
+        return jax.jit(lambda *xs: jnp.stack(xs).reshape(*lead, *xs[0].shape), out_shardings=sharding)
+
+    def stack(*xs):
+        flat = jnp.stack([x.reshape(-1) for x in xs])
+        return jnp.pad(flat, ((0, 0), (0, padded - flat.shape[1]))).reshape(*lead, padded)
+
+    return jax.jit(stack, out_shardings=sharding)
+
+
+def _padded_sharding(x):
+    """The sharding of a replicated leaf's `Padded` stack: replicated where the leaf was."""
+    sh = getattr(x, "sharding", None)
+    if not isinstance(sh, jax.sharding.NamedSharding):
+        return None
+    return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(), memory_kind=sh.memory_kind)
 
 
 def _stack_group(trees: list, lead: tuple[int, ...], consume: bool):
@@ -180,12 +234,20 @@ def _stack_group(trees: list, lead: tuple[int, ...], consume: bool):
     once stacked."""
     leaves, treedef = jax.tree_util.tree_flatten(trees[0])
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        return jax.tree_util.tree_unflatten(treedef, [
-            jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype, sharding=_stacked_sharding(x, len(lead)))
-            for x in leaves])
+        def abstract(x):
+            k = _padded_size(x)
+            if k is None:
+                return jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype, sharding=_stacked_sharding(x, len(lead)))
+            return Padded(jax.ShapeDtypeStruct((*lead, k), x.dtype, sharding=_padded_sharding(x)), x.shape)
+
+        return jax.tree_util.tree_unflatten(treedef, [abstract(x) for x in leaves])
     stacked = []
     for xs in zip(*(jax.tree_util.tree_flatten(t)[0] for t in trees)):
-        stacked.append(_stacker(_stacked_sharding(xs[0], len(lead)), lead)(*xs))
+        k = _padded_size(xs[0])
+        if k is None:
+            stacked.append(_stacker(_stacked_sharding(xs[0], len(lead)), lead)(*xs))
+        else:
+            stacked.append(Padded(_stacker(_padded_sharding(xs[0]), lead, k)(*xs), xs[0].shape))
         if consume:
             for x in xs:
                 if isinstance(x, jax.Array) and not x.is_deleted():
@@ -242,8 +304,12 @@ def layer_params(params: dict, cfg: ModelConfig, layer: int) -> dict:
         return group[j]
     if isinstance(group, tuple):  # a periodic run's parts
         q, t, k = runs(cfg)[r].locate(j)
-        return jax.tree_util.tree_map(lambda a: a[t, k], group[q])
-    return jax.tree_util.tree_map(lambda a: a[j], group)
+        return unpadded(jax.tree_util.tree_map(lambda a: a[t, k], group[q]))
+    return unpadded(jax.tree_util.tree_map(lambda a: a[j], group))
+
+
+def _unpadded_body(body: Callable, state, lp, layer, view):
+    return body(state, unpadded(lp), layer, view)
 
 
 def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
@@ -255,6 +321,7 @@ def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
     the static layer index; otherwise one `lax.scan` whose body gets the layer index traced (a periodic run: a scan
     over its periods whose body runs each part, a part of several layers its own inner scan).
     -> (state, ys stacked [n, ...] in layer order, or None)."""
+    body = functools.partial(_unpadded_body, body)
     if run.n == 1 or unroll or isinstance(run_params, list):
         ys = []
         for j in range(run.n):

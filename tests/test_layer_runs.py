@@ -68,26 +68,55 @@ def test_stacked_layers_hold_each_layer(runs_model):
 
 def test_consumed_stacking_holds_the_weights_once(runs_model, monkeypatch):
     """consume=True (the engine on the tree it loaded): the per-layer arrays go as their stacks come, so the live
-    device bytes never exceed the weights plus one leaf of one run, and end where they began."""
+    device bytes never exceed the weights plus one leaf of one run, and end where they began (but for the padding of
+the small leaves' layers)."""
     cfg, params = runs_model
     own = jax.tree_util.tree_map(jnp.array, params)  # a copy to hand over
     live = lambda: sum(a.nbytes for a in jax.live_arrays())  # noqa: E731
     before, peaks, stacker = live(), [], layer_runs._stacker
 
-    def recording(sharding, lead):
-        fn = stacker(sharding, lead)
+    def recording(sharding, lead, *padded):
+        fn = stacker(sharding, lead, *padded)
         return lambda *xs: (out := fn(*xs), peaks.append(live() - before))[0]
 
     monkeypatch.setattr(layer_runs, "_stacker", recording)
     stacked = layer_runs.stack_params(own, cfg, consume=True)
     largest = max(x.nbytes for x in jax.tree_util.tree_leaves(params["layers"]))
     assert peaks and max(peaks) <= largest * max(r.n for r in layer_runs.runs(cfg))
-    assert live() == before
+    # what the stacks add: each layer of a small replicated leaf padded to ALIGN bytes (`layer_runs.Padded`)
+    grown = sum(a.nbytes for a in jax.tree_util.tree_leaves(stacked)) - sum(
+        a.nbytes for a in jax.tree_util.tree_leaves(params))
+    assert live() == before + grown and 0 <= grown < cfg.n_layers * layer_runs.ALIGN * len(
+        jax.tree_util.tree_leaves(params["layers"][0]))
     assert own["layers"][7]["attn"]["wq_a"].is_deleted() and not own["layers"][2]["attn"]["wq_a"].is_deleted()
     for i in range(cfg.n_layers):
         got = jax.tree_util.tree_leaves(layer_runs.layer_params(stacked, cfg, i))
         assert all(np.array_equal(np.asarray(g), np.asarray(w))
                    for g, w in zip(got, jax.tree_util.tree_leaves(params["layers"][i])))
+
+
+def test_every_layer_of_a_stack_starts_aligned(runs_model):
+    """A scanned layer's slice of a stack reaches a Mosaic GPU kernel in place (XLA's dynamic-slice fusion) and the
+    kernels take only 256-byte aligned operands: every stack's layer stride is a multiple of ALIGN bytes (the small
+    leaves `Padded`), and the layers read back as they were."""
+    cfg, params = runs_model
+    stacked = layer_runs.stack_params(params, cfg)
+    is_padded = lambda x: isinstance(x, layer_runs.Padded)  # noqa: E731
+    n_padded = 0
+    for group in stacked[layer_runs.RUNS_KEY]:
+        if isinstance(group, list):  # a run of one: the layer's own buffers
+            continue
+        for part in group if isinstance(group, tuple) else (group,):
+            for x in jax.tree_util.tree_leaves(part, is_leaf=is_padded):
+                n_padded += is_padded(x)
+                lead = 2 if isinstance(group, tuple) else 1
+                data = x.data if is_padded(x) else x
+                assert np.prod(data.shape[lead:]) * data.dtype.itemsize % layer_runs.ALIGN == 0, data.shape
+    assert n_padded  # the tiny preset has leaves of a few bytes (the mHC scale [3])
+    for i in range(cfg.n_layers):
+        got = jax.tree_util.tree_leaves(layer_runs.layer_params(stacked, cfg, i))
+        want = jax.tree_util.tree_leaves(params["layers"][i])
+        assert all(g.shape == w.shape and np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
 
 
 def lowered_forward_chars(cfg) -> int:
