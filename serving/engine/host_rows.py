@@ -19,6 +19,8 @@ not 256-byte aligned": the block table at byte 16 of the row, `dsv41 serve`'s de
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import jax
@@ -36,13 +38,14 @@ class HostRows:
 ALIGN = 256  # bytes: the operand alignment Mosaic GPU kernels require (and XLA gives the buffers it allocates)
 
 
-def _offsets(fields: tuple) -> tuple[list[int], int]:
+@functools.lru_cache(maxsize=256)
+def _offsets(fields: tuple) -> tuple[tuple[int, ...], int]:
     """Where each field's bytes start in a row, and the row's bytes (each start a multiple of ALIGN)."""
     starts, at = [], 0
     for dtype, shape in fields:
         starts.append(at)
-        at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGN) * ALIGN
-    return starts, at
+        at += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+    return tuple(starts), at
 
 
 def pack(arrays: list[np.ndarray]) -> HostRows:
