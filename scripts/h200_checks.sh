@@ -10,6 +10,8 @@
 #                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
 #                  filled (~4 min on an H100 host: docs/PERFORMANCE.md section 6); fewer programs:
 #                  SERVE_ARGS="--min-prefill-bucket 128 --min-decode-bucket 8"
+#   compile        XLA's autotuning in a program's compile: the decode program's first step (its compile) and its
+#                  step time, batch 1, with XLA's default flags and with --xla_gpu_autotune_level=0 (~5 min)
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
@@ -73,6 +75,12 @@ case "${1:-}" in
   startup)
     bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:-}
     ;;
+  compile)
+    for flag in "" --xla_gpu_autotune_level=0; do
+      XLA_FLAGS="${XLA_FLAGS:-} $flag" bench 280 "compile${flag:+_autotune0}" \
+        scripts/bench_engine.py --backends auto --weights release --batches 1 --skip-prefill --decode-ctx 4096
+    done
+    ;;
   serve)
     args="--preset bench --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048"
     $PY -m serving.cli serve $args ${SERVE_ARGS:-} --warmup --port 8123 > "$OUT/server.txt" 2>&1 &
@@ -108,7 +116,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|startup|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac
