@@ -215,7 +215,15 @@ def put(tree, sh: jax.sharding.Sharding):
     """A pytree of host or device arrays placed as `sh` (one `jax.device_put` on one process). With several
     processes a host value, which every process holds alike, goes through `jax.make_array_from_callback`: each
     process copies only its own devices' shards, and no collective checks that the copies agree
-    (`jax.device_put` runs one per array)."""
+    (`jax.device_put` runs one per array). A tree with abstract leaves (jax.ShapeDtypeStruct: an abstract engine's)
+    -> every leaf abstract, placed as sh: what the placed tree would be."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        def abstract(x):
+            a = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh, weak_type=getattr(a, "weak_type", False))
+
+        return jax.tree_util.tree_map(abstract, tree)
     if jax.process_count() == 1 or sh.is_fully_addressable:
         return jax.device_put(tree, sh)
 

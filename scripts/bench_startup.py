@@ -5,7 +5,9 @@ serve`'s engine flags, from an empty persistent compilation cache (cold), then f
     PYTHONPATH=. python3 scripts/bench_startup.py --preset tiny     # CPU; --preset flash --abstract on one GPU
 
 --abstract: weights and KV pool as jax.ShapeDtypeStruct (Engram tables one row), so a model larger than the device
-(Flash on one H200) compiles as serving would compile it. One program at a time (warm-up overlaps several).
+(Flash on one H200) compiles as serving would compile it; with the parallelism flags (`--data-parallel-size`,
+`--tensor-parallel-size`, `--enable-expert-parallel`) the sharded programs, placed as the engine places them. One
+program at a time (warm-up overlaps several).
 
 --serve: the user's path instead: `dsv41 serve FLAGS --warmup` from an empty cache, then again over the cache it
 filled, each timed from the command's start to the first 200 of /health (and its CPU seconds), with the programs

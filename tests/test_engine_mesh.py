@@ -190,3 +190,28 @@ def test_the_engine_exchanges_tokens_as_asked():
     eng = tiny_engine.make(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="ragged_all_to_all")
     op = eng.backends.ops.routed_experts
     assert (op.exchange, op.ragged) == ("ragged_all_to_all", sharding.ragged_all_to_all_reference)
+
+
+@pytest.mark.parametrize("kw", [dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),
+                                dict(tensor_parallel_size=4)], ids=["dep2xtp2", "tp4"])
+def test_abstract_mesh_engine_keys_every_program_as_the_allocated_one(kw):
+    """`Engine.abstract` on a mesh (jax.ShapeDtypeStructs placed as the rules place the weights, the KV pool split by
+    data rank) traces the same programs with the same argument shardings as the allocated engine: their program
+    store keys are equal, and each lowers (so a model larger than the devices compiles ahead of time, sharded)."""
+    from dsv41.config import preset
+    from serving.engine import executables
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
+
+    config = EngineConfig(max_num_seqs=2, max_model_len=128, **kw)
+
+    def calls(eng):
+        for shape in eng.program_shapes():
+            fn, (params, pool, *args), static = eng._padding_call(*shape)
+            yield fn, executables.key(fn.name, *fn._args(params, pool, tuple(args), static), fn.compiler_options)
+
+    abstract = Engine.abstract(preset("tiny"), config)
+    assert [k for _, k in calls(Engine.from_preset("tiny", config=config))] == [k for _, k in calls(abstract)]
+    fn, (params, pool, *args), static = abstract._padding_call(*abstract.program_shapes()[-1])
+    devices = config.parallelism.devices
+    assert f"mhlo.num_partitions = {devices}" in fn.lower(params, pool, *args, **static).as_text()

@@ -347,16 +347,35 @@ def resolve_backends(cfg: ModelConfig, params: dict, attention: str, moe_backend
     return attention, moe_backend, mhc_site, route
 
 
+# build_abstract's placements: the mesh sharding of each traced leaf, by id (a tracer carries none)
+_TRACED_PLACEMENT: dict[int, jax.sharding.NamedSharding] = {}
+
+
 def build_abstract(cfg: ModelConfig, params: dict, num: Numerics, **kw) -> tuple[Backends, dict]:
     """`build` over a tree of jax.ShapeDtypeStructs: the same choices, the prepared tree's shapes (nothing
-    computed)."""
+    computed), each leaf with the sharding `build` gives it on a mesh (a leaf no placement names: replicated)."""
     chosen = {}
+    in_shardings = [getattr(x, "sharding", None) for x in jax.tree_util.tree_leaves(params)]
 
     def prepare(p):
+        for x, sh in zip(jax.tree_util.tree_leaves(p), in_shardings):
+            if isinstance(sh, jax.sharding.NamedSharding):
+                _TRACED_PLACEMENT[id(x)] = sh
         chosen["backends"], out = build(cfg, p, num, **kw)
+        chosen["shardings"] = [_TRACED_PLACEMENT.get(id(x)) for x in jax.tree_util.tree_leaves(out)]
         return out
 
-    prepared = jax.eval_shape(prepare, params)
+    try:
+        prepared = jax.eval_shape(prepare, params)
+    finally:
+        _TRACED_PLACEMENT.clear()
+    mesh = next((sh.mesh for sh in in_shardings if isinstance(sh, jax.sharding.NamedSharding)), None)
+    if mesh is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        leaves, tree = jax.tree_util.tree_flatten(prepared)
+        prepared = jax.tree_util.tree_unflatten(tree, [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh or replicated)
+            for x, sh in zip(leaves, chosen["shardings"])])
     return chosen["backends"], prepared
 
 
@@ -434,9 +453,9 @@ GROUPED_FP8_LINEARS = (("attn", "wo_a"),)
 
 
 def _placement(a) -> jax.sharding.NamedSharding | None:
-    """A placed array's mesh sharding (None: one device, or a tracer in an abstract tree)."""
+    """A placed array's mesh sharding (None: one device; a tracer: `build_abstract`'s record of it)."""
     if isinstance(a, jax.core.Tracer):
-        return None
+        return _TRACED_PLACEMENT.get(id(a))
     sh = getattr(a, "sharding", None)
     return sh if isinstance(sh, jax.sharding.NamedSharding) else None
 
@@ -451,12 +470,15 @@ def _place_like(pw, sh: jax.sharding.NamedSharding | None, weight_dims, scale_di
     dense = tuple(sh.spec) + (None,) * (max(d for d in (*weight_dims, *scale_dims) if d is not None) + 1)
     specs = [jax.sharding.PartitionSpec(*(None if d is None else dense[d] for d in dims))
              for dims in (weight_dims, scale_dims)]
-    placed = [jax.device_put(a, jax.sharding.NamedSharding(sh.mesh, sp))
-              for a, sp in zip((pw.weight, pw.scale_t), specs)]
+    shardings = [jax.sharding.NamedSharding(sh.mesh, sp) for sp in specs]
+    placed = [jax.device_put(a, s) for a, s in zip((pw.weight, pw.scale_t), shardings)]
+    for a, s in zip(placed, shardings):
+        if isinstance(a, jax.core.Tracer):  # an abstract tree's (`build_abstract`)
+            _TRACED_PLACEMENT[id(a)] = s
     pw = dataclasses.replace(pw, weight=placed[0], scale_t=placed[1])
     if not wrap or sh.mesh.shape.get(sharding.TENSOR, 1) == 1:
         return pw
-    return TensorShards(pw, tuple(tensor_spec(a.sharding, a.ndim) for a in placed))
+    return TensorShards(pw, tuple(tensor_spec(s, a.ndim) for a, s in zip(placed, shardings)))
 
 
 def _local_fp8(w, sh, grouped: bool, groups: int = 1):

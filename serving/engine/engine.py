@@ -115,8 +115,6 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         except sharding.ParallelismError as e:
             raise EngineError(str(e)) from None
         self.mesh = sharding.make_mesh(par) if par.devices > 1 else None
-        if abstract and self.mesh is not None:
-            raise EngineError("an abstract engine runs on one device; leave the parallelism flags out")
         self._compiling = compiling
         if self.mesh is not None:
             params = sharding.place_params(params, cfg, par, self.mesh)
@@ -224,7 +222,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         """The engine `config` builds for `cfg`, over jax.ShapeDtypeStruct weights and KV pool (each Engram table one
         host row: the all-padding batches of `warmup` gather row 0 only): its programs trace, lower and compile, and
         key the program store, exactly as an allocated engine's, with nothing allocated, so a model larger than the
-        device compiles too (compile workers, `scripts/bench_startup.py --abstract`). It cannot step.
+        device compiles too (compile workers, `scripts/bench_startup.py --abstract`); on a mesh (config's parallelism)
+        each leaf is placed as the allocated engine places it, and the programs compile sharded. It cannot step.
         checkpoint: the release directory cfg comes from, whose tokenizer the Engram hasher is built from."""
         from dsv41 import checkpoint as ckpt
         from dsv41 import params as P
