@@ -191,7 +191,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="processes that compile warm-up's programs into the program store while the weights load "
                         "(0: the server's own process compiles them; default: half the host's cores, at most 8, "
-                        "where the server warms up with a GPU and the program store, else 0)")
+                        "where the server warms up one GPU with the program store, else 0; on a mesh on request)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
@@ -298,6 +298,7 @@ def compile_workers(args: argparse.Namespace, engine_kw: dict[str, Any]) -> int:
         return n
     import jax
 
+    # a mesh's workers each open every device of the mesh: on request only until timed on several GPUs
     one_device = engine_kw.get("tensor_parallel_size", 1) * engine_kw.get("data_parallel_size", 1) == 1
     if not (warmup_wanted(args) and one_device and jax.process_count() == 1
             and engine_kw.get("program_store", True)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -127,9 +128,9 @@ def test_the_store_evicts_the_least_recently_used(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.exe")) == ["a.exe", "c.exe"]
 
 
-def test_compile_workers_start_only_where_they_can_serve_the_engine(caplog):
-    """`precompile.start` launches processes only for a one-device engine with a program store; `dsv41 serve` asks for
-    them by default only where it warms up a GPU (`precompile.default_count`), and a flag overrides it."""
+def test_compile_workers_start_only_where_they_can_serve_the_engine(caplog, tmp_path):
+    """`precompile.start` launches processes only for an engine of one process with a program store; `dsv41 serve`
+    asks for them by default only where it warms up one GPU (`precompile.default_count`), and a flag overrides it."""
     import argparse
 
     from serving import cli_serve
@@ -146,6 +147,11 @@ def test_compile_workers_start_only_where_they_can_serve_the_engine(caplog):
     assert "the program store is off" in caplog.text
     with pytest.raises(EngineError, match="compile_workers"):
         EngineConfig(compile_workers=-1)
+    # an engine on a mesh of this process gets them when asked (each builds the abstract engine on the same devices)
+    with mock.patch.object(X, "default_store", lambda: X.ProgramStore(tmp_path)):
+        started = precompile.start(cfg, EngineConfig(compile_workers=1, data_parallel_size=2))
+    assert started is not None and len(started.procs) == 1
+    started.stop()
 
     def workers(*flags):
         args = cli_serve.add_serve_args(argparse.ArgumentParser()).parse_args(["--preset", "tiny", *flags])

@@ -123,7 +123,7 @@ class EngineConfig:
     program_store: bool = True
     # processes that compile warm-up's programs into the program store while this one draws or loads the weights
     # (serving/engine/precompile.py); 0: warm-up compiles in the engine's own process. Needs the program store and
-    # one device; `dsv41 serve` picks `precompile.default_count` when it warms up
+    # one process; `dsv41 serve` picks `precompile.default_count` when it warms up one device
     compile_workers: int = 0
 
     @property

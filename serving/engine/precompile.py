@@ -13,7 +13,8 @@ of n builds the abstract engine, takes every n-th program of the warm-up's compi
 it where the store holds it already or lowers, compiles and stores it, and writes one JSON report a program on its
 stdout. `Warmup.warmup` waits for them (`CompileWorkers.reports`), counting and logging each program as its
 report arrives, then loads every program from the store; one the workers could not give it is compiled there as
-before. Only a one-device engine of one process with a program store starts workers, and none start where the
+before. Only an engine of one process with a program store starts workers (on a mesh each worker builds the
+abstract engine on the same devices: `Engine.abstract` places it as the engine is placed), and none start where the
 store holds every program of the engine already (a warm-up that ends with all of them stored notes it there:
 `ProgramStore.record_engine`).
 """
@@ -125,8 +126,7 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
     store = executables.default_store()
     why = ("the program store is off (--no-program-store)" if not config.program_store
            else "no persistent compilation cache is configured" if store is None else
-           "the engine spans several devices or processes" if config.parallelism.devices > 1
-           or jax.process_count() > 1 else None)
+           "the engine spans several processes" if jax.process_count() > 1 else None)
     if why:
         log.warning("compile workers: none started: %s; warm-up compiles in this process", why)
         return None
