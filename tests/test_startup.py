@@ -1,17 +1,17 @@
 """Start-up against a persistent compilation cache, each run in its own process (jax opens the cache once per
 process), on `dsv41 serve --preset tiny`'s engine with its default flags, which on the CPU is three programs (one
-prefill chunk, one block-table width, one decode batch: encoder, decoder, decode). Two cold compiles of the three
-(the abstract bench's and `dsv41 serve`'s, module fixtures on one xdist worker) are most of the file's time.
+prefill chunk, one block-table width, one decode batch: encoder, decoder, decode). One cold compile of the three
+(`dsv41 serve`'s, a module fixture on one xdist worker) is most of the file's time.
 
-- scripts/bench_startup.py: the abstract mode's programs (ShapeDtypeStruct weights and pool) are the very programs
-  the allocated engine compiles: the allocated engine's run finds every one in the cache the abstract run left.
-- the allocated serve engine's `Engine.warmup()` (its compile threads, as `dsv41 serve --warmup` runs it) finds
-  each program in that cache and loads it without compiling again, and requests after it compile no program of
-  the engine.
 - `bench_startup.py --serve`: `dsv41 serve --warmup --compile-workers 2` compiles and stores every program in its
   compile worker processes (`serving.engine.precompile`, `serving.engine.executables`); the next process (`dsv41
   serve` again, then an engine's warm-up) loads every program from that store, traces none, and gives the same
   tokens.
+- The workers compile abstract engines (ShapeDtypeStruct weights and pool): their programs are the very programs
+  the allocated engine compiles. With the program store off, the allocated serve engine's `Engine.warmup()` (its
+  compile threads, as `dsv41 serve --warmup` runs it) finds each in jax's cache the workers filled and loads it
+  without compiling again, and requests after it compile no program of the engine.
+- scripts/bench_startup.py's abstract mode compiles a program from an empty cache and reports it.
 """
 
 from __future__ import annotations
@@ -44,21 +44,6 @@ def _last_json(stdout: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def bench_cache(tmp_path_factory):
-    """(the table of `bench_startup.py --abstract --cold-only` from an empty cache, that cache: the three
-    programs)."""
-    cache = tmp_path_factory.mktemp("startup") / "cache"
-    return _run(str(SCRIPT), "--abstract", "--cold-only", "--compilation-cache-dir", str(cache)), cache
-
-
-@pytest.fixture(scope="module")
-def served(bench_cache):
-    """The allocated serve engine's run over that cache (`_after_warmup`, its own process): warm-up's program
-    sources, then what requests compiled and their tokens."""
-    return _last_json(_run(__file__, "--after-warmup", str(bench_cache[1]), flags=[]))
-
-
-@pytest.fixture(scope="module")
 def serve_cold_warm(tmp_path_factory):
     """(the table of `bench_startup.py --serve`: `dsv41 serve --warmup` from an empty cache, then again, that
     cache)."""
@@ -67,17 +52,31 @@ def serve_cold_warm(tmp_path_factory):
                 flags=[*FLAGS, "--compile-workers", "2"]), cache
 
 
-def test_abstract_equals_allocated(bench_cache, served):
-    table, _ = bench_cache
-    lines = [line for line in table.splitlines() if line.startswith("| ")]
-    assert [line.split("|")[1].strip() for line in lines[1:4]] == ["encoder", "decoder", "decode"], table
-    assert any("cold (empty cache) | 3 |" in line and "| 0/3 |" in line for line in lines), table
-    # the allocated engine's warm-up finds every program the abstract runs compiled (each shape's padding call made
-    # once to look for it in the store and lower it, then once to run it) and none "compiled again when loaded"
+@pytest.fixture(scope="module")
+def served(serve_cold_warm):
+    """The allocated serve engine's run over that cache with the program store off (`_after_warmup`, its own
+    process): warm-up's program sources, then what requests compiled and their tokens."""
+    return _last_json(_run(__file__, "--after-warmup", str(serve_cold_warm[1]), "--no-program-store", flags=[]))
+
+
+def test_abstract_equals_allocated(served):
+    """The compile workers' abstract engines compiled exactly the allocated engine's programs: its warm-up finds
+    every one in jax's cache (each shape's padding call made once to look for it in the store and lower it, then
+    once to run it) and none "compiled again when loaded"."""
     assert sorted(served["warmup_sources"]) == [["decode", "cache hit"], ["decoder", "cache hit"],
                                                 ["encoder", "cache hit"]], served
     assert served["padding_calls"] == ["encoder", "decoder", "decode", "encoder", "decoder", "decode"], served
     assert served["warmup_warnings"] == [], served
+
+
+def test_abstract_compile_reports_each_program(tmp_path):
+    """`bench_startup.py --abstract --cold-only`: a program of the serve engine compiled from ShapeDtypeStructs in a
+    fresh process and an empty cache, with its lower and compile time."""
+    table = _run(str(SCRIPT), "--abstract", "--cold-only", "--programs", "encoder", "--compilation-cache-dir",
+                 str(tmp_path / "cache"))
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    assert lines[1].split("|")[1].strip() == "encoder", table
+    assert any("cold (empty cache) | 1 |" in line and "| 0/1 |" in line for line in lines), table
 
 
 def test_serve_cold_then_from_the_program_store(serve_cold_warm, served):
@@ -156,8 +155,9 @@ def test_requests_after_warmup_compile_no_program(served):
 PROGRAM_NAMES = {"jit(_full)", "jit(_encoder)", "jit(_decoder)", "jit(_spec)"}
 
 
-def _after_warmup(cache: str) -> dict:
-    """(a child process) What the requests after warm-up compiled: the jitted functions' names."""
+def _after_warmup(cache: str, flags: list[str]) -> dict:
+    """(a child process) What the requests after warm-up compiled: the jitted functions' names. flags: the serve
+    flags after FLAGS."""
     import argparse
     import logging
     from unittest import mock
@@ -171,7 +171,7 @@ def _after_warmup(cache: str) -> dict:
     from serving.engine.engine import SamplingParams
 
     compilation_cache.configure(cache)
-    eng = build_engine(add_serve_args(argparse.ArgumentParser()).parse_args(FLAGS))
+    eng = build_engine(add_serve_args(argparse.ArgumentParser()).parse_args([*FLAGS, *flags]))
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -201,7 +201,8 @@ def _after_warmup(cache: str) -> dict:
 
 
 if __name__ == "__main__":  # the child of test_requests_after_warmup_compile_no_program
-    sys.stdout.write(json.dumps(_after_warmup(sys.argv[sys.argv.index("--after-warmup") + 1])) + "\n")
+    at = sys.argv.index("--after-warmup")
+    sys.stdout.write(json.dumps(_after_warmup(sys.argv[at + 1], sys.argv[at + 2:])) + "\n")
 
 
 def test_build_phases(capsys):
