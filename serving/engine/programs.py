@@ -776,34 +776,32 @@ class Program:
             log.warning("program store: %s is not stored (an argument has no stable description: %s)", self.name, e)
             return None
 
-    def load(self, params, pool, *args, **static) -> bool:
-        """Finds this call's executable in the engine's program store and keeps it for the engine's calls of these
-        shapes: True, or False (no store, none stored, or the call cannot be keyed)."""
+    def find(self, params, pool, *args, load: bool = True, **static) -> tuple[str | None, bool]:
+        """This call's program store key (None: no store, or the call cannot be keyed) and whether the store holds
+        its executable; with load, that executable is loaded and kept for the engine's calls of these shapes (False
+        where it does not load)."""
         if self.executables is None:
-            return False
+            return None, False
         a, kw = self._args(params, pool, args, static)
         k = self._store_key(a, kw)
-        compiled = None if k is None else self.executables.store.load(k)
+        if k is None or not load:
+            return k, k is not None and self.executables.store.has(k)
+        compiled = self.executables.store.load(k)
         if compiled is not None:
             self.executables.put(self.name, executables.call_signature(a, kw), compiled)
-        return compiled is not None
+        return k, compiled is not None
 
-    def store_key(self, params, pool, *args, **static) -> str | None:
-        """This call's program store key (None: no store, or the call cannot be keyed)."""
-        return self._store_key(*self._args(params, pool, args, static))
-
-    def keep(self, compiled, params, pool, *args, store: bool, **static) -> None:
+    def keep(self, compiled, params, pool, *args, key: str | None, **static) -> None:
         """Keeps a compiled executable of this call (`lower(...).compile()`) for the engine's calls of these shapes;
-        with store, writes it to the program store, before it first runs (one that ran did not serialize on the
-        CPU: "`LessThan` is not serializable"). Only an executable XLA compiled in this process is stored: one
-        loaded from jax's persistent cache and serialized again lost its code on the CPU ("Function
+        with key (`find`'s), writes it to the program store, before it first runs (one that ran did not serialize
+        on the CPU: "`LessThan` is not serializable"). Only an executable XLA compiled in this process is stored:
+        one loaded from jax's persistent cache and serialized again lost its code on the CPU ("Function
         multiply_convert_fusion.72 not found" when the copy ran)."""
         if self.executables is None:
             return
         a, kw = self._args(params, pool, args, static)
-        k = self._store_key(a, kw) if store else None
-        if k is not None:
-            self.executables.store.save(k, compiled)
+        if key is not None:
+            self.executables.store.save(key, compiled)
         self.executables.put(self.name, executables.call_signature(a, kw), compiled)
 
     def _cache_size(self) -> int:

@@ -179,7 +179,7 @@ class Warmup:
                 compiled = lowered.compile()
             c.add(lowering)
             fn, args, static = call
-            fn.keep(compiled, *args, store=c.source == compile_events.COMPILED, **static)
+            fn.keep(compiled, *args, key=keys[shape] if c.source == compile_events.COMPILED else None, **static)
             return _report(shape, c)
 
         def report(done) -> None:
@@ -193,9 +193,9 @@ class Warmup:
         def from_store(shape) -> tuple[tuple, ProgramReport | None]:
             """-> (the shape's padding call, its report if the store holds it)."""
             fn, args, static = call = self._padding_call(*shape)
-            k = keys[shape] = fn.store_key(*args, **static)
             t0 = time.perf_counter()
-            if fn.load(*args, **static) if load else (k is not None and store.has(k)):
+            keys[shape], held = fn.find(*args, load=load, **static)
+            if held:
                 return call, ProgramReport(*shape, 0.0, time.perf_counter() - t0, compile_events.STORED)
             return call, None
 
