@@ -67,7 +67,7 @@ def _padded_size(x) -> int | None:
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
     sh = getattr(x, "sharding", None)
     replicated = sh is None or sh.is_fully_replicated
-    if nbytes % ALIGN == 0 or not replicated or ALIGN % x.dtype.itemsize:
+    if nbytes % ALIGN == 0 or not replicated:
         return None
     return -(-nbytes // ALIGN) * ALIGN // x.dtype.itemsize
 
