@@ -27,6 +27,13 @@ Lowering runs in one thread before any compile can start, so it bounds a cold st
 
     PYTHONPATH=. python3 scripts/bench_startup.py --abstract --lower-for cuda --preset bench
 
+--trace-compile: where a compile's time goes, from a jax.profiler trace of each program's compile in this process
+(abstract engine): the host events by name (XLA's passes, autotuning, PTX to binary; `Compile` is one Mosaic GPU
+kernel compiled, which jaxlib runs one at a time in a process under one lock and again whenever an executable is
+loaded in a new process), summed over the programs:
+
+    PYTHONPATH=. python3 scripts/bench_startup.py --abstract --trace-compile --programs decode,encoder --smallest
+
 How compile time grows with the layer count (flat: layers of one kind share one body, dsv41/layer_runs.py): the
 smallest program of each kind named, cold only, 40 layers against 8:
 
@@ -83,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lower-for", choices=["cuda"],
                     help="with --abstract: trace and lower each program for this platform as its engine would choose "
                     "them (kernels, buckets), on this host; no compile")
+    ap.add_argument("--trace-compile", action="store_true",
+                    help="with --abstract: trace each program's compile (jax.profiler) and print its host events")
     ap.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)  # one run, JSON on stdout
     return ap.parse_args(argv)
 
@@ -130,6 +139,41 @@ def measure(eng, args: argparse.Namespace) -> list[dict]:
         logger.info("%d/%d %s B=%d T=%d pages=%d: lower %.2f s, compile %.2f s (%s)", i + 1, len(shapes), kind, B,
                     T, pages, t1 - t0, t2 - t1, c.source)
     return rows
+
+
+def measure_compile_trace(args: argparse.Namespace) -> None:
+    """--trace-compile: each selected program lowered, then compiled under jax.profiler.trace (the compilation
+    cache off: a real compile); prints the compile times and the host events by name, summed over the programs and
+    for the first alone (later programs find its Mosaic GPU kernels compiled already)."""
+    eng = abstract_engine(args)
+    events: dict[str, list[float]] = {}  # name -> [count, total ms, count in the first program, its ms]
+    programs = []
+    for i, shape in enumerate(selected_shapes(eng, args)):
+        fn, fargs, static = eng._padding_call(*shape)
+        t0 = time.perf_counter()
+        lowered = fn.lower(*fargs, **static)
+        t1 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="dsv41_compile_trace") as d:
+            with jax.profiler.trace(d):
+                compiled = lowered.compile()
+            t2 = time.perf_counter()
+            xplane = [os.path.join(root, f) for root, _, files in os.walk(d) for f in files
+                      if f.endswith(".xplane.pb")][0]
+            pd = jax.profiler.ProfileData.from_file(xplane)
+        del lowered, compiled
+        programs.append([f"{shape[0]} B={shape[1]} T={shape[2]} pages={shape[3]}", fmt(t1 - t0), fmt(t2 - t1)])
+        for e in (e for p in pd.planes if p.name.startswith("/host") for line in p.lines for e in line.events):
+            acc = events.setdefault(e.name[:80], [0, 0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += i == 0
+            acc[2] += e.duration_ns / 1e6
+            acc[3] += e.duration_ns / 1e6 if i == 0 else 0.0
+        logger.info("%s: lower %.2f s, compile %.2f s (traced)", programs[-1][0], t1 - t0, t2 - t1)
+    print_table(["program", "lower s", "compile s (traced)"], programs)
+    print()
+    print_table(["host event (nested events overlap)", "count", f"of them {programs[0][0]}", "total s", "its s"],
+                [[f"`{name}`", n, n0, f"{ms / 1e3:.2f}", f"{ms0 / 1e3:.2f}"]
+                 for name, (n, n0, ms, ms0) in sorted(events.items(), key=lambda kv: -kv[1][2])[:40]])
 
 
 def measure_lowering(args: argparse.Namespace) -> None:
@@ -361,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
                          "drop --abstract, --programs and --smallest")
     if args.build:
         measure_build(args)
+        return 0
+    if args.trace_compile:
+        if not args.abstract or args.serve or args.lower_for:
+            raise SystemExit("--trace-compile traces an abstract engine's compiles in this process: add --abstract, "
+                             "drop --serve and --lower-for")
+        jax.config.update("jax_enable_compilation_cache", False)
+        measure_compile_trace(args)
         return 0
     if args.lower_for:
         if not args.abstract or args.serve:

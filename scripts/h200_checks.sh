@@ -10,8 +10,10 @@
 #                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
 #                  filled (~4 min on an H100 host: docs/PERFORMANCE.md section 6); fewer programs:
 #                  SERVE_ARGS="--min-prefill-bucket 128 --min-decode-bucket 8"
-#   compile        XLA's autotuning in a program's compile: the decode program's first step (its compile) and its
-#                  step time, batch 1, with XLA's default flags and with --xla_gpu_autotune_level=0 (~5 min)
+#   compile        where a compile's time goes: the smallest encoder and decode programs' compiles traced (their
+#                  host events by name), then XLA's autotuning: the decode program's first step (its compile) and
+#                  its step time, batch 1, in engines of 8192 and 131072 tokens (the block table's width), with XLA's
+#                  default flags and with --xla_gpu_autotune_level=0 (~7 min)
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
@@ -76,9 +78,15 @@ case "${1:-}" in
     bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:-}
     ;;
   compile)
+    bench 120 compile_trace scripts/bench_startup.py --preset bench --abstract --trace-compile \
+      --programs decode,encoder --smallest
     for flag in "" --xla_gpu_autotune_level=0; do
-      XLA_FLAGS="${XLA_FLAGS:-} $flag" bench 280 "compile${flag:+_autotune0}" \
-        scripts/bench_engine.py --backends auto --weights release --batches 1 --skip-prefill --decode-ctx 4096
+      (  # XLA reads a value that is not a flag (" ") as a file name
+        flags=$(echo ${XLA_FLAGS:-} $flag)
+        if [ -n "$flags" ]; then export XLA_FLAGS=$flags; else unset XLA_FLAGS; fi
+        bench 280 "compile${flag:+_autotune0}" scripts/bench_engine.py --backends auto --weights release --batches 1 \
+          --skip-prefill --decode-ctx 4096 --decode-max-model-len 8192,131072
+      )
     done
     ;;
   serve)
