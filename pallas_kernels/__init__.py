@@ -1,0 +1,8 @@
+"""Mosaic GPU kernels for the engine's hot paths, each beside its reference (`serving.engine.backends` picks them)."""
+
+import os as _os
+
+from pallas_kernels import kernel_hashes as _kernel_hashes
+
+if _os.environ.get(_kernel_hashes.ENV) == "1":  # on by default once run on the GPU (kernel_hashes' docstring)
+    _kernel_hashes.install()
