@@ -14,7 +14,7 @@
 #   compile        where a compile's time goes: the smallest encoder and decode programs' compiles traced (their
 #                  host events by name), then XLA's autotuning: the decode program's first step (its compile) and
 #                  its step time, batch 1, in engines of 8192 and 131072 tokens (the block table's width), with XLA's
-#                  default flags and with --xla_gpu_autotune_level=0 (~7 min)
+#                  default flags and with --xla_gpu_autotune_level=0 (~6 min)
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
