@@ -146,7 +146,7 @@ def measure_compile_trace(args: argparse.Namespace) -> None:
     cache off: a real compile); prints the compile times and the host events by name, summed over the programs and
     for the first alone (later programs find its Mosaic GPU kernels compiled already)."""
     eng = abstract_engine(args)
-    events: dict[str, list[float]] = {}  # name -> [count, total ms, count in the first program, its ms]
+    events: dict[str, list[float]] = {}  # name -> [count, of them in the first program, total ms, the first's ms]
     programs = []
     for i, shape in enumerate(selected_shapes(eng, args)):
         fn, fargs, static = eng._padding_call(*shape)
