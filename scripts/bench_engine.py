@@ -5,6 +5,12 @@ overhead, compile times (ceilings: scripts/timing.py). Prints markdown tables fo
     PYTHONPATH=. python3 scripts/bench_engine.py [--lengths 1024,4096,16384] [--batches 1,8,64]
         [--decode-max-model-len 16384,65536]   (a decode at --decode-ctx in engines of each size)
 
+What each prefill bucket below a chunk costs (`dsv41 serve` compiles one program a bucket, 16 tokens up; fewer
+buckets, fewer programs to compile at start-up, more padding), against every prompt padded to 128 tokens:
+
+    PYTHONPATH=. python3 scripts/bench_engine.py --backends "" --prefill-backends auto --weights release \
+        --replay on --lengths 16,32,64,128,256,512 --min-prefill-bucket 16   (then --min-prefill-bucket 128)
+
 Scanned runs of layers (dsv41/layer_runs.py; the bench schedule's runs are all one layer) against every layer
 unrolled, at Flash's 40-layer schedule (the release's weight formats; 40 layers of 64 experts do not fit one H200
 once held as given, as the kernel's layout and stacked, so 16 experts a layer):
@@ -51,14 +57,16 @@ def linear_flops(cfg, core, n: int, replay: bool) -> float:
     return 2.0 * (sum(t * w for t, w in zip(tokens, per_layer)) + cfg.vocab_size * cfg.dim)
 
 
-def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128), scan_layers=None):
+def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128), scan_layers=None,
+                  min_bucket=2048):
     """-> rows (backend, n, replay tokens (0: exact), first call s, warm s); params_of(backend) gives the weights
-    it reads."""
+    it reads; a prompt shorter than min_bucket is padded to it."""
     rows = []
     for be in backends:
         rng = np.random.default_rng(0)
         for replay in replays:
-            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay, scan_layers=scan_layers)
+            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay, min_bucket,
+                              scan_layers=scan_layers)
             for n in lengths:
                 ids = list(rng.integers(3, cfg.vocab_size, n))
                 sp = SamplingParams(max_tokens=1)
@@ -104,6 +112,9 @@ def main():
     ap.add_argument("--prefill-backends", default="xla",
                     help="configurations (as --backends) of the prefill table, replay on and off for each")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--min-prefill-bucket", type=int, default=2048,
+                    help="prefill: a shorter prompt is padded to this many tokens (serve's default: 16); with short "
+                         "--lengths, each bucket's program timed")
     ap.add_argument("--schedule", help="another preset's layer schedule at --preset's widths (flash: 40 layers)")
     ap.add_argument("--experts", type=int, help="routed experts a layer (default: the preset's); fewer to fit more "
                                                 "layers, the widths stay")
@@ -146,7 +157,8 @@ def main():
     replays = {"both": (0, W), "on": (W,), "off": (0,)}[args.replay]
     margins = [int(x) for x in args.replay_tokens.split(",") if x and int(x) != W]
     replays += tuple(margins)
-    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len, replays, args.scan_layers)
+    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len, replays, args.scan_layers,
+                        args.min_prefill_bucket)
 
     # the release's formats: wo_a ships as FP8 (convert.py, and our tree, keep it bf16)
     rel = model.strip_tables(P.abstract_params(cfg))[0]

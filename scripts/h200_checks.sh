@@ -5,6 +5,8 @@
 #                  bench-preset programs, ~2 min a test); PATHS: the gpu tests there
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
+#   buckets        prefill of short prompts (16-512 tokens, replay on) at their own buckets' programs, then every
+#                  prompt padded to 128 tokens: what serve's 6 prefill programs buy against 3 (~9 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
 #                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
@@ -64,6 +66,12 @@ case "${1:-}" in
   prefill)
     bench 560 prefill scripts/bench_engine.py --prefill-backends auto,xla --lengths 4096,16384 --backends auto \
       --batches 1 --decode-ctx 4096
+    ;;
+  buckets)
+    for floor in 16 128; do
+      bench 330 "buckets$floor" scripts/bench_engine.py --backends "" --prefill-backends auto --weights release \
+        --replay on --lengths 16,32,64,128,256,512 --min-prefill-bucket $floor
+    done
     ;;
   kernels)
     JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 bench 150 expert_gemm scripts/bench_expert_gemm.py --out "$OUT" \
@@ -125,7 +133,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|kernels|startup|compile|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac

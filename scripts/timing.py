@@ -328,9 +328,10 @@ def kernels_of(config: str) -> tuple[str, ...]:
     return KERNELS[name]
 
 
-def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, **config):
-    """An engine of `backend`'s kernels (`kernels_of`), no prefix cache, prefill chunks of 2048; `config`: other
-    EngineConfig fields."""
+def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, min_prefill_bucket=2048,
+                **config):
+    """An engine of `backend`'s kernels (`kernels_of`), no prefix cache, prefill chunks of 2048 (a shorter prompt
+    padded to min_prefill_bucket, then to a power of two); `config`: other EngineConfig fields."""
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
@@ -338,7 +339,7 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens
                          indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
-        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=2048,
+        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=min_prefill_bucket,
         attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
         linear_backend=linear_be, kernel_options=opts, **config))
 
