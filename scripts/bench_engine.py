@@ -4,6 +4,7 @@ overhead, compile times (ceilings: scripts/timing.py). Prints markdown tables fo
 
     PYTHONPATH=. python3 scripts/bench_engine.py [--lengths 1024,4096,16384] [--batches 1,8,64]
         [--decode-max-model-len 16384,65536]   (a decode at --decode-ctx in engines of each size)
+        [--prefill-max-model-len 18432,67584]  (each prefill in engines of each size: the same time, ideally)
 
 What each prefill bucket below a chunk costs (`dsv41 serve` compiles one program a bucket, 16 tokens up; fewer
 buckets, fewer programs to compile at start-up, more padding), against every prompt padded to 128 tokens:
@@ -57,22 +58,23 @@ def linear_flops(cfg, core, n: int, replay: bool) -> float:
     return 2.0 * (sum(t * w for t, w in zip(tokens, per_layer)) + cfg.vocab_size * cfg.dim)
 
 
-def bench_prefill(cfg, params_of, backends, lengths, max_len, replays=(0, 128), scan_layers=None,
+def bench_prefill(cfg, params_of, backends, lengths, sizes, replays=(0, 128), scan_layers=None,
                   min_bucket=2048):
-    """-> rows (backend, n, replay tokens (0: exact), first call s, warm s); params_of(backend) gives the weights
-    it reads; a prompt shorter than min_bucket is padded to it."""
+    """-> rows (backend, engine size (max_model_len), n, replay tokens (0: exact), first call s, warm s);
+    params_of(backend) gives the weights it reads; a prompt shorter than min_bucket is padded to it."""
     rows = []
-    for be in backends:
-        rng = np.random.default_rng(0)
+    for be, size in [(be, size) for be in backends for size in sizes]:
         for replay in replays:
-            eng = make_engine(cfg, params_of(be), replay > 0, max_len, 2, be, replay, min_bucket,
+            rng = np.random.default_rng(0)  # the same prompts in every engine
+            eng = make_engine(cfg, params_of(be), replay > 0, size, 2, be, replay, min_bucket,
                               scan_layers=scan_layers)
             for n in lengths:
                 ids = list(rng.integers(3, cfg.vocab_size, n))
                 sp = SamplingParams(max_tokens=1)
                 first, warm = timed(lambda: eng.generate(ids, sp), reps=1), timed(lambda: eng.generate(ids, sp), reps=3)
-                rows.append((be, n, replay, first, warm))
-                log.info("prefill %s n=%d replay=%s first=%.2fs warm=%.3fs", be, n, replay, first, warm)
+                rows.append((be, size, n, replay, first, warm))
+                log.info("prefill %s max_model_len=%d n=%d replay=%s first=%.2fs warm=%.3fs", be, size, n, replay,
+                         first, warm)
             del eng
     return rows
 
@@ -106,6 +108,9 @@ def main():
     ap = timing.engine_args(__doc__, batches="1,8,64")
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--decode-max-model-len", default="", help="decode engines of these sizes (default: the prefill's)")
+    ap.add_argument("--prefill-max-model-len", default="",
+                    help="prefill engines of these sizes (default: the longest length + 2048): a prefill's time should "
+                         "not depend on it")
     ap.add_argument("--backends", default="xla",
                     help="decode configurations to time: " + "; ".join(f"{k} ({v})" for k, v in KERNEL_NAMES.items())
                     + "; suffixes change one option each: " + "; ".join(f"+{k}: {v}" for k, v in SUFFIXES.items()))
@@ -157,7 +162,10 @@ def main():
     replays = {"both": (0, W), "on": (W,), "off": (0,)}[args.replay]
     margins = [int(x) for x in args.replay_tokens.split(",") if x and int(x) != W]
     replays += tuple(margins)
-    pre = bench_prefill(cfg, params_of, pre_backends, lengths, max_len, replays, args.scan_layers,
+    pre_sizes = [int(x) for x in args.prefill_max_model_len.split(",") if x] or [max_len]
+    if min(pre_sizes) < max(lengths) + 1:
+        ap.error(f"--prefill-max-model-len {min(pre_sizes)} cannot hold a {max(lengths)}-token prompt and its token")
+    pre = bench_prefill(cfg, params_of, pre_backends, lengths, pre_sizes, replays, args.scan_layers,
                         args.min_prefill_bucket)
 
     # the release's formats: wo_a ships as FP8 (convert.py, and our tree, keep it bf16)
@@ -193,21 +201,24 @@ def main():
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset: {cfg.n_layers} layers, "
           f"{cfg.n_routed_experts} experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's "
           f"best), bf16 matmul {mxu / 1e12:.0f} TFLOP/s\n")
-    print("| kernels | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear FLOPs / "
-          "matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n" + "|---" * 8 + "|")
+    print("| kernels | max_model_len | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear "
+          "FLOPs / matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n"
+          + "|---" * 9 + "|")
     core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
-    by = {(be, n, r): (f, w) for be, n, r, f, w in pre}
+    by = {(be, z, n, r): (f, w) for be, z, n, r, f, w in pre}
     nan = (math.nan, math.nan)  # a replay setting not run (--replay on|off)
-    for be, n in [(be, n) for be in pre_backends for n in lengths]:
-        e, r = by.get((be, n, 0), nan), by.get((be, n, W), nan)
+    for be, z, n in [(be, z, n) for be in pre_backends for z in pre_sizes for n in lengths]:
+        e, r = by.get((be, z, n, 0), nan), by.get((be, z, n, W), nan)
         fe, fr = (linear_flops(cfg, core, n, rp) / mxu for rp in (False, True))
-        print(f"| {be} | {n} | {e[1]:.3f} | {r[1]:.3f} | {100 * (1 - r[1] / e[1]):.0f}% | "
+        print(f"| {be} | {z} | {n} | {e[1]:.3f} | {r[1]:.3f} | {100 * (1 - r[1] / e[1]):.0f}% | "
               f"{fe:.3f} ({100 * fe / e[1]:.0f}%) | {fr:.3f} ({100 * fr / r[1]:.0f}%) | {e[0]:.1f} / {r[0]:.1f} |")
     if margins:
-        print(f"\n| kernels | prompt tokens | replay tokens | prefill s | vs {W} |\n|---|---|---|---|---|")
-        for be, n, m in [(be, n, m) for be in pre_backends for n in lengths for m in (W, *margins)]:
-            t = by.get((be, n, m), nan)[1]
-            print(f"| {be} | {n} | {m} | {t:.3f} | {t / by.get((be, n, W), nan)[1]:.3f}x |")
+        print(f"\n| kernels | max_model_len | prompt tokens | replay tokens | prefill s | vs {W} |\n"
+              "|---|---|---|---|---|---|")
+        for be, z, n, m in [(be, z, n, m) for be in pre_backends for z in pre_sizes for n in lengths
+                            for m in (W, *margins)]:
+            t = by.get((be, z, n, m), nan)[1]
+            print(f"| {be} | {z} | {n} | {m} | {t:.3f} | {t / by.get((be, z, n, W), nan)[1]:.3f}x |")
     print(f"\n| kernels | batch | max_model_len ({args.decode_ctx}-token context) | engine step ms sync / async | "
           "device ms | host prep ms | roofline ms (weights as read) | of roofline | roofline ms (release FP8/FP4 "
           "weights) | first step (compile) s |\n" + "|---" * 10 + "|")
