@@ -201,8 +201,8 @@ def main():
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset: {cfg.n_layers} layers, "
           f"{cfg.n_routed_experts} experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's "
           f"best), bf16 matmul {mxu / 1e12:.0f} TFLOP/s\n")
-    print("| kernels | max_model_len | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: linear "
-          "FLOPs / matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n"
+    print("| kernels | max_model_len | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: "
+          "linear FLOPs / matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n"
           + "|---" * 9 + "|")
     core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
     by = {(be, z, n, r): (f, w) for be, z, n, r, f, w in pre}

@@ -339,7 +339,8 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens
                          indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
-        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False, min_prefill_bucket=min_prefill_bucket,
+        swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False,
+        min_prefill_bucket=min_prefill_bucket,
         attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
         linear_backend=linear_be, kernel_options=opts, **config))
 
