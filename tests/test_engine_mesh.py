@@ -17,6 +17,7 @@ import pytest
 import tiny_engine
 from dsv41 import moe, sharding
 from dsv41.ops import XLA
+from serving.engine.config import SpeculativeConfig
 from serving.engine.engine import EngineError, SamplingParams
 
 needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
@@ -71,6 +72,20 @@ def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
     if replay:  # prefix caching is on with replay: the second turn hit its rank's cache, the other rank nothing
         hits = st["prefix_cache_hit_tokens_per_rank"]
         assert hits[ranks["r0"]] >= 2 * eng.layout.page_tokens and sum(hits) == hits[ranks["r0"]]
+
+
+@pytest.mark.xdist_group(MESH_GROUP)
+def test_speculative_decoding_on_data_parallel_ranks():
+    """DSpark (k = 5) on two data ranks: each rank verifies and drafts its own rows in its own pool (rings, pages,
+    the drafter's states); greedy tokens are the one-device engine's without speculation, the second turn's
+    prefix-cache hit on its rank included. Random weights reject nearly every draft, so a draft's rollback that
+    left a trace on either rank would move a token."""
+    eng = tiny_engine.make(data_parallel_size=2, speculative_config=SpeculativeConfig(num_speculative_tokens=5),
+                           max_model_len=tiny_engine.BASE["max_model_len"] - 5)  # the block tables stay 8 pages
+    toks, _, ranks = serve(eng)
+    assert toks == one_device(True)[0]
+    assert len(set(ranks.values())) == 2 and ranks["r0b"] == ranks["r0"]
+    assert eng.counters["spec_drafts"] > 0 and sum(eng.stats()["prefix_cache_hit_tokens_per_rank"]) > 0
 
 
 @pytest.mark.xdist_group(MESH_GROUP)
