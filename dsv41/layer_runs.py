@@ -37,7 +37,9 @@ from dsv41.params import Spec, layer_specs
 # The params-tree key of the layers grouped by run (`stack_params`), in place of "layers".
 RUNS_KEY = "runs"
 
-ALIGN = 256  # bytes: the operand alignment of Mosaic GPU kernels, so the stride of a layer in a stack
+# bytes: the operand alignment of Mosaic GPU kernels (and of the buffers XLA allocates), so the stride of a layer in
+# a stack; serving/engine/host_rows.py aligns a call's host arrays to it too
+ALIGN = 256
 
 
 @jax.tree_util.register_dataclass

@@ -68,8 +68,8 @@ def test_stacked_layers_hold_each_layer(runs_model):
 
 def test_consumed_stacking_holds_the_weights_once(runs_model, monkeypatch):
     """consume=True (the engine on the tree it loaded): the per-layer arrays go as their stacks come, so the live
-    device bytes never exceed the weights plus one leaf of one run, and end where they began (but for the padding of
-the small leaves' layers)."""
+    device bytes never exceed the weights plus one leaf of one run, and end where they began, but for the padding
+    of the small leaves' layers."""
     cfg, params = runs_model
     own = jax.tree_util.tree_map(jnp.array, params)  # a copy to hand over
     live = lambda: sum(a.nbytes for a in jax.live_arrays())  # noqa: E731

@@ -27,15 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41.layer_runs import ALIGN  # the Mosaic GPU kernels' operand alignment, bytes
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HostRows:
     data: Any  # uint8 [B, row bytes]
     fields: tuple = dataclasses.field(metadata=dict(static=True))  # ((numpy dtype, shape of one row), ...)
-
-
-ALIGN = 256  # bytes: the operand alignment Mosaic GPU kernels require (and XLA gives the buffers it allocates)
 
 
 @functools.lru_cache(maxsize=256)
@@ -53,7 +52,7 @@ def pack(arrays: list[np.ndarray]) -> HostRows:
     B = arrays[0].shape[0]
     fields = tuple((a.dtype, a.shape[1:]) for a in arrays)
     starts, row_bytes = _offsets(fields)
-    data = np.zeros((B, row_bytes), np.uint8)
+    data = np.empty((B, row_bytes), np.uint8)  # the padding between arrays is never read
     for a, at in zip(arrays, starts):
         c = np.ascontiguousarray(a).view(np.uint8).reshape(B, -1)
         data[:, at: at + c.shape[1]] = c
