@@ -43,11 +43,11 @@ class LayerPlan:
 @dataclasses.dataclass(frozen=True)
 class Carry:
     """What a layer's compressed branch hands to the layers after it; None until a layer sets it. The candidates
-    come in one of two forms, by who scores the later indexers: an entry mask (XLA scoring) or block ids (the
-    scoring kernel, pallas_kernels/indexer_logits.py)."""
+    come in one of two forms: an entry mask (`model.forward`, which scores the whole context at once) or block
+    ids (the engine, which scores it block by block)."""
 
     comp_kv: jax.Array | None = None  # [B, G, Dh] the latest KV source's compressed KV, post-RoPE (full sequence)
     index_k: jax.Array | None = None  # [B, G, ID] its index keys (full sequence; the engine reads the pool)
     topk: jax.Array | None = None  # int32 [B, S, K] the latest indexer's entry ids, -1 = none
-    cand_mask: jax.Array | None = None  # bool [B, S, G] the candidate source's entries (XLA scoring)
-    cand_blocks: jax.Array | None = None  # int32 [B, S, NB] the candidate source's block ids (the scoring kernel)
+    cand_mask: jax.Array | None = None  # bool [B, S, G] the candidate source's entries (model.forward)
+    cand_blocks: jax.Array | None = None  # int32 [B, S, NB] the candidate source's block ids (the engine)

@@ -593,6 +593,21 @@ def auto_topk_method(rows: int, width: int, kernel_ok: bool) -> str:
     return xla
 
 
+def topk_positions(s: jax.Array, k: int, method: str = "auto", interpret: bool = False, bf16_values: bool = False,
+                   kernel_ok: bool = False) -> jax.Array:
+    """Scores [..., N] -> int32 [..., k]: the positions lax.top_k(s, k) picks (ties to the lower position), by
+    `method` (as `topk_entries`'), in ascending order except for 'lax' (by value)."""
+    if method == "auto":
+        method = auto_topk_method(math.prod(s.shape[:-1]), s.shape[-1], kernel_ok or interpret)
+    if method == "lax":
+        return lax.top_k(s, k)[1]
+    if method in topk.RADIX_VARIANTS:
+        return topk.top_k_positions(s, k, *topk.RADIX_VARIANTS[method])
+    if method == "kernel":
+        return topk_select.top_k_positions(s, k, bf16_values=bf16_values, interpret=interpret)
+    raise ValueError(f"unknown top-k method {method!r}: one of {list(TOPK_METHODS)}")
+
+
 def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto", interpret: bool = False,
                  bf16_values: bool = False, kernel_ok: bool = False) -> jax.Array:
     """Scores [B, S, N] over entry ids [B, S, N] or [N] (-1 = none/not visible, ascending where valid)
@@ -606,20 +621,19 @@ def topk_entries(s: jax.Array, entries: jax.Array, k: int, method: str = "auto",
     k = min(k, s.shape[-1])
     if k == 0:
         return jnp.zeros((*s.shape[:-1], 0), jnp.int32)
-    if method == "auto":
-        method = auto_topk_method(math.prod(s.shape[:-1]), s.shape[-1], kernel_ok or interpret)
-    if method == "lax":
-        _, pos = lax.top_k(s, k)
-    elif method in topk.RADIX_VARIANTS:
-        pos = topk.top_k_positions(s, k, *topk.RADIX_VARIANTS[method])
-    elif method == "kernel":
-        pos = topk_select.top_k_positions(s, k, bf16_values=bf16_values, interpret=interpret)
-    else:
-        raise ValueError(f"unknown top-k method {method!r}: one of {list(TOPK_METHODS)}")
+    pos = topk_positions(s, k, method, interpret, bf16_values, kernel_ok)
     ids = jnp.take_along_axis(jnp.broadcast_to(entries, s.shape), pos, axis=-1)
     big = jnp.iinfo(jnp.int32).max
     ids = jnp.sort(jnp.where(ids >= 0, ids, big), axis=-1)
     return jnp.where(ids == big, -1, ids).astype(jnp.int32)
+
+
+def _block_select(cfg: IndexerConfig, interpret: bool, bf16_values: bool):
+    """The block top-k's selection for `indexer.candidate_blocks`: `topk_select` with cfg.topk_method 'kernel',
+    else lax.top_k."""
+    if cfg.topk_method == "kernel":
+        return lambda blk, kb: topk_select.top_k_positions(blk, kb, bf16_values=bf16_values, interpret=interpret)
+    return indexer.lax_positions
 
 
 def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerConfig = IndexerConfig(),
@@ -628,22 +642,8 @@ def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerCon
     ascending block ids, -1 padded; the block of the newest visible entry always in. Same set as
     `indexer.candidate_mask` (which returns a per-entry mask). The block top-k by cfg.topk_method ('kernel':
     `topk_select`, interpret: in the interpreter, bf16_values as `topk_entries`; else lax.top_k)."""
-    bs = cfg.candidate_block_size
-    G = s.shape[-1]
-    blk = jnp.pad(s, [(0, 0), (0, 0), (0, -G % bs)], constant_values=-jnp.inf)
-    blk = jnp.max(blk.reshape(*s.shape[:-1], -1, bs), axis=-1)
-    nb = blk.shape[-1]
-    last = (visible_count(q_pos, ratio) - 1) // bs
-    blk = jnp.where(jnp.arange(nb)[None, None, :] == last[..., None], jnp.inf, blk)
-    kb = min(cfg.candidate_topk_blocks, nb)
-    if cfg.topk_method == "kernel":
-        i = topk_select.top_k_positions(blk, kb, bf16_values=bf16_values, interpret=interpret)
-        v = jnp.take_along_axis(blk, i, axis=-1)
-    else:
-        v, i = lax.top_k(blk, kb)
-    big = jnp.iinfo(jnp.int32).max
-    i = jnp.sort(jnp.where(v > -jnp.inf, i, big), axis=-1)
-    return jnp.where(i == big, -1, i).astype(jnp.int32)
+    return indexer.candidate_blocks(indexer.block_maxima(s, cfg.candidate_block_size), q_pos, ratio, cfg,
+                                    _block_select(cfg, interpret, bf16_values), every_seen_first=False)
 
 
 def blocks_to_mask(blocks: jax.Array, num_entries: int, block_size: int = 8) -> jax.Array:
@@ -654,6 +654,40 @@ def blocks_to_mask(blocks: jax.Array, num_entries: int, block_size: int = 8) -> 
     hit = jnp.zeros((B, S, nb), bool).at[jnp.arange(B)[:, None, None], jnp.arange(S)[None, :, None], idx].set(
         True, mode="drop")
     return jnp.repeat(hit, block_size, axis=-1)[..., :num_entries]
+
+
+def context_topk_blocks(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, *, block_entries: int,
+                        want_candidates: bool = False, cfg: IndexerConfig = IndexerConfig(), backend="pallas",
+                        dtype=jnp.bfloat16, **kwargs):
+    """`index_topk`'s context mode without its [B, S, G] scores (G: the block table's every entry, whatever the
+    context): the table in blocks of about block_entries entries (`indexer.block_pages`: at least twice the
+    top-k), only the blocks some query sees scored (`context_scores`, a loop with a run-time trip count), each
+    merged into the running top k by cfg.topk_method (`indexer.running_topk`); the candidate blocks from the
+    blocks' maxima (`indexer.candidate_blocks`). The same entries and blocks as `index_topk` on every row whose
+    visible entries lie on its pages (a padding row's may differ). -> as `index_topk`."""
+    B, C = block_table.shape
+    P, E, _ = ik_packed.shape
+    k = min(cfg.index_topk, C * E)
+    bs = cfg.candidate_block_size
+    bp = indexer.block_pages(C, E, block_entries, 2 * k, bs if want_candidates else 1)
+    nblk, W = -(-C // bp), bp * E
+    bt = jnp.pad(jnp.asarray(block_table, jnp.int32), ((0, 0), (0, nblk * bp - C)), constant_values=P)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    live = jnp.clip((jnp.max(visible_count(q_pos, ratio)) + W - 1) // W, 1, nblk)
+    interpret = backend == "interpret"
+    bf16 = backend != "xla" or dtype == jnp.bfloat16  # the kernels' scores are always bf16 values
+
+    def scores_of(i):  # block i's entries are entries 0.. of a table of its pages, seen from q_pos - i W ratio
+        return context_scores(q, w, ik_packed, ik_scale, lax.dynamic_slice_in_dim(bt, i * bp, bp, axis=1),
+                              q_pos - i * W * ratio, ratio, W, backend=backend, dtype=dtype, **kwargs)
+
+    def select(s, n):
+        return topk_positions(s, n, cfg.topk_method, interpret, bf16, backend != "xla")
+
+    ids, maxima = indexer.running_topk(scores_of, nblk, live, k, select, bs if want_candidates else 0)
+    cand = (indexer.candidate_blocks(maxima, q_pos, ratio, cfg, _block_select(cfg, interpret, bf16))
+            if want_candidates else None)
+    return indexer.visible_ids(ids, q_pos, ratio), cand
 
 
 def index_topk(q, w, ik_packed, ik_scale, block_table, q_pos, ratio: int, *, cand_blocks=None,

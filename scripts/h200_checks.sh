@@ -7,6 +7,9 @@
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   buckets        prefill of short prompts (16-512 tokens, replay on) at their own buckets' programs, then every
 #                  prompt padded to 128 tokens: what serve's 6 prefill programs buy against 3 (~9 min)
+#   width          prefill (1K, 16K tokens, replay on) in engines of 18K and 128K tokens, the encoder indexers over
+#                  the whole block table (today's default) and by the blocks the prompt sees (+indexer-blocks): a
+#                  prefill's time should not depend on --max-model-len
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
 #                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
@@ -72,6 +75,10 @@ case "${1:-}" in
       bench 330 "buckets$floor" scripts/bench_engine.py --backends "" --prefill-backends auto --weights release \
         --replay on --lengths 16,32,64,128,256,512 --min-prefill-bucket $floor
     done
+    ;;
+  width)
+    bench 560 width scripts/bench_engine.py --backends "" --prefill-backends auto,auto+indexer-blocks \
+      --weights release --replay on --lengths 1024,16384 --prefill-max-model-len 18432,131072
     ;;
   kernels)
     JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 bench 150 expert_gemm scripts/bench_expert_gemm.py --out "$OUT" \

@@ -315,7 +315,9 @@ KERNELS = {"xla": ("xla", "xla", "xla", "xla", "xla"), "attn": ("pallas", "xla",
 SUFFIXES = {"unfused-rope": "q / o rotated in XLA around the attention kernel (KernelOptions(fuse_rope=False))",
             "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
                            "(KernelOptions(prefill_indexer_kernel=False))",
-            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))"}
+            "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))",
+            "indexer-blocks": "prefill chunks' encoder indexers over the blocks of 8192 entries they see, not the "
+                              "whole block table (KernelOptions(prefill_indexer_block_entries=8192))"}
 
 
 def kernels_of(config: str) -> tuple[str, ...]:
@@ -336,7 +338,8 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens
     suffixes = backend.split("+")[1:]
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
                          prefill_indexer_kernel="xla-indexer" not in suffixes,
-                         indexer_topk="kernel" if "kernel-topk" in suffixes else "auto")
+                         indexer_topk="kernel" if "kernel-topk" in suffixes else "auto",
+                         prefill_indexer_block_entries=8192 if "indexer-blocks" in suffixes else 0)
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
         swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False,

@@ -132,7 +132,8 @@ def test_replay_tokens_bounds():
 # kernel paths share one program a phase with the XLA path: layer_paths.attention_diffs_each)
 KERNEL_OPTIONS = {"default": KernelOptions(),
                   "unfused-rope+xla-indexer+kernel-topk": KernelOptions(
-                      fuse_rope=False, prefill_indexer_kernel=False, indexer_topk="kernel")}
+                      fuse_rope=False, prefill_indexer_kernel=False, indexer_topk="kernel"),
+                  "indexer-blocks": KernelOptions(prefill_indexer_block_entries=64)}
 
 
 def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
@@ -140,8 +141,8 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
     their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
     reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; with each
     setting of `backends.KernelOptions` (the query / output RoPE handed to the attention kernel or not, the
-    prefill chunk's indexer through the scoring kernel or XLA, the top-k by XLA or, through its reference, the
-    threshold kernel). The kernels against those references:
+    prefill chunk's indexer through the scoring kernel or XLA, over the whole block table or by blocks, the top-k
+    by XLA or, through its reference, the threshold kernel). The kernels against those references:
     tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
     from layer_paths import attention_diffs_each, make_batch, zero_rows
 

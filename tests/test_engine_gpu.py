@@ -51,14 +51,17 @@ def bench():
     return cfg, P.init_params(cfg, seed=0)
 
 
-@pytest.mark.parametrize("fuse_rope, prefill_indexer, topk", [(False, False, "auto"), (True, False, "auto"),
-                                                              (False, True, "auto"), (True, False, "kernel")])
-def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer, topk):
+@pytest.mark.parametrize("fuse_rope, prefill_indexer, topk, blocks", [
+    (False, False, "auto", 0), (True, False, "auto", 0), (False, True, "auto", 0), (True, False, "kernel", 0),
+    (True, True, "auto", 1024)])
+def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer, topk, blocks):
     """Two rows whose pools hold 1536 tokens (ratio-2 layers: 768 entries, so the top-512 selection is real),
     then a prefill chunk (one ragged row) whose windows reach into the rings, and a decode step; also with the
     query / output RoPE inside the attention kernel or not, with the chunk's indexers through the chunk kernel
-    or XLA, and with the top-k threshold kernel (`backends.KernelOptions`)."""
-    opts = BK.KernelOptions(fuse_rope=fuse_rope, prefill_indexer_kernel=prefill_indexer, indexer_topk=topk)
+    or XLA, over the whole block table or by blocks (of 1024 entries: the ratio-1 candidate source's 2048-entry
+    table in two), and with the top-k threshold kernel (`backends.KernelOptions`)."""
+    opts = BK.KernelOptions(fuse_rope=fuse_rope, prefill_indexer_kernel=prefill_indexer, indexer_topk=topk,
+                            prefill_indexer_block_entries=blocks)
     cfg, params = bench
     core, _ = model.strip_tables(params)
     B, T0, ctx = 2, 1536, 32
@@ -76,8 +79,8 @@ def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_inde
                                   cfg, NUM, "pallas", opts),
     }
     for k, d in diffs.items():
-        print(f"{k} (fused RoPE {fuse_rope}, prefill indexer kernel {prefill_indexer}, top-k {topk}): per-layer "
-              f"rel. max difference {np.array2string(d, precision=4)}")
+        print(f"{k} (fused RoPE {fuse_rope}, prefill indexer kernel {prefill_indexer}, blocks {blocks}, top-k {topk}): "
+              f"per-layer rel. max difference {np.array2string(d, precision=4)}")
     assert all(np.all(np.isfinite(d)) and d.max() < LAYER_TOL[k] for k, d in diffs.items()), diffs
 
 

@@ -60,15 +60,25 @@ class KernelOptions:
       `indexer_logits.TOPK_METHODS`: 'auto' (`indexer_logits.auto_topk_method`: the threshold kernel
       `topk_select` where the H200 measured it faster: in place of radix select for 64 rows of 2048+ scores,
       in place of lax.top_k for fewer rows of 16384+; else those two, by rows) or 'kernel' (the threshold
-      kernel for every row)."""
+      kernel for every row).
+    prefill_indexer_block_entries: with prefill_indexer_kernel, a prefill chunk's encoder indexers and candidate
+      source score the block table in blocks of about this many entries, only those some query sees, each merged
+      into the running top-k (`indexer_logits.context_topk_blocks`), so that their work follows the context, not
+      `--max-model-len`: at serve's defaults for the bench preset one pass over the whole table writes
+      [chunk, 32-64K entries] float32 scores a layer whatever the prompt. 0: one pass (the default until the
+      H200 has run and timed the blocks: `bench_engine.py --prefill-backends auto,auto+indexer-blocks`)."""
 
     fuse_rope: bool = True
     prefill_indexer_kernel: bool = True
     indexer_topk: str = "auto"
+    prefill_indexer_block_entries: int = 0
 
     def __post_init__(self):
         if self.indexer_topk not in TOPK_METHODS:
             raise ValueError(f"indexer_topk={self.indexer_topk!r}: one of {list(TOPK_METHODS)}")
+        n = self.prefill_indexer_block_entries
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"prefill_indexer_block_entries={n!r}: an integer >= 0 (0: one pass)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,20 +92,22 @@ def _context_index_keys(pages: LayerKV, block_table, cfg):
     return k.reshape(bt.shape[0], -1, cfg.index_head_dim)
 
 
-# The XLA indexer scores the context in blocks of about this many entries, only as many blocks as the batch's
-# furthest visible entry reaches (a loop with a run-time trip count): its work follows the context, not the block
-# table's width (max_model_len); masking alone would score every page of the table. 2048 entries: 8K tokens at
-# ratio 4, one block for every engine the CPU tests run.
-SCORE_BLOCK_ENTRIES = 2048
+# The XLA indexer scores the context in blocks of about this many entries (at least twice the top-k, so that a
+# merge sorts at most 1.5x the block), only as many blocks as the batch's furthest visible entry reaches (a loop
+# with a run-time trip count): its work follows the context, not the block table's width (max_model_len). Blocks
+# of 2048 made the tiny preset's 256-token replayed prefill 14% slower in an engine of 8192 tokens than in one of
+# 2048 (0.75 against 0.66 s, 2-core CPU); 256: 0.61 against 0.60 s, and a 6000-token prompt 1.94 against 2.19 s.
+SCORE_BLOCK_ENTRIES = 256
 
 
-def _score_blocks(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics):
+def _score_blocks(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics, min_entries: int,
+                  multiple: int):
     """The context's index-key scores by blocks of pages (block_table [B, C]): -> (block(i) -> float32 [B, T, W]
     scores of entries [i * W, (i + 1) * W), -inf where not visible; W; the block count; the blocks some query
-    sees, at least 1 (traced)). Each score is `indexer.raw_scores`' arithmetic on its own key, as in one pass."""
+    sees, at least 1 (traced)). W: `indexer.block_pages` of SCORE_BLOCK_ENTRIES. Each score is `indexer.raw_scores`' arithmetic on its own key, as in one pass."""
     C = block_table.shape[1]
     E = pages.ik_packed.shape[1]
-    bp = max(1, min(C, SCORE_BLOCK_ENTRIES // E))  # pages a block
+    bp = indexer.block_pages(C, E, SCORE_BLOCK_ENTRIES, min_entries, multiple)
     nblk, W = -(-C // bp), bp * E
     bt = jnp.pad(block_table, ((0, 0), (0, nblk * bp - C)), constant_values=pages.ik_packed.shape[0])
     nvis = (pos + 1) // r  # [B, T]: entries each query sees
@@ -118,43 +120,29 @@ def _score_blocks(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Nu
     return block, W, nblk, jnp.clip((jnp.max(nvis) + W - 1) // W, 1, nblk)
 
 
-def _context_scores(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics):
-    """`indexer.scores` of queries qi [B, T, IH, ID], wi [B, T, IH] at pos [B, T] against every index key of the
-    rows' pages -> float32 [B, T, C * E] (block_table [B, C]), -inf where not visible. Blocks past every query's
-    visible entries are neither gathered nor scored (`_score_blocks`)."""
-    block, W, nblk, live = _score_blocks(qi, wi, pages, block_table, pos, r, cfg, num)
-    s = jnp.full((*pos.shape, nblk * W), -jnp.inf, jnp.float32)
-    s = jax.lax.fori_loop(0, live, lambda i, s: jax.lax.dynamic_update_slice_in_dim(s, block(i), i * W, 2), s)
-    return s[..., :block_table.shape[1] * pages.ik_packed.shape[1]]
-
-
-def _context_topk(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics, cand_mask=None):
-    """`indexer.select_topk` of `_context_scores` (cand_mask bool [B, T, G]: -inf outside it) without the
-    [B, T, G] scores: each block's scores merge into the running top k (lax.top_k over the k kept + the block;
-    the kept come first and have the lower ids, so ties go to the lower id as in one top_k over the row). Blocks
-    past every visible entry hold only -inf, which one top_k would pick only after the lower ids of block 0 (at
-    least k entries). -> int32 [B, T, min(index_topk, G)]."""
-    block, W, nblk, live = _score_blocks(qi, wi, pages, block_table, pos, r, cfg, num)
+def _context_select(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics, cand_blocks=None,
+                    want_candidates: bool = False):
+    """One XLA indexer layer over the rows' pages (block_table [B, C]) without the [B, T, C * E] scores: the
+    blocks some query sees scored one after another, each merged into the running top k (`indexer.running_topk`).
+    qi [B, T, IH, ID], wi [B, T, IH] at pos [B, T]; cand_blocks int32 [B, T, NB] (the candidate source's block
+    ids, -1 = none): only their entries compete. -> (`indexer.select_topk`'s entry ids int32 [B, T, min(index_topk,
+    C * E)]; with want_candidates, `indexer.candidate_mask`'s blocks as ids (`indexer.candidate_blocks`), else
+    None)."""
     G = block_table.shape[1] * pages.ik_packed.shape[1]
     k = min(cfg.index_topk, G)
-    if W < k:  # blocks narrower than k (tiny configurations): one selection over the row
-        s = _context_scores(qi, wi, pages, block_table, pos, r, cfg, num)
-        return indexer.select_topk(s if cand_mask is None else jnp.where(cand_mask, s, -jnp.inf), pos, r, cfg)
-    cm = None if cand_mask is None else jnp.pad(cand_mask, ((0, 0), (0, 0), (0, nblk * W - G)))
+    bs = cfg.candidate_block_size
+    mult = bs if (want_candidates or cand_blocks is not None) else 1
+    block, W, nblk, live = _score_blocks(qi, wi, pages, block_table, pos, r, cfg, num, 2 * k, mult)
+    listed = None if cand_blocks is None else indexer.block_mask(cand_blocks, nblk * W // bs)  # bool [B, T, blocks]
 
-    def scores(i):
-        return block(i) if cm is None else jnp.where(jax.lax.dynamic_slice_in_dim(cm, i * W, W, 2), block(i), -jnp.inf)
+    def candidates_only(i):
+        keep = jnp.repeat(jax.lax.dynamic_slice_in_dim(listed, i * (W // bs), W // bs, axis=2), bs, axis=2)
+        return jnp.where(keep, block(i), -jnp.inf)
 
-    def merge(i, kept):
-        v, ids = kept
-        top, at = jax.lax.top_k(jnp.concatenate([v, scores(i)], -1), k)
-        new = jnp.broadcast_to(i * W + jnp.arange(W, dtype=jnp.int32), top.shape[:-1] + (W,))
-        return top, jnp.take_along_axis(jnp.concatenate([ids, new], -1), at, -1)
-
-    v0, at0 = jax.lax.top_k(scores(0), k)
-    _, ids = jax.lax.fori_loop(1, live, merge, (v0, at0.astype(jnp.int32)))
-    ids = jnp.sort(ids, axis=-1)
-    return jnp.where(ids < ((pos + 1) // r)[..., None], ids, -1).astype(jnp.int32)
+    ids, maxima = indexer.running_topk(block if listed is None else candidates_only, nblk, live, k,
+                                       block_size=bs if want_candidates else 0)
+    cand = indexer.candidate_blocks(maxima, pos, r, cfg) if want_candidates else None
+    return indexer.visible_ids(ids, pos, r), cand
 
 
 def _compress_chunk(x, p, r, cfg, num, lkv: LayerKV, b: Batch):
@@ -312,9 +300,11 @@ def _kernel_index_topk(qi, wi, pages: LayerKV, b: Batch, pos, r: int, plan: Laye
                                            **kw)
         return dataclasses.replace(carry, topk=topk)
     want = plan.makes_candidates
-    topk, cand = _per_rank(il.index_topk)(qi, wi, ikp, iks, b.block_table, pos, r,
-                                          num_entries=b.block_table.shape[1] * ikp.shape[1], want_candidates=want,
-                                          **kw)
+    if pos.shape[1] > 1 and opts.prefill_indexer_block_entries:  # a prefill chunk: the blocks it sees
+        select = functools.partial(il.context_topk_blocks, block_entries=opts.prefill_indexer_block_entries)
+    else:
+        select = functools.partial(il.index_topk, num_entries=b.block_table.shape[1] * ikp.shape[1])
+    topk, cand = _per_rank(select)(qi, wi, ikp, iks, b.block_table, pos, r, want_candidates=want, **kw)
     return dataclasses.replace(carry, topk=topk, **({"cand_blocks": cand} if want else {}))
 
 
@@ -413,13 +403,9 @@ def run_attention(x, lp, run: Run, layer, cfg: ModelConfig, num: Numerics, pool:
         if backend != "xla" and opts.prefill_indexer_kernel:
             carry = _kernel_index_topk(qi, wi, pages, b, pos, r, plan, carry, cfg, num, backend, opts)
         else:
-            if plan.makes_candidates:  # the block candidates need every block's best score
-                s = _context_scores(qi, wi, pages, b.block_table, pos, r, cfg, num)
-                carry = dataclasses.replace(carry, cand_mask=indexer.candidate_mask(s, pos, r, cfg),
-                                            topk=indexer.select_topk(s, pos, r, cfg))
-            else:
-                carry = dataclasses.replace(carry, topk=_context_topk(
-                    qi, wi, pages, b.block_table, pos, r, cfg, num, carry.cand_mask if plan.uses_candidates else None))
+            topk, cand = _context_select(qi, wi, pages, b.block_table, pos, r, cfg, num,
+                                         carry.cand_blocks if plan.uses_candidates else None, plan.makes_candidates)
+            carry = dataclasses.replace(carry, topk=topk, **({"cand_blocks": cand} if plan.makes_candidates else {}))
     else:
         q, _ = A.project_q(x, p, pos, freqs, cfg, num, rope=not fuse, ops=ops)
     comp_k = comp_valid = None

@@ -152,6 +152,35 @@ def test_context_topk_and_candidates_match_today(method):
     assert (np.asarray(topk_c[..., k:]) == -1).all()
 
 
+@pytest.mark.parametrize("backend,method,topk_blocks", [
+    ("xla", "auto", 3),          # lax.top_k merges; the block top-k
+    ("xla", "radix", 64),        # radix-select merges; every seen block a candidate (no block top-k)
+    ("interpret", "kernel", 3),  # the chunk-scoring and threshold kernels in the interpreter
+])
+def test_context_topk_blocks_equals_one_pass(backend, method, topk_blocks):
+    """A prefill chunk's context-mode indexer by blocks of the table (`context_topk_blocks`: only the blocks some
+    query sees, merged into the running top-k; candidates from the blocks' maxima) picks `index_topk`'s entries and
+    candidate blocks over the whole table: ties (coarse values) to the lower id, queries that see fewer than k."""
+    B, S, IH, ID, E, ratio = 2, 6, 64, 64, 16, 2
+    cfg = il.IndexerConfig(index_topk=8, candidate_block_size=8, candidate_topk_blocks=topk_blocks,
+                           topk_method=method)
+    q, w, pk, sc, bt = make_pool(21, B, S, IH, ID, E=E, pages_per_row=8)
+    G = bt.shape[1] * E  # 128 entries: 4 blocks of 32 (2 pages: twice the top-k, whole pages)
+    q_pos = jnp.array([[250, 200, 140, 90, 60, 9], [40, 30, 20, 10, 5, 0]], jnp.int32)  # row 1: block 0 only
+
+    @jax.jit
+    def both(q, w, pk, sc, bt, q_pos):
+        kw = dict(want_candidates=True, cfg=cfg, backend=backend)
+        blocked = il.context_topk_blocks(q, w, pk, sc, bt, q_pos, ratio, block_entries=32, **kw)
+        return blocked, il.index_topk(q, w, pk, sc, bt, q_pos, ratio, num_entries=G, **kw)
+
+    (topk, cand), (want_topk, want_cand) = both(q, w, pk, sc, bt, q_pos)
+    np.testing.assert_array_equal(np.asarray(topk), np.asarray(want_topk))
+    np.testing.assert_array_equal(np.asarray(il.blocks_to_mask(cand, G, 8)),
+                                  np.asarray(il.blocks_to_mask(want_cand, G, 8)))
+    assert (np.asarray(topk)[1, 5] == -1).all() and (np.asarray(topk)[0, 0] >= 64).any()  # none seen; far blocks
+
+
 def test_context_scores_of_a_prefill_chunk_in_query_groups():
     """A prefill chunk's S queries over the context (`context_scores`, S > the queries one kernel row takes):
     groups of query_group(IH) queries, the last one padded, each group a kernel row that skips the entries none of
