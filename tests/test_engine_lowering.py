@@ -84,13 +84,16 @@ def test_prefill_chunk_lowers_for_cuda(bench):
     defaults (`KernelOptions()`) the encoder's indexers run through the chunk kernel (`indexer_chunk`: the keys
     dequantized once, two groups of 8 queries x 32 heads sharing each key tile) and the RoPE inside the attention
     kernel's epilogue (one split); with both options off, neither: the indexers in XLA, q / o rotated in XLA (the
-    options are part of the programs' cache key)."""
+    options are part of the programs' cache key). By blocks (`prefill_indexer_block_entries`: a 64-page table,
+    2048 entries at ratio 2, in blocks of 1024), the chunk kernel inside the loop over the blocks a chunk sees."""
     cfg, core, pool = bench
 
-    def lowered(opts):
-        return programs.run_encoder.trace(core, pool, _batch(cfg, 1, 2048, 8), cfg=cfg, num=quant.REFERENCE,
+    def lowered(opts, T=2048, pages=8):
+        return programs.run_encoder.trace(core, pool, _batch(cfg, 1, T, pages), cfg=cfg, num=quant.REFERENCE,
                                           backends=BK.Backends("pallas", opts, ALL_KERNELS)).lower(
             lowering_platforms=("cuda",)).as_text()
 
     assert "indexer_chunk" in lowered(BK.KernelOptions())
     assert "indexer_chunk" not in lowered(BK.KernelOptions(prefill_indexer_kernel=False, fuse_rope=False))
+    blocks = lowered(BK.KernelOptions(prefill_indexer_block_entries=1024), T=256, pages=64)
+    assert "indexer_chunk" in blocks and "stablehlo.while" in blocks
