@@ -1,8 +1,9 @@
-"""The engine's programs with the Mosaic GPU kernels (KV path, expert GEMM, FP8 linears, mHC and router sites), lowered for CUDA on the CPU at the bench preset's shapes
-(Flash's per-layer widths). Lowering runs every kernel's Pallas -> Mosaic GPU pass (layouts, TMA boxes, shared
-memory, wgmma shapes) at the shapes the engine really passes, which the kernels' own tests at their own shapes
-can miss: two decode rows give the expert GEMM 12 token rows, which once failed on the H200 ("dimension 0 must
-have size smaller or a multiple of its tiling 8"). Nothing is allocated: parameters and pool are abstract."""
+"""The engine's programs with the Mosaic GPU kernels (KV path, expert GEMM, FP8 linears, mHC and router sites),
+lowered for CUDA on the CPU at the bench preset's shapes (Flash's per-layer widths). Lowering runs every kernel's
+Pallas -> Mosaic GPU pass (layouts, TMA boxes, shared memory, wgmma shapes) at the shapes the engine really passes,
+which the kernels' own tests at their own shapes can miss: two decode rows give the expert GEMM 12 token rows,
+which once failed on the H200 ("dimension 0 must have size smaller or a multiple of its tiling 8"). Nothing is
+allocated: parameters and pool are abstract."""
 
 import jax
 import jax.numpy as jnp

@@ -93,7 +93,8 @@ class EngineConfig:
     # block table max_model_len wide (overrides the two above). A request's logits and tokens are then the same
     # bits alone, in any batch, or after a prefix hit (docs/ARCHITECTURE.md "Batch invariance"); costs padding
     batch_invariant: bool = False
-    # kernel choices: 'auto' picks the Pallas kernels where the device, shapes and weights allow (serving/engine/backends.py)
+    # kernel choices: 'auto' picks the Pallas kernels where the device, shapes and weights allow
+    # (serving/engine/backends.py)
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     mhc_backend: str = "auto"

@@ -94,9 +94,9 @@ def _context_index_keys(pages: LayerKV, block_table, cfg):
 
 # The XLA indexer scores the context in blocks of about this many entries (at least twice the top-k, so that a
 # merge sorts at most 1.5x the block), only as many blocks as the batch's furthest visible entry reaches (a loop
-# with a run-time trip count): its work follows the context, not the block table's width (max_model_len). Blocks
-# of 2048 made the tiny preset's 256-token replayed prefill 14% slower in an engine of 8192 tokens than in one of
-# 2048 (0.75 against 0.66 s, 2-core CPU); 256: 0.61 against 0.60 s, and a 6000-token prompt 1.94 against 2.19 s.
+# with a run-time trip count): its work follows the context, not the block table's width (max_model_len). Small
+# blocks waste little on a short prompt (the first block is scored whole) and cost little in merges on a long one
+# (docs/PERFORMANCE.md section 9).
 SCORE_BLOCK_ENTRIES = 256
 
 
@@ -104,7 +104,8 @@ def _score_blocks(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Nu
                   multiple: int):
     """The context's index-key scores by blocks of pages (block_table [B, C]): -> (block(i) -> float32 [B, T, W]
     scores of entries [i * W, (i + 1) * W), -inf where not visible; W; the block count; the blocks some query
-    sees, at least 1 (traced)). W: `indexer.block_pages` of SCORE_BLOCK_ENTRIES. Each score is `indexer.raw_scores`' arithmetic on its own key, as in one pass."""
+    sees, at least 1 (traced)). W: `indexer.block_pages` of SCORE_BLOCK_ENTRIES. Each score is
+    `indexer.raw_scores`' arithmetic on its own key, as in one pass."""
     C = block_table.shape[1]
     E = pages.ik_packed.shape[1]
     bp = indexer.block_pages(C, E, SCORE_BLOCK_ENTRIES, min_entries, multiple)

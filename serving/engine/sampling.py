@@ -53,6 +53,7 @@ def sampling_arrays(rows: list, vocab_size: int, fail: Callable[[Any, str], None
         except (OverflowError, ValueError, TypeError) as e:
             fail(r, f"request {r.id}: sampling values {s} do not fit the step's arrays ({e}); "
                     f"give values within the documented ranges")
-    for r in filter(None, rows):  # only once every row filled: a failed row leaves the others' sampling keys as they were
+    # only once every row filled: a failed row leaves the others' sampling keys as they were
+    for r in filter(None, rows):
         r.steps += 1
     return programs.Sampling(t, tp, tk, key)
