@@ -50,11 +50,11 @@ case "${1:-}" in
     case "${1:-}" in
       1) set -- tests/pallas_kernels/test_{expert_gemm,fp8_linear,codec_ptx,indexer_chunk,indexer_logits,kv_write}.py ;;
       2) set -- tests/pallas_kernels/test_{mhc,router,sparse_attention,topk_select}.py ;;
-      3) set -- tests/test_engine_gpu.py; k="layer_by_layer" ;;
+      3) set -- tests/test_engine_gpu.py; k="layer_by_layer and not indexer-blocks" ;;
       4) set -- tests/test_engine_gpu.py; k="not layer_by_layer and not all_kernels and not scanned and not shared" ;;
       5) set -- tests/test_engine_gpu.py; k="all_kernels" ;;
       6) set -- tests/test_engine_gpu.py; k="scanned" ;;
-      7) set -- tests/test_engine_gpu.py; k="shared" ;;
+      7) set -- tests/test_engine_gpu.py; k="shared or indexer-blocks" ;;
       "") set -- tests/pallas_kernels ;;
     esac
     timeout -k 10 "${TESTS_TIMEOUT:-580}" $PY -m pytest -q -s -rA --tb=short -m gpu -p no:cacheprovider \

@@ -53,7 +53,7 @@ def bench():
 
 @pytest.mark.parametrize("fuse_rope, prefill_indexer, topk, blocks", [
     (False, False, "auto", 0), (True, False, "auto", 0), (False, True, "auto", 0), (True, False, "kernel", 0),
-    (True, True, "auto", 1024)])
+    (True, True, "auto", 1024)], ids=["unfused", "fused-rope", "chunk-indexer", "kernel-topk", "indexer-blocks"])
 def test_kv_path_kernels_match_xla_layer_by_layer(bench, fuse_rope, prefill_indexer, topk, blocks):
     """Two rows whose pools hold 1536 tokens (ratio-2 layers: 768 entries, so the top-512 selection is real),
     then a prefill chunk (one ragged row) whose windows reach into the rings, and a decode step; also with the
