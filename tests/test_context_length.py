@@ -84,23 +84,26 @@ def test_blocks_past_the_visible_entries_are_not_scored(monkeypatch):
     assert any((g != h).any() for g, h in zip(f(bad, far), f(pages, far)))
 
 
+@pytest.mark.parametrize("S", [4, 1])  # a prefill chunk's queries / a decode step's (its own block size)
 @pytest.mark.parametrize("with_candidates", [False, True])
-def test_context_select_merges_blocks_as_one_selection(monkeypatch, with_candidates):
+def test_context_select_merges_blocks_as_one_selection(monkeypatch, with_candidates, S):
     """The XLA indexer's top-k, merged block by block (`_context_select`), picks `indexer.select_topk`'s entries
     of the one-pass scores: ties (coarse values make many) to the lower id, rows that see fewer than k entries or
     none, and candidate lists with fewer than k visible candidates (the -inf entries then picked by id)."""
-    monkeypatch.setattr(programs, "SCORE_BLOCK_ENTRIES", 32)  # 3 pages a block (2 x the top-k), 3 blocks
+    for name in ("SCORE_BLOCK_ENTRIES", "DECODE_SCORE_BLOCK_ENTRIES"):
+        monkeypatch.setattr(programs, name, 32)  # 3 pages a block (2 x the top-k), 3 blocks
     B, C, P, E, r = 3, 8, 40, 16, 2
-    q, w, pages, bt, rng = _pool(4, B, C, P, E, S=4)
+    q, w, pages, bt, rng = _pool(4, B, C, P, E, S=S)
     for i, n in enumerate((8, 3, 1)):
         bt[i, :n] = rng.permutation(P)[:n]
-    pos = jnp.asarray([[255, 200, 130, 70], [95, 60, 20, 7], [1, 0, 0, 0]], jnp.int32)
+    pos = jnp.asarray([[255, 200, 130, 70], [95, 60, 20, 7], [1, 0, 0, 0]], jnp.int32)[:, :S]
     cfg = _cfg(q)
     G = C * E
     blocks = None
     if with_candidates:  # ascending block ids, -1 padded, as the candidate source hands them on
-        pick = np.sort(np.where(rng.random((B, 4, G // 8)) < 0.2, np.arange(G // 8), G), axis=-1)[..., :6]
-        blocks = jnp.asarray(np.where(pick == G, -1, pick), jnp.int32)
+        pick = np.sort(rng.permuted(np.broadcast_to(np.arange(G // 8), (B, S, G // 8)), axis=-1)[..., :6], axis=-1)
+        pick[1, :, 4:] = -1
+        blocks = jnp.asarray(pick, jnp.int32)
 
     @jax.jit
     def both(q, w, bt, pos, blocks):
@@ -111,7 +114,7 @@ def test_context_select_merges_blocks_as_one_selection(monkeypatch, with_candida
         return got, indexer.select_topk(s, pos, r, cfg)
 
     got, want = both(q, w, jnp.asarray(bt), pos, blocks)
-    assert got.shape == (B, 4, 24)
+    assert got.shape == (B, S, 24)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert (np.asarray(want)[2] == -1).sum() > 0 and (np.asarray(want)[0, 0] >= 32).any()  # short rows, far blocks
 

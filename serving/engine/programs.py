@@ -96,19 +96,23 @@ def _context_index_keys(pages: LayerKV, block_table, cfg):
 # merge sorts at most 1.5x the block), only as many blocks as the batch's furthest visible entry reaches (a loop
 # with a run-time trip count): its work follows the context, not the block table's width (max_model_len). Small
 # blocks waste little on a short prompt (the first block is scored whole) and cost little in merges on a long one
-# (docs/PERFORMANCE.md section 9).
+# (docs/PERFORMANCE.md section 9). A decode step's rows (one query each) score little per block, and each loop
+# iteration costs XLA's GPU backend a round trip to the host for its condition: there, blocks of 2048 (what the
+# XLA path's GPU decode was timed with).
 SCORE_BLOCK_ENTRIES = 256
+DECODE_SCORE_BLOCK_ENTRIES = 2048
 
 
 def _score_blocks(qi, wi, pages: LayerKV, block_table, pos, r: int, cfg, num: Numerics, min_entries: int,
                   multiple: int):
     """The context's index-key scores by blocks of pages (block_table [B, C]): -> (block(i) -> float32 [B, T, W]
     scores of entries [i * W, (i + 1) * W), -inf where not visible; W; the block count; the blocks some query
-    sees, at least 1 (traced)). W: `indexer.block_pages` of SCORE_BLOCK_ENTRIES. Each score is
-    `indexer.raw_scores`' arithmetic on its own key, as in one pass."""
+    sees, at least 1 (traced)). W: `indexer.block_pages` of SCORE_BLOCK_ENTRIES (a decode step's:
+    DECODE_SCORE_BLOCK_ENTRIES). Each score is `indexer.raw_scores`' arithmetic on its own key, as in one pass."""
     C = block_table.shape[1]
     E = pages.ik_packed.shape[1]
-    bp = indexer.block_pages(C, E, SCORE_BLOCK_ENTRIES, min_entries, multiple)
+    entries = SCORE_BLOCK_ENTRIES if pos.shape[1] > 1 else DECODE_SCORE_BLOCK_ENTRIES
+    bp = indexer.block_pages(C, E, entries, min_entries, multiple)
     nblk, W = -(-C // bp), bp * E
     bt = jnp.pad(block_table, ((0, 0), (0, nblk * bp - C)), constant_values=pages.ik_packed.shape[0])
     nvis = (pos + 1) // r  # [B, T]: entries each query sees
