@@ -1,0 +1,119 @@
+"""The engine's host time per decode step, by function: `Engine.step` with its programs stubbed (each call returns
+outputs made once, so nothing runs on the device and nothing waits for it), B running requests at a context of
+--decode-ctx, greedy (--temperature > 0: the sampling program runs too). What is left is Python and numpy on the host: reading the previous tokens back and accepting
+them, admission, pages, the batch arrays (of them the Engram rows: hashing and the host table gather), the sampling
+arrays, and handing the outputs on. Each function's own time (its callees' taken out), microseconds a step.
+
+    PYTHONPATH=. python3 scripts/bench_host.py [--preset tiny] [--batches 1,8,64] [--steps 300]
+
+The step's share the device sees is this plus the program's dispatch (`bench_engine.py`: engine step against
+device-only). Any machine: the CPU's numbers are this host's Python; on a GPU host, its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import time
+
+from timing import device_params, engine_args, fake_decode_state, make_engine, print_table, write_json  # noqa: I001
+import jax
+import jax.numpy as jnp
+
+from dsv41.config import preset
+
+log = logging.getLogger("bench_host")
+
+# Engine methods a decode step calls, in call order (nesting: _decode_batch calls _batch, which calls _rows
+# (Engram), and _sampling; _dispatched calls _read with synchronous scheduling)
+PARTS = ("step", "_read", "_admit", "_decode", "_hold_pages", "_decode_rows", "_decode_batch", "_batch", "_rows",
+         "_sampling", "_drawn", "_dispatched")
+
+
+class _Stub:
+    """The engine's programs with run_full answering at once (the pool unchanged, logits and tokens made once)."""
+
+    def __init__(self, programs, rows: int, vocab: int):
+        self._programs = programs
+        self._logits = jnp.zeros((rows, vocab), jnp.float32)
+        self._tok = jnp.full((rows,), 7, jnp.int32)
+
+    def __getattr__(self, name):
+        return getattr(self._programs, name)
+
+    def run_full(self, params, pool, batch, **static):
+        return pool, self._logits, self._tok
+
+
+class Attribution:
+    """Own time of wrapped callables (a callee's time is taken out of its caller's)."""
+
+    def __init__(self):
+        self.own = collections.defaultdict(float)
+        self._stack: list[float] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            self._stack.append(0.0)
+            try:
+                return fn(*args, **kw)
+            finally:
+                dt = time.perf_counter() - t0
+                self.own[name] += dt - self._stack.pop()
+                if self._stack:
+                    self._stack[-1] += dt
+
+        return timed
+
+
+def host_step(eng, B: int, ctx: int, steps: int, temperature: float = 0.0) -> dict:
+    """-> {'step_us': median wall time of a step (unwrapped), part: own us a step (wrapped run)}. temperature > 0:
+    every row draws, so each step also runs the sampling program (on the device, not stubbed)."""
+    fake_decode_state(eng, B, ctx, temperature)
+    rows = len(eng._decode_rows(list(eng.running.values())))
+    eng.programs = _Stub(eng.programs, rows, eng.cfg.vocab_size)
+    for _ in range(10):
+        eng.step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t0)
+    att = Attribution()
+    for name in PARTS:
+        setattr(eng, name, att.wrap(name, getattr(eng, name)))
+    for _ in range(steps):
+        eng.step()
+    for name in PARTS:
+        delattr(eng, name)
+    eng.programs = eng.programs._programs
+    return {"step_us": statistics.median(walls) * 1e6, **{k: v / steps * 1e6 for k, v in att.own.items()}}
+
+
+def main():
+    ap = engine_args(__doc__, batches="1,8,64", weights=False)
+    ap.set_defaults(preset="tiny")
+    ap.add_argument("--steps", type=int, default=300, help="steps timed (and as many attributed)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = preset(args.preset)
+    batches = [int(b) for b in args.batches.split(",")]
+    eng = make_engine(cfg, device_params(cfg), True, args.decode_ctx + 1024, max(batches))
+    results = []
+    for B in batches:
+        r = host_step(eng, B, args.decode_ctx, args.steps, args.temperature)
+        results.append({"batch": B, **r})
+        log.info("batch %d: host step %.0f us", B, r["step_us"])
+    dev = jax.devices()[0]
+    print(f"\n{dev.device_kind} host, jax {jax.__version__}, {args.preset} preset ({len(cfg.engram_layer_ids)} Engram "
+          f"layers), context {args.decode_ctx}: a decode step's host time, us (each function's own; median step "
+          f"unwrapped, the parts from a wrapped run of {args.steps} steps)\n")
+    print_table(["batch", "host step", *PARTS],
+                [[r["batch"], f"{r['step_us']:.0f}", *(f"{r.get(p, 0.0):.0f}" for p in PARTS)] for r in results])
+    write_json(args.out, "bench_host.json", {"args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""scripts/bench_host.py: a decode step's host time by function, with the engine's programs stubbed."""
+
+import pytest
+
+import bench_host
+import tiny_engine
+
+pytestmark = pytest.mark.xdist_group(tiny_engine.GROUP)
+
+
+def test_own_time_leaves_out_the_callees(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(bench_host.time, "perf_counter", lambda: clock[0])
+    att = bench_host.Attribution()
+
+    def tick(dt):
+        clock[0] += dt
+
+    inner = att.wrap("inner", lambda: tick(2.0))
+    outer = att.wrap("outer", lambda: (tick(1.0), inner(), tick(0.5)))
+    outer()
+    inner()
+    assert att.own == {"inner": 4.0, "outer": 1.5}
+
+
+def test_host_step_runs_every_part_without_the_device():
+    """Two rows at a 100-token context: every part of the step is attributed, the parts add up to about one step
+    (the wrapped run costs a little more), and the engine gets its programs back."""
+    eng = tiny_engine.make()
+    programs = eng.programs
+    r = bench_host.host_step(eng, 2, 100, steps=20)
+    assert set(bench_host.PARTS) <= set(r) and all(r[p] >= 0 for p in bench_host.PARTS)
+    assert 0.5 * r["step_us"] < sum(r[p] for p in bench_host.PARTS) < 3 * r["step_us"]
+    assert r["_rows"] > 0 and r["_batch"] > 0  # the Engram rows and batch arrays were built
+    assert eng.programs is programs and "_batch" not in vars(eng)
+    assert eng.counters["decode_steps"] >= 40
