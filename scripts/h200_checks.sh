@@ -10,6 +10,7 @@
 #   width          prefill (1K, 16K tokens, replay on) in engines of 18K and 128K tokens, the encoder indexers over
 #                  the whole block table (today's default) and by the blocks the prompt sees (+indexer-blocks): a
 #                  prefill's time should not depend on --max-model-len
+#   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
 #                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
@@ -79,6 +80,9 @@ case "${1:-}" in
   width)
     bench 560 width scripts/bench_engine.py --backends "" --prefill-backends auto,auto+indexer-blocks \
       --weights release --replay on --lengths 1024,16384 --prefill-max-model-len 18432,131072
+    ;;
+  host)
+    bench 300 host scripts/bench_host.py --preset bench --batches 1,8,64
     ;;
   kernels)
     JAX_CAPTURED_CONSTANTS_WARN_BYTES=-1 bench 150 expert_gemm scripts/bench_expert_gemm.py --out "$OUT" \
