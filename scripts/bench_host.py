@@ -73,22 +73,23 @@ def host_step(eng, B: int, ctx: int, steps: int, temperature: float = 0.0) -> di
     every row draws, so each step also runs the sampling program (on the device, not stubbed)."""
     fake_decode_state(eng, B, ctx, temperature)
     rows = len(eng._decode_rows(list(eng.running.values())))
-    eng.programs = _Stub(eng.programs, rows, eng.cfg.vocab_size)
-    for _ in range(10):
-        eng.step()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t0)
-    att = Attribution()
-    for name in PARTS:
-        setattr(eng, name, att.wrap(name, getattr(eng, name)))
-    for _ in range(steps):
-        eng.step()
-    for name in PARTS:
-        delattr(eng, name)
-    eng.programs = eng.programs._programs
+    programs, att, walls = eng.programs, Attribution(), []
+    eng.programs = _Stub(programs, rows, eng.cfg.vocab_size)
+    try:
+        for _ in range(10):
+            eng.step()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t0)
+        for name in PARTS:
+            setattr(eng, name, att.wrap(name, getattr(eng, name)))
+        for _ in range(steps):
+            eng.step()
+    finally:  # the engine as it was: its own programs and methods
+        for name in PARTS:
+            vars(eng).pop(name, None)
+        eng.programs = programs
     return {"step_us": statistics.median(walls) * 1e6, **{k: v / steps * 1e6 for k, v in att.own.items()}}
 
 
