@@ -600,7 +600,7 @@ def topk_positions(s: jax.Array, k: int, method: str = "auto", interpret: bool =
     if method == "auto":
         method = auto_topk_method(math.prod(s.shape[:-1]), s.shape[-1], kernel_ok or interpret)
     if method == "lax":
-        return lax.top_k(s, k)[1]
+        return indexer.lax_positions(s, k)
     if method in topk.RADIX_VARIANTS:
         return topk.top_k_positions(s, k, *topk.RADIX_VARIANTS[method])
     if method == "kernel":
@@ -648,11 +648,7 @@ def candidate_blocks(s: jax.Array, q_pos: jax.Array, ratio: int, cfg: IndexerCon
 
 def blocks_to_mask(blocks: jax.Array, num_entries: int, block_size: int = 8) -> jax.Array:
     """Block ids [B, S, K] (-1 = none) -> bool entry mask [B, S, G] (what `indexer.candidate_mask` returns)."""
-    nb = -(-num_entries // block_size)
-    B, S, _ = blocks.shape
-    idx = jnp.where((blocks >= 0) & (blocks < nb), blocks, nb)             # out of range: dropped
-    hit = jnp.zeros((B, S, nb), bool).at[jnp.arange(B)[:, None, None], jnp.arange(S)[None, :, None], idx].set(
-        True, mode="drop")
+    hit = indexer.block_mask(blocks, -(-num_entries // block_size))
     return jnp.repeat(hit, block_size, axis=-1)[..., :num_entries]
 
 

@@ -164,7 +164,8 @@ def main():
     replays += tuple(margins)
     pre_sizes = [int(x) for x in args.prefill_max_model_len.split(",") if x] or [max_len]
     if min(pre_sizes) < max(lengths) + 1:
-        ap.error(f"--prefill-max-model-len {min(pre_sizes)} cannot hold a {max(lengths)}-token prompt and its token")
+        ap.error(f"--prefill-max-model-len {min(pre_sizes)} cannot hold a {max(lengths)}-token prompt and the token "
+                 f"it generates: give sizes above {max(lengths)}")
     pre = bench_prefill(cfg, params_of, pre_backends, lengths, pre_sizes, replays, args.scan_layers,
                         args.min_prefill_bucket)
 
