@@ -11,8 +11,8 @@ held 140 kernel hashes for 87 distinct kernels, its 11 programs 245 for 176 (`sc
 
 `install()` drops the name from each module while no dump is asked for (`MOSAIC_GPU_DUMP_*`); jaxlib names the
 module again when it compiles it, so its dumps, if asked for then, still have their names. It is process-wide and
-changes no kernel's code; until its GPU run (`scripts/h200_checks.sh tests`) it is on only where the environment
-sets DSV41_STABLE_KERNEL_HASHES=1 (`pallas_kernels/__init__.py`).
+changes no kernel's code (every kernel's GPU test passes with it, `scripts/h200_checks.sh tests`); importing
+`pallas_kernels` installs it unless the environment sets DSV41_STABLE_KERNEL_HASHES=0.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
 #                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
 #                  filled (~4 min on an H100 host: docs/PERFORMANCE.md section 6); fewer programs:
-#                  SERVE_ARGS="--min-prefill-bucket 128 --min-decode-bucket 8"; one compile a distinct kernel
-#                  (pallas_kernels/kernel_hashes.py, not yet the default): DSV41_STABLE_KERNEL_HASHES=1 before bash
+#                  SERVE_ARGS="--min-prefill-bucket 128 --min-decode-bucket 8"; jax's per-lowering kernel names
+#                  kept in the kernel hashes (pallas_kernels/kernel_hashes.py): DSV41_STABLE_KERNEL_HASHES=0 before bash
 #   compile        where a compile's time goes: the smallest encoder and decode programs' compiles traced (their
 #                  host events by name), then XLA's autotuning: the decode program's first step (its compile) and
 #                  its step time, batch 1, in engines of 8192 and 131072 tokens (the block table's width), with XLA's

@@ -308,7 +308,8 @@ class OpenAIServer:
     # ---- simple routes ----
 
     async def health(self) -> Response:
-        """{"status": "ok"}, with "processes" (each one's state) for a multi-host engine; 503 otherwise."""
+        """{"status": "ok"}, with "processes" (each one's state) for a multi-host engine and "programs_ready" /
+        "programs" while a staged warm-up compiles the rest in the background; 503 otherwise."""
         if not self.engine.alive:
             return _error_response(ApiError(503, self.engine.dead_reason or "the engine thread is not running; "
                                             "restart the server", code="engine_dead"))
@@ -319,10 +320,14 @@ class OpenAIServer:
         if not self.engine.healthy:
             return _error_response(ApiError(503, "the last engine step failed; see the server log",
                                             code="engine_unhealthy", headers={"Retry-After": str(RETRY_AFTER_S)}))
+        body: dict[str, Any] = {"status": "ok"}
         processes = getattr(self.engine.engine, "processes", None)
         if processes is not None:
-            return _json_response({"status": "ok", "processes": processes()})
-        return Response(b'{"status": "ok"}', media_type="application/json")
+            body["processes"] = processes()
+        st = self.engine.warmup_status()
+        if not st["done"]:
+            body.update(programs_ready=st["programs_ready"], programs=st["programs"])
+        return _json_response(body)
 
     async def metrics_text(self) -> Response:
         stats = await self.engine.stats(timeout_s=2.0)
@@ -548,11 +553,11 @@ class BackgroundServer:
 
     def __init__(self, engine: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  metrics: ServingMetrics | None = None, max_queue_wait_s: float | None = None,
-                 warmup: bool = False, media: MediaConfig | None = None) -> None:
+                 warmup: bool = False, staged_warmup: bool = False, media: MediaConfig | None = None) -> None:
         self.metrics = metrics or ServingMetrics(model_name)
         self.media = media
         self.async_engine = AsyncEngine(engine, metrics=self.metrics, max_queue_wait_s=max_queue_wait_s,
-                                        warmup=warmup)
+                                        warmup=warmup, staged_warmup=staged_warmup)
         self.model_name = model_name
         self.host = host
         self.port = port

@@ -21,7 +21,9 @@ which requests still wait from `engine.waiting_request_ids()`; the same check ti
 
 Warm-up: with `warmup=True` the engine thread first runs `engine.warmup()` (every program compiled and loaded),
 so the server can listen meanwhile. Until it ends, `ready` is False, `add` raises `WarmingUp` (the server answers
-503 + Retry-After) and `warmup_status()` says how far it is; `shutdown()` stops it between two programs.
+503 + Retry-After) and `warmup_status()` says how far it is; `shutdown()` stops it between two programs. With
+`staged_warmup` it ends once the programs that cover every step are ready; the others compile in the background
+(`warmup_status()["done"]` turns True when every one is in use).
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ class AsyncEngine:
     """Owns the engine thread. Construct anywhere; `start()` from inside the event loop that will consume it."""
 
     def __init__(self, engine: Any, *, metrics: ServingMetrics | None = None,
-                 stats_interval_s: float = 0.25, max_queue_wait_s: float | None = None, warmup: bool = False) -> None:
+                 stats_interval_s: float = 0.25, max_queue_wait_s: float | None = None, warmup: bool = False,
+                 staged_warmup: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
@@ -219,6 +222,7 @@ class AsyncEngine:
         self._ready = threading.Event()  # warm-up is over (or was not asked for): requests are taken
         # read here, on the constructing thread, so the engine creates it before any other thread asks
         self._progress = engine.warmup_progress if warmup else None
+        self._staged = staged_warmup
         if not warmup:
             self._ready.set()
 
@@ -423,6 +427,8 @@ class AsyncEngine:
                     break
                 if not self.engine.has_work():
                     self.healthy = True  # idle again: whatever failed was cleaned up
+                    if self._staged:
+                        self.engine.adopt_programs()  # (a busy engine's steps do)
                     if time.monotonic() - last_stats > self._stats_interval:
                         last_stats = self._refresh_stats()
                     continue
@@ -462,7 +468,10 @@ class AsyncEngine:
     def _warm_up(self) -> None:
         """engine.warmup() on this thread (the engine is single-threaded); a raise crashes the thread, so /health
         says the engine is dead. Stopped early by shutdown(): the _STOP it queued ends the loop next."""
-        self.engine.warmup(should_stop=self._stopping.is_set)
+        if self._staged:
+            self.engine.warmup(should_stop=self._stopping.is_set, staged=True)
+        else:
+            self.engine.warmup(should_stop=self._stopping.is_set)
         if not self._stopping.is_set():
             self._refresh_stats()
             self._ready.set()

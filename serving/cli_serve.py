@@ -183,6 +183,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "
                         "with a GPU, off on CPU; fewer buckets = shorter warm-up)")
+    g.add_argument("--serve-during-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --warmup, take requests once the programs that cover every step (the largest "
+                        "prefill chunk, the replay decoder, the largest decode batch) are ready; the others compile "
+                        "in the background, and until each is ready short prompts and small batches pad to those "
+                        "(default: on; off: /health answers 503 until every program is ready)")
     g.add_argument("--seed", type=int, help="seed of the random weights of --preset")
     compilation_cache.add_args(g)
     g.add_argument("--program-store", action=argparse.BooleanOptionalAction, default=None,
@@ -332,7 +337,8 @@ def _serve_forever(engine: Any, args: argparse.Namespace, warmup: bool = False) 
 
     name = served_model_name(args)
     metrics = ServingMetrics(name)
-    aeng = AsyncEngine(engine, metrics=metrics, max_queue_wait_s=args.max_queue_wait, warmup=warmup)
+    aeng = AsyncEngine(engine, metrics=metrics, max_queue_wait_s=args.max_queue_wait, warmup=warmup,
+                       staged_warmup=warmup and getattr(args, "serve_during_warmup", False))
     on_lost = getattr(engine, "on_lost", None)  # several processes: a lost one fails every request with 503
     if on_lost is not None:
         on_lost.callbacks.append(aeng.fail)

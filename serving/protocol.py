@@ -231,6 +231,9 @@ class ErrorResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["ok"]
     processes: list[dict] | None = None  # a multi-host engine: {"process", "alive", "last_seen_s"} for each
+    # while a staged warm-up compiles the other programs in the background (steps pad to the ready ones)
+    programs_ready: int | None = None
+    programs: int | None = None
 
 
 class HealthWarmingUp(BaseModel):

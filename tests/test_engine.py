@@ -244,6 +244,42 @@ def test_warmup_leaves_nothing_to_compile(tiny):
     assert [p._cache_size() for p in progs] == before
 
 
+def test_staged_warmup_pads_to_the_covering_programs_until_the_rest_arrive(tiny):
+    """`warmup(staged=True)` returns once the covering programs are ready (the 128-token encoder, the one-row
+    decoder, the 2-row decode): until the others arrive, two short prompts run one call each at 128 tokens instead
+    of the shared 2 x 64 call, with the tokens and logits of an engine that has only those programs (bit for bit).
+    Once every program is in use the shared call runs; nothing compiles on a request's path either way."""
+    def serve(eng):
+        ps = {"a": prompt(40, seed=11), "b": prompt(57, seed=12)}
+        for rid, p in ps.items():
+            eng.add_request(rid, p, GREEDY4)
+        toks = {}
+        while eng.has_work():
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return toks, {rid: np.stack(eng.finished_logits.pop(rid)) for rid in ps}
+
+    eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4)
+    c = 8
+    assert eng.warmup(staged=True) == eng.covering_shapes() == [("encoder", 1, 128, c), ("decoder", 1, 1, c),
+                                                                ("decode", 2, 1, c)]
+    assert not eng.warmup_progress.done and eng.warmup_progress.snapshot()["programs_ready"] == 3
+    want = serve(make(tiny))  # min_prefill_bucket 128: the covering programs only (compiled through jit)
+    progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
+    compiled = [p._cache_size() for p in progs]
+    held, eng._background = eng._background, None  # the background's programs wait: steps use the covering ones
+    toks, logits = serve(eng)
+    assert eng.counters["prefill_calls"] == 2
+    assert toks == want[0] and all((logits[k] == want[1][k]).all() for k in logits)
+
+    eng._background = held
+    assert eng.wait_for_programs(timeout_s=300) and eng.warmup_progress.done
+    toks2, logits2 = serve(eng)
+    assert eng.counters["prefill_calls"] == 3  # one shared call
+    assert toks2 == toks and all(np.allclose(logits2[k], logits[k], rtol=0, atol=1e-5) for k in logits)
+    assert [p._cache_size() for p in progs] == compiled
+
+
 def test_concurrent_requests_and_back_pressure(tiny):
     eng = make(tiny, swa_bounded_replay=False)  # 5 pages, room for 320 tokens: forces a preemption
     a, b = prompt(180, seed=5), prompt(150, seed=6)

@@ -180,3 +180,38 @@ def test_the_store_knows_when_it_holds_an_engines_programs(tmp_path):
     assert store.holds_engine(k)
     (tmp_path / "b.exe").unlink()
     assert not store.holds_engine(k)
+
+
+# a stand-in compile worker: reports its covering program, then the others only after the engine's GO
+_WORKER = """
+import json, sys, time
+time.sleep(0.2 * int(sys.argv[1]))  # the second covering program comes late: nothing else may come before it
+def report(kind, B):
+    print(json.dumps(dict(kind=kind, B=B, T=1, pages=8, lower_s=0.0, compile_s=0.0, source="compiled")), flush=True)
+report("decode", int(sys.argv[1]))
+if sys.stdin.buffer.readline() == b"go\\n":
+    report("encoder", int(sys.argv[1]))
+"""
+
+
+def test_compile_workers_go_past_the_covering_programs_once_each_is_reported():
+    """`CompileWorkers.reports(first=...)`: the workers hold their other programs back (they wait for `GO` on stdin)
+    until every covering program is reported, so that those compile alone; the engine's process gets each report
+    once, and a second call goes on where the first stopped (a staged warm-up reads the rest in the background)."""
+    import subprocess
+    import sys
+
+    from serving.engine import precompile
+
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(B)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+             for B in (1, 2)]
+    workers = precompile.CompileWorkers(procs)
+    got = []
+    for _, r in workers.reports(first={("decode", 1, 1, 8), ("decode", 2, 1, 8)}):
+        got.append((r.kind, r.B))
+        if len(got) == 2:
+            break
+    assert sorted(got) == [("decode", 1), ("decode", 2)] and not workers.done
+    got += [(r.kind, r.B) for _, r in workers.reports()]
+    assert sorted(got[2:]) == [("encoder", 1), ("encoder", 2)] and workers.done
+    assert [p.returncode for p in procs] == [0, 0]

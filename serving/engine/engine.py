@@ -201,6 +201,9 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         self.async_scheduling = config.async_scheduling and self.spec is None
         self._in_flight: list[_InFlight] = []  # the last step's programs, read by the next step()
         self._undelivered: list[StepOutput] = []  # outputs read by a step that then raised: the next step returns them
+        # the program shapes steps may run while a staged warm-up compiles the others (`Warmup`); None: any
+        self.usable_shapes: frozenset | None = None
+        self._background = None  # a staged warm-up's background compiles
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -363,7 +366,9 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
 
     def _decode_rows(self, reqs: list[_Request]) -> list[_Request | None]:
         per_rank = collections.Counter(r.rank for r in reqs)
-        return self._placed(reqs, _bucket(max(per_rank.values()), self.min_decode_bucket))
+        D = len(self.ranks)
+        B, _ = self._usable("decode", D * _bucket(max(per_rank.values()), self.min_decode_bucket), self.decode_tokens)
+        return self._placed(reqs, B // D)
 
     def _decode_batch(self, rows: list[_Request | None]) -> tuple[programs.Batch, programs.Sampling]:
         live = [r for r in rows if r is not None]
@@ -392,6 +397,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         data rank that has a prompt to fill, its oldest's next chunk, or several short prompts: `_prefill`), then
         one decode step over every running sequence. -> the tokens read in this call: with async scheduling those
         of the programs the previous call dispatched, else this call's."""
+        if self._background is not None:
+            self.adopt_programs()
         outs = self._undelivered = self._undelivered + self._read()
         self._admit()
         queued: dict[int, list[_Request]] = {}  # each rank's prompts to fill, oldest first

@@ -9,9 +9,12 @@ lowers and compiles the very programs the allocated engine runs, under the same 
 compile them side by side from the first second of start-up.
 
 `start(cfg, config)` launches `config.compile_workers` processes (`serving/engine/precompile_worker.py`). Worker i
-of n builds the abstract engine, takes every n-th program of the warm-up's compile order (largest first), leaves
-it where the store holds it already or lowers, compiles and stores it, and writes one JSON report a program on its
-stdout. `Warmup.warmup` waits for them (`CompileWorkers.reports`), counting and logging each program as its
+of n builds the abstract engine, takes every n-th program of the warm-up's compile order (the covering programs,
+`Engine.covering_shapes`, then the others, each largest first), leaves it where the store holds it already or
+lowers, compiles and stores it, and writes one JSON report a program on its stdout. The covering programs compile
+alone: the others wait for `GO` on the worker's stdin, which the engine sends once each covering one is reported
+(6 compiles at once each took 2.5x as long as one alone), so a staged warm-up (`Warmup.warmup(staged=True)`)
+serves early. `Warmup.warmup` waits for them (`CompileWorkers.reports`), counting and logging each program as its
 report arrives, then loads every program from the store; one the workers could not give it is compiled there as
 before. Only an engine of one process with a program store starts workers (on a mesh each worker builds the
 abstract engine on the same devices: `Engine.abstract` places it as the engine is placed), and none start where the
@@ -41,6 +44,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.warmup_progress import ProgramReport
 
 log = logging.getLogger(__name__)
+GO = b"go\n"  # a worker's stdin after its job: compile the programs past the covering ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,9 @@ class CompileWorkers:
         self.procs = procs
         self.t0 = time.monotonic()
         self.stopped = False
+        self._running = len(procs)
+        self._released = False
+        self._reported: set = set()
         self._queue: queue.Queue = queue.Queue()
         self._readers = [threading.Thread(target=self._read, args=(i, p), daemon=True, name=f"dsv41-precompile-{i}")
                          for i, p in enumerate(procs)]
@@ -79,11 +86,21 @@ class CompileWorkers:
                 log.debug("compile worker %d: %s", i, line.rstrip())
         self._queue.put((i, None))
 
-    def reports(self, should_stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, ProgramReport]]:
+    @property
+    def done(self) -> bool:
+        """Every worker has exited (and its end was read by `reports`)."""
+        return not self._running
+
+    def reports(self, should_stop: Callable[[], bool] = lambda: False, first: set | None = None
+                ) -> Iterator[tuple[int, ProgramReport]]:
         """Each program's report as a worker sends it, until every worker has exited, or until should_stop()
-        (checked every 0.25 s) turns True: then the workers are ended and `stopped` is set."""
-        running = len(self.procs)
-        while running:
+        (checked every 0.25 s) turns True: then the workers are ended and `stopped` is set. A later call goes on
+        where an earlier one stopped. first: the covering programs (`Engine.covering_shapes`), which the workers
+        compile before the others (`precompile_worker`): once each is reported, or once a worker has failed, they
+        are told to go on with the others (at once when first is None)."""
+        if first is None or first <= self._reported:
+            self._release()
+        while self._running:
             try:
                 i, r = self._queue.get(timeout=0.25)
             except queue.Empty:
@@ -93,13 +110,29 @@ class CompileWorkers:
                     return
                 continue
             if r is None:
-                running -= 1
+                self._running -= 1
                 rc = self.procs[i].wait()
                 if rc:
+                    self._release()  # the covering programs it held compile in this process
                     log.warning("compile worker %d exited with status %d (its log is above); the programs it did "
                                 "not report compile in this process", i, rc)
                 continue
+            self._reported.add((r.kind, r.B, r.T, r.pages))
+            if first is not None and first <= self._reported:
+                self._release()
             yield i, r
+
+    def _release(self) -> None:
+        """Tells every worker to go on past the covering programs (one line on its stdin, which then closes)."""
+        if self._released:
+            return
+        self._released = True
+        for p in self.procs:
+            try:
+                p.stdin.write(GO)
+                p.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):  # exited already
+                pass
 
     def stop(self) -> None:
         """Ends the workers (a start-up stopped early): a compile under way cannot be interrupted otherwise."""
@@ -144,7 +177,7 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
         p = subprocess.Popen([sys.executable, "-m", "serving.engine.precompile_worker"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
         p.stdin.write(pickle.dumps(Job(cfg, config, i, n, cache_dir, ckpt, options)))
-        p.stdin.close()
+        p.stdin.flush()  # left open: `GO` follows once the covering programs are compiled (`CompileWorkers.reports`)
         procs.append(p)
     log.info("compile workers: %d processes compile the warm-up's programs into %s while the weights load", n,
              store.dir)

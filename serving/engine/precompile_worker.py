@@ -14,31 +14,40 @@ import jax
 
 from serving import compilation_cache
 from serving.engine.engine import Engine
-from serving.engine.precompile import Job
+from serving.engine.precompile import GO, Job
 from serving.engine.warmup import compile_order
 from serving.engine.warmup_progress import ProgramReport
 
 
-def work(job: Job) -> None:
+def work(job: Job, stdin) -> None:
+    """stdin: the rest of the worker's stdin after its job (`GO` comes once the covering programs are compiled)."""
     for o, v in job.jax_options:
         jax.config.update(o, v)
     compilation_cache.configure(job.cache_dir)
     eng = Engine.abstract(job.cfg, dataclasses.replace(job.config, compile_workers=0, program_store=True),
                           checkpoint=job.checkpoint)
-    mine = sorted(eng.program_shapes(), key=compile_order)[job.index::job.count]
+    first = eng.covering_shapes()
+    # (sorted stably from program_shapes' order: every worker must take the same order)
+    order = sorted(first, key=compile_order) + sorted((s for s in eng.program_shapes() if s not in first),
+                                                      key=compile_order)
+    mine = order[job.index::job.count]
 
     def send(r: ProgramReport) -> None:
         sys.stdout.write(json.dumps(dataclasses.asdict(r)) + "\n")
         sys.stdout.flush()
 
-    eng.compile_programs(mine, threads=2, on_ready=send, load=False)  # the engine's process loads them
+    # the engine's process loads them
+    eng.compile_programs([s for s in mine if s in first], threads=2, on_ready=send, load=False)
+    rest = [s for s in mine if s not in first]
+    if rest and stdin.readline() == GO:  # anything else: the engine's process is gone
+        eng.compile_programs(rest, threads=2, on_ready=send, load=False)
 
 
 def main() -> int:
-    job = pickle.loads(sys.stdin.buffer.read())
+    job = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s compile worker {job.index} %(levelname)s %(name)s: %(message)s")
-    work(job)
+    work(job, sys.stdin.buffer)
     return 0
 
 

@@ -35,6 +35,10 @@ class Prefill:
         if self.shared_prefill is None:
             return None
         R, T = self.shared_prefill
+        D, c, u = len(self.ranks), self.max_pages_per_seq, self.usable_shapes
+        needs = [("encoder", D * R, T, c), ("decoder", D * R, 1, c)] if self.replay else [("full", D * R, T, c)]
+        if u is not None and not u.issuperset(needs):
+            return None  # a staged warm-up compiles it still
         picks, several = [], False
         for rank, q in sorted(queued.items()):
             left = self._chunk_budget(rank)
@@ -75,7 +79,9 @@ class Prefill:
         reqs = [r for r, _ in picks]
         chunks = {r.id: r.token_range(r.computed, end) for r, end in picks}
         ends = {r.id: end for r, end in picks}
-        T = T or min(self.chunk, _bucket(max(map(len, chunks.values())), self.min_prefill_bucket))
+        if T is None:
+            T = min(self.chunk, _bucket(max(map(len, chunks.values())), self.min_prefill_bucket))
+            T = self._usable("encoder" if self.replay else "full", len(self.ranks), T)[1]
         rows = self._placed(reqs, per_rank)
         self.counters["prefill_calls"] += 1
         b = self._batch(rows, chunks, {r.id: r.computed for r in reqs}, T)

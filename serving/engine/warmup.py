@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import queue
 import sys
 import threading
 import time
@@ -58,7 +59,7 @@ class Warmup:
                 p = self.__dict__.setdefault("_warmup_progress", WarmupProgress())
         return p
 
-    def warmup(self, workers: int = 8, should_stop: Callable[[], bool] | None = None
+    def warmup(self, workers: int = 8, should_stop: Callable[[], bool] | None = None, staged: bool = False
                ) -> list[tuple[str, int, int, int]]:
         """Compiles and loads every program of `program_shapes()` so that no request waits for a compile (the
         serving analog of capturing CUDA graphs at start-up). With a persistent compilation cache configured,
@@ -67,8 +68,13 @@ class Warmup:
         then each runs once on an all-padding batch. Without one, each program compiles as it first runs. Logs
         one line per program (shape, lower and compile time, where it came from, ETA) and keeps
         `warmup_progress` current.
+        staged (with a persistent cache, in one process): returns once `covering_shapes()` (the largest prefill
+        chunk, the replay decoder, the largest decode batch) are ready; the other programs compile in a background
+        thread (and the compile workers) meanwhile, and steps pad to the covering programs until each arrives:
+        `step()` runs each arrival once between two steps and then uses it (`wait_for_programs` waits for all).
+        `warmup_progress.done` turns True when every program is in use.
         should_stop: checked between programs; True ends warm-up early (a server told to stop while warming).
-        -> the shapes."""
+        -> the shapes ready on return."""
         shapes = self.program_shapes()
         n = len(shapes)
         progress = self.warmup_progress
@@ -77,48 +83,93 @@ class Warmup:
         t0 = time.perf_counter()
         cached = bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
         parallel = cached
-        log.info("warm-up: %d programs to compile and load (%s, %s)", n,
+        first = self.covering_shapes() if staged and parallel and jax.process_count() == 1 else shapes
+        rest = [s for s in shapes if s not in first]
+        log.info("warm-up: %d programs to compile and load (%s, %s)%s", n,
                  f"{len(self._compiling.procs)} compile workers, then {workers} compile threads"
                  if parallel and self._compiling is not None else
                  f"{workers} compile threads" if parallel else "one at a time",
-                 f"persistent cache {jax.config.jax_compilation_cache_dir}" if cached else "no persistent cache")
+                 f"persistent cache {jax.config.jax_compilation_cache_dir}" if cached else "no persistent cache",
+                 f"; serving once the {len(first)} that cover every step are ready" if rest else "")
         stored: set = set()
+        counted: set = set()
         if parallel:
-            stored = self._compile_or_load(shapes, workers, stop, progress)
+            stored = self._compile_or_load(first, workers, stop, progress, counted, staged=bool(rest))
             if stored is None:
                 return []
             log.info("warm-up: %d programs compiled or loaded (%d from the program store) in %.1f s; running each "
-                     "once", n, len(stored), time.perf_counter() - t0)
+                     "once", len(first), len(stored), time.perf_counter() - t0)
         elif self._compiling is not None:
             self._compiling.stop()  # nothing to load their programs from
             self._compiling = None
-        with _progress_bar(n, "warm-up: loading" if parallel else "warm-up") as bar:
-            for shape in shapes:
+        with _progress_bar(len(first), "warm-up: loading" if parallel else "warm-up") as bar:
+            for shape in first:
                 if stop():
                     log.info("warm-up stopped after %d of %d programs", progress.snapshot()["programs_ready"], n)
                     return []
-                fn, args, static = self._padding_call(*shape)
-                with compile_events.capture() as c:
-                    out = fn(*args, **static)
-                if shape in stored:
-                    _first_run(shape, out)
-                self.pool = out[0]
-                if shape[0] != "encoder" and not (shape[0] == "decode" and self.spec is not None):
-                    self._warm_sample(out[1])
-                if not parallel:
-                    r = _report(shape, c)
-                    eta = progress.compiled(r)
-                    log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], n, r, eta))
-                elif c.source == compile_events.COMPILED:
-                    log.warning("warm-up: %s compiled again when loaded (%.1f s): the persistent cache did not "
-                                "keep it; check that %s is writable", shape, c.compile_s,
-                                jax.config.jax_compilation_cache_dir)
-                progress.loaded()
+                self._run_once(shape, shape in stored, parallel)
                 bar.update(1)
         jax.block_until_ready(self.pool)
+        if rest:
+            self.usable_shapes = frozenset(first)
+            self._background = _Background(self, rest, workers, stop, counted, t0)
+            log.info("warm-up: serving after %.1f s on %s; %d more programs compile in the background (until each "
+                     "is ready, steps pad to these)", time.perf_counter() - t0,
+                     ", ".join(_shape_name(s) for s in first), len(rest))
+            return first
         progress.finish()
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
         return shapes
+
+    def _run_once(self, shape: tuple[str, int, int, int], from_store: bool, parallel: bool) -> None:
+        """Runs a compiled or loaded program once on an all-padding batch (and compiles its sampling variants), on
+        the engine's thread: the pool is donated to it."""
+        progress = self.warmup_progress
+        fn, args, static = self._padding_call(*shape)
+        with compile_events.capture() as c:
+            out = fn(*args, **static)
+        if from_store:
+            _first_run(shape, out)
+        self.pool = out[0]
+        if shape[0] != "encoder" and not (shape[0] == "decode" and self.spec is not None):
+            self._warm_sample(out[1])
+        if not parallel:
+            r = _report(shape, c)
+            eta = progress.compiled(r)
+            log.info("warm-up %s", report_line(progress.snapshot()["programs_compiled"], progress.total, r, eta))
+        elif c.source == compile_events.COMPILED:
+            log.warning("warm-up: %s compiled again when loaded (%.1f s): the persistent cache did not keep it; "
+                        "check that %s is writable", shape, c.compile_s, jax.config.jax_compilation_cache_dir)
+        progress.loaded()
+
+    def adopt_programs(self) -> None:
+        """A staged warm-up's programs that the background finished: runs each once, then lets steps use it; when
+        every program is in use, warm-up is done. The engine's thread calls it between two steps (`step` does, and
+        an idle server's loop)."""
+        bg = self._background
+        if bg is None:
+            return
+        for shape in bg.arrived():
+            self._run_once(shape, True, True)
+            self.usable_shapes = self.usable_shapes | {shape}
+            log.info("warm-up: %s ready (%d of %d programs)", _shape_name(shape), len(self.usable_shapes),
+                     self.warmup_progress.total)
+        if bg.failed or len(self.usable_shapes) == self.warmup_progress.total:
+            self._background = None
+            if not bg.failed:
+                self.usable_shapes = None
+                self.warmup_progress.finish()
+                log.info("warm-up: all %d programs ready in %.1f s", self.warmup_progress.total,
+                         time.perf_counter() - bg.t0)
+
+    def wait_for_programs(self, timeout_s: float | None = None) -> bool:
+        """Waits for a staged warm-up's background compiles, then puts every program in use (the engine's thread
+        only). -> whether every program is in use."""
+        bg = self._background
+        if bg is not None:
+            bg.thread.join(timeout_s)
+            self.adopt_programs()
+        return self.usable_shapes is None
 
     def _warm_sample(self, logits) -> None:
         """Compiles (or finds) `Programs.sample`'s variants for a program's logits [B, V]: small programs, so that a
@@ -127,13 +178,24 @@ class Warmup:
         for filtered in (False, True):
             self.programs.sample(logits, samp, filtered=filtered)
 
-    def _compile_or_load(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress
-                         ) -> set | None:
+    def _record(self, counted: set, r: ProgramReport, where: str = "") -> None:
+        """Counts and logs a program's compile (or load) report once, whichever of the workers and this process
+        sends it first."""
+        shape = (r.kind, r.B, r.T, r.pages)
+        if shape in counted:
+            return
+        counted.add(shape)
+        progress = self.warmup_progress
+        eta = progress.compiled(r)
+        log.info("warm-up %s%s", report_line(progress.snapshot()["programs_compiled"], progress.total, r, eta), where)
+
+    def _compile_or_load(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress,
+                         counted: set, staged: bool) -> set | None:
         """Warm-up's compile phase with a persistent cache: the compile workers' reports as they arrive (each
-        program counted and logged once, `precompile`), then `compile_programs` over every shape (those the
+        program counted and logged once, `precompile`) until every one of `shapes` has come (the workers compile
+        the covering programs first: `precompile_worker`), then `compile_programs` over `shapes` (those the
         workers compiled load from the store). -> the shapes loaded from the store; None when stopped early."""
-        n = len(shapes)
-        counted: set = set()
+        n = progress.total
 
         def stopped() -> bool:
             if stop():
@@ -142,24 +204,23 @@ class Warmup:
                 return True
             return False
 
-        with _progress_bar(n, "warm-up: compiling") as bar:
+        with _progress_bar(len(shapes), "warm-up: compiling") as bar:
             def record(r: ProgramReport, where: str = "") -> None:
-                shape = (r.kind, r.B, r.T, r.pages)
-                if shape in counted:
-                    return
-                counted.add(shape)
-                eta = progress.compiled(r)
-                log.info("warm-up %s%s", report_line(progress.snapshot()["programs_compiled"], n, r, eta), where)
-                bar.update(1)
+                if (r.kind, r.B, r.T, r.pages) not in counted:
+                    bar.update(1)
+                self._record(counted, r, where)
 
             workers_ = self._compiling
             if workers_ is not None:
-                self._compiling = None
-                for i, r in workers_.reports(stopped):
+                for i, r in workers_.reports(stopped, first=set(self.covering_shapes())):
                     record(r, f" (compile worker {i})")
+                    if staged and counted.issuperset(shapes):
+                        break  # the background takes the others' reports
                 if workers_.stopped:
                     return None
-                log.info("warm-up: the compile workers are done after %.1f s", time.monotonic() - workers_.t0)
+                if workers_.done:
+                    self._compiling = None
+                    log.info("warm-up: the compile workers are done after %.1f s", time.monotonic() - workers_.t0)
             return self.compile_programs(shapes, workers, record, stopped)
 
     def compile_programs(self, shapes, threads: int, on_ready: Callable[[ProgramReport], None],
@@ -229,11 +290,72 @@ class Warmup:
         finally:
             # not waiting: a stop (or an error) returns at once, and the queued compiles are dropped
             ex.shutdown(wait=False, cancel_futures=True)
-        if load and store is not None and all(k is not None and store.has(k) for k in keys.values()):
-            # every program of this engine is stored: the next start with the same model and options needs no
-            # compile workers (`precompile.start`)
-            store.record_engine(executables.engine_key(self.cfg, self.config), [keys[s] for s in shapes])
+        if load and store is not None:
+            self._note_if_all_stored(store, keys)
         return stored
+
+    def _note_if_all_stored(self, store: executables.ProgramStore, keys: dict) -> None:
+        """Notes in the store that it holds every program of this engine once it does (over every
+        `compile_programs` call of a warm-up): the next start with the same model and options needs no compile
+        workers (`precompile.start`)."""
+        known = self.__dict__.setdefault("_store_keys", {})
+        known.update(keys)
+        shapes = self.program_shapes()
+        if all(known.get(s) is not None and store.has(known[s]) for s in shapes):
+            store.record_engine(executables.engine_key(self.cfg, self.config), [known[s] for s in shapes])
+
+
+class _Background:
+    """A staged warm-up's other programs, compiled or loaded in a thread of their own: each one the compile workers
+    report is loaded from the store as it comes, then any they did not give is compiled here. Each is handed to the
+    engine's thread (`arrived`) once its executable is kept; `failed`: a compile raised (logged), and steps keep
+    padding to the programs in use."""
+
+    def __init__(self, engine: Any, rest: list, threads: int, stop: Callable[[], bool], counted: set, t0: float):
+        self.t0 = t0
+        self.failed = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(engine, list(rest), threads, stop, counted),
+                                       name="dsv41-warmup", daemon=True)
+        self.thread.start()
+
+    def arrived(self) -> list[tuple[str, int, int, int]]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run(self, eng: Any, pending: list, threads: int, stop: Callable[[], bool], counted: set) -> None:
+        def ready(r: ProgramReport) -> None:
+            eng._record(counted, r)
+            shape = (r.kind, r.B, r.T, r.pages)
+            if shape in pending:
+                pending.remove(shape)
+                self._queue.put(shape)
+
+        try:
+            workers_, eng._compiling = eng._compiling, None
+            if workers_ is not None:
+                for i, r in workers_.reports(stop):
+                    eng._record(counted, r, f" (compile worker {i})")
+                    if (r.kind, r.B, r.T, r.pages) in pending and eng.compile_programs(
+                            [(r.kind, r.B, r.T, r.pages)], 1, ready, stop) is None:
+                        return
+                if workers_.stopped:
+                    return
+                log.info("warm-up: the compile workers are done after %.1f s", time.monotonic() - workers_.t0)
+            if pending:
+                eng.compile_programs(list(pending), threads, ready, stop)
+        except Exception:
+            log.exception("warm-up: a background compile failed; steps keep padding to the programs in use")
+            self.failed = True
+
+
+def _shape_name(shape: tuple[str, int, int, int]) -> str:
+    kind, B, T, _ = shape
+    return f"{kind} B={B} T={T}"
 
 
 # whole-model programs first, then the prefill encoder, then the replay decoder; larger batches first within a kind:

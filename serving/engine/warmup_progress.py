@@ -55,6 +55,11 @@ class WarmupProgress:
             self._done = True
 
     @property
+    def total(self) -> int:
+        with self._lock:
+            return self._programs
+
+    @property
     def done(self) -> bool:
         with self._lock:
             return self._done

@@ -20,10 +20,10 @@ def _kernel_hashes(m: int, pw) -> list[str]:
     return re.findall(r'kernel_hash = "(.*?)"', text)
 
 
-def test_one_kernel_one_hash_across_programs(monkeypatch):
-    # installed for this test only (it is process-wide): the wrapped call put back afterwards
-    monkeypatch.setattr(mgpu_core.dialect, "get_or_set_dump_options", mgpu_core.dialect.get_or_set_dump_options)
-    assert kernel_hashes.install() and kernel_hashes.install()  # idempotent
+def test_one_kernel_one_hash_across_programs():
+    installed = mgpu_core.dialect.get_or_set_dump_options
+    assert installed._dsv41_stable  # importing pallas_kernels installs it (DSV41_STABLE_KERNEL_HASHES unset)
+    assert kernel_hashes.install()  # idempotent
     sd = jax.ShapeDtypeStruct
     w = Fp8Weight(sd((1024, 1280), jnp.float8_e4m3fn), sd((1024 // 32, 1280 // 32), jnp.uint8))
     pw = jax.eval_shape(lambda w: f8.prepare_fp8_linear(w, check=False), w)

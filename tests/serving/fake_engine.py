@@ -47,6 +47,7 @@ class FakeEngine:
         self.warmup_delay_s = warmup_delay_s
         self.warmup_progress = WarmupProgress()
         self.warmup_gate = None  # a threading.Semaphore: each program takes one release (tests step warm-up)
+        self._staged_left = 0  # a staged warm-up's programs not yet ready
         self.cfg = None
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -70,10 +71,13 @@ class FakeEngine:
 
     # ---- API ----
 
-    def warmup(self, should_stop=None) -> list[tuple[str, int, int, int]]:
+    def warmup(self, should_stop=None, staged: bool = False) -> list[tuple[str, int, int, int]]:
+        """staged: returns after the first program; each later step readies one more (the real engine's background
+        compiles, in step order)."""
         shapes = [("decode", 1 << i, 1, 1) for i in range(self.warmup_programs)]
         self.warmup_progress.start(len(shapes))
-        for kind, B, T, pages in shapes:
+        self._staged_left = len(shapes) - 1 if staged else 0
+        for kind, B, T, pages in shapes[:1] if staged else shapes:
             if should_stop is not None and should_stop():
                 return []
             while self.warmup_gate is not None and not self.warmup_gate.acquire(timeout=0.02):
@@ -82,7 +86,8 @@ class FakeEngine:
             time.sleep(self.warmup_delay_s)
             self.warmup_progress.compiled(ProgramReport(kind, B, T, pages, 0.0, self.warmup_delay_s, "compiled"))
             self.warmup_progress.loaded()
-        self.warmup_progress.finish()
+        if not self._staged_left:
+            self.warmup_progress.finish()
         return shapes
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -120,7 +125,16 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def adopt_programs(self) -> None:
+        """(The fake's staged programs arrive with its steps only, so tests see the padded phase.)"""
+
     def step(self) -> list[StepOutput]:
+        if self._staged_left:
+            self._staged_left -= 1
+            self.warmup_progress.compiled(ProgramReport("decode", 0, 1, 1, 0.0, 0.0, "compiled"))
+            self.warmup_progress.loaded()
+            if not self._staged_left:
+                self.warmup_progress.finish()
         if self.fail_next_steps:
             self.fail_next_steps -= 1
             raise RuntimeError("injected step failure")

@@ -141,14 +141,14 @@ from fake_engine import FakeEngine
 from serving.cli_serve import _ensure_logging, _serve_forever, add_serve_args
 import argparse
 _ensure_logging()
-args = add_serve_args(argparse.ArgumentParser()).parse_args(["--port", sys.argv[1]])
+args = add_serve_args(argparse.ArgumentParser()).parse_args(["--port", sys.argv[1], "--no-serve-during-warmup"])
 _serve_forever(FakeEngine(warmup_programs=10000, warmup_delay_s=0.05), args, warmup=True)
 """
 
 
 def test_sigterm_during_warmup_exits_promptly():
-    """`dsv41 serve --warmup`: the port answers /health with the progress while warming, and SIGTERM then ends the
-    server between two programs rather than after all of them."""
+    """`dsv41 serve --warmup --no-serve-during-warmup`: the port answers /health with the progress while warming,
+    and SIGTERM then ends the server between two programs rather than after all of them."""
     import json
     import signal
     import time

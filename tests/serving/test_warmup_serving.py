@@ -54,6 +54,21 @@ def test_health_reports_warmup_progress_then_ok():
         assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
+def test_staged_warmup_serves_while_the_rest_compile():
+    """With a staged warm-up the server takes requests once the covering programs are ready: /health answers 200
+    and says how many programs are ready until the rest are (the fake engine readies one a step)."""
+    eng = FakeEngine(warmup_programs=3)
+    eng.warmup_gate = threading.Semaphore(0)
+    with BackgroundServer(eng, model_name=MODEL, warmup=True, staged_warmup=True) as srv:
+        assert _health(srv)[0] == 503
+        eng.warmup_gate.release()  # the first program: the fake engine's covering set
+        _until(lambda: _health(srv)[0] == 200)
+        assert _health(srv) == (200, {"status": "ok", "programs_ready": 1, "programs": 3})
+        status, _, body = post(srv, "/v1/completions", BODY)  # its steps ready the other two
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        _until(lambda: _health(srv)[1] == {"status": "ok"})
+
+
 def test_stopping_during_warmup_ends_it():
     """SIGTERM while warming: uvicorn's shutdown stops the engine thread between two programs, not after all."""
     eng = FakeEngine(warmup_programs=50)
