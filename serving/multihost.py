@@ -374,9 +374,10 @@ class Leader:
         finally:
             self._digest = digest(self.engine)
 
-    def warmup(self, workers: int = 8, should_stop=None):
+    def warmup(self, workers: int = 8, should_stop=None, staged: bool = False):
         """Every process compiles every program; not stopped early (a follower cannot see should_stop, and
-        the programs it would run past the leader's stop would wait for the leader forever)."""
+        the programs it would run past the leader's stop would wait for the leader forever), nor staged (each
+        process's background compiles would end at other steps, and a step's program must be every process's)."""
         self.links.send_all({"op": "warmup", "workers": workers})
         return self.engine.warmup(workers)
 
