@@ -192,9 +192,10 @@ class Warmup:
     def _compile_or_load(self, shapes, workers: int, stop: Callable[[], bool], progress: WarmupProgress,
                          counted: set, staged: bool) -> set | None:
         """Warm-up's compile phase with a persistent cache: the compile workers' reports as they arrive (each
-        program counted and logged once, `precompile`) until every one of `shapes` has come (the workers compile
-        the covering programs first: `precompile_worker`), then `compile_programs` over `shapes` (those the
-        workers compiled load from the store). -> the shapes loaded from the store; None when stopped early."""
+        program counted and logged once, `precompile`) until they are done, or, staged, until every one of `shapes`
+        has come (the workers compile the covering programs first: `precompile_worker`; the background takes the
+        rest), then `compile_programs` over `shapes` (those the workers compiled load from the store). -> the
+        shapes loaded from the store; None when stopped early."""
         n = progress.total
 
         def stopped() -> bool:
