@@ -242,3 +242,24 @@ def test_abstract_mesh_engine_keys_every_program_as_the_allocated_one(kw):
     fn, (params, pool, *args), static = abstract._padding_call(*abstract.program_shapes()[-1])
     devices = config.parallelism.devices
     assert f"mhlo.num_partitions = {devices}" in fn.lower(params, pool, *args, **static).as_text()
+
+
+@pytest.mark.xdist_group(MESH_GROUP)
+def test_staged_warmup_buckets_count_every_data_rank():
+    """While a staged warm-up compiles, a step's program is the smallest usable one that holds it, its rows
+    counting every data rank's (nothing runs: the buckets only). DP2, up to 4 sequences a rank."""
+    from types import SimpleNamespace
+
+    eng = tiny_engine.make(data_parallel_size=2, max_num_seqs=4, min_decode_bucket=1, min_prefill_bucket=32,
+                           max_prefill_rows=2)
+    c = eng.max_pages_per_seq
+    assert eng.shared_prefill == (2, 64)
+    assert eng.covering_shapes() == [("encoder", 2, 128, c), ("decoder", 2, 1, c), ("decode", 8, 1, c)]
+    one = [SimpleNamespace(rank=1)]
+    assert len(eng._decode_rows(one)) == 2  # one row a rank
+    eng.usable_shapes = frozenset(eng.covering_shapes())
+    assert len(eng._decode_rows(one)) == 8 and eng._decode_rows(one)[4] is one[0]  # rank 1's rows start at 4
+    assert eng._usable("encoder", 2, 32) == (2, 128)
+    assert eng._shared_picks({0: [], 1: []}) is None  # the shared call's programs are not usable: not tried
+    eng.usable_shapes |= {("decode", 4, 1, c)}
+    assert len(eng._decode_rows(one)) == 4
