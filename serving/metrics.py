@@ -92,6 +92,13 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, help_text, labels=labels)
             c.add_metric([self._model], num(key) or 0.0)
             yield c
+        if num("warmup_programs") is not None:  # an engine that warmed up
+            for key, help_text in (("warmup_programs_ready", "Compiled programs in use (a staged warm-up compiles "
+                                    "the others while serving, steps padding to these)."),
+                                   ("warmup_programs", "Programs warm-up compiles and loads.")):
+                g = GaugeMetricFamily(PREFIX + key, help_text, labels=labels)
+                g.add_metric([self._model], num(key) or 0.0)
+                yield g
         per_pos = stats.get("spec_accepted_per_pos")
         if isinstance(per_pos, (list, tuple)):
             for key, (name, help_text) in _SPEC_COUNTERS.items():

@@ -264,6 +264,7 @@ def test_staged_warmup_pads_to_the_covering_programs_until_the_rest_arrive(tiny)
     assert eng.warmup(staged=True) == eng.covering_shapes() == [("encoder", 1, 128, c), ("decoder", 1, 1, c),
                                                                 ("decode", 2, 1, c)]
     assert not eng.warmup_progress.done and eng.warmup_progress.snapshot()["programs_ready"] == 3
+    assert (eng.stats()["warmup_programs_ready"], eng.stats()["warmup_programs"]) == (3, 6)  # /metrics' gauges
     want = serve(make(tiny))  # min_prefill_bucket 128: the covering programs only (compiled through jit)
     progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
     compiled = [p._cache_size() for p in progs]
@@ -274,6 +275,7 @@ def test_staged_warmup_pads_to_the_covering_programs_until_the_rest_arrive(tiny)
 
     eng._background = held
     assert eng.wait_for_programs(timeout_s=300) and eng.warmup_progress.done
+    assert eng.stats()["warmup_programs_ready"] == 6
     toks2, logits2 = serve(eng)
     assert eng.counters["prefill_calls"] == 3  # one shared call
     assert toks2 == toks and all(np.allclose(logits2[k], logits[k], rtol=0, atol=1e-5) for k in logits)

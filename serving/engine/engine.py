@@ -328,8 +328,18 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             "prefix_cache_query_tokens_per_rank": queries,
             **({"spec_accepted_per_pos": list(self.spec_accepted_per_pos),
                 "spec_verified_per_len": list(self.spec_verified_per_len)} if self.spec else {}),
+            **self._warmup_stats(),
             **self.counters,
         }
+
+    def _warmup_stats(self) -> dict[str, int]:
+        """{"warmup_programs_ready", "warmup_programs"} once a warm-up started (a staged one's background compiles
+        raise the first), else {}."""
+        p = self.__dict__.get("_warmup_progress")
+        if p is None or not p.total:
+            return {}
+        st = p.snapshot()
+        return {"warmup_programs_ready": st["programs_ready"], "warmup_programs": st["programs"]}
 
     # ---- batches ------------------------------------------------------------------------------
 

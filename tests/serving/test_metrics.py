@@ -122,3 +122,11 @@ def test_speculative_decoding_families_only_when_it_runs():
     assert per_pos == {"0": 9, "1": 7, "2": 5, "3": 3, "4": 1}
     per_len = {s.labels["length"]: s.value for s in fams["dsv41:spec_decode_num_drafts_per_verify_len"].samples}
     assert per_len == {"0": 0, "1": 0, "2": 0, "3": 0, "4": 0, "5": 10}
+
+
+def test_warmup_families_only_after_a_warmup():
+    m = ServingMetrics()
+    assert not any("warmup" in n for n in _check_exposition(m.render({"running": 1}).decode()))
+    fams = _check_exposition(m.render({"warmup_programs_ready": 3, "warmup_programs": 11}).decode())
+    got = {n: fams[f"dsv41:{n}"].samples[0].value for n in ("warmup_programs_ready", "warmup_programs")}
+    assert got == {"warmup_programs_ready": 3, "warmup_programs": 11}
