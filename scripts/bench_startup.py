@@ -327,18 +327,32 @@ def _log_tail(out, chars: int = 4000) -> str:
     return "".join(line for line in out if '"GET /health"' not in line)[-chars:]
 
 
+def _one_request_s(port: int) -> float:
+    """Seconds of one completion of 8 tokens on a 2-token prompt, the served model's (on a staged warm-up's
+    covering programs, padded, while the others compile)."""
+    base = f"http://127.0.0.1:{port}"
+    with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+    return time.perf_counter() - t
+
+
 def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) -> dict:
     """Starts `dsv41 serve FLAGS --warmup` over the compilation cache cache_dir and polls /health until it answers
-    200 and then until every program is ready (a staged warm-up's 200s say how many are) -> {"healthy_s" (from the
-    command's start), "all_s", "cpu_s" (at healthy), "programs" (warm-up's per-program reports)}; stops the
-    server."""
+    200 and then until every program is ready (a staged warm-up's 200s say how many are), timing one short request
+    (`_one_request_s`) at each -> {"healthy_s" (from the command's start), "all_s", "cpu_s" (at healthy),
+    "first_request_s", "request_s", "programs" (warm-up's per-program reports)}; stops the server."""
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "serving.cli", "serve", *flags, "--warmup", "--port", str(port),
            "--compilation-cache-dir", cache_dir]
     logger.info("starting %s", " ".join(cmd[2:]))
-    healthy_s = cpu_s = None
+    healthy_s = cpu_s = first_request_s = None
     with tempfile.TemporaryFile("w+") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -351,13 +365,15 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                         body = json.loads(r.read())
-                        if healthy_s is None:
-                            healthy_s, cpu_s = time.perf_counter() - t0, _cpu_s(proc.pid)
-                            logger.info("healthy after %.1f s (%.1f CPU s)", healthy_s, cpu_s or float("nan"))
-                        if "programs_ready" not in body:  # (a staged warm-up's other programs are in use)
-                            break
                 except (urllib.error.URLError, ConnectionError, TimeoutError):
                     pass  # not listening yet, or 503 while warming up
+                else:
+                    if healthy_s is None:
+                        healthy_s, cpu_s = time.perf_counter() - t0, _cpu_s(proc.pid)
+                        logger.info("healthy after %.1f s (%.1f CPU s)", healthy_s, cpu_s or float("nan"))
+                        first_request_s = _one_request_s(port)
+                    if "programs_ready" not in body:  # (a staged warm-up's other programs are in use)
+                        break
                 if time.perf_counter() - t0 > timeout_s:
                     out.seek(0)
                     raise SystemExit(f"dsv41 serve not {'done warming up' if healthy_s else 'healthy'} after "
@@ -365,6 +381,7 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 time.sleep(0.05)
             all_s = time.perf_counter() - t0
             logger.info("every program ready after %.1f s", all_s)
+            request_s = _one_request_s(port)
         finally:
             proc.terminate()
             try:
@@ -374,7 +391,8 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 proc.wait()
         out.seek(0)
         lines = [line for line in out if parse_report_line(line) is not None]
-    return {"healthy_s": healthy_s, "all_s": all_s, "cpu_s": cpu_s,
+    return {"healthy_s": healthy_s, "all_s": all_s, "cpu_s": cpu_s, "first_request_s": first_request_s,
+            "request_s": request_s,
             "programs": [parse_report_line(line) for line in lines],
             "by_workers": sum("(compile worker" in line for line in lines)}
 
@@ -396,10 +414,12 @@ def report_serve(cold: dict, warm: dict | None) -> None:
     print()
     sources = (compile_events.COMPILED, compile_events.HIT, compile_events.STORED)
     totals = [[name, len(run["programs"]), *(sum(r.source == s for r in run["programs"]) for s in sources),
-               run["by_workers"], fmt(run["healthy_s"]), fmt(run["all_s"]), fmt(run["cpu_s"], "{:.1f}")]
+               run["by_workers"], fmt(run["healthy_s"]), fmt(run["all_s"]), fmt(run["cpu_s"], "{:.1f}"),
+               fmt(run["first_request_s"]), fmt(run["request_s"])]
               for name, run in (("cold (empty cache)", cold), ("warm (cache hit)", warm)) if run is not None]
     print_table(["run", "programs", "compiled", "cache hits", "stored", "by compile workers", "healthy after s",
-                 "every program after s", "server CPU s (healthy)"], totals)
+                 "every program after s", "server CPU s (healthy)", "request at healthy s",
+                 "request with every program s"], totals)
 
 
 def main(argv: list[str] | None = None) -> int:
