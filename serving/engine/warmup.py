@@ -25,8 +25,11 @@ _PROGRESS_LOCK = threading.Lock()  # creates an engine's WarmupProgress once, wh
 
 
 class Warmup:
-    def _padding_call(self, kind: str, B: int, T: int, ctx: int):
-        """(jitted program, args, static kwargs) for an all-padding batch of that shape: it writes nothing."""
+    def _padding_call(self, kind: str, B: int, T: int, ctx: int, pool=None):
+        """(jitted program, args, static kwargs) for an all-padding batch of that shape: it writes nothing.
+        pool: in place of the engine's (a staged warm-up's background lowers on its shapes: the steps donate the
+        engine's pool meanwhile)."""
+        pool = self.pool if pool is None else pool
         P, S, L = self.layout.num_pages, self.layout.num_slots, self.cfg.n_layers
         rows = [] if kind == "decoder" else self._rows([None] * B, [[]] * B, B, T)
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
@@ -34,20 +37,20 @@ class Warmup:
                            np.zeros((B, L), np.int32), rows)
         static, progs = self.static, self.programs
         if kind == "encoder":
-            return progs.run_encoder, (self.params, self.pool, b), {**static, "replay_tokens": self.replay_tokens}
+            return progs.run_encoder, (self.params, pool, b), {**static, "replay_tokens": self.replay_tokens}
         if kind == "decoder":
             W, hc = self.replay_tokens, self.cfg.hc_mult
             # committed like the step's, which come out of the encoder: a program compiles once per committed /
             # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
-            on = self.pool.runs[0].swa_q.sharding
+            on = pool.runs[0].swa_q.sharding
             h = jnp.zeros((B, W, hc, self.cfg.dim), self.num.jdtype, device=on)
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
-            return progs.run_decoder, (self.params, self.pool, b, h, pre), self.prefill_static
+            return progs.run_decoder, (self.params, pool, b, h, pre), self.prefill_static
         if kind == "decode" and self.spec is not None:
             forced, samp = np.full(B, self.spec.forced_acceptance), self._sampling([None] * B)
-            return (progs.run_spec, (self.params, self.pool, b, samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)),
+            return (progs.run_spec, (self.params, pool, b, samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)),
                     {**static, "spec_tokens": self.spec.num_speculative_tokens})
-        return progs.run_full, (self.params, self.pool, b), static if kind == "decode" else self.prefill_static
+        return progs.run_full, (self.params, pool, b), static if kind == "decode" else self.prefill_static
 
     @property
     def warmup_progress(self) -> WarmupProgress:
@@ -112,7 +115,9 @@ class Warmup:
         jax.block_until_ready(self.pool)
         if rest:
             self.usable_shapes = frozenset(first)
-            self._background = _Background(self, rest, workers, stop, counted, t0)
+            pool = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                          self.pool)
+            self._background = _Background(self, rest, workers, stop, counted, t0, pool)
             log.info("warm-up: serving after %.1f s on %s; %d more programs compile in the background (until each "
                      "is ready, steps pad to these)", time.perf_counter() - t0,
                      ", ".join(_shape_name(s) for s in first), len(rest))
@@ -225,7 +230,7 @@ class Warmup:
             return self.compile_programs(shapes, workers, record, stopped)
 
     def compile_programs(self, shapes, threads: int, on_ready: Callable[[ProgramReport], None],
-                         stop: Callable[[], bool] = lambda: False, load: bool = True) -> set | None:
+                         stop: Callable[[], bool] = lambda: False, load: bool = True, pool=None) -> set | None:
         """Gives every shape's program its executable, loaded from the program store or compiled (into the
         persistent cache and the store), calling on_ready with each program's report -> the shapes found in the
         store; None when stop() turned True. load=False (a compile worker): a stored program is left there; with
@@ -235,7 +240,7 @@ class Warmup:
         for XLA's compile, which runs off the GIL meanwhile. Lowering is Python under the GIL: lowered in several
         threads at once, every program finished lowering late and every compile started late (the tiny preset on 2
         cores: 16.0 s to compile 3 programs, against 12.8 s one after another); processes lower side by side
-        (`precompile`)."""
+        (`precompile`). pool: the KV pool's shapes to lower on (`_padding_call`), the engine's by default."""
         def compile_one(shape, call, lowered, lowering: compile_events.Compiles) -> ProgramReport:
             with compile_events.capture() as c:
                 compiled = lowered.compile()
@@ -254,7 +259,7 @@ class Warmup:
 
         def from_store(shape) -> tuple[tuple, ProgramReport | None]:
             """-> (the shape's padding call, its report if the store holds it)."""
-            fn, args, static = call = self._padding_call(*shape)
+            fn, args, static = call = self._padding_call(*shape, pool=pool)
             t0 = time.perf_counter()
             keys[shape], held = fn.find(*args, load=load, **static)
             if held:
@@ -312,11 +317,13 @@ class _Background:
     engine's thread (`arrived`) once its executable is kept; `failed`: a compile raised (logged), and steps keep
     padding to the programs in use."""
 
-    def __init__(self, engine: Any, rest: list, threads: int, stop: Callable[[], bool], counted: set, t0: float):
+    def __init__(self, engine: Any, rest: list, threads: int, stop: Callable[[], bool], counted: set, t0: float,
+                 pool: Any):
+        """pool: the KV pool as jax.ShapeDtypeStructs (the engine's steps donate its arrays while this lowers)."""
         self.t0 = t0
         self.failed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, args=(engine, list(rest), threads, stop, counted),
+        self.thread = threading.Thread(target=self._run, args=(engine, list(rest), threads, stop, counted, pool),
                                        name="dsv41-warmup", daemon=True)
         self.thread.start()
 
@@ -328,7 +335,8 @@ class _Background:
             except queue.Empty:
                 return out
 
-    def _run(self, eng: Any, pending: list, threads: int, stop: Callable[[], bool], counted: set) -> None:
+    def _run(self, eng: Any, pending: list, threads: int, stop: Callable[[], bool], counted: set, pool: Any
+             ) -> None:
         def ready(r: ProgramReport) -> None:
             eng._record(counted, r)
             shape = (r.kind, r.B, r.T, r.pages)
@@ -342,13 +350,13 @@ class _Background:
                 for i, r in workers_.reports(stop):
                     eng._record(counted, r, f" (compile worker {i})")
                     if (r.kind, r.B, r.T, r.pages) in pending and eng.compile_programs(
-                            [(r.kind, r.B, r.T, r.pages)], 1, ready, stop) is None:
+                            [(r.kind, r.B, r.T, r.pages)], 1, ready, stop, pool=pool) is None:
                         return
                 if workers_.stopped:
                     return
                 log.info("warm-up: the compile workers are done after %.1f s", time.monotonic() - workers_.t0)
             if pending:
-                eng.compile_programs(list(pending), threads, ready, stop)
+                eng.compile_programs(list(pending), threads, ready, stop, pool=pool)
         except Exception:
             log.exception("warm-up: a background compile failed; steps keep padding to the programs in use")
             self.failed = True
