@@ -178,7 +178,8 @@ def _after_warmup(cache: str, flags: list[str]) -> dict:
     engine_log = logging.getLogger("serving.engine")  # warm-up's, the program store's
     engine_log.addHandler(handler)
     calls, real_call = [], eng._padding_call
-    with mock.patch.object(eng, "_padding_call", lambda kind, *a: calls.append(kind) or real_call(kind, *a)):
+    with mock.patch.object(eng, "_padding_call",
+                           lambda kind, *a, **kw: calls.append(kind) or real_call(kind, *a, **kw)):
         eng.warmup(workers=2)  # the compile threads, then each program's load
     engine_log.removeHandler(handler)
     sources = [(r.kind, r.source) for r in eng.warmup_progress.reports]
