@@ -105,19 +105,22 @@ class Warmup:
         elif self._compiling is not None:
             self._compiling.stop()  # nothing to load their programs from
             self._compiling = None
+        like = None  # (width, dtype, placement) of a program's logits: the background's sampling warm-up makes such
         with _progress_bar(len(first), "warm-up: loading" if parallel else "warm-up") as bar:
             for shape in first:
                 if stop():
                     log.info("warm-up stopped after %d of %d programs", progress.snapshot()["programs_ready"], n)
                     return []
-                self._run_once(shape, shape in stored, parallel)
+                logits = self._run_once(shape, shape in stored, parallel)
+                if logits is not None:
+                    like = logits.shape[1:], logits.dtype, logits.sharding
                 bar.update(1)
         jax.block_until_ready(self.pool)
         if rest:
             self.usable_shapes = frozenset(first)
             pool = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                           self.pool)
-            self._background = _Background(self, rest, workers, stop, counted, t0, pool)
+            self._background = _Background(self, rest, workers, stop, counted, t0, pool, like)
             log.info("warm-up: serving after %.1f s on %s; %d more programs compile in the background (until each "
                      "is ready, steps pad to these)", time.perf_counter() - t0,
                      ", ".join(_shape_name(s) for s in first), len(rest))
@@ -126,9 +129,9 @@ class Warmup:
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
         return shapes
 
-    def _run_once(self, shape: tuple[str, int, int, int], from_store: bool, parallel: bool) -> None:
+    def _run_once(self, shape: tuple[str, int, int, int], from_store: bool, parallel: bool) -> jax.Array | None:
         """Runs a compiled or loaded program once on an all-padding batch (and compiles its sampling variants), on
-        the engine's thread: the pool is donated to it."""
+        the engine's thread: the pool is donated to it. -> its logits (None: an encoder's, which has none)."""
         progress = self.warmup_progress
         fn, args, static = self._padding_call(*shape)
         with compile_events.capture() as c:
@@ -136,7 +139,7 @@ class Warmup:
         if from_store:
             _first_run(shape, out)
         self.pool = out[0]
-        if shape[0] != "encoder" and not (shape[0] == "decode" and self.spec is not None):
+        if self._samples(shape):
             self._warm_sample(out[1])
         if not parallel:
             r = _report(shape, c)
@@ -146,6 +149,12 @@ class Warmup:
             log.warning("warm-up: %s compiled again when loaded (%.1f s): the persistent cache did not keep it; "
                         "check that %s is writable", shape, c.compile_s, jax.config.jax_compilation_cache_dir)
         progress.loaded()
+        return None if shape[0] == "encoder" else out[1]
+
+    def _samples(self, shape: tuple[str, int, int, int]) -> bool:
+        """Whether a step of this program may run `Programs.sample` on its logits (a speculative step samples
+        inside its program)."""
+        return shape[0] != "encoder" and not (shape[0] == "decode" and self.spec is not None)
 
     def adopt_programs(self) -> None:
         """A staged warm-up's programs that the background finished: runs each once, then lets steps use it; when
@@ -318,13 +327,16 @@ class _Background:
     padding to the programs in use."""
 
     def __init__(self, engine: Any, rest: list, threads: int, stop: Callable[[], bool], counted: set, t0: float,
-                 pool: Any):
-        """pool: the KV pool as jax.ShapeDtypeStructs (the engine's steps donate its arrays while this lowers)."""
+                 pool: Any, logits_like: tuple | None):
+        """pool: the KV pool as jax.ShapeDtypeStructs (the engine's steps donate its arrays while this lowers).
+        logits_like: (shape past the rows, dtype, sharding) of a program's logits, for each arrival's sampling
+        variants to compile here
+        rather than on the engine's thread (which then finds them in jit's cache)."""
         self.t0 = t0
         self.failed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, args=(engine, list(rest), threads, stop, counted, pool),
-                                       name="dsv41-warmup", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(engine, list(rest), threads, stop, counted, pool,
+                                                               logits_like), name="dsv41-warmup", daemon=True)
         self.thread.start()
 
     def arrived(self) -> list[tuple[str, int, int, int]]:
@@ -335,12 +347,15 @@ class _Background:
             except queue.Empty:
                 return out
 
-    def _run(self, eng: Any, pending: list, threads: int, stop: Callable[[], bool], counted: set, pool: Any
-             ) -> None:
+    def _run(self, eng: Any, pending: list, threads: int, stop: Callable[[], bool], counted: set, pool: Any,
+             logits_like: tuple | None) -> None:
         def ready(r: ProgramReport) -> None:
             eng._record(counted, r)
             shape = (r.kind, r.B, r.T, r.pages)
             if shape in pending:
+                if logits_like is not None and eng._samples(shape):
+                    width, dtype, placed = logits_like
+                    eng._warm_sample(jax.device_put(np.zeros((r.B, *width), dtype), placed))
                 pending.remove(shape)
                 self._queue.put(shape)
 
