@@ -131,7 +131,7 @@ class Warmup:
 
     def _run_once(self, shape: tuple[str, int, int, int], from_store: bool, parallel: bool) -> jax.Array | None:
         """Runs a compiled or loaded program once on an all-padding batch (and compiles its sampling variants), on
-        the engine's thread: the pool is donated to it. -> its logits (None: an encoder's, which has none)."""
+        the engine's thread: the pool is donated to it. -> its logits [B, V] where a step may sample them, else None."""
         progress = self.warmup_progress
         fn, args, static = self._padding_call(*shape)
         with compile_events.capture() as c:
@@ -149,7 +149,7 @@ class Warmup:
             log.warning("warm-up: %s compiled again when loaded (%.1f s): the persistent cache did not keep it; "
                         "check that %s is writable", shape, c.compile_s, jax.config.jax_compilation_cache_dir)
         progress.loaded()
-        return None if shape[0] == "encoder" else out[1]
+        return out[1] if self._samples(shape) else None
 
     def _samples(self, shape: tuple[str, int, int, int]) -> bool:
         """Whether a step of this program may run `Programs.sample` on its logits (a speculative step samples
@@ -330,8 +330,7 @@ class _Background:
                  pool: Any, logits_like: tuple | None):
         """pool: the KV pool as jax.ShapeDtypeStructs (the engine's steps donate its arrays while this lowers).
         logits_like: (shape past the rows, dtype, sharding) of a program's logits, for each arrival's sampling
-        variants to compile here
-        rather than on the engine's thread (which then finds them in jit's cache)."""
+        variants to compile here rather than on the engine's thread (which then finds them in jit's cache)."""
         self.t0 = t0
         self.failed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
