@@ -190,25 +190,36 @@ def test_program_shapes_cover_the_buckets(tiny):
                 min_decode_bucket=2).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
 
 
-def test_short_prompts_share_one_prefill_call(tiny):
-    """Two short prompts admitted together run in one prefill call of the shared shape (2 rows x 64 tokens) and one
-    replay decoder call of 2 rows; each gets the tokens and logits it gets alone (a call a prompt at the 128-token
-    bucket: float32 summation orders may differ with the shapes, 1e-5)."""
-    eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4)
-    assert eng.shared_prefill == (2, 64)  # 2 rows: max_num_seqs
-    ps = {"a": prompt(40, seed=11), "b": prompt(57, seed=12)}
+def short_prompts():
+    return {"a": prompt(40, seed=11), "b": prompt(57, seed=12)}
+
+
+def serve_together(eng, ps):
+    """The prompts ps (id -> tokens) admitted together, stepped to the end -> (tokens by id, logits [tokens, V] by
+    id)."""
     for rid, p in ps.items():
         eng.add_request(rid, p, GREEDY4)
     toks = {}
     while eng.has_work():
         for o in eng.step():
             toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return toks, {rid: np.stack(eng.finished_logits.pop(rid)) for rid in ps}
+
+
+def test_short_prompts_share_one_prefill_call(tiny):
+    """Two short prompts admitted together run in one prefill call of the shared shape (2 rows x 64 tokens) and one
+    replay decoder call of 2 rows; each gets the tokens and logits it gets alone (a call a prompt at the 128-token
+    bucket: float32 summation orders may differ with the shapes, 1e-5)."""
+    eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4)
+    assert eng.shared_prefill == (2, 64)  # 2 rows: max_num_seqs
+    ps = short_prompts()
+    toks, together = serve_together(eng, ps)
     assert eng.counters["prefill_calls"] == 1
     alone = make(tiny)
     for rid, p in ps.items():
         t, logits = run(alone, p)
         assert toks[rid] == t
-        np.testing.assert_allclose(np.stack(eng.finished_logits[rid]), logits, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(together[rid], logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("lengths, want", [
@@ -249,34 +260,25 @@ def test_staged_warmup_pads_to_the_covering_programs_until_the_rest_arrive(tiny)
     decoder, the 2-row decode): until the others arrive, two short prompts run one call each at 128 tokens instead
     of the shared 2 x 64 call, with the tokens and logits of an engine that has only those programs (bit for bit).
     Once every program is in use the shared call runs; nothing compiles on a request's path either way."""
-    def serve(eng):
-        ps = {"a": prompt(40, seed=11), "b": prompt(57, seed=12)}
-        for rid, p in ps.items():
-            eng.add_request(rid, p, GREEDY4)
-        toks = {}
-        while eng.has_work():
-            for o in eng.step():
-                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return toks, {rid: np.stack(eng.finished_logits.pop(rid)) for rid in ps}
-
     eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4)
     c = 8
     assert eng.warmup(staged=True) == eng.covering_shapes() == [("encoder", 1, 128, c), ("decoder", 1, 1, c),
                                                                 ("decode", 2, 1, c)]
     assert not eng.warmup_progress.done and eng.warmup_progress.snapshot()["programs_ready"] == 3
     assert (eng.stats()["warmup_programs_ready"], eng.stats()["warmup_programs"]) == (3, 6)  # /metrics' gauges
-    want = serve(make(tiny))  # min_prefill_bucket 128: the covering programs only (compiled through jit)
+    # min_prefill_bucket 128: the covering programs only (compiled through jit)
+    want = serve_together(make(tiny), short_prompts())
     progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
     compiled = [p._cache_size() for p in progs]
     held, eng._background = eng._background, None  # the background's programs wait: steps use the covering ones
-    toks, logits = serve(eng)
+    toks, logits = serve_together(eng, short_prompts())
     assert eng.counters["prefill_calls"] == 2
     assert toks == want[0] and all((logits[k] == want[1][k]).all() for k in logits)
 
     eng._background = held
     assert eng.wait_for_programs(timeout_s=300) and eng.warmup_progress.done
     assert eng.stats()["warmup_programs_ready"] == 6
-    toks2, logits2 = serve(eng)
+    toks2, logits2 = serve_together(eng, short_prompts())
     assert eng.counters["prefill_calls"] == 3  # one shared call
     assert toks2 == toks and all(np.allclose(logits2[k], logits[k], rtol=0, atol=1e-5) for k in logits)
     assert [p._cache_size() for p in progs] == compiled
