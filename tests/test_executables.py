@@ -215,3 +215,31 @@ def test_compile_workers_go_past_the_covering_programs_once_each_is_reported():
     got += [(r.kind, r.B) for _, r in workers.reports()]
     assert sorted(got[2:]) == [("encoder", 1), ("encoder", 2)] and workers.done
     assert [p.returncode for p in procs] == [0, 0]
+
+
+def test_a_compile_worker_tries_again_what_ran_out_of_gpu_memory(caplog):
+    """A worker whose compile runs out of GPU memory (XLA's autotuning beside the server's pool and the other
+    workers) compiles the programs it has not reported again, one at a time, after a wait; another error ends it."""
+    from serving.engine import precompile_worker
+    from serving.engine.warmup_progress import ProgramReport
+
+    class Engine:
+        def __init__(self, fail: str):
+            self.fail, self.calls = fail, []
+
+        def compile_programs(self, shapes, threads, on_ready, load):
+            self.calls.append((list(shapes), threads))
+            on_ready(ProgramReport(*shapes[0], 0.0, 0.0, "compiled"))
+            if len(self.calls) == 1:
+                raise RuntimeError(f"{self.fail}: Out of memory while trying to allocate 1.25GiB")
+            for s in shapes[1:]:
+                on_ready(ProgramReport(*s, 0.0, 0.0, "compiled"))
+
+    shapes = [("decode", b, 1, 8) for b in (1, 2, 4)]
+    eng, sent = Engine("RESOURCE_EXHAUSTED"), []
+    with caplog.at_level(logging.WARNING):
+        precompile_worker.compile_each(eng, shapes, lambda r: sent.append(r.B), wait_s=(0.0,))
+    assert eng.calls == [(shapes, 2), (shapes[1:], 1)] and sent == [1, 2, 4]
+    assert "out of GPU memory" in caplog.text
+    with pytest.raises(RuntimeError, match="INTERNAL"):
+        precompile_worker.compile_each(Engine("INTERNAL"), shapes, lambda r: None, wait_s=(0.0,))

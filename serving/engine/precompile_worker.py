@@ -9,6 +9,7 @@ import json
 import logging
 import pickle
 import sys
+import time
 
 import jax
 
@@ -17,6 +18,35 @@ from serving.engine.engine import Engine
 from serving.engine.precompile import GO, Job
 from serving.engine.warmup import compile_order
 from serving.engine.warmup_progress import ProgramReport
+
+log = logging.getLogger(__name__)
+RETRY_WAIT_S = (10.0, 30.0)  # before each further try of a program whose compile ran out of GPU memory
+
+
+def compile_each(eng: Engine, shapes: list, send, wait_s=RETRY_WAIT_S) -> None:
+    """Compiles shapes into the program store, sending each one's report. XLA's autotuning allocates GPU memory
+    beside the serving process's pool and the other workers' compiles: a compile that runs out of it is tried again
+    after a wait (as the others finish their memory frees), one at a time, rather than leaving this worker's share
+    to the serving process. Any other error, or running out every time, ends the worker (the serving process then
+    compiles what it did not report)."""
+    left = list(shapes)
+    for attempt in range(len(wait_s) + 1):
+        reported = set()
+
+        def on_ready(r: ProgramReport) -> None:
+            reported.add((r.kind, r.B, r.T, r.pages))
+            send(r)
+
+        try:
+            eng.compile_programs(left, threads=2 if attempt == 0 else 1, on_ready=on_ready, load=False)
+            return
+        except Exception as e:  # XLA raises its runtime error type; only its status tells what happened
+            left = [s for s in left if s not in reported]
+            if attempt == len(wait_s) or "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            log.warning("out of GPU memory compiling (%s); %d program(s) tried again in %.0f s, one at a time",
+                        str(e).splitlines()[0][:200], len(left), wait_s[attempt])
+            time.sleep(wait_s[attempt])
 
 
 def work(job: Job, stdin) -> None:
@@ -37,10 +67,10 @@ def work(job: Job, stdin) -> None:
         sys.stdout.flush()
 
     # the engine's process loads them
-    eng.compile_programs([s for s in mine if s in first], threads=2, on_ready=send, load=False)
+    compile_each(eng, [s for s in mine if s in first], send)
     rest = [s for s in mine if s not in first]
     if rest and stdin.readline() == GO:  # anything else: the engine's process is gone
-        eng.compile_programs(rest, threads=2, on_ready=send, load=False)
+        compile_each(eng, rest, send)
 
 
 def main() -> int:
