@@ -305,10 +305,12 @@ def _kernel_index_topk(qi, wi, pages: LayerKV, b: Batch, pos, r: int, plan: Laye
                                            **kw)
         return dataclasses.replace(carry, topk=topk)
     want = plan.makes_candidates
-    if pos.shape[1] > 1 and opts.prefill_indexer_block_entries:  # a prefill chunk: the blocks it sees
-        select = functools.partial(il.context_topk_blocks, block_entries=opts.prefill_indexer_block_entries)
+    entries = b.block_table.shape[1] * ikp.shape[1]
+    blocks = opts.prefill_indexer_block_entries
+    if pos.shape[1] > 1 and 0 < blocks < entries:  # a prefill chunk over a table of several blocks: those it sees
+        select = functools.partial(il.context_topk_blocks, block_entries=blocks)
     else:
-        select = functools.partial(il.index_topk, num_entries=b.block_table.shape[1] * ikp.shape[1])
+        select = functools.partial(il.index_topk, num_entries=entries)
     topk, cand = _per_rank(select)(qi, wi, ikp, iks, b.block_table, pos, r, want_candidates=want, **kw)
     return dataclasses.replace(carry, topk=topk, **({"cand_blocks": cand} if want else {}))
 
