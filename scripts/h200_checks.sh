@@ -28,8 +28,10 @@
 #                  ragged one's GPU test, then both timed at Flash widths, decode and prefill sizes
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
 # startup and serve run the server, whose packages (fastapi, starlette, pydantic, pydantic-core, annotated-types,
-# typing-inspection, uvicorn, httptools: pyproject.toml's pins) the device image lacks: carry their wheels (.whl,
-# downloaded for CPython 3.12 manylinux x86-64), pip install them --target a directory and put it on PYTHONPATH.
+# typing-inspection, uvicorn, httptools: pyproject.toml's pins, and opentelemetry-api, which fastapi imports) the
+# device image lacks: carry their wheels (.whl: `.venv/bin/pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --platform manylinux2014_x86_64 -d .whl` with the versions `.venv/bin/pip freeze` lists),
+# pip install them --target a directory and put it on PYTHONPATH.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
