@@ -10,6 +10,9 @@
 #   width          prefill (1K, 16K tokens, replay on) in engines of 18K and 128K tokens, the encoder indexers over
 #                  the whole block table (today's default) and by the blocks the prompt sees (+indexer-blocks): a
 #                  prefill's time should not depend on --max-model-len
+#   scan on|off    decode steps (batch 1, 64) at Flash's 40-layer schedule (16 experts a layer to fit), runs of
+#                  layers scanned with the kernels (on) or every layer unrolled (off, today's GPU default): what
+#                  `backends.scans_layers` waits for; one call each (~6-9 min unrolled)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
@@ -83,6 +86,11 @@ case "${1:-}" in
     bench 560 width scripts/bench_engine.py --backends "" --prefill-backends auto,auto+indexer-blocks \
       --weights release --replay on --lengths 1024,16384 --prefill-max-model-len 18432,131072
     ;;
+  scan)
+    case "${2:-}" in on) flag=--scan-layers ;; off) flag=--no-scan-layers ;; *) echo "scan on|off" >&2; exit 2 ;; esac
+    bench 570 "scan_${2}" scripts/bench_engine.py --schedule flash --experts 16 --weights release --backends auto \
+      --batches 1,64 --skip-prefill --decode-ctx 4096 $flag
+    ;;
   host)
     bench 300 host scripts/bench_host.py --preset bench --batches 1,8,64
     ;;
@@ -146,7 +154,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|kernels|startup|compile|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac
