@@ -13,6 +13,8 @@
 #   scan on|off    decode steps (batch 1, 64) at Flash's 40-layer schedule (16 experts a layer to fit), runs of
 #                  layers scanned with the kernels (on) or every layer unrolled (off, today's GPU default): what
 #                  `backends.scans_layers` waits for; one call each (~6-9 min unrolled)
+#   split          the decode step cut in two programs at the replay split against the one program: each one's
+#                  compile (fresh processes) and the step's wall time, batch 1 and 64 (~6 min)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
@@ -91,6 +93,9 @@ case "${1:-}" in
     bench 570 "scan_${2}" scripts/bench_engine.py --schedule flash --experts 16 --weights release --backends auto \
       --batches 1,64 --skip-prefill --decode-ctx 4096 $flag
     ;;
+  split)
+    bench 580 split scripts/bench_decode_split.py --batches 1,64
+    ;;
   host)
     bench 300 host scripts/bench_host.py --preset bench --batches 1,8,64
     ;;
@@ -154,7 +159,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac
