@@ -170,9 +170,9 @@ def start(cfg: ModelConfig, config: EngineConfig, checkpoint: str | None = None)
     cache_dir = jax.config.jax_compilation_cache_dir
     options = tuple((o, getattr(jax.config, o)) for o in executables._JAX_OPTIONS)
     # The workers hold no weights: no preallocated pool of device memory (the engine's process takes it), and
-    # autotuning's buffers go back to the driver after each compile (jax's default allocator keeps each worker's
-    # peak: 8 workers beside the server's 75% ran an 80 GB H100 out of memory). The H200's start-up numbers
-    # (docs/PERFORMANCE.md section 6) ran with it; against the default allocator it is not timed.
+    # autotuning's buffers go back to the driver after each compile (jax's default allocator keeps what a worker
+    # took at its peak; beside the server's 75%, one of 8 workers ran an 80 GB H100 out of memory). The H200's
+    # start-up numbers (docs/PERFORMANCE.md section 6) ran with it; against the default allocator it is not timed.
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
     ckpt = checkpoint and os.path.abspath(checkpoint)
     procs = []
