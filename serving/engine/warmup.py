@@ -139,8 +139,9 @@ class Warmup:
         if from_store:
             _first_run(shape, out)
         self.pool = out[0]
-        if self._samples(shape):
-            self._warm_sample(out[1])
+        logits = out[1] if self._samples(shape) else None
+        if logits is not None:
+            self._warm_sample(logits)
         if not parallel:
             r = _report(shape, c)
             eta = progress.compiled(r)
@@ -149,7 +150,7 @@ class Warmup:
             log.warning("warm-up: %s compiled again when loaded (%.1f s): the persistent cache did not keep it; "
                         "check that %s is writable", shape, c.compile_s, jax.config.jax_compilation_cache_dir)
         progress.loaded()
-        return out[1] if self._samples(shape) else None
+        return logits
 
     def _samples(self, shape: tuple[str, int, int, int]) -> bool:
         """Whether a step of this program may run `Programs.sample` on its logits (a speculative step samples
