@@ -36,7 +36,6 @@ from dsv41 import params as P
 from dsv41.config import preset
 from serving.engine import programs
 from serving.engine.backends import Backends
-from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 from timing import fake_decode_state, make_engine, print_table
 
@@ -62,23 +61,15 @@ FIRST = programs._program("decode_first", _first, programs._STATIC)
 REST = programs._program("decode_rest", _rest, programs._STATIC)
 
 
-def _config(args, B: int) -> EngineConfig:
-    """The decode program's configuration as `steps`' engine (`timing.make_engine`) has it: B slots, the block table
-    max_model_len wide, the kernels of args.backend."""
-    attn, moe_be, mhc_be, router_be, linear_be = timing.kernels_of(args.backend)
-    return EngineConfig(max_num_seqs=B, max_model_len=args.max_model_len, max_num_batched_tokens=2048,
-                        enable_prefix_caching=False, attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be,
-                        router_backend=router_be, linear_backend=linear_be)
-
-
 def compile_child(args) -> None:
     """One program (--compile whole|first|rest) at batch args.batches, lowered and compiled from an abstract
     engine in this fresh process: prints {"lower_s", "compile_s"}."""
-    B = int(args.batches)
-    eng = Engine.abstract(preset(args.preset), _config(args, B))
+    B, cfg = int(args.batches), preset(args.preset)
+    # `steps`' engine's configuration (`timing.make_engine`)
+    eng = Engine.abstract(cfg, timing.engine_config(cfg, True, args.max_model_len, B, args.backend))
     prog, a, static = eng._padding_call("decode", B, 1, eng.max_pages_per_seq)
     if args.compile != "whole":
-        prog, a = FIRST, a
+        prog = FIRST
         if args.compile == "rest":
             _, h, pre = jax.eval_shape(lambda *x: FIRST(*x, **static), *a)
             prog, a = REST, (*a, h, pre)

@@ -332,20 +332,27 @@ def kernels_of(config: str) -> tuple[str, ...]:
 
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, min_prefill_bucket=2048,
                 **config):
-    """An engine of `backend`'s kernels (`kernels_of`), no prefix cache, prefill chunks of 2048 (a shorter prompt
-    padded to min_prefill_bucket, then to a power of two); `config`: other EngineConfig fields."""
+    """An engine of `engine_config`'s configuration."""
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=engine_config(
+        cfg, replay, max_len, seqs, backend, replay_tokens, min_prefill_bucket, **config))
+
+
+def engine_config(cfg, replay, max_len, seqs, backend="xla", replay_tokens=None, min_prefill_bucket=2048,
+                  **config) -> EngineConfig:
+    """`backend`'s kernels (`kernels_of`), no prefix cache, prefill chunks of 2048 (a shorter prompt padded to
+    min_prefill_bucket, then to a power of two); `config`: other EngineConfig fields."""
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
                          prefill_indexer_kernel="xla-indexer" not in suffixes,
                          indexer_topk="kernel" if "kernel-topk" in suffixes else "auto",
                          prefill_indexer_block_entries=8192 if "indexer-blocks" in suffixes else 0)
-    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(
+    return EngineConfig(
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
         swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False,
         min_prefill_bucket=min_prefill_bucket,
         attention_backend=attn, moe_backend=moe_be, mhc_backend=mhc_be, router_backend=router_be,
-        linear_backend=linear_be, kernel_options=opts, **config))
+        linear_backend=linear_be, kernel_options=opts, **config)
 
 
 def with_fp4_experts(params):
