@@ -316,8 +316,8 @@ SUFFIXES = {"unfused-rope": "q / o rotated in XLA around the attention kernel (K
             "xla-indexer": "prefill chunks' indexers in XLA, not through the scoring kernels "
                            "(KernelOptions(prefill_indexer_kernel=False))",
             "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))",
-            "indexer-blocks": "prefill chunks' encoder indexers over the blocks of 8192 entries they see, not the "
-                              "whole block table (KernelOptions(prefill_indexer_block_entries=8192))"}
+            "one-pass-indexer": "prefill chunks' encoder indexers over the whole block table in one pass, not by the "
+                                "blocks of 8192 entries they see (KernelOptions(prefill_indexer_block_entries=0))"}
 
 
 def kernels_of(config: str) -> tuple[str, ...]:
@@ -346,7 +346,8 @@ def engine_config(cfg, replay, max_len, seqs, backend="xla", replay_tokens=None,
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,
                          prefill_indexer_kernel="xla-indexer" not in suffixes,
                          indexer_topk="kernel" if "kernel-topk" in suffixes else "auto",
-                         prefill_indexer_block_entries=8192 if "indexer-blocks" in suffixes else 0)
+                         prefill_indexer_block_entries=0 if "one-pass-indexer" in suffixes
+                         else KernelOptions.prefill_indexer_block_entries)
     return EngineConfig(
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
         swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False,

@@ -69,13 +69,12 @@ class KernelOptions:
       is scored in one pass all the same (one block would cost more than the pass: below). 0: one pass always.
       On the H200 (docs/PERFORMANCE.md, section 3) with 8192, replay prefill of 1K / 16K tokens: in an engine of
       131072 tokens 0.052 -> 0.044 s and 0.326 -> 0.227 s; in one of 18432 tokens (4608 entries a ratio-4 layer)
-      the blocks cost 0.036 -> 0.048 s and 0.201 -> 0.228 s, so such a table keeps the one pass. 0 stays the
-      default until every kernel's GPU test has run with 8192 (`bash scripts/h200_checks.sh tests`)."""
+      the blocks cost 0.036 -> 0.048 s and 0.201 -> 0.228 s, so such a table keeps the one pass."""
 
     fuse_rope: bool = True
     prefill_indexer_kernel: bool = True
     indexer_topk: str = "auto"
-    prefill_indexer_block_entries: int = 0
+    prefill_indexer_block_entries: int = 8192
 
     def __post_init__(self):
         if self.indexer_topk not in TOPK_METHODS:
