@@ -1,14 +1,14 @@
-"""The decode step cut in two programs at the replay split layer (layers [0, split) with the embedding, then
-[split, L) with the head), against the one program the engine runs: what the cut would buy at start-up and at
-every step, before the engine is changed for it.
+"""The decode step cut in two programs at the replay split layer (`EngineConfig.split_decode`, the default:
+`programs.run_decode_first`, layers [0, split) with the embedding, then `run_decode_rest`, [split, L) with the
+head), against the one program (`run_full`): what the cut buys at start-up and costs at every step.
 
-    PYTHONPATH=. python3 scripts/bench_decode_split.py [--preset tiny] [--batches 1,64] [--backends auto]
+    PYTHONPATH=. python3 scripts/bench_decode_split.py [--preset tiny] [--batches 1,64] [--backend auto]
+        [--no-compile-times]
 
-Why (docs/PERFORMANCE.md): on the H200 the host launches the decode program's CUDA graph (~660 kernels, 1.4 ms in
-`cuGraphLaunch` at batch 1) before the GPU starts any of it (section 2), so a step is launch + work in series; cut
-in two, the GPU runs the first part while the host launches the second. At start-up the 8-row decode program is
-the longest compile on the way to a healthy server (section 6); two parts would compile side by side in two compile
-workers.
+Why (docs/PERFORMANCE.md): at start-up the 8-row decode program was the longest compile on the way to a healthy
+server (section 6); its two parts compile side by side in two compile workers. On the H200 the host launches the
+decode program's CUDA graph (~660 kernels, 1.4 ms in `cuGraphLaunch` at batch 1) before the GPU starts any of it
+(section 2); cut in two, the GPU can run the first part while the host launches the second.
 
 Per configuration and batch: each program's lower and compile time, each in a fresh process from an abstract
 engine (jaxlib compiles a Mosaic GPU kernel once a process, and the parts share kernels with the whole); then the
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import subprocess
 import sys
@@ -31,48 +32,23 @@ import timing  # noqa: I001  (first: puts the repository on sys.path)
 import jax
 import numpy as np
 
-from dsv41 import model
 from dsv41 import params as P
 from dsv41.config import preset
-from serving.engine import programs
-from serving.engine.backends import Backends
 from serving.engine.engine import Engine
 from timing import fake_decode_state, make_engine, print_table
 
 log = logging.getLogger("bench_decode_split")
-
-
-def _first(params, pool, b, *, cfg, num, backends=Backends()):
-    """Embedding and layers [0, split) -> (pool, stream [B, 1, hc, D], pre-mix [B, 1, hc])."""
-    h, pre = model.embed(params, b.tokens, cfg, num)
-    h, pre, pool = programs._layers(params, pool, b, h, pre, cfg, num, 0, cfg.split_layer, {}, backends)
-    return pool, h, pre
-
-
-def _rest(params, pool, b, h, pre, *, cfg, num, backends=Backends()):
-    """Layers [split, L) and the head -> (pool, logits [B, V], their argmax [B]). The split layer starts a fresh
-    indexer carry (as the replay decoder's program does), so nothing else crosses the cut."""
-    h, pre, pool = programs._layers(params, pool, b, h, pre, cfg, num, cfg.split_layer, cfg.n_layers, {}, backends)
-    logits, tok = programs._head(params, h, pre, b, cfg)
-    return pool, logits, tok
-
-
-FIRST = programs._program("decode_first", _first, programs._STATIC)
-REST = programs._program("decode_rest", _rest, programs._STATIC)
+KINDS = {"whole": "decode", "first": "decode_first", "rest": "decode_rest"}  # `Engine.program_shapes`' kinds
 
 
 def compile_child(args) -> None:
     """One program (--compile whole|first|rest) at batch args.batches, lowered and compiled from an abstract
-    engine in this fresh process: prints {"lower_s", "compile_s"}."""
+    engine in this fresh process, as a compile worker does: prints {"lower_s", "compile_s"}."""
     B, cfg = int(args.batches), preset(args.preset)
     # `steps`' engine's configuration (`timing.make_engine`)
-    eng = Engine.abstract(cfg, timing.engine_config(cfg, True, args.max_model_len, B, args.backend))
-    prog, a, static = eng._padding_call("decode", B, 1, eng.max_pages_per_seq)
-    if args.compile != "whole":
-        prog = FIRST
-        if args.compile == "rest":
-            _, h, pre = jax.eval_shape(lambda *x: FIRST(*x, **static), *a)
-            prog, a = REST, (*a, h, pre)
+    config = timing.engine_config(cfg, True, args.max_model_len, B, args.backend, split_decode=args.compile != "whole")
+    eng = Engine.abstract(cfg, config)
+    prog, a, static = eng._padding_call(KINDS[args.compile], B, 1, eng.max_pages_per_seq)
     t0 = time.perf_counter()
     lowered = prog.lower(*a, **static)
     t1 = time.perf_counter()
@@ -96,14 +72,15 @@ def steps(args, cfg, params, B: int) -> dict:
     eng = make_engine(cfg, params, True, args.max_model_len, B, args.backend)
     fake_decode_state(eng, B, args.decode_ctx)
     b, _ = eng.decode_inputs(list(eng.running.values()))
+    progs = eng.programs
 
     def whole():
-        eng.pool, logits, tok = programs.run_full(eng.params, eng.pool, b, **eng.static)
+        eng.pool, logits, tok = progs.run_full(eng.params, eng.pool, b, **eng.static)
         return logits, np.asarray(tok)  # the engine reads the tokens back every step
 
     def split():
-        eng.pool, h, pre = FIRST(eng.params, eng.pool, b, **eng.static)
-        eng.pool, logits, tok = REST(eng.params, eng.pool, b, h, pre, **eng.static)
+        eng.pool, h, pre = progs.run_decode_first(eng.params, eng.pool, b, **eng.static)
+        eng.pool, logits, tok = progs.run_decode_rest(eng.params, eng.pool, b, h, pre, **eng.static)
         return logits, np.asarray(tok)
 
     # (the pool is rewritten with the same KV each call: the step is the same every time)
@@ -124,6 +101,7 @@ def main():
     ap.add_argument("--backend", default="auto", help="kernel configuration (scripts/timing.py's KERNELS)")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20, help="steps of each kind, alternated")
+    ap.add_argument("--no-compile-times", action="store_true", help="time the steps only")
     ap.add_argument("--compile", choices=["whole", "first", "rest"], help=argparse.SUPPRESS)  # a child's program
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -135,7 +113,10 @@ def main():
              jax.devices()[0].device_kind)
     rows, out = [], {}
     for B in (int(x) for x in args.batches.split(",")):
-        c, s = compile_times(args, B), steps(args, cfg, params, B)
+        c = ({w: {"lower_s": math.nan, "compile_s": math.nan} for w in ("whole", "first", "rest")}
+             if args.no_compile_times else compile_times(args, B))
+        s = steps(args, cfg, params, B)
+        log.info("B=%d steps: %s", B, s)
         out[B] = {"compile": c, **s}
         part = max(c["first"]["lower_s"] + c["first"]["compile_s"], c["rest"]["lower_s"] + c["rest"]["compile_s"])
         rows.append([B, *(f"{c[w]['lower_s']:.1f} + {c[w]['compile_s']:.1f}" for w in ("whole", "first", "rest")),

@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.set_defaults(preset="bench")
     ap.add_argument("--abstract", action="store_true",
                     help="ShapeDtypeStruct weights and KV pool: compile a model that does not fit the device")
-    ap.add_argument("--programs", help="comma-separated program kinds to measure (encoder, decoder, full, decode); "
-                    "default: all of Engine.program_shapes()")
+    ap.add_argument("--programs", help="comma-separated program kinds to measure (encoder, decoder, full, decode: "
+                    "the decode step's program or programs, decode_first, decode_rest); default: all of "
+                    "Engine.program_shapes()")
     ap.add_argument("--smallest", action="store_true", help="only the first (smallest) shape of each kind")
     ap.add_argument("--cold-only", action="store_true", help="skip the warm (cache hit) run")
     ap.add_argument("--serve", action="store_true",
@@ -109,6 +110,8 @@ def selected_shapes(eng, args: argparse.Namespace) -> list[tuple[str, int, int, 
     shapes = eng.program_shapes()
     if args.programs:
         kinds = args.programs.split(",")
+        if "decode" in kinds:
+            kinds += eng.decode_kinds
         shapes = [s for s in shapes if s[0] in kinds]
     if args.smallest:
         shapes = [s for i, s in enumerate(shapes) if s[0] not in {t[0] for t in shapes[:i]}]

@@ -8,13 +8,13 @@
 #   buckets        prefill of short prompts (16-512 tokens, replay on) at their own buckets' programs, then every
 #                  prompt padded to 128 tokens: what serve's 6 prefill programs buy against 3 (~9 min)
 #   width          prefill (1K, 16K tokens, replay on) in engines of 18K and 128K tokens, the encoder indexers over
-#                  the whole block table (today's default) and by the blocks the prompt sees (+indexer-blocks): a
-#                  prefill's time should not depend on --max-model-len
+#                  the whole block table in one pass (+one-pass-indexer) and by the blocks the prompt sees (the
+#                  default): a prefill's time should not depend on --max-model-len
 #   scan on|off    decode steps (batch 1, 64) at Flash's 40-layer schedule (16 experts a layer to fit), runs of
 #                  layers scanned with the kernels (on) or every layer unrolled (off, today's GPU default): what
 #                  `backends.scans_layers` waits for; one call each (~6-9 min unrolled)
-#   split          the decode step cut in two programs at the replay split against the one program: each one's
-#                  compile (fresh processes) and the step's wall time, batch 1 and 64 (~6 min)
+#   split [B]      the decode step cut in two programs at the replay split (the default) against the one program:
+#                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
@@ -85,7 +85,7 @@ case "${1:-}" in
     done
     ;;
   width)
-    bench 560 width scripts/bench_engine.py --backends "" --prefill-backends auto,auto+indexer-blocks \
+    bench 560 width scripts/bench_engine.py --backends "" --prefill-backends auto+one-pass-indexer,auto \
       --weights release --replay on --lengths 1024,16384 --prefill-max-model-len 18432,131072
     ;;
   scan)
@@ -94,7 +94,7 @@ case "${1:-}" in
       --batches 1,64 --skip-prefill --decode-ctx 4096 $flag
     ;;
   split)
-    bench 580 split scripts/bench_decode_split.py --batches 1,64
+    bench 570 split scripts/bench_decode_split.py --batches "${2:-1}"
     ;;
   host)
     bench 300 host scripts/bench_host.py --preset bench --batches 1,8,64

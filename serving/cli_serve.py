@@ -151,6 +151,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="compile one body for a run of layers of one kind, their weights stacked (compile time "
                         "~flat in the layer count); default: on the XLA path, off where the GPU kernels run")
+    g.add_argument("--split-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a decode step as two programs cut at the replay split layer, which compile side by "
+                        "side at start-up (default: on; speculative decoding keeps one program)")
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
                    help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")
@@ -238,6 +241,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "max_num_batched_tokens": "--max-num-batched-tokens",
                  "swa_bounded_replay": "--no-swa-bounded-replay", "swa_replay_tokens": "--swa-replay-tokens",
                  "attention_backend": "--attention-backend", "scan_layers": "--[no-]scan-layers",
+                 "split_decode": "--[no-]split-decode",
                  "moe_backend": "--moe-backend", "mhc_backend": "--mhc-backend",
                  "router_backend": "--router-backend", "linear_backend": "--linear-backend",
                  "page_tokens": "--block-size", "num_pages": "--num-gpu-blocks-override",

@@ -173,21 +173,25 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
 def test_program_shapes_cover_the_buckets(tiny):
     """What warm-up compiles: every prefill chunk bucket and every decode batch bucket, each with the one
     block-table width (max_model_len's pages: the context length is a run-time value), and the short prompts'
-    shared call (3 rows of 32 tokens: 3 sequences, at most 128 tokens) with its decoder."""
+    shared call (3 rows of 32 tokens: 3 sequences, at most 128 tokens) with its decoder; a decode step is two
+    programs (cut at the split layer) unless `split_decode` is off."""
+    def decode(*Bs):
+        return [(k, B, 1, 8) for B in Bs for k in ("decode_first", "decode_rest")]
+
     eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1,
                max_prefill_rows=4)
     shapes = eng.program_shapes()
     c = 8  # 512 tokens / 64 per page
     assert shapes == ([("encoder", 1, T, c) for T in (32, 64, 128)] + [("encoder", 3, 32, c)]
-                      + [("decoder", 1, 1, c), ("decoder", 3, 1, c)] + [("decode", B, 1, c) for B in (1, 2, 4)])
+                      + [("decoder", 1, 1, c), ("decoder", 3, 1, c)] + decode(1, 2, 4))
     one = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1)
-    assert [s for s in one.program_shapes() if s[0] != "decode"] == (
+    assert [s for s in one.program_shapes() if not s[0].startswith("decode_")] == (
         [("encoder", 1, T, c) for T in (32, 64, 128)] + [("decoder", 1, 1, c)])
     exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_decode_bucket=1)
-    assert exact.program_shapes() == [("full", 1, 128, 8), ("decode", 1, 1, 8), ("decode", 2, 1, 8)]
-    # min_decode_bucket: a lone sequence's decode step pads to that many rows, one program fewer
-    assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128,
-                min_decode_bucket=2).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
+    assert exact.program_shapes() == [("full", 1, 128, 8)] + decode(1, 2)
+    # min_decode_bucket: a lone sequence's decode step pads to that many rows, two programs fewer
+    assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_decode_bucket=2,
+                split_decode=False).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
 
 
 def short_prompts():
@@ -247,7 +251,8 @@ def test_warmup_leaves_nothing_to_compile(tiny):
     request of one page and one of four run the same programs (the block table is always max_model_len wide)."""
     eng = make(tiny)
     eng.warmup()
-    progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
+    progs = (programs.run_full, programs.run_encoder, programs.run_decoder, programs.ONE_DEVICE.run_decode_first,
+             programs.ONE_DEVICE.run_decode_rest)
     before = [p._cache_size() for p in progs]
     for n in (200, 20):
         toks, _ = run(eng, prompt(n, seed=8))
@@ -263,12 +268,13 @@ def test_staged_warmup_pads_to_the_covering_programs_until_the_rest_arrive(tiny)
     eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4)
     c = 8
     assert eng.warmup(staged=True) == eng.covering_shapes() == [("encoder", 1, 128, c), ("decoder", 1, 1, c),
-                                                                ("decode", 2, 1, c)]
-    assert not eng.warmup_progress.done and eng.warmup_progress.snapshot()["programs_ready"] == 3
-    assert (eng.stats()["warmup_programs_ready"], eng.stats()["warmup_programs"]) == (3, 6)  # /metrics' gauges
+                                                                ("decode_first", 2, 1, c), ("decode_rest", 2, 1, c)]
+    assert not eng.warmup_progress.done and eng.warmup_progress.snapshot()["programs_ready"] == 4
+    assert (eng.stats()["warmup_programs_ready"], eng.stats()["warmup_programs"]) == (4, 7)  # /metrics' gauges
     # min_prefill_bucket 128: the covering programs only (compiled through jit)
     want = serve_together(make(tiny), short_prompts())
-    progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
+    progs = (programs.run_full, programs.run_encoder, programs.run_decoder, programs.ONE_DEVICE.run_decode_first,
+             programs.ONE_DEVICE.run_decode_rest)
     compiled = [p._cache_size() for p in progs]
     held, eng._background = eng._background, None  # the background's programs wait: steps use the covering ones
     toks, logits = serve_together(eng, short_prompts())
@@ -277,7 +283,7 @@ def test_staged_warmup_pads_to_the_covering_programs_until_the_rest_arrive(tiny)
 
     eng._background = held
     assert eng.wait_for_programs(timeout_s=300) and eng.warmup_progress.done
-    assert eng.stats()["warmup_programs_ready"] == 6
+    assert eng.stats()["warmup_programs_ready"] == 7
     toks2, logits2 = serve_together(eng, short_prompts())
     assert eng.counters["prefill_calls"] == 3  # one shared call
     assert toks2 == toks and all(np.allclose(logits2[k], logits[k], rtol=0, atol=1e-5) for k in logits)

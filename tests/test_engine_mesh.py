@@ -254,12 +254,15 @@ def test_staged_warmup_buckets_count_every_data_rank():
                            max_prefill_rows=2)
     c = eng.max_pages_per_seq
     assert eng.shared_prefill == (2, 64)
-    assert eng.covering_shapes() == [("encoder", 2, 128, c), ("decoder", 2, 1, c), ("decode", 8, 1, c)]
+    assert eng.covering_shapes() == [("encoder", 2, 128, c), ("decoder", 2, 1, c), ("decode_first", 8, 1, c),
+                                     ("decode_rest", 8, 1, c)]
     one = [SimpleNamespace(rank=1)]
     assert len(eng._decode_rows(one)) == 2  # one row a rank
     eng.usable_shapes = frozenset(eng.covering_shapes())
     assert len(eng._decode_rows(one)) == 8 and eng._decode_rows(one)[4] is one[0]  # rank 1's rows start at 4
     assert eng._usable("encoder", 2, 32) == (2, 128)
     assert eng._shared_picks({0: [], 1: []}) is None  # the shared call's programs are not usable: not tried
-    eng.usable_shapes |= {("decode", 4, 1, c)}
+    eng.usable_shapes |= {("decode_first", 4, 1, c)}
+    assert len(eng._decode_rows(one)) == 8  # a split decode step needs both its programs
+    eng.usable_shapes |= {("decode_rest", 4, 1, c)}
     assert len(eng._decode_rows(one)) == 4

@@ -105,6 +105,12 @@ class EngineConfig:
     # time ~flat in the layer count). False: every layer unrolled on its own weights. None: `backends.scans_layers`
     # (scanned on the XLA path, unrolled where the Mosaic GPU kernels run)
     scan_layers: bool | None = None
+    # a decode step as two programs cut at the split layer (`programs.run_decode_first` / `run_decode_rest`), not
+    # one: at start-up the halves compile side by side (on the H100, bench preset: 57.1 s for the one program at
+    # batch 1 against 39.0 s for the longer half, 79.9 against 55.4 s at batch 64: the path to a healthy server),
+    # and the step took 1.02x / 0.94x the one program's time at batch 1 / 64, the same logits bit for bit
+    # (docs/PERFORMANCE.md section 6). Speculative decoding keeps its one program
+    split_decode: bool = True
     # the device mesh, by vLLM's flags: heads / widths / vocabulary split over tensor_parallel_size devices;
     # data_parallel_size ranks each running their own requests on their own KV pool; with enable_expert_parallel
     # the routed experts split over all tensor x data devices. max_num_seqs and num_pages count per data rank.
@@ -133,7 +139,7 @@ class EngineConfig:
                            expert=self.enable_expert_parallel, all2all=self.all2all_backend)
 
     def __post_init__(self):
-        for name in ("batch_invariant", "async_scheduling"):
+        for name in ("batch_invariant", "async_scheduling", "split_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_rows", 1),
@@ -166,9 +172,9 @@ class EngineConfig:
     def bucket_floors(self, platform: str) -> tuple[int, int]:
         """(min_prefill_bucket, min_decode_bucket) on `platform` (jax's: 'cpu', 'gpu'), the platform's where
         None. A GPU: 16 tokens and 1 row, so that short prompts and small batches run programs of their size. The
-        CPU: the chunk and max_num_seqs, one prefill and one decode program. There a step's time is per-operation
+        CPU: the chunk and max_num_seqs, one prefill chunk and one decode batch. There a step's time is per-operation
         overhead more than rows (the tiny preset's decode step took 34 ms at 1 row and 27 at 8), while each program
-        costs 5-10 s of compile at start-up: `dsv41 serve --preset tiny` warms up 3 programs instead of 11. A short
+        costs 5-10 s of compile at start-up: `dsv41 serve --preset tiny` warms up 4 programs instead of 15. A short
         prompt pays the chunk's padding (tiny: a 20-token prompt's prefill 273 ms at 512 tokens, 103 at 32)."""
         if platform == "cpu":
             floors = (self.max_num_batched_tokens, self.max_num_seqs)

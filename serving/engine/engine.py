@@ -150,6 +150,9 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         # the programs' static keywords, exactly as every call passes them (jit's cache keys on them)
         self.static = {"cfg": cfg, "num": numerics, "backends": self.backends}
         self._init_speculative(cfg, config)
+        # the programs of a decode step (their shapes' kinds in `program_shapes`)
+        split = config.split_decode and self.spec is None and 0 < cfg.split_layer < cfg.n_layers
+        self.decode_kinds = ("decode_first", "decode_rest") if split else ("decode",)
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)
                        else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
@@ -478,7 +481,11 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             return self._decode_speculative(reqs)
         rows = self._decode_rows(reqs)
         b, samp = self._decode_batch(rows)
-        self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, **self.static)
+        if len(self.decode_kinds) == 2:
+            self.pool, h, pre = self.programs.run_decode_first(self.params, self.pool, b, **self.static)
+            self.pool, logits, tok = self.programs.run_decode_rest(self.params, self.pool, b, h, pre, **self.static)
+        else:
+            self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, **self.static)
         tok = self._drawn(logits, tok, samp)
         for r in filter(None, rows):
             r.computed = r.num_tokens

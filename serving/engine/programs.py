@@ -1,6 +1,10 @@
 """The jitted programs of the engine. Each takes (params, pool, batch) and returns the new pool (donated).
 
-- `run_full`: all layers on a chunk of tokens (exact prefill chunks, and decode with one token a row).
+- `run_full`: all layers on a chunk of tokens (exact prefill chunks, and decode with one token a row where the
+  engine does not split it).
+- `run_decode_first`, `run_decode_rest`: a decode step in two programs cut at the split layer (the embedding and
+  layers [0, split), then the rest and the head), which compile side by side and each in about 2/3 of the one
+  program's time (`EngineConfig.split_decode`).
 - `run_encoder`: layers [0, split) plus the split layer's KV writes (SWA, compressed KV, index keys) for every
   token of the chunk; returns the split layer's input stream for the chunk's last `replay_tokens` rows.
 - `run_decoder`: the rest of the split layer and the layers after it on each request's last `replay_tokens`
@@ -657,6 +661,26 @@ def _decoder(params, pool: KVPool, b: Batch, h, pre, *, cfg: ModelConfig, num: N
     return pool, logits, tok
 
 
+def _decode_first(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics,
+                  backends: Backends = Backends()):
+    """A decode step's embedding and layers [0, split). -> (pool, stream [B, 1, hc, D], pre-mix [B, 1, hc])."""
+    with jax.named_scope("embed"):
+        h, pre = model.embed(params, b.tokens, cfg, num)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.split_layer, {}, backends)
+    return pool, h, pre
+
+
+def _decode_rest(params, pool: KVPool, b: Batch, h, pre, *, cfg: ModelConfig, num: Numerics,
+                 backends: Backends = Backends()):
+    """Layers [split, L) and the head on `_decode_first`'s stream: with it, `_full`'s decode step bit for bit (the
+    split layer starts a fresh indexer carry, as the replay decoder's program does, so nothing else crosses the
+    cut). -> (pool, logits [B, V], their argmax [B])."""
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, cfg.split_layer, cfg.n_layers, {}, backends)
+    with jax.named_scope("head"):
+        logits, tok = _head(params, h, pre, b, cfg)
+    return pool, logits, tok
+
+
 @jax.jit
 def append_tail(tail_h, tail_p, new_h, new_p, m):
     """A replayed prompt's encoder rows so far (right-aligned: the newest last) with the next chunk's appended:
@@ -802,7 +826,8 @@ class Program:
 
 
 class Programs:
-    """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_spec`), jitted for one placement, each
+    """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_decode_first`, `run_decode_rest`,
+    `run_spec`), jitted for one placement, each
     taking (params, pool, batch, ...) and returning the new pool (donated). A call's host arrays reach the device
     as one buffer (`host_rows`). `sample(logits, sampling, filtered=)`: the tokens of a step with rows that draw
     (`sample`).
@@ -821,6 +846,8 @@ class Programs:
             self.run_full = _program("full", _full, _PREFILL_STATIC)
             self.run_decoder = _program("decoder", _decoder, _PREFILL_STATIC)
             self.run_encoder = _program("encoder", _encoder, _ENCODER_STATIC)
+            self.run_decode_first = _program("decode_first", _decode_first, _STATIC)
+            self.run_decode_rest = _program("decode_rest", _decode_rest, _STATIC)
             self.run_spec = _program("spec", _spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
             self.sample = jax.jit(sample, static_argnames=_SAMPLE_STATIC)
             return
@@ -838,6 +865,7 @@ class Programs:
             return fn
 
         full, enc, dec = per_rank(_full, 2), per_rank(_encoder, 2), per_rank(_decoder, 4)
+        first, rest = per_rank(_decode_first, 2), per_rank(_decode_rest, 4)
         spec = per_rank(_spec, 6)
 
         def run_full(params, pool, b, *, cfg, num, backends=Backends(), dspark_seed=False):
@@ -848,6 +876,12 @@ class Programs:
 
         def run_decoder(params, pool, b, h, pre, *, cfg, num, backends=Backends(), dspark_seed=False):
             return dec(params, pool, b, h, pre, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
+
+        def run_decode_first(params, pool, b, *, cfg, num, backends=Backends()):
+            return first(params, pool, b, cfg=cfg, num=num, backends=backends)
+
+        def run_decode_rest(params, pool, b, h, pre, *, cfg, num, backends=Backends()):
+            return rest(params, pool, b, h, pre, cfg=cfg, num=num, backends=backends)
 
         def run_spec(params, pool, b, samp, has_q, forced, n_verify, *, cfg, num, backends=Backends(),
                      spec_tokens=0):
@@ -863,6 +897,8 @@ class Programs:
         self.run_full = jit(run_full, _PREFILL_STATIC, out=(rank, rank, tok))
         self.run_decoder = jit(run_decoder, _PREFILL_STATIC, out=(rank, rank, tok))
         self.run_encoder = jit(run_encoder, _ENCODER_STATIC)
+        self.run_decode_first = jit(run_decode_first)
+        self.run_decode_rest = jit(run_decode_rest, out=(rank, rank, tok))
         self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok, tok),
                             cpu_options=_SPEC_CPU_OPTIONS)
         # (logits, sampling): `_PerRankArgs` places the sampling rows; the logits are the step's, placed already
@@ -871,7 +907,7 @@ class Programs:
     def bound(self, ex: executables.Executables) -> "Programs":
         """These programs (their jit caches shared) running an engine's own executables (`Program.executables`)."""
         out = copy.copy(self)
-        for name in ("run_full", "run_encoder", "run_decoder", "run_spec"):
+        for name in ("run_full", "run_encoder", "run_decoder", "run_decode_first", "run_decode_rest", "run_spec"):
             setattr(out, name, dataclasses.replace(getattr(self, name), executables=ex))
         return out
 

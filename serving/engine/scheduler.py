@@ -338,28 +338,36 @@ class Scheduler:
         if self.replay:
             shapes += [("decoder", D * R, 1, c) for R in (1, *(self.shared_prefill or ())[:1])]
         decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
-        shapes += [("decode", D * B, self.decode_tokens, c) for B in _ladder(self.min_decode_bucket, decode_top)]
+        shapes += [(k, D * B, self.decode_tokens, c) for B in _ladder(self.min_decode_bucket, decode_top)
+                   for k in self.decode_kinds]
         return shapes
 
     def covering_shapes(self) -> list[tuple[str, int, int, int]]:
         """The programs every step can run on alone, padded: the largest prefill chunk, the replay decoder of one
-        row a rank and the largest decode batch (a staged warm-up serves on these while the others compile)."""
+        row a rank and the largest decode batch, both its programs where the step is split (a staged warm-up serves
+        on these while the others compile)."""
         shapes = self.program_shapes()
         D = len(self.ranks)
         prefill = max((s for s in shapes if s[0] in ("encoder", "full") and s[1] == D), key=lambda s: s[2])
         decoder = [s for s in shapes if s[0] == "decoder" and s[1] == D]
-        decode = max((s for s in shapes if s[0] == "decode"), key=lambda s: s[1])
-        return [prefill, *decoder, decode]
+        B = max(s[1] for s in shapes if s[0] in self.decode_kinds)
+        return [prefill, *decoder, *(s for s in shapes if s[0] in self.decode_kinds and s[1] == B)]
 
     def _usable(self, kind: str, B: int, T: int) -> tuple[int, int]:
         """(rows, tokens) of the program a call of `kind` with B rows (every rank's) of T tokens runs: its own
         bucket, or while a staged warm-up's other programs compile (`usable_shapes`), the smallest usable program
         of that kind that holds it with the same rows (prefill: more tokens) or the same tokens (decode: more
-        rows)."""
+        rows). A decode step split in two programs (`decode_kinds`) can use a shape once both are usable."""
         u, c = self.usable_shapes, self.max_pages_per_seq
-        if u is None or (kind, B, T, c) in u:
+        kinds = self.decode_kinds if kind == "decode" else (kind,)
+
+        def usable(b: int, t: int) -> bool:
+            return all((k, b, t, c) in u for k in kinds)
+
+        if u is None or usable(B, T):
             return B, T
-        fits = [(b, t) for k, b, t, _ in u if k == kind and b >= B and t >= T and (b == B or t == T)]
+        fits = [(b, t) for k, b, t, _ in u if k == kinds[0] and b >= B and t >= T and (b == B or t == T)
+                and usable(b, t)]
         if not fits:
             raise EngineError(f"no usable {kind} program holds {B} rows x {T} tokens (usable: {sorted(u)})")
         return min(fits, key=lambda bt: bt[0] * bt[1])

@@ -38,14 +38,19 @@ class Warmup:
         static, progs = self.static, self.programs
         if kind == "encoder":
             return progs.run_encoder, (self.params, pool, b), {**static, "replay_tokens": self.replay_tokens}
-        if kind == "decoder":
-            W, hc = self.replay_tokens, self.cfg.hc_mult
-            # committed like the step's, which come out of the encoder: a program compiles once per committed /
-            # uncommitted signature of its arguments (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
+        if kind in ("decoder", "decode_rest"):
+            W, hc = (self.replay_tokens if kind == "decoder" else T), self.cfg.hc_mult
+            # committed like the step's, which come out of the program before: a program compiles once per
+            # committed / uncommitted signature of its arguments
+            # (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)
             on = pool.runs[0].swa_q.sharding
             h = jnp.zeros((B, W, hc, self.cfg.dim), self.num.jdtype, device=on)
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
+            if kind == "decode_rest":
+                return progs.run_decode_rest, (self.params, pool, b, h, pre), static
             return progs.run_decoder, (self.params, pool, b, h, pre), self.prefill_static
+        if kind == "decode_first":
+            return progs.run_decode_first, (self.params, pool, b), static
         if kind == "decode" and self.spec is not None:
             forced, samp = np.full(B, self.spec.forced_acceptance), self._sampling([None] * B)
             return (progs.run_spec, (self.params, pool, b, samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)),
@@ -155,7 +160,7 @@ class Warmup:
     def _samples(self, shape: tuple[str, int, int, int]) -> bool:
         """Whether a step of this program may run `Programs.sample` on its logits (a speculative step samples
         inside its program)."""
-        return shape[0] != "encoder" and not (shape[0] == "decode" and self.spec is not None)
+        return shape[0] not in ("encoder", "decode_first") and not (shape[0] == "decode" and self.spec is not None)
 
     def adopt_programs(self) -> None:
         """A staged warm-up's programs that the background finished: runs each once, then lets steps use it; when
@@ -384,7 +389,7 @@ def _shape_name(shape: tuple[str, int, int, int]) -> str:
 
 # whole-model programs first, then the prefill encoder, then the replay decoder; larger batches first within a kind:
 # the longest compiles start first, so the last to finish starts early
-_KIND_ORDER = {"decode": 0, "full": 1, "encoder": 1, "decoder": 2}
+_KIND_ORDER = {"decode": 0, "decode_first": 0, "decode_rest": 0, "full": 1, "encoder": 1, "decoder": 2}
 
 
 def compile_order(shape: tuple[str, int, int, int]) -> tuple[int, int]:
