@@ -1,4 +1,4 @@
-"""The decode step cut in two programs at the replay split layer (`EngineConfig.split_decode`, the default:
+"""The decode step cut in two programs at the replay split layer (`EngineConfig.split_decode`, a GPU's default:
 `programs.run_decode_first`, layers [0, split) with the embedding, then `run_decode_rest`, [split, L) with the
 head), against the one program (`run_full`): what the cut buys at start-up and costs at every step.
 

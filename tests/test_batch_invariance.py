@@ -52,8 +52,7 @@ def test_alone_batched_and_prefix_hit_are_bitwise_identical():
     x = prompt(150, 0)
     eng = make(True, enable_prefix_caching=False)
     # one shape per program: (program, rows, tokens, block-table pages)
-    assert sorted(eng.program_shapes()) == [("decode_first", 8, 1, 8), ("decode_rest", 8, 1, 8), ("decoder", 1, 1, 8),
-                                            ("encoder", 1, 128, 8)]
+    assert sorted(eng.program_shapes()) == [("decode", 8, 1, 8), ("decoder", 1, 1, 8), ("encoder", 1, 128, 8)]
     for s in (GREEDY, SAMPLED):
         alone = run(eng, [("x", x, s, {})])["x"]
         others = company("o")

@@ -173,25 +173,26 @@ def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
 def test_program_shapes_cover_the_buckets(tiny):
     """What warm-up compiles: every prefill chunk bucket and every decode batch bucket, each with the one
     block-table width (max_model_len's pages: the context length is a run-time value), and the short prompts'
-    shared call (3 rows of 32 tokens: 3 sequences, at most 128 tokens) with its decoder; a decode step is two
-    programs (cut at the split layer) unless `split_decode` is off."""
+    shared call (3 rows of 32 tokens: 3 sequences, at most 128 tokens) with its decoder; with `split_decode` (a
+    GPU's default) a decode step is two programs, cut at the split layer."""
     def decode(*Bs):
         return [(k, B, 1, 8) for B in Bs for k in ("decode_first", "decode_rest")]
 
     eng = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1,
-               max_prefill_rows=4)
+               max_prefill_rows=4, split_decode=True)
     shapes = eng.program_shapes()
     c = 8  # 512 tokens / 64 per page
     assert shapes == ([("encoder", 1, T, c) for T in (32, 64, 128)] + [("encoder", 3, 32, c)]
                       + [("decoder", 1, 1, c), ("decoder", 3, 1, c)] + decode(1, 2, 4))
     one = make(tiny, swa_bounded_replay=True, max_num_seqs=3, min_prefill_bucket=32, min_decode_bucket=1)
-    assert [s for s in one.program_shapes() if not s[0].startswith("decode_")] == (
+    assert [s for s in one.program_shapes() if s[0] != "decode"] == (
         [("encoder", 1, T, c) for T in (32, 64, 128)] + [("decoder", 1, 1, c)])
-    exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_decode_bucket=1)
+    exact = make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_decode_bucket=1, split_decode=True)
     assert exact.program_shapes() == [("full", 1, 128, 8)] + decode(1, 2)
-    # min_decode_bucket: a lone sequence's decode step pads to that many rows, two programs fewer
-    assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128, min_decode_bucket=2,
-                split_decode=False).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
+    # min_decode_bucket: a lone sequence's decode step pads to that many rows, one program fewer (the CPU's default:
+    # the decode step as one program)
+    assert make(tiny, swa_bounded_replay=False, min_prefill_bucket=128,
+                min_decode_bucket=2).program_shapes() == [("full", 1, 128, 8), ("decode", 2, 1, 8)]
 
 
 def short_prompts():
@@ -251,8 +252,7 @@ def test_warmup_leaves_nothing_to_compile(tiny):
     request of one page and one of four run the same programs (the block table is always max_model_len wide)."""
     eng = make(tiny)
     eng.warmup()
-    progs = (programs.run_full, programs.run_encoder, programs.run_decoder, programs.ONE_DEVICE.run_decode_first,
-             programs.ONE_DEVICE.run_decode_rest)
+    progs = (programs.run_full, programs.run_encoder, programs.run_decoder)
     before = [p._cache_size() for p in progs]
     for n in (200, 20):
         toks, _ = run(eng, prompt(n, seed=8))
@@ -262,10 +262,11 @@ def test_warmup_leaves_nothing_to_compile(tiny):
 
 def test_staged_warmup_pads_to_the_covering_programs_until_the_rest_arrive(tiny):
     """`warmup(staged=True)` returns once the covering programs are ready (the 128-token encoder, the one-row
-    decoder, the 2-row decode): until the others arrive, two short prompts run one call each at 128 tokens instead
-    of the shared 2 x 64 call, with the tokens and logits of an engine that has only those programs (bit for bit).
-    Once every program is in use the shared call runs; nothing compiles on a request's path either way."""
-    eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4)
+    decoder, the 2-row decode step's two programs: `split_decode`, a GPU's default): until the others arrive, two
+    short prompts run one call each at 128 tokens instead of the shared 2 x 64 call, with the tokens and logits of
+    an engine that has only those programs and runs its decode step as one (bit for bit). Once every program is in
+    use the shared call runs; nothing compiles on a request's path either way."""
+    eng = make(tiny, min_prefill_bucket=64, max_prefill_rows=4, split_decode=True)
     c = 8
     assert eng.warmup(staged=True) == eng.covering_shapes() == [("encoder", 1, 128, c), ("decoder", 1, 1, c),
                                                                 ("decode_first", 2, 1, c), ("decode_rest", 2, 1, c)]

@@ -46,10 +46,6 @@ class Watched:
         pool, logits, tok = self.programs.run_decoder(*a, **kw)
         return pool, Sealed(logits), Sealed(tok)
 
-    def run_decode_rest(self, *a, **kw):
-        pool, logits, tok = self.programs.run_decode_rest(*a, **kw)
-        return pool, Sealed(logits), Sealed(tok)
-
     def sample(self, logits, samp, **kw):  # a program's logits into another program: on the device, no read
         return Sealed(self.programs.sample(logits.a, samp, **kw))
 

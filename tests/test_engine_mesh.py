@@ -251,7 +251,7 @@ def test_staged_warmup_buckets_count_every_data_rank():
     from types import SimpleNamespace
 
     eng = tiny_engine.make(data_parallel_size=2, max_num_seqs=4, min_decode_bucket=1, min_prefill_bucket=32,
-                           max_prefill_rows=2)
+                           max_prefill_rows=2, split_decode=True)
     c = eng.max_pages_per_seq
     assert eng.shared_prefill == (2, 64)
     assert eng.covering_shapes() == [("encoder", 2, 128, c), ("decoder", 2, 1, c), ("decode_first", 8, 1, c),

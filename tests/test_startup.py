@@ -1,7 +1,7 @@
 """Start-up against a persistent compilation cache, each run in its own process (jax opens the cache once per
-process), on `dsv41 serve --preset tiny`'s engine with its default flags, which on the CPU is four programs (one
-prefill chunk, one block-table width, one decode batch: encoder, decoder, the decode step's two halves). One cold
-compile of the four (`dsv41 serve`'s, a module fixture on one xdist worker) is most of the file's time.
+process), on `dsv41 serve --preset tiny`'s engine with its default flags, which on the CPU is three programs (one
+prefill chunk, one block-table width, one decode batch: encoder, decoder, decode). One cold compile of the three
+(`dsv41 serve`'s, a module fixture on one xdist worker) is most of the file's time.
 
 - `bench_startup.py --serve`: `dsv41 serve --warmup --compile-workers 2` compiles and stores every program in its
   compile worker processes (`serving.engine.precompile`, `serving.engine.executables`); the next process (`dsv41
@@ -27,8 +27,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_startup.py"
-# the serve defaults: on the CPU one prefill chunk, one block-table width, one decode batch (encoder, decoder, the
-# decode step's two programs)
+# the serve defaults: on the CPU one prefill chunk, one block-table width, one decode batch (encoder, decoder, decode)
 FLAGS = ["--preset", "tiny"]
 pytestmark = pytest.mark.xdist_group("startup")  # the tests share the module fixture's cold compile
 
@@ -64,9 +63,9 @@ def test_abstract_equals_allocated(served):
     """The compile workers' abstract engines compiled exactly the allocated engine's programs: its warm-up finds
     every one in jax's cache (each shape's padding call made once to look for it in the store and lower it, then
     once to run it) and none "compiled again when loaded"."""
-    assert sorted(served["warmup_sources"]) == [[k, "cache hit"] for k in KINDS], served
-    kinds = ["encoder", "decoder", "decode_first", "decode_rest"]
-    assert served["padding_calls"] == kinds + kinds, served
+    assert sorted(served["warmup_sources"]) == [["decode", "cache hit"], ["decoder", "cache hit"],
+                                                ["encoder", "cache hit"]], served
+    assert served["padding_calls"] == ["encoder", "decoder", "decode", "encoder", "decoder", "decode"], served
     assert served["warmup_warnings"] == [], served
 
 
@@ -94,15 +93,16 @@ def test_serve_cold_then_from_the_program_store(serve_cold_warm, served):
                                      argparse.Namespace(checkpoint=None, preset="tiny")) == [
         "--preset", "tiny", "--max-num-seqs", "4"]
     lines = [line for line in table.splitlines() if line.startswith("| ")]
-    programs = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[1:5]]
+    programs = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[1:4]]
     # (program, source cold, source warm, warm lower s): traced for nothing the second time
-    assert sorted((p[0], p[3], p[6], p[7]) for p in programs) == [(k, "compiled", "stored", "0.00") for k in KINDS], table
+    assert sorted((p[0], p[3], p[6], p[7]) for p in programs) == [
+        (k, "compiled", "stored", "0.00") for k in ("decode", "decoder", "encoder")], table
     # every program came from the compile workers (`serving.engine.precompile`); the warm start needed none: the
     # store noted that it holds every program of this engine
-    assert any(line.startswith("| cold (empty cache) | 4 | 4 | 0 | 0 | 4 |") for line in lines), table
-    assert any(line.startswith("| warm (cache hit) | 4 | 0 | 0 | 4 | 0 |") for line in lines), table
+    assert any(line.startswith("| cold (empty cache) | 3 | 3 | 0 | 0 | 3 |") for line in lines), table
+    assert any(line.startswith("| warm (cache hit) | 3 | 0 | 0 | 3 | 0 |") for line in lines), table
     again = _last_json(_run(__file__, "--after-warmup", str(cache), flags=[]))
-    assert sorted(again["warmup_sources"]) == [[k, "stored"] for k in KINDS]
+    assert sorted(again["warmup_sources"]) == [["decode", "stored"], ["decoder", "stored"], ["encoder", "stored"]]
     assert again["warmup_warnings"] == [] and again["padding_calls"] == served["padding_calls"], again
     assert not [n for n in again["compiled_after"] if n in PROGRAM_NAMES], again
     assert again["tokens"] == served["tokens"], (served, again)
@@ -112,7 +112,7 @@ def test_serve_defaults_compile_few_programs():
     """`dsv41 serve --preset tiny` with its default flags (max_model_len 8192 = 128 pages, 8 sequences, 512-token
     chunks): the block table is one width, and on the CPU the bucket floors are the chunk and max_num_seqs
     (`EngineConfig.bucket_floors`), so warm-up compiles one encoder chunk, the replay decoder and one decode batch.
-    A GPU's floors (16 tokens, 1 row) give the prefill chunk buckets and the decode batch buckets, 11 programs."""
+    A GPU's floors (16 tokens, 1 row) give the prefill chunk buckets and the decode batch buckets."""
     import argparse
 
     from serving.cli_serve import add_serve_args, build_engine
@@ -126,18 +126,18 @@ def test_serve_defaults_compile_few_programs():
         return build_engine(add_serve_args(argparse.ArgumentParser()).parse_args(["--preset", "tiny", *flags])
                             ).program_shapes()
 
-    decode = ("decode_first", "decode_rest")
-    assert shapes() == [("encoder", 1, 512, 128), ("decoder", 1, 1, 128)] + [(k, 8, 1, 128) for k in decode]
+    assert shapes() == [("encoder", 1, 512, 128), ("decoder", 1, 1, 128), ("decode", 8, 1, 128)]
     assert shapes("--min-prefill-bucket", "16", "--min-decode-bucket", "1") == (
         [("encoder", 1, T, 128) for T in (16, 32, 64, 128, 256, 512)] + [("decoder", 1, 1, 128)]
-        + [(k, B, 1, 128) for B in (1, 2, 4, 8) for k in decode])
-    assert shapes("--no-split-decode")[2:] == [("decode", 8, 1, 128)]
+        + [("decode", B, 1, 128) for B in (1, 2, 4, 8)])
+    # a GPU's decode step is two programs (`EngineConfig.splits_decode`): 15 programs there
+    assert shapes("--split-decode")[2:] == [("decode_first", 8, 1, 128), ("decode_rest", 8, 1, 128)]
 
 
 def test_lower_for_cuda_on_this_host():
-    """`bench_startup.py --abstract --lower-for cuda`: the engine a GPU would build (its kernels and buckets) traced
-    and lowered for CUDA on this CPU host, no GPU needed: the tiny preset's GPU decode program (batch 1, the GPU's
-    decode floor) holds Mosaic GPU kernels."""
+    """`bench_startup.py --abstract --lower-for cuda`: the engine a GPU would build (its kernels, buckets and
+    programs) traced and lowered for CUDA on this CPU host, no GPU needed: the tiny preset's GPU decode step (batch
+    1, the GPU's decode floor; two programs, cut at the split layer) holds Mosaic GPU kernels."""
     table = _run(str(SCRIPT), "--abstract", "--lower-for", "cuda", "--programs", "decode", "--smallest")
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
     assert rows[0][:6] == ["program", "B x T", "pages", "trace s", "lower s", "Mosaic GPU kernels"], table
@@ -155,9 +155,7 @@ def test_requests_after_warmup_compile_no_program(served):
     assert [len(t) for t in out["tokens"]] == [3, 3], out
 
 
-PROGRAM_NAMES = {"jit(_full)", "jit(_encoder)", "jit(_decoder)", "jit(_decode_first)", "jit(_decode_rest)",
-                 "jit(_spec)"}
-KINDS = ("decode_first", "decode_rest", "decoder", "encoder")  # the serve engine's programs, sorted
+PROGRAM_NAMES = {"jit(_full)", "jit(_encoder)", "jit(_decoder)", "jit(_spec)"}
 
 
 def _after_warmup(cache: str, flags: list[str]) -> dict:
@@ -188,8 +186,7 @@ def _after_warmup(cache: str, flags: list[str]) -> dict:
         eng.warmup(workers=2)  # the compile threads, then each program's load
     engine_log.removeHandler(handler)
     sources = [(r.kind, r.source) for r in eng.warmup_progress.reports]
-    progs = (eng.programs.run_encoder, eng.programs.run_decoder, eng.programs.run_decode_first,
-             eng.programs.run_decode_rest)
+    progs = eng.programs.run_encoder, eng.programs.run_decoder, eng.programs.run_full
     sizes = [[p._cache_size() for p in progs]]
     compiled = []
     monitoring.register_event_duration_secs_listener(

@@ -106,11 +106,8 @@ class EngineConfig:
     # (scanned on the XLA path, unrolled where the Mosaic GPU kernels run)
     scan_layers: bool | None = None
     # a decode step as two programs cut at the split layer (`programs.run_decode_first` / `run_decode_rest`), not
-    # one: at start-up the halves compile side by side (on the H100, bench preset: 57.1 s for the one program at
-    # batch 1 against 39.0 s for the longer half, 79.9 against 55.4 s at batch 64: the path to a healthy server),
-    # and the step took 1.02x / 0.94x the one program's time at batch 1 / 64, the same logits bit for bit
-    # (docs/PERFORMANCE.md section 6). Speculative decoding keeps its one program
-    split_decode: bool = True
+    # one; None: the platform's (`splits_decode`). Speculative decoding keeps its one program
+    split_decode: bool | None = None
     # the device mesh, by vLLM's flags: heads / widths / vocabulary split over tensor_parallel_size devices;
     # data_parallel_size ranks each running their own requests on their own KV pool; with enable_expert_parallel
     # the routed experts split over all tensor x data devices. max_num_seqs and num_pages count per data rank.
@@ -139,9 +136,12 @@ class EngineConfig:
                            expert=self.enable_expert_parallel, all2all=self.all2all_backend)
 
     def __post_init__(self):
-        for name in ("batch_invariant", "async_scheduling", "split_decode"):
+        for name in ("batch_invariant", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.split_decode not in (None, True, False):
+            raise EngineError(f"split_decode must be True, False or None (the platform's), got "
+                              f"{self.split_decode!r}")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_rows", 1),
                          ("page_tokens", 2), ("max_waiting", 0), ("swa_replay_tokens", 1), ("tensor_parallel_size", 1),
                          ("data_parallel_size", 1)):
@@ -174,7 +174,7 @@ class EngineConfig:
         None. A GPU: 16 tokens and 1 row, so that short prompts and small batches run programs of their size. The
         CPU: the chunk and max_num_seqs, one prefill chunk and one decode batch. There a step's time is per-operation
         overhead more than rows (the tiny preset's decode step took 34 ms at 1 row and 27 at 8), while each program
-        costs 5-10 s of compile at start-up: `dsv41 serve --preset tiny` warms up 4 programs instead of 15. A short
+        costs 5-10 s of compile at start-up: `dsv41 serve --preset tiny` warms up 3 programs instead of 11. A short
         prompt pays the chunk's padding (tiny: a 20-token prompt's prefill 273 ms at 512 tokens, 103 at 32)."""
         if platform == "cpu":
             floors = (self.max_num_batched_tokens, self.max_num_seqs)
@@ -182,6 +182,17 @@ class EngineConfig:
             floors = (16, 1)
         given = (self.min_prefill_bucket, self.min_decode_bucket)
         return tuple(g if g is not None else f for g, f in zip(given, floors))
+
+    def splits_decode(self, platform: str) -> bool:
+        """Whether a decode step runs as two programs cut at the split layer, on `platform` (jax's: 'cpu', 'gpu'),
+        the platform's where split_decode is None. A GPU: yes. There start-up waits for the largest decode
+        program's compile, and its halves compile side by side in two compile workers: on the H100 (bench preset)
+        alone the longer half took 39.0 s of lower + compile against 57.1 s for the one program, and serve's cold
+        start to healthy took 109.9 s against 127.6 s on one host; the step 1.02x / 0.94x the one program's time at
+        batch 1 / 64, the same logits bit for bit (docs/PERFORMANCE.md section 6). The CPU: no, where the programs
+        compile in one process's threads (no compile workers by default): `dsv41 serve --preset tiny` was healthy
+        after 40.8 s split against 37.8 s as one program on a 2-core host."""
+        return self.split_decode if self.split_decode is not None else platform != "cpu"
 
     @classmethod
     def field_names(cls) -> set[str]:
