@@ -827,10 +827,9 @@ class Program:
 
 class Programs:
     """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_decode_first`, `run_decode_rest`,
-    `run_spec`), jitted for one placement, each
-    taking (params, pool, batch, ...) and returning the new pool (donated). A call's host arrays reach the device
-    as one buffer (`host_rows`). `sample(logits, sampling, filtered=)`: the tokens of a step with rows that draw
-    (`sample`).
+    `run_spec`), jitted for one placement, each taking (params, pool, batch, ...) and returning the new pool
+    (donated). A call's host arrays reach the device as one buffer (`host_rows`). `sample(logits, sampling,
+    filtered=)`: the tokens of a step with rows that draw (`sample`).
 
     mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
     `shard_map` manual over the data axis takes each rank's rows of the batch and its own pool (both stacked on
