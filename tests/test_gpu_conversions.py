@@ -105,10 +105,10 @@ def _sub_jaxprs(eqn):
 
 
 def test_engine_programs_have_no_float8_cast_pairs_nor_float_scatter_adds():
-    """Every program kind of the engine (prefill encoder, decoder, a GPU's decode step's two) at the served numerics, traced: no
-    float8 round trip for XLA's GPU compiler to fold (the code before quant.e4m3_round had 61-133 a program), and
-    no float scatter-add, which the GPU runs as atomics in a varying order (the XLA MoE's sum over each token's
-    experts was one: two runs of the same forward on the H200 differed from layer 0 on)."""
+    """Every program kind of the engine (prefill encoder, decoder, a GPU's decode step's two) at the served
+    numerics, traced: no float8 round trip for XLA's GPU compiler to fold (the code before quant.e4m3_round had
+    61-133 a program), and no float scatter-add, which the GPU runs as atomics in a varying order (the XLA MoE's
+    sum over each token's experts was one: two runs of the same forward on the H200 differed from layer 0 on)."""
     from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
