@@ -36,7 +36,6 @@ import numpy as np
 from dsv41 import layer_runs, model, quant
 from dsv41 import params as P
 from dsv41.config import preset, with_schedule
-from serving.engine import programs
 from serving.engine.engine import SamplingParams
 from timing import KERNEL_NAMES, SUFFIXES, device_params, fake_decode_state, kernels_of, make_engine, with_fp4_experts
 from timing import median_wall_s as timed
@@ -187,8 +186,7 @@ def main():
         b, s = eng.decode_inputs(reqs)
 
         def dev_only():
-            eng.pool, _, tok = programs.run_full(eng.params, eng.pool, b, **eng.static)
-            tok.block_until_ready()
+            eng.run_decode(b)[1].block_until_ready()
 
         dev_t = timed(dev_only, reps=10)
         host_t = timed(lambda: eng.decode_inputs(reqs), reps=10)

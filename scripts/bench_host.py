@@ -32,7 +32,8 @@ PARTS = ("step", "_read", "_admit", "_decode", "_hold_pages", "_decode_rows", "_
 
 
 class _Stub:
-    """The engine's programs with run_full answering at once (the pool unchanged, logits and tokens made once)."""
+    """The engine's programs with the decode step's (`Engine.run_decode`) answering at once (the pool unchanged,
+    logits and tokens made once)."""
 
     def __init__(self, programs, rows: int, vocab: int):
         self._programs = programs
@@ -43,6 +44,12 @@ class _Stub:
         return getattr(self._programs, name)
 
     def run_full(self, params, pool, batch, **static):
+        return pool, self._logits, self._tok
+
+    def run_decode_first(self, params, pool, batch, **static):
+        return pool, None, None
+
+    def run_decode_rest(self, params, pool, batch, h, pre, **static):
         return pool, self._logits, self._tok
 
 

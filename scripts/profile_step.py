@@ -57,15 +57,20 @@ def kind_of(name: str) -> str:
 
 _HLO_OP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', re.MULTILINE)
 _LAYER = re.compile(r"layer\d+")
+AMBIGUOUS = "(a kernel name of several parts)"
 
 
-def hlo_parts(hlo_text: str) -> dict[str, str]:
-    """Compiled HLO text -> {kernel name: model part}: an instruction's name with '.' and '-' as '_' (how XLA
-    names the kernel of a fusion) and the named scopes of its op_name, jit(...) levels dropped."""
+def hlo_parts(hlo_texts: list[str]) -> dict[str, str]:
+    """Compiled HLO texts (a step's programs) -> {kernel name: model part}: an instruction's name with '.' and '-'
+    as '_' (how XLA names the kernel of a fusion) and the named scopes of its op_name, jit(...) levels dropped. A
+    name two programs give to kernels of different parts counts as AMBIGUOUS (CUPTI's kernel names do not say
+    which program ran them)."""
     out = {}
-    for name, op in _HLO_OP.findall(hlo_text):
-        scopes = [p for p in op.split("/")[:-1] if not p.startswith("jit(") and not _LAYER.fullmatch(p)]
-        out[re.sub(r"[.\-]", "_", name)] = "/".join(scopes) or "(top level)"
+    for text in hlo_texts:
+        for name, op in _HLO_OP.findall(text):
+            scopes = [p for p in op.split("/")[:-1] if not p.startswith("jit(") and not _LAYER.fullmatch(p)]
+            name, part = re.sub(r"[.\-]", "_", name), "/".join(scopes) or "(top level)"
+            out[name] = part if out.get(name, part) == part else AMBIGUOUS
     return out
 
 
@@ -79,19 +84,24 @@ def by_part(kernels: list[tuple[str, float]], parts: dict[str, str]) -> dict[str
     return {k: (n, ms) for k, (n, ms) in out.items()}
 
 
-def recording(progs, name: str):
-    """Wraps progs.<name> to keep its last call's argument shapes; -> a function giving that call's compiled HLO
-    text (the pool is donated, so the arrays themselves are gone after the call)."""
-    f = getattr(progs, name)
+def recording(progs, names: tuple[str, ...]):
+    """Wraps each progs.<name> to keep its last call's argument shapes; -> a function giving those calls' compiled
+    HLO texts (the pool is donated, so the arrays themselves are gone after the call)."""
     seen = {}
 
-    def rec(*args, **kw):
-        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x  # noqa: E731
-        seen["args"] = jax.tree_util.tree_map(shape, args)
-        return f(*args, **kw)
+    def record(name):
+        f = getattr(progs, name)
 
-    setattr(progs, name, rec)
-    return lambda **kw: f.lower(*seen["args"], **kw).compile().as_text()
+        def rec(*args, **kw):
+            shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x  # noqa: E731
+            seen[name] = jax.tree_util.tree_map(shape, args)
+            return f(*args, **kw)
+
+        setattr(progs, name, rec)
+        return f
+
+    fns = {name: record(name) for name in names}
+    return lambda **kw: [fns[n].lower(*seen[n], **kw).compile().as_text() for n in names]
 
 
 def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top: int) -> dict:
@@ -205,8 +215,8 @@ def main():
             if args.speculative else None
         max_len += (args.speculative + 1) * 16
         eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec)
-        program = "run_spec" if spec else "run_full"
-        hlo = recording(eng.programs, program) if args.parts else None  # its tree_map costs ms a step
+        names = ("run_spec",) if spec else tuple(f"run_{k}" if k != "decode" else "run_full" for k in eng.decode_kinds)
+        hlo = recording(eng.programs, names) if args.parts else None  # its tree_map costs ms a step
         static = {**eng.static, **({"spec_tokens": args.speculative} if spec else {})}
         eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own
         for j, B in enumerate(batches):

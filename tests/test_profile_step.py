@@ -14,11 +14,15 @@ def test_kernels_are_summed_by_named_scope():
             z = jnp.sum(y * 2, axis=-1)
         return z, y.T
 
-    parts = ps.hlo_parts(jax.jit(f).lower(jnp.ones((64, 128)), jnp.ones((128, 256))).compile().as_text())
+    parts = ps.hlo_parts([jax.jit(f).lower(jnp.ones((64, 128)), jnp.ones((128, 256))).compile().as_text()])
     assert "moe/router" in parts.values() and "mhc" in parts.values()  # layer numbers and jit levels dropped
     tanh = next(k for k, v in parts.items() if v == "moe/router" and "tanh" in k)
     got = ps.by_part([(tanh, 0.1), ("expert_gemm_fp4_mosaic_gpu_kernel", 0.5), ("nvjet_sm90_x", 0.3)], parts)
     assert got == {"moe/router": (1, 0.1), "pallas expert_gemm_fp4": (1, 0.5), "unmatched": (1, 0.3)}
+    # a step of two programs (the split decode step): a kernel name both give to different parts is not guessed
+    text = f'  %{tanh} = f32[2] tanh(%x), metadata={{op_name="jit(g)/attention/tanh"}}'
+    assert ps.hlo_parts([jax.jit(f).lower(jnp.ones((64, 128)), jnp.ones((128, 256))).compile().as_text(),
+                         text])[tanh] == ps.AMBIGUOUS
 
 
 def test_timeline_places_gaps_and_host_time_on_one_clock(tmp_path):

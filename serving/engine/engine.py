@@ -482,16 +482,22 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             return self._decode_speculative(reqs)
         rows = self._decode_rows(reqs)
         b, samp = self._decode_batch(rows)
-        if len(self.decode_kinds) == 2:
-            self.pool, h, pre = self.programs.run_decode_first(self.params, self.pool, b, **self.static)
-            self.pool, logits, tok = self.programs.run_decode_rest(self.params, self.pool, b, h, pre, **self.static)
-        else:
-            self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, **self.static)
+        logits, tok = self.run_decode(b)
         tok = self._drawn(logits, tok, samp)
         for r in filter(None, rows):
             r.computed = r.num_tokens
         self.counters["decode_steps"] += 1
         return self._dispatched(rows, tok, logits)
+
+    def run_decode(self, b: programs.Batch) -> tuple[jax.Array, jax.Array]:
+        """A decode step's program or programs (`decode_kinds`) on batch b, the pool updated. -> (logits [B, V],
+        their argmax [B])."""
+        if len(self.decode_kinds) == 2:
+            self.pool, h, pre = self.programs.run_decode_first(self.params, self.pool, b, **self.static)
+            self.pool, logits, tok = self.programs.run_decode_rest(self.params, self.pool, b, h, pre, **self.static)
+        else:
+            self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, **self.static)
+        return logits, tok
 
     def _finish_reason(self, r: _Request, tok: int) -> str | None:
         s = r.sampling
