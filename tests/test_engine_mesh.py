@@ -61,7 +61,10 @@ def one_device(replay: bool):
 @pytest.mark.xdist_group(MESH_GROUP)
 @pytest.mark.parametrize("replay", [True], ids=["replay"])
 def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
-    eng = tiny_engine.make(data_parallel_size=2, swa_bounded_replay=replay, num_pages=8)
+    """Also with a GPU's decode step (`split_decode`: two programs a step, each per data rank) against the
+    one-device engine's one program."""
+    eng = tiny_engine.make(data_parallel_size=2, swa_bounded_replay=replay, num_pages=8, split_decode=True)
+    assert eng.decode_kinds == ("decode_first", "decode_rest")
     toks, logits, ranks = serve(eng)
     ref_toks, ref_logits, _ = one_device(replay)
     assert toks == ref_toks
