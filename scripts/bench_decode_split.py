@@ -34,6 +34,7 @@ import numpy as np
 
 from dsv41 import params as P
 from dsv41.config import preset
+from serving.engine import programs
 from serving.engine.engine import Engine
 from timing import fake_decode_state, make_engine, print_table
 
@@ -80,7 +81,8 @@ def steps(args, cfg, params, B: int) -> dict:
 
     def split():
         eng.pool, h, pre = progs.run_decode_first(eng.params, eng.pool, b, **eng.static)
-        eng.pool, logits, tok = progs.run_decode_rest(eng.params, eng.pool, b, h, pre, **eng.static)
+        eng.pool, logits, tok = progs.run_decode_rest(eng.params, eng.pool, programs.rest_batch(b, cfg), h, pre,
+                                                      **eng.static)
         return logits, np.asarray(tok)
 
     # (the pool is rewritten with the same KV each call: the step is the same every time)

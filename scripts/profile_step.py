@@ -215,7 +215,9 @@ def main():
             if args.speculative else None
         max_len += (args.speculative + 1) * 16
         eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec)
-        names = ("run_spec",) if spec else tuple(f"run_{k}" if k != "decode" else "run_full" for k in eng.decode_kinds)
+        # the step's programs (`Engine.run_decode`)
+        names = (("run_spec",) if spec else ("run_decode_first", "run_decode_rest") if len(eng.decode_kinds) == 2
+                 else ("run_full",))
         hlo = recording(eng.programs, names) if args.parts else None  # its tree_map costs ms a step
         static = {**eng.static, **({"spec_tokens": args.speculative} if spec else {})}
         eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own

@@ -494,7 +494,9 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         their argmax [B])."""
         if len(self.decode_kinds) == 2:
             self.pool, h, pre = self.programs.run_decode_first(self.params, self.pool, b, **self.static)
-            self.pool, logits, tok = self.programs.run_decode_rest(self.params, self.pool, b, h, pre, **self.static)
+            self.pool, logits, tok = self.programs.run_decode_rest(self.params, self.pool,
+                                                                   programs.rest_batch(b, self.cfg), h, pre,
+                                                                   **self.static)
         else:
             self.pool, logits, tok = self.programs.run_full(self.params, self.pool, b, **self.static)
         return logits, tok

@@ -670,6 +670,12 @@ def _decode_first(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Nume
     return pool, h, pre
 
 
+def rest_batch(b: Batch, cfg: ModelConfig) -> Batch:
+    """A decode batch as `run_decode_rest` takes it: without the Engram rows where no Engram layer is at or past the
+    split (Flash: layers 1 and 14, split 20), so that the step packs and sends them once, not twice."""
+    return b if any(i >= cfg.split_layer for i in cfg.engram_layer_ids) else dataclasses.replace(b, rows=[])
+
+
 def _decode_rest(params, pool: KVPool, b: Batch, h, pre, *, cfg: ModelConfig, num: Numerics,
                  backends: Backends = Backends()):
     """Layers [split, L) and the head on `_decode_first`'s stream: with it, `_full`'s decode step bit for bit (the

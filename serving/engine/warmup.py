@@ -47,7 +47,7 @@ class Warmup:
             h = jnp.zeros((B, W, hc, self.cfg.dim), self.num.jdtype, device=on)
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
             if kind == "decode_rest":
-                return progs.run_decode_rest, (self.params, pool, b, h, pre), static
+                return progs.run_decode_rest, (self.params, pool, programs.rest_batch(b, self.cfg), h, pre), static
             return progs.run_decoder, (self.params, pool, b, h, pre), self.prefill_static
         if kind == "decode_first":
             return progs.run_decode_first, (self.params, pool, b), static
