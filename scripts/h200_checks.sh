@@ -15,6 +15,8 @@
 #                  `backends.scans_layers` waits for; one call each (~6-9 min unrolled)
 #   split [B]      the decode step cut in two programs at the replay split (the default) against the one program:
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
+#   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
+#                  CUDA graph) against the same device buffers every call (bench preset with 8 experts, batch 1; ~2 min)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
@@ -95,6 +97,9 @@ case "${1:-}" in
     ;;
   split)
     bench 570 split scripts/bench_decode_split.py --batches "${2:-1}"
+    ;;
+  launch)
+    bench 300 launch scripts/bench_launch.py --experts 8 --batches "${2:-1}" --decode-ctx 4096
     ;;
   host)
     bench 300 host scripts/bench_host.py --preset bench --batches 1,8,64
