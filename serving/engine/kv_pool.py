@@ -22,7 +22,9 @@ rank-local. The pool is replicated over tensor-parallel ranks (the one latent se
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -143,11 +145,18 @@ def allocate(cfg: ModelConfig, lay: PoolLayout, sharding=None) -> KVPool:
     first call differ from all later ones: every prefill program compiled twice, and the program that warm-up
     ran first compiled again at the first request (tests/test_engine.py::test_warmup_leaves_nothing_to_compile)."""
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return _zeros(cfg, lay, sharding)()
 
-    def z(s):
-        return jnp.zeros(s.shape, s.dtype, device=sharding)
 
-    return jax.tree_util.tree_map(z, abstract_pool(cfg, lay))
+@functools.lru_cache(maxsize=8)
+def _zeros(cfg: ModelConfig, lay: PoolLayout, sharding) -> Callable[[], KVPool]:
+    """One program that makes the whole pool (a zeros call per leaf would compile once per leaf shape)."""
+    shapes = abstract_pool(cfg, lay)
+
+    def zero_pool() -> KVPool:
+        return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    return jax.jit(zero_pool, out_shardings=sharding)
 
 
 def global_bytes_per_token(cfg: ModelConfig, lay: PoolLayout | None = None) -> float:
