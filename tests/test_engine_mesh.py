@@ -106,9 +106,10 @@ def test_speculative_decoding_on_mesh_ranks(layout):
 @pytest.mark.xdist_group(MESH_GROUP)
 def test_one_rank_out_of_pages_preempts_only_there():
     """Rank 0 admits two requests of four pages each whose outputs do not fit its 8 pages together: it preempts
-    one of them (recomputed later); the other rank's request runs as on one device. 8 pages: the engine of
-    `test_data_parallel_is_the_one_device_engine_bit_for_bit[replay]`, whose compiled programs this one reuses."""
-    eng = tiny_engine.make(data_parallel_size=2, num_pages=8)
+    one of them (recomputed later); the other rank's request runs as on one device. 8 pages and the split decode
+    step: the engine of `test_data_parallel_is_the_one_device_engine_bit_for_bit[replay]`, whose compiled programs
+    this one reuses."""
+    eng = tiny_engine.make(data_parallel_size=2, num_pages=8, split_decode=True)
     a, b = list(range(3, 253)), list(range(300, 550))  # 4 pages each; 10 tokens more: 5
     for rid, p, s in (("a", a, "x"), ("c", PROMPTS[1], "y"), ("b", b, "x")):  # a, b share session x: rank 0
         eng.add_request(rid, p, SamplingParams(max_tokens=10, ignore_eos=True), session=s)

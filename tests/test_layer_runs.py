@@ -35,6 +35,12 @@ def runs_model():
     return cfg, P.init_params(cfg, seed=0, dtype="float32")
 
 
+def layer_leaves(stacked, cfg) -> list[list[np.ndarray]]:
+    """Each layer's leaves out of a run-stacked tree, sliced on the host (eager slices compile once a shape)."""
+    host = jax.tree_util.tree_map(np.asarray, stacked)
+    return [jax.tree_util.tree_leaves(layer_runs.layer_params(host, cfg, i)) for i in range(cfg.n_layers)]
+
+
 def spans(cfg):
     return [(r.first, r.n, tuple((p.layer, c) for p, c in r.parts)) for r in layer_runs.runs(cfg)]
 
@@ -60,8 +66,7 @@ def test_stacked_layers_hold_each_layer(runs_model):
     assert "layers" not in stacked and layer_runs.stack_params(stacked, cfg) is stacked
     assert stacked[layer_runs.RUNS_KEY][0]["attn"]["wq_a"].shape[0] == 2  # L0-1
     assert [p["attn"]["wq_a"].shape[:2] for p in stacked[layer_runs.RUNS_KEY][3]] == [(3, 1), (2, 2)]  # L4-10
-    for i in range(cfg.n_layers):
-        got = jax.tree_util.tree_leaves(layer_runs.layer_params(stacked, cfg, i))
+    for i, got in enumerate(layer_leaves(stacked, cfg)):
         want = jax.tree_util.tree_leaves(params["layers"][i])
         assert len(got) == len(want) and all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
 
@@ -89,8 +94,7 @@ def test_consumed_stacking_holds_the_weights_once(runs_model, monkeypatch):
     assert live() == before + grown and 0 <= grown < cfg.n_layers * layer_runs.ALIGN * len(
         jax.tree_util.tree_leaves(params["layers"][0]))
     assert own["layers"][7]["attn"]["wq_a"].is_deleted() and not own["layers"][2]["attn"]["wq_a"].is_deleted()
-    for i in range(cfg.n_layers):
-        got = jax.tree_util.tree_leaves(layer_runs.layer_params(stacked, cfg, i))
+    for i, got in enumerate(layer_leaves(stacked, cfg)):
         assert all(np.array_equal(np.asarray(g), np.asarray(w))
                    for g, w in zip(got, jax.tree_util.tree_leaves(params["layers"][i])))
 
@@ -113,8 +117,7 @@ def test_every_layer_of_a_stack_starts_aligned(runs_model):
                 data = x.data if is_padded(x) else x
                 assert np.prod(data.shape[lead:]) * data.dtype.itemsize % layer_runs.ALIGN == 0, data.shape
     assert n_padded  # the tiny preset has leaves of a few bytes (the mHC scale [3])
-    for i in range(cfg.n_layers):
-        got = jax.tree_util.tree_leaves(layer_runs.layer_params(stacked, cfg, i))
+    for i, got in enumerate(layer_leaves(stacked, cfg)):
         want = jax.tree_util.tree_leaves(params["layers"][i])
         assert all(g.shape == w.shape and np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(got, want))
 

@@ -4,6 +4,7 @@ The PTX text the GPU runs is executed by tests/pallas_kernels/ptx_emulator.py on
 interpreter cannot run `inline_mgpu`). On the GPU the producers' dequant probes run it on every scale byte (the
 gpu-marked cases at the end; on the CPU the same tests run the interpreter's jnp path)."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -19,6 +20,12 @@ from pallas_kernels import sparse_attention as sa
 PRODUCERS = [pytest.param(False, marks=pytest.mark.gpu, id="gpu"), pytest.param(True, id="interpret")]
 
 BYTES = np.arange(256, dtype=np.uint32)
+
+# dsv41.quant's decoders as programs (bit-identical; their inputs numpy bytes): eagerly each is a compile an op and
+# input shape
+_ue8m0_decode = jax.jit(quant.ue8m0_decode)
+_e4m3_decode = jax.jit(quant.e4m3_decode)
+_e2m1_decode_packed = jax.jit(quant.e2m1_decode_packed)
 
 
 def _bf16_bits(x) -> np.ndarray:
@@ -40,7 +47,7 @@ def _same(got_bits: np.ndarray, want_bits: np.ndarray):
 
 def test_ue8m0_f32_twin_all_bytes():
     (bits,) = ptx_emulator.run(codec_ptx.UE8M0_F32_PTX, {1: BYTES}, 1)
-    want = np.asarray(quant.ue8m0_decode(jnp.asarray(BYTES, jnp.uint8)))
+    want = np.asarray(_ue8m0_decode(BYTES.astype(np.uint8)))
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(bits.view(np.float32)), nan)
     np.testing.assert_array_equal(bits[~nan], want.view(np.uint32)[~nan])
@@ -48,7 +55,7 @@ def test_ue8m0_f32_twin_all_bytes():
 
 def test_ue8m0_bf16x2_twin_all_bytes():
     (r,) = ptx_emulator.run(codec_ptx.UE8M0_BF16X2_PTX, {1: BYTES}, 1)
-    want = _bf16_bits(quant.ue8m0_decode(jnp.asarray(BYTES, jnp.uint8)))
+    want = _bf16_bits(_ue8m0_decode(BYTES.astype(np.uint8)))
     for half in _halves(r):
         _same(half, want)
 
@@ -58,7 +65,7 @@ def test_e4m3_scale_twin_all_bytes():
     lo, hi = BYTES, (BYTES * 37 + 11) % 256
     s_lo, s_hi = ptx_emulator.run(codec_ptx.E4M3_SCALE_PTX, {2: lo | (hi << 8) | (0xABCD << 16)}, 2)
     for r, b in ((s_lo, lo), (s_hi, hi)):
-        want = _bf16_bits(quant.e4m3_decode(jnp.asarray(b, jnp.uint8)))
+        want = _bf16_bits(_e4m3_decode(b.astype(np.uint8)))
         for half in _halves(r):
             _same(half, want)
 
@@ -70,9 +77,9 @@ def test_e4m3_word_twin_all_bytes():
     words = np.concatenate([BYTES * 0x01010101, rng.integers(0, 2**32, 2000, dtype=np.uint64).astype(np.uint32)])
     sb = rng.integers(90, 160, words.shape).astype(np.uint8)
     sb[256:512], sb[512:768] = 0, 255                                     # 2^-127 (subnormal products) and NaN
-    scales = np.asarray(quant.ue8m0_decode(jnp.asarray(sb)))
+    scales = np.asarray(_ue8m0_decode(sb))
     out = ptx_emulator.run(codec_ptx.E4M3_WORD_PTX, {2: words, 3: scales.view(np.uint32)}, 2)
-    vals = np.asarray(quant.e4m3_decode(jnp.asarray(words.view(np.uint8).reshape(-1, 4))))
+    vals = np.asarray(_e4m3_decode(words.view(np.uint8).reshape(-1, 4)))
     want = _bf16_bits(vals * scales[:, None])                            # [n, 4]
     for j, r in enumerate(out):
         for h, half in enumerate(_halves(r)):
@@ -90,9 +97,8 @@ def test_fp4_word_twin_all_codes():
     (ue2,) = ptx_emulator.run(codec_ptx.UE8M0_BF16X2_PTX, {1: ue}, 1)
     e4 = rng.integers(0, 0x7F, words.shape).astype(np.uint32)           # positive, finite e4m3 scales
     e42, _ = ptx_emulator.run(codec_ptx.E4M3_SCALE_PTX, {2: e4}, 2)
-    vals = np.asarray(quant.e2m1_decode_packed(jnp.asarray(words.view(np.uint8).reshape(-1, 4))))   # [n, 8]
-    for s2, s in ((ue2, quant.ue8m0_decode(jnp.asarray(ue, jnp.uint8))),
-                  (e42, quant.e4m3_decode(jnp.asarray(e4, jnp.uint8)))):
+    vals = np.asarray(_e2m1_decode_packed(words.view(np.uint8).reshape(-1, 4)))                     # [n, 8]
+    for s2, s in ((ue2, _ue8m0_decode(ue.astype(np.uint8))), (e42, _e4m3_decode(e4.astype(np.uint8)))):
         out = ptx_emulator.run(codec_ptx.FP4_WORD_PTX, {4: words, 5: s2}, 4)
         want = _bf16_bits(vals * np.asarray(s)[:, None])
         for j, r in enumerate(out):
@@ -111,7 +117,7 @@ def _all_byte_pool(n_rows, data_cols, scale_cols, e4m3_data):
     if e4m3_data:
         data[(data & 0x7F) == 0x7F] = 0x7E
     scale = (np.arange(n_rows * scale_cols) % 256).astype(np.uint8).reshape(n_rows, scale_cols)
-    return jnp.asarray(data), jnp.asarray(scale)
+    return jax.device_put(data), jax.device_put(scale)  # (jnp.asarray: a device program a shape under JAX 0.11)
 
 
 def _bits_equal(got, want):
@@ -125,15 +131,18 @@ def _bits_equal(got, want):
 def test_swa_producer_every_scale_byte(interpret):
     """sparse_attention's FP8 producer (E4M3_WORD_PTX x UE8M0_F32_PTX) on scale bytes 0..255: quant.fp8_decode."""
     src, sc = _all_byte_pool(sa.TILE, 512, 16, e4m3_data=True)                 # 64 x 16 = 1024 scale bytes
-    rows = jnp.arange(sa.TILE, dtype=jnp.int32)
-    out, _ = sa.dequant_probe("fp8", src, sc, rows, interpret=interpret)
-    _bits_equal(out, quant.fp8_decode(src, sc).astype(jnp.bfloat16))
+    rows = np.arange(sa.TILE, dtype=np.int32)
+    # the probe and the decode each one program (bit-identical): eagerly their gathers and decodes are some 30 compiles
+    out, _ = jax.jit(lambda *a: sa.dequant_probe("fp8", *a, interpret=interpret))(src, sc, rows)
+    _bits_equal(out, jax.jit(lambda src, sc: quant.fp8_decode(src, sc).astype(jnp.bfloat16))(src, sc))
 
 
 @pytest.mark.parametrize("interpret", PRODUCERS)
 def test_index_key_producer_every_scale_byte(interpret):
     """indexer_logits' MXFP4 producer (FP4_WORD_PTX x UE8M0_BF16X2_PTX) on scale bytes 0..255: quant.mxfp4_decode."""
     pk, sc = _all_byte_pool(64, 64, 4, e4m3_data=False)                        # 64 entries of ID = 128
-    rows = jnp.arange(64, dtype=jnp.int32)
-    k, _ = il.dequant_probe(pk.reshape(1, 64, 64), sc.reshape(1, 64, 4), rows, interpret=interpret)
-    _bits_equal(k, quant.mxfp4_decode(pk, sc).astype(jnp.bfloat16))
+    rows = np.arange(64, dtype=np.int32)
+    # the probe and the decode each one program (bit-identical): eagerly their gathers and decodes are some 45 compiles
+    k, _ = jax.jit(lambda pk, sc, rows: il.dequant_probe(pk.reshape(1, 64, 64), sc.reshape(1, 64, 4), rows,
+                                                         interpret=interpret))(pk, sc, rows)
+    _bits_equal(k, jax.jit(lambda pk, sc: quant.mxfp4_decode(pk, sc).astype(jnp.bfloat16))(pk, sc))

@@ -13,25 +13,35 @@ import pytest
 from dsv41.quant import Fp4Weight, quantize_fp4_weight
 from pallas_kernels import expert_gemm as eg
 from serving.engine import backends as BK
+from host_arrays import put
 
 C = eg.KernelConfig
 
+# Called eagerly, every jnp op of these on a new shape is an XLA compile of its own (dozens a call, most of this
+# file's time on CPU); jitted, a call is one program of the same ops on the same inputs.
+_matmul = jax.jit(eg.grouped_fp4_matmul, static_argnames=("backend", "config"))
+_reference = jax.jit(eg.expert_gemm_reference)
+_quantize = jax.jit(quantize_fp4_weight)
+_dequantize = jax.jit(lambda w: w.dequantize(jnp.float32))
+_scale_bytes = jax.jit(eg.kernel_scale_bytes, static_argnums=1)
+_from_kernel = jax.jit(eg.ue8m0_from_kernel, static_argnums=1)
+
 
 def _weights(rng, e, n, k, scale=0.05):
-    return quantize_fp4_weight(jnp.asarray(rng.standard_normal((e, n, k)) * scale, jnp.float32))
+    return _quantize(put(rng.standard_normal((e, n, k)) * scale, np.float32))
 
 
 def _random_weights_bytes(rng, e, n, k):
     """Every nibble code (incl. -0) and a spread of scale bytes."""
     packed = rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8)
     scale = rng.integers(110, 129, (e, n, k // 32), dtype=np.uint8)
-    return Fp4Weight(jnp.asarray(packed), jnp.asarray(scale))
+    return Fp4Weight(put(packed), put(scale))
 
 
 def _np_reference(x, w: Fp4Weight, gs):
     """float64 per-row loop."""
-    wd = np.asarray(w.dequantize(jnp.float32), np.float64)
-    x = np.asarray(x.astype(jnp.float32), np.float64)
+    wd = np.asarray(_dequantize(w), np.float64)
+    x = np.asarray(x, np.float64)  # bf16 / float32 -> float64 is exact
     y = np.zeros((x.shape[0], wd.shape[1]))
     r = 0
     for e, g in enumerate(np.asarray(gs)):
@@ -41,17 +51,17 @@ def _np_reference(x, w: Fp4Weight, gs):
 
 
 def _rel(a, b):
-    a = np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+    a = np.asarray(np.asarray(a).astype(np.float32), np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def test_reference_matches_float64_loop():
     rng = np.random.default_rng(1)
     m, k, n, e = 23, 64, 48, 5
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x = put(rng.standard_normal((m, k)), jnp.bfloat16)
     w = _random_weights_bytes(rng, e, n, k)
-    gs = jnp.asarray([4, 0, 9, 0, 7], jnp.int32)  # 20 of 23 rows: the last 3 must come out 0
-    y = np.asarray(eg.expert_gemm_reference(x, w, gs))
+    gs = put([4, 0, 9, 0, 7], np.int32)  # 20 of 23 rows: the last 3 must come out 0
+    y = np.asarray(_reference(x, w, gs))
     ref = _np_reference(x, w, gs)
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
     assert (y[20:] == 0).all()
@@ -60,10 +70,10 @@ def test_reference_matches_float64_loop():
 def test_xla_backend_close_to_reference():
     rng = np.random.default_rng(2)
     m, k, n, e = 30, 96, 64, 4
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x = put(rng.standard_normal((m, k)), jnp.bfloat16)
     w = _weights(rng, e, n, k)
-    gs = jnp.asarray([10, 0, 12, 8], jnp.int32)
-    y = eg.grouped_fp4_matmul(x, w, gs, backend="xla")
+    gs = put([10, 0, 12, 8], np.int32)
+    y = _matmul(x, w, gs, backend="xla")
     assert y.dtype == jnp.bfloat16 and y.shape == (m, n)
     assert _rel(y, _np_reference(x, w, gs)) < 5e-3
 
@@ -73,15 +83,15 @@ def test_prepare_roundtrip_and_tile_decode_model():
     w = _random_weights_bytes(rng, 3, 64, 128)
     p = eg.prepare_fp4_experts(w)
     assert p.weight.shape == w.weight.shape and p.scale_t.shape == (3, 4, 64)
-    u = eg.unprepare_fp4_experts(p)
+    u = jax.jit(eg.unprepare_fp4_experts)(p)
     assert (np.asarray(u.weight) == np.asarray(w.weight)).all()
     assert (np.asarray(u.scale) == np.asarray(w.scale)).all()
     # The interpreter's model of the register decode reproduces the dequantized tile exactly.
-    a = eg._dequant_tile_jnp(p.weight[2], p.scale_t[2])
-    assert (np.asarray(a.astype(jnp.float32)) == np.asarray(w.dequantize(jnp.float32)[2])).all()
+    a = jax.jit(lambda p: eg._dequant_tile_jnp(p.weight[2], p.scale_t[2]))(p)
+    assert (np.asarray(a).astype(np.float32) == np.asarray(_dequantize(w))[2]).all()
     # The word/nibble permutation: nibble n of word c holds input 8*(n%4) + 2c + n//4.
-    codes = jnp.arange(32, dtype=jnp.int32)[None]
-    perm = np.asarray(eg._perm_to_kernel(codes))[0]
+    codes = put(np.arange(32, dtype=np.int32)[None])
+    perm = np.asarray(jax.jit(eg._perm_to_kernel)(codes))[0]
     assert [perm[c * 8 + nn] for c in range(4) for nn in range(8)] == [
         8 * (nn % 4) + 2 * c + nn // 4 for c in range(4) for nn in range(8)]
 
@@ -99,14 +109,14 @@ def test_register_decoders_emulated_bit_exact():
     # i.e. the 8 values' bits as `prepare_fp4_experts` places them, here from 8 nibbles each
     words = np.concatenate([rng.integers(0, 2**32, 4000, dtype=np.uint64),
                             np.arange(16, dtype=np.uint64) * 0x11111111]).astype(np.uint32)
-    kernel_words = np.asarray(eg._nibbles_to_kernel_bits(jnp.asarray(words.view(np.uint8)))).view(np.uint32)
-    assert (np.asarray(eg._kernel_bits_to_nibbles(jnp.asarray(kernel_words.view(np.uint8)))).view(np.uint32)
+    kernel_words = np.asarray(jax.jit(eg._nibbles_to_kernel_bits)(put(words.view(np.uint8)))).view(np.uint32)
+    assert (np.asarray(jax.jit(eg._kernel_bits_to_nibbles)(put(kernel_words.view(np.uint8)))).view(np.uint32)
             == words).all()
     s = np.concatenate([rng.integers(0, eg.MAX_SCALE_BYTE + 1, 4000), np.arange(16) * 8]).astype(np.uint8)
-    e = np.asarray(eg.kernel_scale_bytes(jnp.asarray(s), eg.SCALE_BIAS)).astype(np.uint32)
+    e = np.asarray(_scale_bytes(put(s), eg.SCALE_BIAS)).astype(np.uint32)
     outs = ptx_emulator.run(eg._FP4_PTX, {4: kernel_words, 5: e}, 4)
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-    scale = np.asarray(ue8m0_decode(jnp.asarray(s)))
+    scale = np.asarray(jax.jit(ue8m0_decode)(put(s)))
     for j, o in enumerate(outs):
         got = ptx_emulator.bf16_values(o)
         for half, nib in enumerate((j, j + 4)):
@@ -117,13 +127,13 @@ def test_register_decoders_emulated_bit_exact():
     # bytes' bits as `fp8_linear.prepare_fp8_linear` places them); e4m3 NaN bytes excluded
     codes = np.concatenate([np.arange(256), rng.integers(0, 256, 4 * 4000 - 256)]).astype(np.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x7E
-    words8 = np.asarray(eg.fp8_bytes_to_kernel_bits(jnp.asarray(codes))).view(np.uint32)
-    assert (np.asarray(eg.fp8_kernel_bits_to_bytes(jnp.asarray(words8.view(np.uint8)))) == codes).all()
+    words8 = np.asarray(jax.jit(eg.fp8_bytes_to_kernel_bits)(put(codes))).view(np.uint32)
+    assert (np.asarray(jax.jit(eg.fp8_kernel_bits_to_bytes)(put(words8.view(np.uint8)))) == codes).all()
     s8 = rng.integers(0, 135, words8.shape[0]).astype(np.uint8)
-    e8 = np.asarray(eg.kernel_scale_bytes(jnp.asarray(s8), eg.FP8_SCALE_BIAS)).astype(np.uint32)
+    e8 = np.asarray(_scale_bytes(put(s8), eg.FP8_SCALE_BIAS)).astype(np.uint32)
     outs8 = ptx_emulator.run(eg._FP8_PTX, {2: words8, 3: e8}, 2)
     vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(-1, 4)
-    scale8 = np.asarray(ue8m0_decode(jnp.asarray(s8)))
+    scale8 = np.asarray(jax.jit(ue8m0_decode)(put(s8)))
     for j, o in enumerate(outs8):
         got = ptx_emulator.bf16_values(o)
         want = (vals[:, 2 * j:2 * j + 2] * scale8[:, None]).astype(ml_dtypes.bfloat16).astype(np.float32)
@@ -132,16 +142,16 @@ def test_register_decoders_emulated_bit_exact():
 
 
 def test_kernel_scale_bytes_are_the_multiplier_exponent():
-    s = jnp.arange(0, eg.MAX_SCALE_BYTE + 1, dtype=jnp.uint8)
-    e = eg.kernel_scale_bytes(s, eg.SCALE_BIAS)
+    s = put(np.arange(0, eg.MAX_SCALE_BYTE + 1, dtype=np.uint8))
+    e = _scale_bytes(s, eg.SCALE_BIAS)
     assert (np.asarray(e) == np.arange(0, 129) + 126).all()
-    assert (np.asarray(eg.ue8m0_from_kernel(e, eg.SCALE_BIAS)) == np.asarray(s)).all()
+    assert (np.asarray(_from_kernel(e, eg.SCALE_BIAS)) == np.asarray(s)).all()
 
 
 def test_prepare_rejects_large_scales():
-    w = Fp4Weight(jnp.zeros((1, 8, 16), jnp.uint8), jnp.full((1, 8, 1), 129, jnp.uint8))
+    w = Fp4Weight(put(np.zeros((1, 8, 16), np.uint8)), put(np.full((1, 8, 1), 129, np.uint8)))
     with pytest.raises(ValueError):
-        eg.prepare_fp4_experts(w)
+        eg.prepare_fp4_experts(w)  # eager: the check reads the largest scale byte, which a trace does not have
 
 
 @pytest.mark.parametrize("gs,tm", [([5, 0, 11, 0, 3], 8), ([0, 0, 17, 0, 0], 8), ([1, 1, 1, 1, 1], 16),
@@ -150,7 +160,7 @@ def test_tile_schedule(gs, tm):
     m = max(sum(gs), 1) + 2
     e = len(gs)
     t_max = eg.max_tiles(m, e, tm)
-    sched = eg.tile_schedule(jnp.asarray(gs, jnp.int32), m, tm, t_max)
+    sched = jax.jit(eg.tile_schedule, static_argnums=(1, 2, 3))(put(gs, np.int32), m, tm, t_max)
     te, tr, src, pos, valid = (np.asarray(a) for a in sched)
     starts = np.cumsum(gs) - gs
     pstarts = np.cumsum([-(-g // 8) * 8 for g in gs]) - [-(-g // 8) * 8 for g in gs]
@@ -205,12 +215,12 @@ INTERP_CASES = [
 def test_kernel_interpret(m, k, n, gs, cfg):
     rng = np.random.default_rng(m * 1000 + k + n)
     e = len(gs)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x = put(rng.standard_normal((m, k)), jnp.bfloat16)
     w = _random_weights_bytes(rng, e, n, k)
-    gsj = jnp.asarray(gs, jnp.int32)
+    gsj = put(gs, np.int32)
     # one program (the schedule and row gathers around the kernel would be dozens of small eager compiles)
     run = jax.jit(functools.partial(eg.grouped_fp4_matmul, backend="interpret", config=cfg))
-    y = np.asarray(run(x, eg.prepare_fp4_experts(w), gsj).astype(jnp.float32))
+    y = np.asarray(run(x, eg.prepare_fp4_experts(w), gsj)).astype(np.float32)
     ref = _np_reference(x, w, gsj)
     assert np.isfinite(y).all()
     assert (y[sum(gs):] == 0).all()
@@ -220,36 +230,33 @@ def test_kernel_interpret(m, k, n, gs, cfg):
 
 
 def test_kernel_interpret_all_groups_empty():
-    x = jnp.ones((8, 64), jnp.bfloat16)
+    x = put(np.ones((8, 64), jnp.bfloat16))
     w = _random_weights_bytes(np.random.default_rng(5), 2, 64, 64)
-    y = eg.grouped_fp4_matmul(x, w, jnp.zeros((2,), jnp.int32), backend="interpret",
-                              config=C(tm=8, tk=64, num_wgs=1, stages=2))
-    assert (np.asarray(y.astype(jnp.float32)) == 0).all()
+    y = _matmul(x, w, put(np.zeros((2,), np.int32)), backend="interpret", config=C(tm=8, tk=64, num_wgs=1, stages=2))
+    assert (np.asarray(y).astype(np.float32) == 0).all()
 
 
 def test_config_validation():
-    x = jnp.zeros((8, 96), jnp.bfloat16)
+    # jitted, the checks raise while tracing (before any compile); eagerly the schedule ran op by op first
+    x = np.zeros((8, 96), jnp.bfloat16)
+    gs = np.array([8], np.int32)
     w = _random_weights_bytes(np.random.default_rng(6), 1, 64, 96)
     with pytest.raises(ValueError):
-        eg.grouped_fp4_matmul(x, w, jnp.array([8], jnp.int32), backend="interpret",
-                              config=C(tm=8, tk=64, num_wgs=1))  # K=96 is not a multiple of tk
+        _matmul(x, w, gs, backend="interpret", config=C(tm=8, tk=64, num_wgs=1))  # K=96 is not a multiple of tk
     w = _random_weights_bytes(np.random.default_rng(6), 1, 64, 192)
+    x = np.zeros((8, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match="ksplit"):
-        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
-                              config=C(tm=8, tk=64, num_wgs=1, ksplit=2))  # 3 k-steps in 2 slices
+        _matmul(x, w, gs, backend="interpret", config=C(tm=8, tk=64, num_wgs=1, ksplit=2))  # 3 k-steps in 2 slices
     with pytest.raises(ValueError, match="num_wgs=4"):  # hung the H200: refused
-        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
-                              config=C(tm=8, tk=64, num_wgs=4))
+        _matmul(x, w, gs, backend="interpret", config=C(tm=8, tk=64, num_wgs=4))
     w384 = _random_weights_bytes(np.random.default_rng(6), 1, 64, 384)
     with pytest.raises(ValueError, match="multiple of 128"):  # 192 bytes a row: no 128-byte swizzle (the H200's
-        eg.grouped_fp4_matmul(jnp.zeros((8, 384), jnp.bfloat16), w384, jnp.array([8], jnp.int32),  # assertion)
-                              backend="interpret", config=C(tm=8, tk=384, num_wgs=1))
+        _matmul(np.zeros((8, 384), jnp.bfloat16), w384, gs,  # assertion)
+                backend="interpret", config=C(tm=8, tk=384, num_wgs=1))
     with pytest.raises(ValueError, match="warp_mma"):  # the halves are about wgmma's asynchrony
-        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
-                              config=C(tm=8, tk=128, num_wgs=1, overlap=True, warp_mma=4))
+        _matmul(x, w, gs, backend="interpret", config=C(tm=8, tk=128, num_wgs=1, overlap=True, warp_mma=4))
     with pytest.raises(ValueError, match="8 or 16 rows"):  # x's B fragments would not fit the registers
-        eg.grouped_fp4_matmul(jnp.zeros((8, 192), jnp.bfloat16), w, jnp.array([8], jnp.int32), backend="interpret",
-                              config=C(tm=64, tk=64, num_wgs=1, warp_mma=4))
+        _matmul(x, w, gs, backend="interpret", config=C(tm=64, tk=64, num_wgs=1, warp_mma=4))
 
 
 @pytest.mark.parametrize("n,k,cfg", [(4608, 5120, C(tm=8, tk=128, num_wgs=2, stages=4, chain=True, ksplit=5)),
@@ -364,11 +371,11 @@ def test_moe_layer_through_the_kernel_equals_xla(act_quant):
     again = BK.prepare_experts({"layers": [{"ffn": prepared}]}, interpret=True)["layers"][0]["ffn"]["experts"]
     assert again["w13"] is prepared["experts"]["w13"]  # preparing twice is a no-op
     num = Numerics(act_quant=act_quant, bf16_probs=True, dtype="bfloat16")
-    x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 7, cfg.dim)), jnp.bfloat16)
+    x = put(np.random.default_rng(8).standard_normal((2, 7, cfg.dim)), jnp.bfloat16)
     # one program each: eager ops dispatched while the interpreter's callback thread runs can deadlock it
     y_xla = jax.block_until_ready(jax.jit(lambda x, p: moe.moe(x, p, cfg, num))(x, lp))
     y_kernel = jax.jit(lambda x, p: moe.moe(x, p, cfg, num, ops=BK.kernel_ops(experts=True)))(x, prepared)
-    assert _rel(y_kernel, np.asarray(y_xla.astype(jnp.float32), np.float64)) < 1e-2
+    assert _rel(y_kernel, np.asarray(np.asarray(y_xla).astype(np.float32), np.float64)) < 1e-2
 
 
 def test_kernel_experts_on_one_rank_of_expert_parallel():
@@ -383,25 +390,30 @@ def test_kernel_experts_on_one_rank_of_expert_parallel():
     cfg = preset("tiny")
     ex = P.init_params(cfg, seed=1)["layers"][0]["ffn"]["experts"]
     mine_n = 2  # this rank: experts [0, 2) of 8
-    ex = {k: jax.tree_util.tree_map(lambda a: a[:mine_n], w) for k, w in ex.items()}
+    ex = jax.jit(lambda ex: {k: jax.tree_util.tree_map(lambda a: a[:mine_n], w) for k, w in ex.items()})(ex)
     prepared = BK.prepare_experts({"layers": [{"ffn": {"experts": ex}}]}, interpret=True)["layers"][0]["ffn"]
     rng = np.random.default_rng(9)
-    x = jnp.asarray(rng.standard_normal((6, cfg.dim)), jnp.bfloat16)
-    idx = jnp.asarray(np.stack([rng.choice(cfg.n_routed_experts, 2, replace=False) for _ in range(6)]), jnp.int32)
-    mine = idx < mine_n
-    lid = jnp.where(mine, idx, mine_n).reshape(-1)
-    perm = (jnp.argsort(lid, stable=True), jnp.bincount(lid, length=mine_n).astype(jnp.int32))
-    w = jnp.where(mine, jnp.asarray(rng.random((6, 2)), jnp.float32), 0.0)
+    x = put(rng.standard_normal((6, cfg.dim)), jnp.bfloat16)
+    idx = put(np.stack([rng.choice(cfg.n_routed_experts, 2, replace=False) for _ in range(6)]), np.int32)
+
+    @jax.jit
+    def slots(idx, w):
+        mine = idx < mine_n
+        lid = jnp.where(mine, idx, mine_n).reshape(-1)
+        perm = (jnp.argsort(lid, stable=True), jnp.bincount(lid, length=mine_n).astype(jnp.int32))
+        return mine, perm, jnp.where(mine, w, 0.0)
+
+    mine, perm, w = slots(idx, put(rng.random((6, 2)), np.float32))
     num = Numerics(act_quant=True, bf16_probs=True, dtype="bfloat16")
     run = jax.jit(lambda x, w, p: (moe.routed_experts(x, w, idx, ex, cfg, num, perm),
                                    BK.routed_experts_op(x, w, idx, p, cfg, num, perm)))
     want, got = run(x, w, prepared["experts"])
-    assert 0 < int(mine.sum()) < mine.size
+    assert 0 < int(np.asarray(mine).sum()) < mine.size
     assert np.isfinite(np.asarray(got)).all()
     assert _rel(got, np.asarray(want, np.float64)) < 1e-2
 
 
 def test_prepare_experts_rejects_dense_weights():
-    dense = {"layers": [{"ffn": {"experts": {"w1": jnp.zeros((2, 128, 256), jnp.bfloat16)}}}]}
+    dense = {"layers": [{"ffn": {"experts": {"w1": put(np.zeros((2, 128, 256), jnp.bfloat16))}}}]}
     with pytest.raises(ValueError, match="not FP4"):
         BK.prepare_experts(dense)

@@ -15,6 +15,7 @@ from dsv41.quant import Fp8Weight
 from pallas_kernels import expert_gemm as eg
 from pallas_kernels import fp8_linear as f8
 from serving.engine import backends as BK
+from host_arrays import put
 
 
 def _random_fp8(rng, n, k, lo=112, hi=130):
@@ -22,7 +23,7 @@ def _random_fp8(rng, n, k, lo=112, hi=130):
     raw = rng.integers(0, 256, (n, k), dtype=np.uint8)
     raw[(raw & 0x7F) == 0x7F] = 0x3C
     scale = rng.integers(lo, hi, (n // 32, k // 32), dtype=np.uint8)
-    return Fp8Weight(jnp.asarray(raw.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale))
+    return Fp8Weight(put(raw.view(ml_dtypes.float8_e4m3fn)), put(scale))
 
 
 # The kernels' calls and the XLA products as jitted programs: eagerly, their array preparation is dozens of small
@@ -33,7 +34,7 @@ _dequantize_f32 = jax.jit(lambda w: w.dequantize(jnp.float32))
 
 
 def _ref64(x, w):
-    return np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(_dequantize_f32(w), np.float64).T
+    return np.asarray(x).astype(np.float64) @ np.asarray(_dequantize_f32(w), np.float64).T
 
 
 def _rel(a, b):
@@ -87,8 +88,8 @@ def test_prepare_rejects():
     with pytest.raises(ValueError, match="divide"):
         f8.prepare_fp8_linear(_random_fp8(rng, 128, 384), num_splits=2)
     p = f8.prepare_fp8_linear(_random_fp8(rng, 128, 128), interpret=True)
-    with pytest.raises(ValueError, match="MAX_ROWS"):
-        f8.fp8_linear(jnp.zeros((f8.MAX_ROWS + 1, 128), jnp.bfloat16), p)
+    with pytest.raises(ValueError, match="MAX_ROWS"):  # raised while tracing
+        _fp8_linear(put(np.zeros((f8.MAX_ROWS + 1, 128)), jnp.bfloat16), p)
 
 
 # the interpreter simulates 2 SMs; the chained pipeline and the K split both run here
@@ -99,7 +100,7 @@ INTERP_CASES = [(1, 256, 256, 1), (5, 128, 512, 2), (16, 256, 512, 4), (24, 128,
 def test_kernel_interpret(m, n, k, num_splits):
     rng = np.random.default_rng(m + n + k)
     w = _random_fp8(rng, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x = put(rng.standard_normal((m, k)), jnp.bfloat16)
     p = f8.prepare_fp8_linear(w, interpret=True, num_splits=num_splits)
     y = _fp8_linear(x, p)
     assert y.shape == (m, n) and y.dtype == jnp.bfloat16
@@ -151,7 +152,7 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
 def test_kernel_gpu(m, n, k):
     rng = np.random.default_rng(m)
     w = _random_fp8(rng, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x = put(rng.standard_normal((m, k)), jnp.bfloat16)
     y = jax.jit(f8.fp8_linear)(x, f8.prepare_fp8_linear(w))
     ref = np.asarray(f8.fp8_linear_reference(x, w), np.float64)
     assert np.isfinite(np.asarray(y.astype(jnp.float32))).all()
@@ -167,7 +168,7 @@ def test_grouped_kernel_gpu(m):
     rng = np.random.default_rng(m)
     ws = [_random_fp8(rng, 1024, 4096) for _ in range(8)]
     w = Fp8Weight(jnp.stack([v.weight for v in ws]), jnp.stack([v.scale for v in ws]))
-    x = jnp.asarray(rng.standard_normal((8, m, 4096)), jnp.bfloat16)
+    x = put(rng.standard_normal((8, m, 4096)), jnp.bfloat16)
     y = jax.jit(f8.fp8_grouped_linear)(x, f8.prepare_fp8_linear(w))
     assert y.shape == (8, m, 1024) and np.isfinite(np.asarray(y.astype(jnp.float32))).all()
     for gi in range(8):
@@ -208,7 +209,7 @@ def test_prepare_linears_and_linear_dispatch():
         dp, dw = dense(pw, w)
         assert np.asarray(dp).tobytes() == np.asarray(dw).tobytes()
         for rows in (3, f8.MAX_ROWS + 5):
-            x = jnp.asarray(rng.standard_normal((rows, w.shape[1])), jnp.bfloat16)
+            x = put(rng.standard_normal((rows, w.shape[1])), jnp.bfloat16)
             y, ref = both(x, pw, w)
             assert y.shape == ref.shape and y.dtype == ref.dtype
             assert _rel(y, np.asarray(ref).astype(np.float64)) < 1e-2
@@ -222,12 +223,18 @@ def test_grouped_wo_a_through_the_kernel():
 
     g, r, kg = 2, 128, 256
     rng = np.random.default_rng(4)
-    dense = quant.quantize_fp8_weight(jnp.asarray(rng.standard_normal((g * r, kg)) * 0.05, jnp.float32))
-    w = dense.dequantize(jnp.bfloat16)  # FP8 values, 32x32 blocks over the whole [G * R, K] matrix
+
+    @jax.jit  # one program: eagerly, the quantization and the sum are two dozen compiles
+    def fp8_valued(a):
+        w = quant.quantize_fp8_weight(a).dequantize(jnp.bfloat16)  # FP8 values, 32x32 blocks over [G * R, K]
+        return w, w + jnp.asarray(1e-3, jnp.bfloat16)
+
+    w, w_off = fp8_valued(put(rng.standard_normal((g * r, kg)) * 0.05, jnp.float32))
     pw = BK._grouped_fp8(w, g, interpret=True)
     assert isinstance(pw, f8.PreparedFp8) and pw.groups == g and pw.shape == (g, r, kg)
-    assert np.asarray(quant.dense(pw, jnp.bfloat16)).reshape(g * r, kg).tobytes() == np.asarray(w).tobytes()
-    assert BK._grouped_fp8(w + jnp.asarray(1e-3, jnp.bfloat16), g, interpret=True) is None  # not FP8 values
+    dense = jax.jit(quant.dense, static_argnums=1)(pw, jnp.bfloat16)  # (eagerly: a compile an op)
+    assert np.asarray(dense).reshape(g * r, kg).tobytes() == np.asarray(w).tobytes()
+    assert BK._grouped_fp8(w_off, g, interpret=True) is None  # not FP8 values
     num = quant.Numerics(act_quant=False)
     both = jax.jit(lambda x, pw, w: (BK.fp8_grouped_linear_op(x, pw, num), nn.grouped_linear(x, w, num)))  # one program
     for rows in (3, f8.MAX_ROWS + 5):
