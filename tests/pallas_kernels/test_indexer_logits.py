@@ -17,11 +17,12 @@ import pytest
 
 from dsv41 import indexer
 from pallas_kernels import indexer_logits as il
+from host_arrays import put
 
 
 def coarse(rng, shape):
     """Values on a coarse grid: every dot product and head sum is exact in f32, whatever the summation order."""
-    return jnp.asarray(rng.integers(-4, 5, shape) / 4.0, jnp.bfloat16)
+    return put(rng.integers(-4, 5, shape) / 4.0, jnp.bfloat16)
 
 
 def make_pool(seed, B, S, IH=32, ID=128, E=16, pages_per_row=4, *, exact=True):
@@ -31,16 +32,21 @@ def make_pool(seed, B, S, IH=32, ID=128, E=16, pages_per_row=4, *, exact=True):
     if exact:
         q, w = coarse(rng, (B, S, IH, ID)), coarse(rng, (B, S, IH))
     else:
-        q = jnp.asarray(rng.standard_normal((B, S, IH, ID)), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((B, S, IH)), jnp.bfloat16)
-    pk = jnp.asarray(rng.integers(0, 256, (P, E, ID // 2)), jnp.uint8)
-    sc = jnp.asarray(rng.integers(125, 130, (P, E, ID // 32)), jnp.uint8)
-    bt = jnp.asarray(rng.permutation(P)[: B * pages_per_row].reshape(B, pages_per_row), jnp.int32)
+        q = put(rng.standard_normal((B, S, IH, ID)), jnp.bfloat16)
+        w = put(rng.standard_normal((B, S, IH)), jnp.bfloat16)
+    pk = put(rng.integers(0, 256, (P, E, ID // 2)), jnp.uint8)
+    sc = put(rng.integers(125, 130, (P, E, ID // 32)), jnp.uint8)
+    bt = put(rng.permutation(P)[: B * pages_per_row].reshape(B, pages_per_row), jnp.int32)
     return q, w, pk, sc, bt
 
 
 def jit(f, **static):
     return jax.jit(functools.partial(f, **static))
+
+
+# Eagerly, each of their ops is an XLA compile (~40 ms on the CPU).
+_live_tiles = jax.jit(il.live_tiles)
+_blocks_to_mask = jax.jit(il.blocks_to_mask, static_argnums=(1, 2))
 
 
 def assert_scores_close(out, ref):
@@ -61,7 +67,7 @@ def test_entry_scores_interpret(B, S, IH, ID, N, splits, exact):
     rows = np.random.default_rng(N).integers(-1, pk.shape[0] * pk.shape[1], (B, N)).astype(np.int32)
     rows[0, :5] = -1
     rows[-1, -3:] = -1
-    rows = jnp.asarray(rows)
+    rows = jax.device_put(rows)
     ref = jit(il.entry_scores_reference)(q, w, pk, sc, rows)
     out = jit(il.entry_scores, backend="interpret", num_splits=splits)(q, w, pk, sc, rows)
     assert out.shape == (B, S, N)
@@ -81,8 +87,8 @@ def test_entry_scores_skip_tiles_past_each_rows_last_entry():
     for b, n in enumerate((70, 0, 130)):  # 2 live tiles, none, 3 (a -1 hole inside the last)
         rows[b, :n] = rng.integers(0, pk.shape[0] * pk.shape[1], n)
     rows[2, 100] = -1
-    rows = jnp.asarray(rows)
-    np.testing.assert_array_equal(np.asarray(il.live_tiles(rows)), [2, 0, 3])
+    rows = jax.device_put(rows)
+    np.testing.assert_array_equal(np.asarray(_live_tiles(rows)), [2, 0, 3])
     ref = jit(il.entry_scores_reference)(q, w, pk, sc, rows)
     out = jit(il.entry_scores, backend="interpret", num_splits=4)(q, w, pk, sc, rows)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
@@ -94,7 +100,7 @@ def test_reference_matches_indexer_scores():
     B, S, E = 2, 3, 16
     q, w, pk, sc, bt = make_pool(7, B, S, E=E, exact=False)
     G = bt.shape[1] * E
-    q_pos = jnp.array([[5, 40, 127], [0, 1, 90]], jnp.int32)
+    q_pos = put([[5, 40, 127], [0, 1, 90]], jnp.int32)
     from dsv41 import quant
 
     @jax.jit
@@ -107,7 +113,7 @@ def test_reference_matches_indexer_scores():
     s_ctx, keys, keys_today = both(q, w, pk, sc, bt, q_pos)
     np.testing.assert_array_equal(np.asarray(keys), np.asarray(keys_today))
     # indexer.scores rounds with quant.round_to, which jit keeps (a bare astype pair would be dropped)
-    ref = indexer.scores(q, w, keys_today, q_pos, 2, quant.REFERENCE)
+    ref = jax.jit(lambda *a: indexer.scores(*a, 2, quant.REFERENCE))(q, w, keys_today, q_pos)
     np.testing.assert_array_equal(np.asarray(s_ctx), np.asarray(ref))
 
 
@@ -120,7 +126,7 @@ def test_context_topk_and_candidates_match_today(method):
     cfg = il.IndexerConfig(index_topk=24, candidate_block_size=8, candidate_topk_blocks=5, topk_method=method)
     q, w, pk, sc, bt = make_pool(11, B, S, E=E, pages_per_row=8)
     G = bt.shape[1] * E                                                    # 128 entries = 2 tiles
-    q_pos = jnp.array([[230], [37]], jnp.int32)                           # 115 and 19 visible entries
+    q_pos = put([[230], [37]], jnp.int32)                           # 115 and 19 visible entries
     rng = np.random.default_rng(3)
     q2, w2 = coarse(rng, q.shape), coarse(rng, w.shape)              # a later layer's queries
 
@@ -140,16 +146,17 @@ def test_context_topk_and_candidates_match_today(method):
         mask = indexer.candidate_mask(s_ctx, q_pos, ratio, cfg)
         return today, mask, il.index_topk_xla_today(q2, w2, pk, sc, bt, q_pos, ratio, cand_mask=mask, cfg=cfg)
 
-    topk, cand, cand_mask, topk_c = kernel_path(q, w, pk, sc, bt, q_pos, q2, w2)
-    today, mask, today_c = today_path(q, w, pk, sc, bt, q_pos, q2, w2)
-    np.testing.assert_array_equal(np.asarray(topk), np.asarray(today))
-    np.testing.assert_array_equal(np.asarray(cand_mask), np.asarray(mask))
+    # numpy copies: eagerly, each index of a jax.Array is a small program
+    topk, cand, cand_mask, topk_c = map(np.asarray, kernel_path(q, w, pk, sc, bt, q_pos, q2, w2))
+    today, mask, today_c = map(np.asarray, today_path(q, w, pk, sc, bt, q_pos, q2, w2))
+    np.testing.assert_array_equal(topk, today)
+    np.testing.assert_array_equal(cand_mask, mask)
     # Row 1 sees 19 entries = 3 blocks < 5: the list is -1 padded.
-    assert (np.asarray(cand[1, 0, 3:]) == -1).all() and (np.asarray(cand[1, 0, :3]) == [0, 1, 2]).all()
+    assert (cand[1, 0, 3:] == -1).all() and (cand[1, 0, :3] == [0, 1, 2]).all()
     k = today_c.shape[-1]
     assert topk_c.shape[-1] >= k
-    np.testing.assert_array_equal(np.asarray(topk_c[..., :k]), np.asarray(today_c))
-    assert (np.asarray(topk_c[..., k:]) == -1).all()
+    np.testing.assert_array_equal(topk_c[..., :k], today_c)
+    assert (topk_c[..., k:] == -1).all()
 
 
 @pytest.mark.parametrize("backend,method,topk_blocks", [
@@ -166,7 +173,7 @@ def test_context_topk_blocks_equals_one_pass(backend, method, topk_blocks):
                            topk_method=method)
     q, w, pk, sc, bt = make_pool(21, B, S, IH, ID, E=E, pages_per_row=8)
     G = bt.shape[1] * E  # 128 entries: 4 blocks of 32 (2 pages: twice the top-k, whole pages)
-    q_pos = jnp.array([[250, 200, 140, 90, 60, 9], [40, 30, 20, 10, 5, 0]], jnp.int32)  # row 1: block 0 only
+    q_pos = put([[250, 200, 140, 90, 60, 9], [40, 30, 20, 10, 5, 0]], jnp.int32)  # row 1: block 0 only
 
     @jax.jit
     def both(q, w, pk, sc, bt, q_pos):
@@ -176,8 +183,8 @@ def test_context_topk_blocks_equals_one_pass(backend, method, topk_blocks):
 
     (topk, cand), (want_topk, want_cand) = both(q, w, pk, sc, bt, q_pos)
     np.testing.assert_array_equal(np.asarray(topk), np.asarray(want_topk))
-    np.testing.assert_array_equal(np.asarray(il.blocks_to_mask(cand, G, 8)),
-                                  np.asarray(il.blocks_to_mask(want_cand, G, 8)))
+    np.testing.assert_array_equal(np.asarray(_blocks_to_mask(cand, G, 8)),
+                                  np.asarray(_blocks_to_mask(want_cand, G, 8)))
     assert (np.asarray(topk)[1, 5] == -1).all() and (np.asarray(topk)[0, 0] >= 64).any()  # none seen; far blocks
 
 
@@ -189,7 +196,7 @@ def test_context_scores_of_a_prefill_chunk_in_query_groups():
     assert il.query_group(IH) == 4  # 10 kernel rows a sequence, the last with one real query
     q, w, pk, sc, bt = make_pool(13, B, S, IH, ID, E=E, pages_per_row=4)
     G = bt.shape[1] * E
-    q_pos = jnp.asarray([np.arange(S) + 20, np.arange(S)], jnp.int32)  # a chunk after 20 tokens; one from 0
+    q_pos = put([np.arange(S) + 20, np.arange(S)], jnp.int32)  # a chunk after 20 tokens; one from 0
     out = jit(il.context_scores, ratio=ratio, num_entries=G, backend="interpret")(q, w, pk, sc, bt, q_pos)
     ref = jit(il.context_scores, ratio=ratio, num_entries=G, backend="xla")(q, w, pk, sc, bt, q_pos)
     assert out.shape == (B, S, G)
@@ -204,11 +211,11 @@ def test_candidates_small_s_and_ties():
     B, S, E, ratio = 1, 2, 16, 1
     cfg = il.IndexerConfig(index_topk=12, candidate_block_size=8, candidate_topk_blocks=8)
     q, w, pk, sc, bt = make_pool(5, B, S, E=E, pages_per_row=4)
-    q = jnp.ones_like(q)
-    pk = jnp.full_like(pk, 0x22)                        # every key element = 1.0 * scale: all scores tie
-    sc = jnp.full_like(sc, 127)
-    cb = jnp.array([[[0, 2, 5, 7, -1, -1, -1, -1], [1, 3, 4, -1, -1, -1, -1, -1]]], jnp.int32)
-    q_pos = jnp.array([[43, 29]], jnp.int32)            # 44 and 30 visible entries
+    q = put(np.ones(q.shape), q.dtype)
+    pk = put(np.full(pk.shape, 0x22), pk.dtype)   # every key element = 1.0 * scale: all scores tie
+    sc = put(np.full(sc.shape, 127), sc.dtype)
+    cb = put([[[0, 2, 5, 7, -1, -1, -1, -1], [1, 3, 4, -1, -1, -1, -1, -1]]], jnp.int32)
+    q_pos = put([[43, 29]], jnp.int32)            # 44 and 30 visible entries
     out = {}
     out["xla"], _ = jit(il.index_topk, ratio=ratio, cfg=cfg, backend="xla")(q, w, pk, sc, bt, q_pos, cand_blocks=cb)
     want0 = list(range(8)) + [16, 17, 18, 19]                           # ties: the lowest visible ids first
@@ -222,7 +229,7 @@ def test_candidate_blocks_mask_equivalence_random():
     cfg = il.IndexerConfig(index_topk=16, candidate_block_size=8, candidate_topk_blocks=7)
     B, S, G, ratio = 3, 2, 100, 4
     s = np.random.default_rng(1).integers(-3, 3, (B, S, G)).astype(np.float32)
-    q_pos = jnp.array([[399, 100], [3, 9], [200, 250]], jnp.int32)
+    q_pos = put([[399, 100], [3, 9], [200, 250]], jnp.int32)
 
     @jax.jit
     def both(s, q_pos):
@@ -231,7 +238,7 @@ def test_candidate_blocks_mask_equivalence_random():
         blocks = il.candidate_blocks(s, q_pos, ratio, cfg)
         return blocks, il.blocks_to_mask(blocks, G, 8), indexer.candidate_mask(s, q_pos, ratio, cfg)
 
-    blocks, got, mask = both(jnp.asarray(s), q_pos)
+    blocks, got, mask = both(jax.device_put(s), q_pos)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(mask))
     b = np.asarray(blocks)
     for row in b.reshape(-1, b.shape[-1]):                                 # ascending, -1 only at the end

@@ -26,24 +26,31 @@ NAMES = ("h1", "x", "pre", "post", "comb")
 
 
 def _data(key, lead, d, hc=4):
+    """Random inputs, eagerly (the GPU tests) or as one program (`_data_jit`, the CPU tests: eagerly ~30 compiles
+    of ~40 ms). The barriers keep each draw apart from the arithmetic on it, as eagerly, where XLA would fold e.g.
+    the normal's own scaling into `* 0.05`: jitted, the same bits as eagerly at the CPU tests' shapes."""
     k = jax.random.split(key, 9)
-    y = jax.random.normal(k[0], (*lead, d)).astype(jnp.bfloat16)
-    h = (jax.random.normal(k[1], (*lead, hc, d)) * 3).astype(jnp.bfloat16)
-    post = 2 * jax.nn.sigmoid(jax.random.normal(k[2], (*lead, hc)))
-    comb = jax.nn.softmax(jax.random.normal(k[3], (*lead, hc, hc)), -1)
-    pre = jax.nn.sigmoid(jax.random.normal(k[4], (*lead, hc))) + 1e-6
-    fn = jax.random.normal(k[5], (24, hc * d)) * 0.05
-    scale = jax.random.uniform(k[6], (3,), minval=0.5, maxval=2.0)
-    base = jax.random.normal(k[7], (24,))
-    w = (1 + 0.1 * jax.random.normal(k[8], (d,))).astype(jnp.bfloat16)
+    draw = jax.lax.optimization_barrier
+    y = draw(jax.random.normal(k[0], (*lead, d))).astype(jnp.bfloat16)
+    h = (draw(jax.random.normal(k[1], (*lead, hc, d))) * 3).astype(jnp.bfloat16)
+    post = 2 * jax.nn.sigmoid(draw(jax.random.normal(k[2], (*lead, hc))))
+    comb = jax.nn.softmax(draw(jax.random.normal(k[3], (*lead, hc, hc))), -1)
+    pre = jax.nn.sigmoid(draw(jax.random.normal(k[4], (*lead, hc)))) + 1e-6
+    fn = draw(jax.random.normal(k[5], (24, hc * d))) * 0.05
+    scale = draw(jax.random.uniform(k[6], (3,), minval=0.5, maxval=2.0))
+    base = draw(jax.random.normal(k[7], (24,)))
+    w = (1 + 0.1 * draw(jax.random.normal(k[8], (d,)))).astype(jnp.bfloat16)
     return [y, h, post, comb, pre, fn, scale, base, w]
+
+
+_data_jit = jax.jit(_data, static_argnums=(1, 2, 3))
 
 
 def _check(out, ref, frac=0.01):
     for name, o, r in zip(NAMES, out, ref):
         assert o.shape == r.shape and o.dtype == r.dtype, (name, o.shape, r.shape, o.dtype, r.dtype)
-        o = np.asarray(o.astype(jnp.float32))
-        r = np.asarray(r.astype(jnp.float32))
+        o = np.asarray(o, np.float32)  # on the host: eagerly, an astype is a compile for each shape
+        r = np.asarray(r, np.float32)
         assert np.all(np.isfinite(o)), f"{name}: non-finite (unwritten) elements"
         if name in ("h1", "x"):
             np.testing.assert_allclose(o, r, rtol=2 ** -6, atol=1e-6, err_msg=name)
@@ -66,7 +73,7 @@ def _check_kernel(out, a):
     ((3, 1), 128, 8, True, 1),  # first site (no expand), batch dims flattened; tt=3: a token pair + a lone token
 ])
 def test_kernel_interpret_matches_reference(lead, d, tt, first, seed):
-    a = _data(jax.random.key(seed), lead, d)
+    a = _data_jit(jax.random.key(seed), lead, d)
     if first:
         a[0] = a[2] = a[3] = None
     out = jax.jit(lambda *b: M.mhc_fused(*b, CFG, backend="interpret", config=M.KernelConfig(tt=tt)))(*a)
@@ -74,12 +81,11 @@ def test_kernel_interpret_matches_reference(lead, d, tt, first, seed):
     _check_kernel(out, a)
 
 
-def _xla(*a):
-    return jax.jit(lambda *b: M.mhc_fused(*b, CFG, backend="xla"))(*a)
+_xla = jax.jit(lambda *b: M.mhc_fused(*b, CFG, backend="xla"))
 
 
 def test_first_site_passes_h_through():
-    a = _data(jax.random.key(2), (4,), 256)
+    a = _data_jit(jax.random.key(2), (4,), 256)
     h1, *_ = _xla(None, a[1], None, None, *a[4:])
     np.testing.assert_array_equal(h1, a[1])
     with pytest.raises(ValueError):
@@ -89,7 +95,7 @@ def test_first_site_passes_h_through():
 def test_epilogue_matches_reference_at_flash_shapes():
     """Phase 2 (XLA) fed with exact partial sums at D=5120: the unrolled Sinkhorn and the stats algebra."""
     t, hc, d, n_chunks = 3, 4, CFG.dim, 40
-    a = _data(jax.random.key(3), (t,), d)
+    a = _data_jit(jax.random.key(3), (t,), d)
     jax.jit(functools.partial(_epilogue_case, t=t, hc=hc, d=d, n_chunks=n_chunks))(*a)
 
 
@@ -119,9 +125,15 @@ def test_block_with_fused_sites_matches_xla():
     cfg = preset("tiny")
     lp = P.init_tree(P.layer_specs(cfg, 0), cfg, seed=0)
     num = quant.Numerics(act_quant=False)
-    k = jax.random.split(jax.random.key(7), 2)
-    h = (jax.random.normal(k[0], (1, 5, cfg.hc_mult, cfg.dim)) * 2).astype(jnp.bfloat16)
-    pre = jax.nn.softmax(jax.random.normal(k[1], (1, 5, cfg.hc_mult)), -1)
+
+    @jax.jit  # one program, the same bits as eagerly (see _data)
+    def inputs(key):
+        k = jax.random.split(key, 2)
+        h = jax.lax.optimization_barrier(jax.random.normal(k[0], (1, 5, cfg.hc_mult, cfg.dim))) * 2
+        pre = jax.nn.softmax(jax.lax.optimization_barrier(jax.random.normal(k[1], (1, 5, cfg.hc_mult))), -1)
+        return h.astype(jnp.bfloat16), pre
+
+    h, pre = inputs(jax.random.key(7))
     attn = lambda x, s: ((x.astype(jnp.float32) * 0.5).astype(x.dtype), s)  # noqa: E731
     outs = {}
     for be in ("xla", "interpret"):
@@ -146,8 +158,9 @@ def test_sites_above_their_token_limit_take_xla(tokens, kernels, monkeypatch):
 
     cfg = preset("tiny")
     lp = P.init_tree(P.layer_specs(cfg, 0), cfg, seed=0)
-    h = jnp.zeros((1, tokens, cfg.hc_mult, cfg.dim), jnp.bfloat16)
-    pre = jnp.full((1, tokens, cfg.hc_mult), 1 / cfg.hc_mult)
+    # one program (eagerly, a compile an op); pre stays weakly typed, as eagerly
+    h, pre = jax.jit(lambda: (jnp.zeros((1, tokens, cfg.hc_mult, cfg.dim), jnp.bfloat16),
+                              jnp.full((1, tokens, cfg.hc_mult), 1 / cfg.hc_mult)))()
     calls = []
     monkeypatch.setattr(BK, "mhc_fused", lambda *a, **kw: calls.append(kw["backend"]) or M.mhc_reference(*a[:10]))
     ops = BK.kernel_ops(mhc_site=BK.FusedMhcSite("interpret", max_tokens=4))

@@ -29,8 +29,13 @@ def _one_program(f, args, kw):
   and references' array preparation is dozens of small programs, each an XLA compile (~40 ms on the CPU):
   half of this file's time."""
   arrays = {n: v for n, v in kw.items() if isinstance(v, (jax.Array, np.ndarray))}
-  static = {n: v for n, v in kw.items() if n not in arrays}
-  return jax.jit(lambda a, ka: f(*a, **ka, **static))(args, arrays)
+  static = tuple(sorted((n, v) for n, v in kw.items() if n not in arrays))
+  return _program(f, static, args, arrays)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))  # cached by f and the static arguments: a repeat compiles nothing
+def _program(f, static, args, arrays):
+  return f(*args, **arrays, **dict(static))
 
 
 def attend(*args, **kw):
@@ -119,8 +124,8 @@ def test_fp4_ptx_bit_logic_emulated():
   words = list(rng.integers(0, 2 ** 32, 300, dtype=np.uint64)) + [
       int.from_bytes(bytes([v, v, v, v]), "little") for v in range(256)]
   # every word decoded in one call (a call per word: ~550 eager dispatches of its ops)
-  wants = np.asarray(sa.decode_e2m1_packed(jnp.asarray(np.array(
-      [np.frombuffer(int(w).to_bytes(4, "little"), np.uint8) for w in words]))))
+  wants = np.asarray(jax.jit(sa.decode_e2m1_packed)(np.array(
+      [np.frombuffer(int(w).to_bytes(4, "little"), np.uint8) for w in words])))
   for w, want in zip(words, wants):
     w = int(w)
     sa_, sb = w & 0x7777, (w >> 16) & 0x7777
@@ -147,7 +152,7 @@ def test_swizzle_offsets_are_a_permutation():
 def test_reference_matches_dense_numpy():
   args = make_inputs(3, 2, 4, 128, 16, 24)
   q, swa_q, swa_s, swa_valid, topk, page_table, kvp, kvs, sink = args
-  out = reference(*args, out_dtype=jnp.float32)
+  out = np.asarray(reference(*args, out_dtype=jnp.float32))
   qn = np.asarray(q, np.float64)
   swa = np.asarray(jax.jit(sa.dequant_swa_fp8)(swa_q, swa_s), np.float64)
   allkv = np.asarray(jax.jit(sa.dequant_kv_fp4)(kvp, kvs), np.float64)     # [pages, P, D]
@@ -168,11 +173,11 @@ def test_reference_matches_dense_numpy():
       want = e @ kk / (e.sum(-1) + np.exp(sk - m))[:, None]
     else:
       want = np.zeros((q.shape[1], q.shape[2]))
-    np.testing.assert_allclose(np.asarray(out[b]), want, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(out[b], want, rtol=2e-4, atol=2e-5)
 
 
 def test_reference_rope_roundtrip():
-  x, y, z = _rope_roundtrip()
+  x, y, z = map(np.asarray, _rope_roundtrip())  # numpy: eagerly, each slice of a jax.Array is a small program
   np.testing.assert_allclose(y[..., :64], x[..., :64])
   np.testing.assert_allclose(z, x, atol=1e-5)
 
@@ -221,15 +226,16 @@ def test_kernel_interpret_rope_precomputed_rows_three_splits():
   args = make_inputs(5, b, h, d, w, k, ragged=False)
   kw = dict(zip(("rope_cos", "rope_sin"), _rope_angles(2, b)), rope_query=True, rope_output=True)
   ref = reference(*args, **kw, out_dtype=jnp.float32)
-  rows = sa.compressed_rows(args[4], args[5], args[6].shape[1])
+  rows = jax.jit(sa.compressed_rows, static_argnums=2)(args[4], args[5], args[6].shape[1])
   out = attend(*args, backend="interpret", rows=rows, num_splits=3, **kw)
   assert rel_l2(out, ref) < 1e-2
   # count-style swa_valid gives the same as the equivalent mask
-  cnt = jnp.array([5])
+  # (built on the host: eagerly, each jnp op is a compile)
+  cnt = np.array([5], np.int32)
   a2 = list(args)
-  a2[3] = cnt
+  a2[3] = jax.device_put(cnt)
   r2 = attend(*a2, backend="xla")
-  a2[3] = jnp.arange(w)[None] < cnt[:, None]
+  a2[3] = jax.device_put(np.arange(w)[None] < cnt[:, None])
   np.testing.assert_array_equal(r2, attend(*a2, backend="xla"))
 
 
@@ -259,20 +265,24 @@ def test_kernel_interpret_fused_rope_equals_xla_rope(d, splits, mode):
                config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
   assert rel_l2(got, ref_q) < 1e-2
   if d == 128 and splits == 1:  # once: the check itself can fail
-    bad = attend(*args, backend="interpret", num_splits=splits, **dict(q_only, rope_sin=-kw["rope_sin"]),
+    bad = attend(*args, backend="interpret", num_splits=splits, **dict(q_only, rope_sin=-np.asarray(kw["rope_sin"])),
                  config=sa.KernelConfig(qk_mode=mode, fuse_rope=True))
     assert rel_l2(bad, ref_q) > 0.1
 
 
 def test_rope_tables():
-  cos, sin = jnp.array([[0.5, -0.25]]), jnp.array([[0.75, 0.125]])
-  t = np.asarray(sa.rope_tables(cos, sin, rope_w=8))
+  t, x, want = map(np.asarray, _rope_tables_case())
   np.testing.assert_array_equal(t[0, 0], [1, 1, 1, 1, 0.5, 0.5, -0.25, -0.25])
   np.testing.assert_array_equal(t[0, 1], [0, 0, 0, 0, -0.75, 0.75, -0.125, 0.125])
-  x = jax.random.normal(jax.random.key(0), (1, 3, 8))
   swapped = x.reshape(1, 3, 4, 2)[..., ::-1].reshape(x.shape)
-  np.testing.assert_allclose(x * t[:, None, 0] + swapped * t[:, None, 1], sa.apply_rope_tail(x, cos, sin),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(x * t[:, None, 0] + swapped * t[:, None, 1], want, rtol=1e-6, atol=1e-6)
+
+
+@jax.jit  # one program (eagerly, a compile an op)
+def _rope_tables_case():
+  cos, sin = jnp.array([[0.5, -0.25]]), jnp.array([[0.75, 0.125]])
+  x = jax.random.normal(jax.random.key(0), (1, 3, 8))
+  return sa.rope_tables(cos, sin, rope_w=8), x, sa.apply_rope_tail(x, cos, sin)
 
 
 def test_kernel_interpret_flat_window_rows():
@@ -283,15 +293,16 @@ def test_kernel_interpret_flat_window_rows():
   q, swa_q, swa_s, _, topk, page_table, kvp, kvs, sink = args
   rng = np.random.default_rng(4)
   n = b * w
-  rows = jnp.asarray(np.where(rng.random((b, w)) < 0.2, -1, rng.integers(0, n, (b, w))), jnp.int32)
-  rows = rows.at[2].set(-1)
-  flat_q, flat_s = swa_q.reshape(n, d), swa_s.reshape(n, d // 32)
+  # the rows and the window copies on the host: eagerly, each jnp op is a compile (~40 ms on the CPU)
+  rows = np.where(rng.random((b, w)) < 0.2, -1, rng.integers(0, n, (b, w))).astype(np.int32)
+  rows[2] = -1
+  flat_q, flat_s = np.asarray(swa_q).reshape(n, d), np.asarray(swa_s).reshape(n, d // 32)
   flat = (q, flat_q, flat_s, None, topk, page_table, kvp, kvs, sink)
   ref = reference(*flat, swa_rows=rows, out_dtype=jnp.float32)
   out = attend(*flat, backend="interpret", swa_rows=rows, num_splits=1)
   assert rel_l2(out, ref) < 1e-2
   # the same windows copied per row (decode form) give the same reference
-  copy_q, copy_s = flat_q[jnp.maximum(rows, 0)], flat_s[jnp.maximum(rows, 0)]
+  copy_q, copy_s = flat_q[np.maximum(rows, 0)], flat_s[np.maximum(rows, 0)]
   ref2 = reference(q, copy_q, copy_s, rows >= 0, topk, page_table, kvp, kvs, sink, out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(ref), np.asarray(ref2), rtol=1e-6, atol=1e-6)
 
@@ -329,7 +340,7 @@ def test_dequant_probe_interpret_exact():
   key = jax.random.key(4)
   rows = _pool_rows(key, (sa.TILE,), 50, 7)
   kvp, kvs, tile_of = _quantized_pool("fp4", key, 50, 128, scale=1.0)
-  out, bias = sa.dequant_probe("fp4", kvp, kvs, rows, interpret=True)
+  out, bias = jax.jit(functools.partial(sa.dequant_probe, "fp4", interpret=True))(kvp, kvs, rows)
   want, want_bias = tile_of(rows)
   np.testing.assert_array_equal(out, want)
   np.testing.assert_array_equal(bias, want_bias)
@@ -340,8 +351,8 @@ def test_producer_stream_interpret_last_tile_exact():
   key = jax.random.key(5)
   rows = _pool_rows(key, (2, 3, sa.TILE), 70, (1, 2, 5))
   kvp, kvs, tile_of = _quantized_pool("fp4", key, 70, 128, scale=1.0)
-  out, bias = sa.producer_stream("fp4", kvp, kvs, rows, interpret=True)
-  want, want_bias = tile_of(rows[:, -1])  # each CTA's last tile
+  out, bias = jax.jit(functools.partial(sa.producer_stream, "fp4", interpret=True))(kvp, kvs, rows)
+  want, want_bias = tile_of(np.asarray(rows)[:, -1])  # each CTA's last tile
   np.testing.assert_array_equal(out, want)
   np.testing.assert_array_equal(bias, want_bias)
 

@@ -19,9 +19,11 @@ def scores(seed, shape):
     """Fresh scores with many exact ties (bf16 values, as the indexer's), some -inf (invisible entries)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32)
-    x = np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    # rounded on the host, as jnp.asarray(x, jnp.bfloat16) rounds: eagerly, each jnp conversion (and the staging
+    # by jnp.asarray) is an XLA compile (~40 ms on the CPU) for each new shape
+    x = x.astype(jnp.bfloat16).astype(np.float32)
     x[rng.random(shape) < 0.1] = -np.inf
-    return jnp.asarray(x)
+    return jax.device_put(x)
 
 
 def lax_positions(x, k):
@@ -65,17 +67,19 @@ def test_float32_scores_need_all_32_passes():
     """Scores that are not bf16 values, tied in their top 16 bits: 32 passes tell them apart, 16 do not. So the
     promise bf16_values matters, and the 32-pass mode cut short fails here (the bf16 data above cannot show
     it)."""
-    x = jnp.asarray([[1.0, 1.0 + 2 ** -20, 1.0 + 2 ** -19, 0.5]], jnp.float32)
+    x = jax.device_put(np.asarray([[1.0, 1.0 + 2 ** -20, 1.0 + 2 ** -19, 0.5]], np.float32))
     np.testing.assert_array_equal(np.asarray(kernel(ts.top_k_positions, x, k=1)), [[2]])
     keys = np.asarray(keys_and_reference(x, 1)[0])
-    assert int(kernel(ts.kth_largest_key, keys, k=1)[0]) == int(keys[0, 2])
+    # (np.asarray first: eagerly, indexing a jax.Array is a small program)
+    assert int(np.asarray(kernel(ts.kth_largest_key, keys, k=1))[0]) == int(keys[0, 2])
     # (the thresholds, not the positions: placed from a wrong threshold, the positions can be right by chance)
-    assert int(kernel(ts.kth_largest_key, keys, k=1, bf16_values=True)[0]) != int(keys[0, 2])
+    assert int(np.asarray(kernel(ts.kth_largest_key, keys, k=1, bf16_values=True))[0]) != int(keys[0, 2])
 
 
 def test_a_row_of_equal_scores_takes_the_lowest_positions():
-    x = jnp.zeros((2, 300), jnp.float32).at[1, 7].set(1.0)
-    pos = np.asarray(kernel(ts.top_k_positions, x, k=5))
+    x = np.zeros((2, 300), np.float32)  # on the host: eagerly, each jnp op is a compile
+    x[1, 7] = 1.0
+    pos = np.asarray(kernel(ts.top_k_positions, jax.device_put(x), k=5))
     np.testing.assert_array_equal(pos, [[0, 1, 2, 3, 4], [0, 1, 2, 3, 7]])
 
 
@@ -102,7 +106,7 @@ def test_rows_longer_than_shared_memory_go_by_segments(monkeypatch, n, k):
 
 def test_limits():
     with pytest.raises(ValueError, match="k=0"):
-        ts.kth_largest_key(jnp.zeros((1, 10), jnp.uint32), 0, interpret=True)
+        ts.kth_largest_key(jax.device_put(np.zeros((1, 10), np.uint32)), 0, interpret=True)
 
 
 def test_kernel_lowers_for_cuda():
