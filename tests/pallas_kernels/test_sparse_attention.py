@@ -30,7 +30,9 @@ def _one_program(f, args, kw):
   half of this file's time."""
   arrays = {n: v for n, v in kw.items() if isinstance(v, (jax.Array, np.ndarray))}
   static = tuple(sorted((n, v) for n, v in kw.items() if n not in arrays))
-  return _program(f, static, args, arrays)
+  # blocked: an interpreter call started while an earlier program still runs can starve XLA's CPU thread pool
+  # (the Mosaic GPU interpreter's threads run programs that wait on each other): a hang
+  return jax.block_until_ready(_program(f, static, args, arrays))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))  # cached by f and the static arguments: a repeat compiles nothing
