@@ -176,26 +176,39 @@ def main():
     rel_dense_b, rel_expert = weight_bytes(cfg, rel)
     dec = []
     sizes = [int(x) for x in args.decode_max_model_len.split(",") if x] or [max(max_len, args.decode_ctx + 128)]
-    for be, B, size in [(be, B, n) for be in backends for B in batches for n in sizes]:
-        eng = make_engine(cfg, params_of(be), True, size, max(batches), be, scan_layers=args.scan_layers)
-        fake_decode_state(eng, B, args.decode_ctx, args.temperature)
-        compile_s = timed(eng.step, reps=1)
-        # a step that waits for its own tokens, then (async scheduling) one that reads the previous step's
-        step = [timed(eng.step, reps=10) for eng.async_scheduling in (False, True)]
-        reqs = list(eng.running.values())
-        b, s = eng.decode_inputs(reqs)
+    # linear_flops reads the weights' shapes only: kept, so the weights themselves can go to the last engine
+    core = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.strip_tables(params)[0])
+    jobs = [(be, n) for be in backends for n in sizes]
+    for i, (be, size) in enumerate(jobs):
+        # one engine a configuration, every batch on it; the previous engine's weights freed before the next is
+        # built, and the last one takes the script's weights over (held once: Flash's 40 layers fit an H100)
+        eng = None
+        weights, own = params_of(be), i == len(jobs) - 1
+        if own:
+            params = fp4_params = None
+        eng = make_engine(cfg, weights, True, size, max(batches), be, scan_layers=args.scan_layers,
+                          own_params=own)
+        del weights
+        for B in batches:
+            eng.async_scheduling = False  # the previous batch's last (async) step is read and dropped by the next
+            fake_decode_state(eng, B, args.decode_ctx, args.temperature)
+            compile_s = timed(eng.step, reps=1)
+            # a step that waits for its own tokens, then (async scheduling) one that reads the previous step's
+            step = [timed(eng.step, reps=10) for eng.async_scheduling in (False, True)]
+            reqs = list(eng.running.values())
+            b, s = eng.decode_inputs(reqs)
 
-        def dev_only():
-            eng.run_decode(b)[1].block_until_ready()
+            def dev_only():
+                eng.run_decode(b)[1].block_until_ready()
 
-        dev_t = timed(dev_only, reps=10)
-        host_t = timed(lambda: eng.decode_inputs(reqs), reps=10)
-        # the weights as the engine holds them
-        read = decode_bytes(cfg, B, args.decode_ctx, *weight_bytes(cfg, eng.params))
-        bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, rel_dense_b, rel_expert)
-        dec.append((be, B, size, compile_s, step, dev_t, host_t, read, bytes_fp4))
-        log.info("decode %s B=%d max_model_len=%d step sync/async %.2f/%.2f device %.2f host %.2f ms", be, B, size,
-                 *(t * 1e3 for t in (*step, dev_t, host_t)))
+            dev_t = timed(dev_only, reps=10)
+            host_t = timed(lambda: eng.decode_inputs(reqs), reps=10)
+            # the weights as the engine holds them
+            read = decode_bytes(cfg, B, args.decode_ctx, *weight_bytes(cfg, eng.params))
+            bytes_fp4 = decode_bytes(cfg, B, args.decode_ctx, rel_dense_b, rel_expert)
+            dec.append((be, B, size, compile_s, step, dev_t, host_t, read, bytes_fp4))
+            log.info("decode %s B=%d max_model_len=%d step sync/async %.2f/%.2f device %.2f host %.2f ms", be, B,
+                     size, *(t * 1e3 for t in (*step, dev_t, host_t)))
 
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset: {cfg.n_layers} layers, "
           f"{cfg.n_routed_experts} experts, dim {cfg.dim}; measured HBM {hbm / 1e12:.2f} TB/s (scripts/timing.py's "
@@ -203,7 +216,6 @@ def main():
     print("| kernels | max_model_len | prompt tokens | exact prefill s | replay prefill s | replay saves | exact: "
           "linear FLOPs / matmul rate s (of it) | replay: same (of it) | first call (compile) exact / replay s |\n"
           + "|---" * 9 + "|")
-    core = model.strip_tables(params)[0]  # linear_flops counts its weight elements
     by = {(be, z, n, r): (f, w) for be, z, n, r, f, w in pre}
     nan = (math.nan, math.nan)  # a replay setting not run (--replay on|off)
     for be, z, n in [(be, z, n) for be in pre_backends for z in pre_sizes for n in lengths]:

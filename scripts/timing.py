@@ -331,10 +331,10 @@ def kernels_of(config: str) -> tuple[str, ...]:
 
 
 def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens=None, min_prefill_bucket=2048,
-                **config):
-    """An engine of `engine_config`'s configuration."""
+                own_params=False, **config):
+    """An engine of `engine_config`'s configuration. own_params: the caller hands params over (`Engine`'s)."""
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=engine_config(
-        cfg, replay, max_len, seqs, backend, replay_tokens, min_prefill_bucket, **config))
+        cfg, replay, max_len, seqs, backend, replay_tokens, min_prefill_bucket, **config), own_params=own_params)
 
 
 def engine_config(cfg, replay, max_len, seqs, backend="xla", replay_tokens=None, min_prefill_bucket=2048,
