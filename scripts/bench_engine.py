@@ -24,7 +24,6 @@ Random weights made on the device: dense bf16, the routed experts in FP4 where t
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import time
@@ -35,7 +34,6 @@ import numpy as np
 
 from dsv41 import layer_runs, model, quant
 from dsv41 import params as P
-from dsv41.config import preset, with_schedule
 from serving.engine.engine import SamplingParams
 from timing import KERNEL_NAMES, SUFFIXES, device_params, fake_decode_state, kernels_of, make_engine, with_fp4_experts
 from timing import median_wall_s as timed
@@ -119,12 +117,6 @@ def main():
     ap.add_argument("--min-prefill-bucket", type=int, default=2048,
                     help="prefill: a shorter prompt is padded to this many tokens (serve's default: 16); with short "
                          "--lengths, each bucket's program timed")
-    ap.add_argument("--schedule", help="another preset's layer schedule at --preset's widths (flash: 40 layers)")
-    ap.add_argument("--experts", type=int, help="routed experts a layer (default: the preset's); fewer to fit more "
-                                                "layers, the widths stay")
-    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                    help="runs of layers in one scanned body, or every layer unrolled (EngineConfig.scan_layers; "
-                         "default: the engine's)")
     ap.add_argument("--replay", choices=["both", "on", "off"], default="both",
                     help="prefill table: SWA bounded replay on and off (both), or one of them")
     ap.add_argument("--replay-tokens", default="",
@@ -137,11 +129,7 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    cfg = preset(args.preset)
-    if args.schedule:
-        cfg = with_schedule(cfg, args.schedule)
-    if args.experts:
-        cfg = cfg.replace(n_routed_experts=args.experts)
+    cfg = timing.model_config(args)
     dev = jax.devices()[0]
     ceil = timing.ceilings(quick=True) if dev.platform == "cpu" else timing.bench_ceilings()
     hbm, mxu = ceil["hbm_TBps"] * 1e12, ceil["mm_TFLOPs"] * 1e12

@@ -28,11 +28,11 @@ import tempfile
 import time
 
 from timing import KERNELS, cupti_kernels, device_params, fake_decode_state  # noqa: I001 (first: sys.path)
-from timing import engine_args, make_engine, median_wall_s as timed, print_table, with_fp4_experts, write_json
+from timing import engine_args, make_engine, median_wall_s as timed, model_config, print_table, with_fp4_experts
+from timing import write_json
 import jax
 
 from dsv41 import params as P
-from dsv41.config import preset
 from serving.engine.config import SpeculativeConfig
 from serving.engine.engine import SamplingParams
 
@@ -201,7 +201,7 @@ def main():
         sys.exit("profile_step.py needs a GPU (CUPTI)")
     jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "dsv41_profile_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    cfg = preset(args.preset).replace(n_mtp_layers=3 if args.speculative else 0)
+    cfg = model_config(args).replace(n_mtp_layers=3 if args.speculative else 0)
     params = device_params(cfg) if args.weights == "bf16" else P.init_params(cfg, seed=0)
     if args.weights == "bf16" and KERNELS[args.backend][1] != "xla":
         params = with_fp4_experts(params)
@@ -214,7 +214,8 @@ def main():
         spec = SpeculativeConfig(num_speculative_tokens=args.speculative, forced_acceptance=True) \
             if args.speculative else None
         max_len += (args.speculative + 1) * 16
-        eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec)
+        eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec,
+                          scan_layers=args.scan_layers)
         # the step's programs (`Engine.run_decode`)
         names = (("run_spec",) if spec else ("run_decode_first", "run_decode_rest") if len(eng.decode_kinds) == 2
                  else ("run_full",))
@@ -242,7 +243,7 @@ def main():
         del eng
     if args.prefill:
         n = args.prefill
-        eng = make_engine(cfg, params, True, -(-(n + 2048) // 64) * 64, 2, args.backend)
+        eng = make_engine(cfg, params, True, -(-(n + 2048) // 64) * 64, 2, args.backend, scan_layers=args.scan_layers)
         run = lambda: eng.generate(list(range(3, 3 + n)), SamplingParams(max_tokens=1))  # noqa: E731
         run()  # compile
         wall = timed(run, reps=3) * 1e3

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv41 import model, quant  # noqa: E402
 from dsv41 import params as P  # noqa: E402
 from dsv41 import tokenizer as T  # noqa: E402
+from dsv41.config import ModelConfig, preset, with_schedule  # noqa: E402
 from serving.engine.backends import KernelOptions  # noqa: E402
 from serving.engine.config import EngineConfig  # noqa: E402
 from serving.engine.engine import Engine, SamplingParams, _Request  # noqa: E402
@@ -64,7 +65,21 @@ def engine_args(doc: str, *, batches: str, weights: bool = True):
         ap.add_argument("--weights", choices=["bf16", "release"], default="bf16",
                         help="bf16: dense weights, the routed experts in FP4 where the FP4 GEMM runs; release: the "
                              "release's stored formats everywhere (FP8 linears, FP4 experts), as a checkpoint loads")
+    ap.add_argument("--schedule", help="another preset's layer schedule at --preset's widths (flash: 40 layers)")
+    ap.add_argument("--experts", type=int, help="routed experts a layer (default: the preset's); fewer to fit more "
+                                                "layers, the widths stay")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                    help="runs of layers in one scanned body, or every layer unrolled (EngineConfig.scan_layers; "
+                         "default: the engine's)")
     return ap
+
+
+def model_config(args) -> ModelConfig:
+    """engine_args' model: --preset, with --schedule's layers and --experts routed experts a layer."""
+    cfg = preset(args.preset)
+    if args.schedule:
+        cfg = with_schedule(cfg, args.schedule)
+    return cfg.replace(n_routed_experts=args.experts) if args.experts else cfg
 
 
 def over_budget(budget_s: float, what: str) -> bool:
