@@ -16,7 +16,8 @@ The pieces, in the order they run (axis letters: B batch, S target positions, T 
    collapsed and normalized by the last stage's norm -> [B, K, D].
 5. `draft_logits`: the target's head over those states plus the rank-R Markov bias of each position's previous
    token, and the confidence head's logit (float32) -> logits [B, K, V], confidence [B, K]. `draft_tokens` runs
-   it sequentially, the previous token of position i being the token drafted at i-1 (the anchor at 0).
+   the head over the block at once and the bias sequentially, the previous token of position i being the token
+   drafted at i-1 (the anchor at 0).
 
 The reference is nemo-automodel's `deepseek_v41/dspark.py` (tests/test_dspark_reference.py compares against it).
 """
@@ -108,13 +109,18 @@ def draft_logits(params: dict, states: jax.Array, prev_ids: jax.Array, cfg: Mode
                  num: Numerics) -> tuple[jax.Array, jax.Array]:
     """states [..., D] (`draft_states`) and each position's previous token prev_ids [...] -> (float32 logits
     [..., V]: the target's head plus the Markov bias of the previous token; float32 confidence logits [...])."""
+    return _biased(params, linear_f32(states, params["head"]), states, prev_ids, num)
+
+
+def _biased(params: dict, head_logits: jax.Array, states: jax.Array, prev_ids: jax.Array,
+            num: Numerics) -> tuple[jax.Array, jax.Array]:
+    """`draft_logits` from the states' head logits [..., V] (float32), computed already."""
     last = params["mtp"][-1]
     emb = jnp.take(last["markov_head"]["embed"], prev_ids, axis=0).astype(num.jdtype)  # [..., R]
     bias = linear(emb, last["markov_head"]["head"], num, fp8_input=False).astype(jnp.float32)
-    logits = linear_f32(states, params["head"]) + bias
     conf = linear_f32(jnp.concatenate([states.astype(jnp.float32), emb.astype(jnp.float32)], axis=-1),
                       last["confidence_head"]["proj"])[..., 0]
-    return logits, conf
+    return head_logits + bias, conf
 
 
 def greedy(logits: jax.Array, i: int) -> jax.Array:
@@ -128,9 +134,12 @@ def draft_tokens(params: dict, states: jax.Array, anchor_ids: jax.Array, cfg: Mo
     states [B, K, D], anchor_ids [B] -> (draft ids [B, K], their logits [B, K, V], confidence logits [B, K]).
     sample(logits [B, V], i) -> ids [B] picks each token (default: argmax)."""
     prev = anchor_ids.astype(jnp.int32)
+    # the head (V x D, the step's largest weight) does not read the previous token: one GEMM a block reads it
+    # once, not once a position; and it is the GEMM `draft_logits` runs on the block's states [B, K, D]
+    head = linear_f32(states, params["head"])
     toks, logits, confs = [], [], []
     for i in range(states.shape[1]):
-        lg, cf = draft_logits(params, states[:, i], prev, cfg, num)
+        lg, cf = _biased(params, head[:, i], states[:, i], prev, num)
         prev = sample(lg, i)
         toks.append(prev)
         logits.append(lg)
