@@ -17,6 +17,7 @@
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
 #                  CUDA graph) against the same device buffers every call (bench preset with 8 experts, batch 1; ~2 min)
+#   graph          what a CUDA graph's launch costs a node: chains of XLA fusions and of FP8 linear kernels (~1 min)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
@@ -101,6 +102,9 @@ case "${1:-}" in
   launch)
     bench 300 launch scripts/bench_launch.py --experts 8 --batches "${2:-1}" --decode-ctx 4096
     ;;
+  graph)
+    bench 170 graph scripts/bench_graph_launch.py --steps 50,200 --reps 30
+    ;;
   host)
     bench 300 host scripts/bench_host.py --preset bench --batches 1,8,64
     ;;
@@ -164,7 +168,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|launch|graph|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac
