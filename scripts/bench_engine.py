@@ -13,8 +13,8 @@ buckets, fewer programs to compile at start-up, more padding), against every pro
         --replay on --lengths 16,32,64,128,256,512 --min-prefill-bucket 16   (then --min-prefill-bucket 128)
 
 Scanned runs of layers (dsv41/layer_runs.py; the bench schedule's runs are all one layer) against every layer
-unrolled, at Flash's 40-layer schedule (the release's weight formats; 40 layers of 64 experts do not fit one H200
-once held as given, as the kernel's layout and stacked, so 16 experts a layer):
+unrolled, at Flash's 40-layer schedule (the release's weight formats, 16 experts a layer: ~24 GB, which the last
+decode engine takes over from the script, so that they are held once and fit an 80 GB card):
 
     PYTHONPATH=. python3 scripts/bench_engine.py --schedule flash --experts 16 --weights release --backends auto \
         --batches 1,64 --skip-prefill [--scan-layers|--no-scan-layers]

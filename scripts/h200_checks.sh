@@ -12,7 +12,8 @@
 #                  default): a prefill's time should not depend on --max-model-len
 #   scan on|off    decode steps (batch 1, 64) at Flash's 40-layer schedule (16 experts a layer to fit), runs of
 #                  layers scanned with the kernels (on) or every layer unrolled (off, today's GPU default): what
-#                  `backends.scans_layers` waits for; one call each (~6-9 min unrolled)
+#                  `backends.scans_layers` decides by; one call each (~4 / ~5.5 min on an H100, run with
+#                  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92)
 #   split [B]      the decode step cut in two programs at the replay split (the default) against the one program:
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
