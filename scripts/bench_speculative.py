@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 
-from timing import engine_args, fake_decode_state, make_engine, write_json  # noqa: I001 (first: sys.path)
+from timing import engine_args, fake_decode_state, kernels_of, make_engine, model_config  # noqa: I001 (sys.path)
+from timing import write_json
 from timing import median_wall_s as timed
 import jax
 
 from dsv41 import params as P
-from dsv41.config import preset
 from serving.engine.config import SpeculativeConfig
 
 log = logging.getLogger("bench_speculative")
@@ -30,10 +30,10 @@ LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
 
 
 def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None,
-              temperature: float = 0.0):
+              temperature: float = 0.0, backend: str = "auto"):
     """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
-    default kernels (`auto`), one decode bucket of B rows, at that temperature."""
-    eng = make_engine(cfg, params, True, max_len, B, "auto", min_decode_bucket=B, speculative_config=spec)
+    backend's kernels (`timing.kernels_of`: `auto` is serve's), one decode bucket of B rows, at that temperature."""
+    eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec)
     fake_decode_state(eng, B, ctx, temperature)
     return timed(eng.step, reps=1), timed(eng.step, reps=reps)
 
@@ -43,9 +43,13 @@ def main():
     ap.add_argument("--k", default="5", help="num_speculative_tokens, one program each (e.g. 1,2,5)")
     ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--backend", default="auto",
+                    help="both engines' kernels (timing.KERNELS, with +suffixes: auto+fp8-chunks runs the verify's "
+                         "FP8 linears of up to 512 rows through the FP8 kernel)")
     args = ap.parse_args()
+    kernels_of(args.backend)  # a bad name fails here, before minutes of set-up
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = preset(args.preset).replace(n_mtp_layers=3)
+    cfg = model_config(args).replace(n_mtp_layers=3)
     batches = [int(b) for b in args.batches.split(",")]
     params = P.init_params(cfg, seed=0)
     ks = sorted(int(k) for k in args.k.split(","))
@@ -55,15 +59,17 @@ def main():
                                                          confidence_threshold=1.0))] * args.cut
     rows = []
     for B in batches:
-        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature)
+        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, args.backend)
         for name, spec in specs:
-            fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature)
+            fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
+                               args.backend)
             rows.append((B, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens, tp, ts))
             log.info("B=%d plain %.2f ms, %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, name, ts * 1e3, fp, fs)
 
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
-          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), context {args.decode_ctx}\n")
+          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), kernels {args.backend}, "
+          f"context {args.decode_ctx}\n")
     lengths = [L for L in LENGTHS if L <= ks[-1] + 1]
     print("| batch | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
           + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")
