@@ -11,16 +11,14 @@ Prints one table: per batch, the median wall ms of each way (reps alternated in 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import time
 
 import jax
 
+from timing import engine_args, fake_decode_state, make_engine, model_config, print_table  # noqa: I001 (sys.path)
 from dsv41 import params as P
-from dsv41.config import preset
-from timing import fake_decode_state, make_engine, print_table
 
 log = logging.getLogger("bench_launch")
 
@@ -34,9 +32,9 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(eng, B: int, ctx: int, reps: int, blocks: int) -> tuple[float, float, int]:
+def measure(eng, B: int, ctx: int, reps: int, blocks: int, temperature: float = 0.0) -> tuple[float, float, int]:
     """-> (median ms with fresh host inputs, median ms with the same device inputs, compile-and-first-call s)."""
-    fake_decode_state(eng, B, ctx)
+    fake_decode_state(eng, B, ctx, temperature)
     b, _ = eng.decode_inputs(list(eng.running.values()))
     prog = eng.programs.run_full
     t = time.perf_counter()
@@ -63,28 +61,22 @@ def measure(eng, B: int, ctx: int, reps: int, blocks: int) -> tuple[float, float
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="bench")
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--decode-ctx", type=int, default=4096)
-    ap.add_argument("--experts", type=int, default=0, help="routed experts (0: the preset's); the graph's kernels "
-                                                              "are the same, the weights' build shorter")
+    ap = engine_args(__doc__, batches="1,64", weights=False)  # (--experts 8: the same graph, a shorter build)
     ap.add_argument("--backend", default="auto", help="kernels (timing.kernels_of): auto, xla, ...")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=3)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = preset(args.preset)
-    if args.experts:
-        cfg = cfg.replace(n_routed_experts=args.experts)
+    cfg = model_config(args)
     batches = [int(x) for x in args.batches.split(",")]
     t = time.perf_counter()
     params = P.init_params(cfg, seed=0)
-    eng = make_engine(cfg, params, True, args.decode_ctx + 256, max(batches), args.backend, split_decode=False)
+    eng = make_engine(cfg, params, True, args.decode_ctx + 256, max(batches), args.backend, split_decode=False,
+                      scan_layers=args.scan_layers)
     log.info("engine built in %.1f s", time.perf_counter() - t)
     rows = []
     for B in batches:
-        fresh, same, first = measure(eng, B, args.decode_ctx, args.reps, args.blocks)
+        fresh, same, first = measure(eng, B, args.decode_ctx, args.reps, args.blocks, args.temperature)
         log.info("B=%d fresh %.3f ms same %.3f ms (first call %.1f s)", B, fresh, same, first)
         rows.append([B, f"{fresh:.3f}", f"{same:.3f}", f"{fresh - same:.3f}", f"{same / fresh:.2f}", f"{first:.1f}"])
     dev = jax.devices()[0]

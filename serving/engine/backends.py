@@ -86,11 +86,10 @@ class KernelOptions:
     def __post_init__(self):
         if self.indexer_topk not in TOPK_METHODS:
             raise ValueError(f"indexer_topk={self.indexer_topk!r}: one of {list(TOPK_METHODS)}")
-        for name in ("prefill_indexer_block_entries", "fp8_linear_max_rows"):
+        for name, zero in (("prefill_indexer_block_entries", " (0: one pass)"), ("fp8_linear_max_rows", "")):
             n = getattr(self, name)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise ValueError(f"{name}={n!r}: an integer >= 0"
-                                 + (" (0: one pass)" if name == "prefill_indexer_block_entries" else ""))
+                raise ValueError(f"{name}={n!r}: an integer >= 0{zero}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,8 +481,7 @@ def kernel_ops(*, experts: bool = False, linears: bool = False, mhc: str = "xla"
     if experts:
         ops = dataclasses.replace(ops, routed_experts=routed_experts_op)
     if linears:
-        lin = fp8_linear_op if linear_max_rows == fp8_linear.MAX_ROWS else Fp8Linear(linear_max_rows)
-        ops = dataclasses.replace(ops, linear=lin, grouped_linear=fp8_grouped_linear_op)
+        ops = dataclasses.replace(ops, linear=Fp8Linear(linear_max_rows), grouped_linear=fp8_grouped_linear_op)
     return ops
 
 

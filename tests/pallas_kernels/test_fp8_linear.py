@@ -256,7 +256,7 @@ def test_rows_past_the_tile_run_in_chunks():
     with pytest.raises(ValueError, match="fp8_linear_max_rows"):
         BK.KernelOptions(fp8_linear_max_rows=-1)
     ops = BK.kernel_ops(linears=True, linear_max_rows=512)
-    assert ops.linear == BK.Fp8Linear(512) and BK.kernel_ops(linears=True).linear is BK.fp8_linear_op
+    assert ops.linear == BK.Fp8Linear(512) and BK.kernel_ops(linears=True).linear == BK.fp8_linear_op
 
 
 def test_grouped_wo_a_through_the_kernel():
