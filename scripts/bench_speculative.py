@@ -44,10 +44,13 @@ def main():
     ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
-                    help="both engines' kernels (timing.KERNELS, with +suffixes: auto+fp8-chunks runs the verify's "
-                         "FP8 linears of up to 512 rows through the FP8 kernel)")
+                    help="the engines' kernels (timing.KERNELS, with +suffixes: auto+fp8-chunks runs the verify's "
+                         "FP8 linears of up to 512 rows through the FP8 kernel); a list times the speculative step "
+                         "with each, the plain step with the first")
     args = ap.parse_args()
-    kernels_of(args.backend)  # a bad name fails here, before minutes of set-up
+    backends = args.backend.split(",")
+    for b in backends:
+        kernels_of(b)  # a bad name fails here, before minutes of set-up
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = model_config(args).replace(n_mtp_layers=3)
     batches = [int(b) for b in args.batches.split(",")]
@@ -59,24 +62,27 @@ def main():
                                                          confidence_threshold=1.0))] * args.cut
     rows = []
     for B in batches:
-        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, args.backend)
-        for name, spec in specs:
-            fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
-                               args.backend)
-            rows.append((B, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens, tp, ts))
-            log.info("B=%d plain %.2f ms, %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, name, ts * 1e3, fp, fs)
+        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0])
+        for backend in backends:
+            for name, spec in specs:
+                fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
+                                   backend)
+                rows.append((B, backend, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens,
+                             tp, ts))
+                log.info("B=%d plain %.2f ms, %s %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, backend,
+                         name, ts * 1e3, fp, fs)
 
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
-          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), kernels {args.backend}, "
-          f"context {args.decode_ctx}\n")
+          f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), plain step's kernels "
+          f"{backends[0]}, context {args.decode_ctx}\n")
     lengths = [L for L in LENGTHS if L <= ks[-1] + 1]
-    print("| batch | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
+    print("| batch | kernels | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
           + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")
-    print("|---" * (6 + len(lengths)) + "|")
-    for B, name, k, tp, ts in rows:
+    print("|---" * (7 + len(lengths)) + "|")
+    for B, backend, name, k, tp, ts in rows:
         cells = [f"{B * L / ts:,.0f} ({tp * L / ts:.2f}x)" if L <= k + 1 else "" for L in lengths]
-        print(f"| {B} | {name} | {tp * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | {B / tp:,.0f} | "
+        print(f"| {B} | {backend} | {name} | {tp * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | {B / tp:,.0f} | "
               + " | ".join(cells) + " |")
     write_json(args.out, "bench_speculative.json", {"args": vars(args), "rows": rows})
 
