@@ -44,8 +44,7 @@ def main():
     ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
-                    help="the engines' kernels (timing.KERNELS, with +suffixes: auto+fp8-chunks runs the verify's "
-                         "FP8 linears of up to 512 rows through the FP8 kernel); a list times the speculative step "
+                    help="the engines' kernels (timing.KERNELS, with +suffixes); a list times the speculative step "
                          "with each, the plain step with the first")
     args = ap.parse_args()
     backends = args.backend.split(",")

@@ -332,9 +332,7 @@ SUFFIXES = {"unfused-rope": "q / o rotated in XLA around the attention kernel (K
                            "(KernelOptions(prefill_indexer_kernel=False))",
             "kernel-topk": "the indexers' top-k threshold by topk_select (KernelOptions(indexer_topk='kernel'))",
             "one-pass-indexer": "prefill chunks' encoder indexers over the whole block table in one pass, not by the "
-                                "blocks of 8192 entries they see (KernelOptions(prefill_indexer_block_entries=0))",
-            "fp8-chunks": "FP8 linears of up to 512 rows through the FP8 kernel in row chunks of at most 128, not "
-                          "XLA's bf16 copy of the weight (KernelOptions(fp8_linear_max_rows=512))"}
+                                "blocks of 8192 entries they see (KernelOptions(prefill_indexer_block_entries=0))"}
 
 
 def kernels_of(config: str) -> tuple[str, ...]:
@@ -364,8 +362,7 @@ def engine_config(cfg, replay, max_len, seqs, backend="xla", replay_tokens=None,
                          prefill_indexer_kernel="xla-indexer" not in suffixes,
                          indexer_topk="kernel" if "kernel-topk" in suffixes else "auto",
                          prefill_indexer_block_entries=0 if "one-pass-indexer" in suffixes
-                         else KernelOptions.prefill_indexer_block_entries,
-                         fp8_linear_max_rows=512 if "fp8-chunks" in suffixes else KernelOptions.fp8_linear_max_rows)
+                         else KernelOptions.prefill_indexer_block_entries)
     return EngineConfig(
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=2048, swa_bounded_replay=replay,
         swa_replay_tokens=replay_tokens or cfg.window_size, enable_prefix_caching=False,

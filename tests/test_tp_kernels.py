@@ -242,7 +242,7 @@ def test_build_takes_kernels_with_tensor_parallelism():
     attn = prepared["layers"][0]["attn"]
     assert attn["wq_b"].split(1) and attn["wo_b"].split(2) and not attn["wq_a"].split(1)
     assert isinstance(prepared["layers"][0]["ffn"]["shared_experts"]["w1"], quant.Fp8Weight)
-    assert backends.attention == "xla" and backends.ops.linear == BK.fp8_linear_op
+    assert backends.attention == "xla" and backends.ops.linear is BK.fp8_linear_op
     assert isinstance(backends.ops.mhc_site, sharding.TensorReplicated)
     assert backends.ops.route is moe.route_plain  # (the tiny preset's 8 experts: no router kernel)
     assert BK.build(cfg, params, NUM, attention="interpret", parallelism=par)[0].attention == "interpret"

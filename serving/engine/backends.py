@@ -69,27 +69,19 @@ class KernelOptions:
       is scored in one pass all the same (one block would cost more than the pass: below). 0: one pass always.
       On the H200 (docs/PERFORMANCE.md, section 3) with 8192, replay prefill of 1K / 16K tokens: in an engine of
       131072 tokens 0.052 -> 0.044 s and 0.326 -> 0.227 s; in one of 18432 tokens (4608 entries a ratio-4 layer)
-      the blocks cost 0.036 -> 0.048 s and 0.201 -> 0.228 s, so such a table keeps the one pass.
-    fp8_linear_max_rows: (the FP8 linear kernel, with any attention backend) the most rows a linear runs through
-      the kernel (`Fp8Linear`); above its tile (`fp8_linear.MAX_ROWS`, the default) the rows run in equal chunks of
-      at most a tile, each reading the FP8 weight again, where XLA would write a bf16 copy of the weight and read
-      that (5 bytes a weight element against 1 a chunk): a speculative step verifies batch x (k + 2) rows (448 at
-      batch 64, k = 5), whose FP8 linears now go through XLA's copies (docs/PERFORMANCE.md section 5). Not timed
-      on a GPU yet, so not a default."""
+      the blocks cost 0.036 -> 0.048 s and 0.201 -> 0.228 s, so such a table keeps the one pass."""
 
     fuse_rope: bool = True
     prefill_indexer_kernel: bool = True
     indexer_topk: str = "auto"
     prefill_indexer_block_entries: int = 8192
-    fp8_linear_max_rows: int = fp8_linear.MAX_ROWS
 
     def __post_init__(self):
         if self.indexer_topk not in TOPK_METHODS:
             raise ValueError(f"indexer_topk={self.indexer_topk!r}: one of {list(TOPK_METHODS)}")
-        for name, zero in (("prefill_indexer_block_entries", " (0: one pass)"), ("fp8_linear_max_rows", "")):
-            n = getattr(self, name)
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise ValueError(f"{name}={n!r}: an integer >= 0{zero}")
+        n = self.prefill_indexer_block_entries
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"prefill_indexer_block_entries={n!r}: an integer >= 0 (0: one pass)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,60 +108,41 @@ def scans_layers(b: Backends) -> bool:
     return b.attention != "pallas" and b.ops == XLA
 
 
-def _small_bf16(rows: int, num: Numerics, max_rows: int = fp8_linear.MAX_ROWS) -> bool:
+def _small_bf16(rows: int, num: Numerics) -> bool:
     # decode-sized batches only: larger ones were not faster through the kernel, and it takes bf16 only
-    return rows <= max_rows and num.jdtype == jnp.bfloat16
+    return rows <= fp8_linear.MAX_ROWS and num.jdtype == jnp.bfloat16
 
 
 def _unwrap(w):
     return w.value if isinstance(w, TensorShards) else w
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Linear:
-    """`Ops.linear` with the FP8 linear kernel on `prepare_linears`' weights for decode-sized bf16 rows (at most
-    max_rows: `KernelOptions.fp8_linear_max_rows`; above the kernel's tile, in row chunks): the FP8 weight is read
-    once a chunk and decoded in the kernel. Other weights and sizes: `nn.linear`.
+def fp8_linear_op(x: jax.Array, w, num: Numerics, *, fp8_input: bool) -> jax.Array:
+    """`Ops.linear` with the FP8 linear kernel on `prepare_linears`' weights for decode-sized bf16 rows: the FP8
+    weight is read once and decoded in the kernel. Other weights and sizes: `nn.linear`.
 
     Under tensor parallelism (w a `TensorShards`) each rank runs the kernel on its slice: a column-parallel
     weight (out split: heads, FFN width) on the whole x, giving its slice of the output; a row-parallel one (in
     split: wo_b, the shared expert's w2) on its slice of x, the partial outputs summed over ranks (each rank's
     partial is rounded to bf16 by the kernel before the sum); a replicated one on the whole x on every rank."""
+    rows = math.prod(x.shape[:-1])
+    if not (isinstance(_unwrap(w), fp8_linear.PreparedFp8) and _small_bf16(rows, num)):
+        return linear(x, _unwrap(w), num, fp8_input=fp8_input)
+    x = linear_input(x, num, fp8_input)
+    if not isinstance(w, TensorShards):
+        return _fp8_linear_rows(x, w)
+    col, row = w.split(1), w.split(2)  # PreparedFp8.weight [1, out, in]
 
-    max_rows: int = fp8_linear.MAX_ROWS
+    def local(x, pw):
+        y = _fp8_linear_rows(x, pw)
+        return tensor_sum(y.astype(jnp.float32)).astype(y.dtype) if row else y
 
-    def __call__(self, x: jax.Array, w, num: Numerics, *, fp8_input: bool) -> jax.Array:
-        rows = math.prod(x.shape[:-1])
-        if not (isinstance(_unwrap(w), fp8_linear.PreparedFp8) and _small_bf16(rows, num, self.max_rows)):
-            return linear(x, _unwrap(w), num, fp8_input=fp8_input)
-        x = linear_input(x, num, fp8_input)
-        if not isinstance(w, TensorShards):
-            return _fp8_linear_rows(x, w)
-        col, row = w.split(1), w.split(2)  # PreparedFp8.weight [1, out, in]
-
-        def local(x, pw):
-            y = _fp8_linear_rows(x, pw)
-            return tensor_sum(y.astype(jnp.float32)).astype(y.dtype) if row else y
-
-        return per_tensor_rank(local, in_specs=(last_dim_spec(x.ndim, row), w.spec_tree()),
-                               out_specs=last_dim_spec(x.ndim, col))(x, w.value)
-
-
-fp8_linear_op = Fp8Linear()  # the kernel's tile of rows at most: the default
+    return per_tensor_rank(local, in_specs=(last_dim_spec(x.ndim, row), w.spec_tree()),
+                           out_specs=last_dim_spec(x.ndim, col))(x, w.value)
 
 
 def _fp8_linear_rows(x, w):
-    """x [..., in] through the kernel: rows beyond its tile in equal chunks (one kernel shape), padded."""
-    x2 = x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
-    n = -(-m // fp8_linear.MAX_ROWS)
-    if n == 1:
-        y = fp8_linear.fp8_linear(x2, w)
-    else:
-        c = -(-m // n)
-        x2 = jnp.pad(x2, ((0, n * c - m), (0, 0)))
-        y = jnp.concatenate([fp8_linear.fp8_linear(x2[i * c:(i + 1) * c], w) for i in range(n)])[:m]
-    return y.reshape(*x.shape[:-1], -1)
+    return fp8_linear.fp8_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
 
 
 def fp8_grouped_linear_op(x: jax.Array, w, num: Numerics) -> jax.Array:
@@ -449,8 +422,7 @@ def build(cfg: ModelConfig, params: dict, num: Numerics, *, attention: str = "au
     if tp:  # the fused sites' weights are replicated: every tensor rank runs the kernel whole
         mhc_site = mhc_site if mhc_site is mhc.site else TensorReplicated(mhc_site)
         route = route if route is moe.route_plain else TensorReplicated(route)
-    ops = kernel_ops(experts=moe_backend != "xla", linears=linear_backend != "xla", mhc_site=mhc_site, route=route,
-                     linear_max_rows=options.fp8_linear_max_rows)
+    ops = kernel_ops(experts=moe_backend != "xla", linears=linear_backend != "xla", mhc_site=mhc_site, route=route)
     if parallelism.expert:
         ops = dataclasses.replace(ops, routed_experts=expert_parallel(ops.routed_experts, parallelism))
     return Backends(attention, options, ops), params
@@ -465,11 +437,10 @@ def expert_parallel(routed_experts, parallelism: Parallelism) -> ExpertParallel:
 
 
 def kernel_ops(*, experts: bool = False, linears: bool = False, mhc: str = "xla", router: str = "xla",
-               mhc_site=None, route=None, linear_max_rows: int = fp8_linear.MAX_ROWS) -> Ops:
+               mhc_site=None, route=None) -> Ops:
     """The model's `Ops` with the chosen kernels. experts: the grouped FP4 GEMM on `prepare_experts`' weights;
-    linears: the FP8 linear kernel on `prepare_linears`' weights (both fall back to XLA on other weights), for up
-    to linear_max_rows rows (`Fp8Linear`); mhc / router: a site backend (SITE_BACKENDS) at every size, or
-    mhc_site / route: the op itself."""
+    linears: the FP8 linear kernel on `prepare_linears`' weights (both fall back to XLA on other weights);
+    mhc / router: a site backend (SITE_BACKENDS) at every size, or mhc_site / route: the op itself."""
     for name, be in (("mhc", mhc), ("router", router)):
         if be not in SITE_BACKENDS:
             raise BackendError(f"{name} must be one of {SITE_BACKENDS}, got {be!r}")
@@ -481,7 +452,7 @@ def kernel_ops(*, experts: bool = False, linears: bool = False, mhc: str = "xla"
     if experts:
         ops = dataclasses.replace(ops, routed_experts=routed_experts_op)
     if linears:
-        ops = dataclasses.replace(ops, linear=Fp8Linear(linear_max_rows), grouped_linear=fp8_grouped_linear_op)
+        ops = dataclasses.replace(ops, linear=fp8_linear_op, grouped_linear=fp8_grouped_linear_op)
     return ops
 
 

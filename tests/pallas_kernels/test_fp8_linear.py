@@ -162,24 +162,6 @@ def test_kernel_gpu(m, n, k):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m,n,k", [(448, 32768, 1280), (448, 5120, 2304)])
-def test_chunked_rows_gpu(m, n, k):
-    """A speculative batch-64 step's rows (64 x 7) through `Fp8Linear(512)`: 4 chunks of 112."""
-    from dsv41 import quant
-
-    rng = np.random.default_rng(m + n)
-    w = _random_fp8(rng, n, k)
-    x = put(rng.standard_normal((m, k)), jnp.bfloat16)
-    num = quant.Numerics(act_quant=False)
-    y = jax.jit(lambda x, p: BK.Fp8Linear(512)(x, p, num, fp8_input=False))(x, f8.prepare_fp8_linear(w))
-    ref = np.asarray(f8.fp8_linear_reference(x, w), np.float64)
-    assert y.shape == (m, n) and np.isfinite(np.asarray(y.astype(jnp.float32))).all()
-    assert _rel(y, ref) < 5e-3
-    _assert_matches_xla(x, w, y)
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("m", [1, 64, 128])
 def test_grouped_kernel_gpu(m):
     """wo_a's shape: 8 groups of [1024, 4096], each group its own rows."""
@@ -231,32 +213,6 @@ def test_prepare_linears_and_linear_dispatch():
             y, ref = both(x, pw, w)
             assert y.shape == ref.shape and y.dtype == ref.dtype
             assert _rel(y, np.asarray(ref).astype(np.float64)) < 1e-2
-
-
-def test_rows_past_the_tile_run_in_chunks():
-    """`Fp8Linear(max_rows)` above the kernel's tile: 205 rows under a max of 256 run in equal chunks (2 x 103, the
-    rows padded by one), each the kernel's own result for its rows bit for bit, the whole matching XLA's
-    dequantize + dot; `kernel_ops` builds the op `KernelOptions.fp8_linear_max_rows` asks for."""
-    from dsv41 import quant
-
-    rng = np.random.default_rng(7)
-    w = _random_fp8(rng, 128, 256)
-    p = f8.prepare_fp8_linear(w, interpret=True, num_splits=1)
-    num = quant.Numerics(act_quant=False)
-    m = 2 * f8.MAX_ROWS - 51  # 205 rows: 2 chunks of 103
-    x = put(rng.standard_normal((m, 256)), jnp.bfloat16)
-    chunked = jax.jit(lambda x, p: BK.Fp8Linear(2 * f8.MAX_ROWS)(x, p, num, fp8_input=False))
-    y = chunked(x, p)
-    assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
-    xp = jnp.pad(x, ((0, 1), (0, 0)))
-    parts = [_fp8_linear(xp[:103], p), _fp8_linear(xp[103:], p)]
-    assert np.asarray(y).tobytes() == np.asarray(jnp.concatenate(parts)[:m]).tobytes()
-    _assert_matches_xla(x, w, y)
-    assert BK.KernelOptions(fp8_linear_max_rows=512).fp8_linear_max_rows == 512
-    with pytest.raises(ValueError, match="fp8_linear_max_rows"):
-        BK.KernelOptions(fp8_linear_max_rows=-1)
-    ops = BK.kernel_ops(linears=True, linear_max_rows=512)
-    assert ops.linear == BK.Fp8Linear(512) and BK.kernel_ops(linears=True).linear == BK.fp8_linear_op
 
 
 def test_grouped_wo_a_through_the_kernel():
