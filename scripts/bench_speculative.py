@@ -30,10 +30,12 @@ LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
 
 
 def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None,
-              temperature: float = 0.0, backend: str = "auto"):
+              temperature: float = 0.0, backend: str = "auto", split_spec: bool = False):
     """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
-    backend's kernels (`timing.kernels_of`: `auto` is serve's), one decode bucket of B rows, at that temperature."""
-    eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec)
+    backend's kernels (`timing.kernels_of`: `auto` is serve's), one decode bucket of B rows, at that temperature;
+    split_spec: a speculative step in two programs (a plain one: the platform's split either way)."""
+    eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec,
+                      **({"split_decode": True} if split_spec and spec is not None else {}))
     fake_decode_state(eng, B, ctx, temperature)
     return timed(eng.step, reps=1), timed(eng.step, reps=reps)
 
@@ -42,6 +44,9 @@ def main():
     ap = engine_args(__doc__, batches="1,8,64", weights=False)
     ap.add_argument("--k", default="5", help="num_speculative_tokens, one program each (e.g. 1,2,5)")
     ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
+    ap.add_argument("--split-spec", action="store_true",
+                    help="the speculative step cut at the split layer (EngineConfig.split_decode=True: "
+                         "run_decode_first, then run_spec_rest), not one program")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
                     help="the engines' kernels (timing.KERNELS, with +suffixes); a list times the speculative step "
@@ -65,7 +70,7 @@ def main():
         for backend in backends:
             for name, spec in specs:
                 fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
-                                   backend)
+                                   backend, args.split_spec)
                 rows.append((B, backend, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens,
                              tp, ts))
                 log.info("B=%d plain %.2f ms, %s %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, backend,
@@ -74,7 +79,8 @@ def main():
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
           f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), plain step's kernels "
-          f"{backends[0]}, context {args.decode_ctx}\n")
+          f"{backends[0]}, context {args.decode_ctx}"
+          f"{', speculative step in two programs' if args.split_spec else ''}\n")
     lengths = [L for L in LENGTHS if L <= ks[-1] + 1]
     print("| batch | kernels | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
           + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")

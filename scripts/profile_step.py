@@ -85,8 +85,8 @@ def by_part(kernels: list[tuple[str, float]], parts: dict[str, str]) -> dict[str
 
 
 def recording(progs, names: tuple[str, ...]):
-    """Wraps each progs.<name> to keep its last call's argument shapes; -> a function giving those calls' compiled
-    HLO texts (the pool is donated, so the arrays themselves are gone after the call)."""
+    """Wraps each progs.<name> to keep its last call's argument shapes and keywords; -> a function giving those
+    calls' compiled HLO texts (the pool is donated, so the arrays themselves are gone after the call)."""
     seen = {}
 
     def record(name):
@@ -94,14 +94,14 @@ def recording(progs, names: tuple[str, ...]):
 
         def rec(*args, **kw):
             shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x  # noqa: E731
-            seen[name] = jax.tree_util.tree_map(shape, args)
+            seen[name] = jax.tree_util.tree_map(shape, args), kw
             return f(*args, **kw)
 
         setattr(progs, name, rec)
         return f
 
     fns = {name: record(name) for name in names}
-    return lambda **kw: [fns[n].lower(*seen[n], **kw).compile().as_text() for n in names]
+    return lambda: [fns[n].lower(*seen[n][0], **seen[n][1]).compile().as_text() for n in names]
 
 
 def summarize(label: str, wall_ms: float, kernels: list[tuple[str, float]], top: int) -> dict:
@@ -217,10 +217,8 @@ def main():
         eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec,
                           scan_layers=args.scan_layers)
         # the step's programs (`Engine.run_decode`)
-        names = (("run_spec",) if spec else ("run_decode_first", "run_decode_rest") if len(eng.decode_kinds) == 2
-                 else ("run_full",))
+        names = tuple({"decode": "run_spec" if spec else "run_full"}.get(k, "run_" + k) for k in eng.decode_kinds)
         hlo = recording(eng.programs, names) if args.parts else None  # its tree_map costs ms a step
-        static = {**eng.static, **({"spec_tokens": args.speculative} if spec else {})}
         eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own
         for j, B in enumerate(batches):
             fake_decode_state(eng, B, args.decode_ctx, args.temperature)
@@ -230,7 +228,7 @@ def main():
             what = f"DSpark verify + draft step (k={args.speculative})" if spec else "decode step"
             results.append(summarize(f"{what}, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
             if j == 0 and args.parts:
-                parts = by_part(kernels, hlo_parts(hlo(**static)))
+                parts = by_part(kernels, hlo_parts(hlo()))
                 total = sum(ms for _, ms in parts.values())
                 print()
                 print_table(["model part", "kernels", "ms", "of kernel time"], [

@@ -62,10 +62,10 @@ def plain():
     return run(tiny_engine.make())
 
 
-def speculative(**kw):
+def speculative(split_decode=None, **kw):
     # max_model_len: the block tables stay tiny_engine's 8 pages wide with room for the k drafts past the end
     return tiny_engine.make(speculative_config=SpeculativeConfig(num_speculative_tokens=K, **kw),
-                            max_model_len=tiny_engine.BASE["max_model_len"] - K)
+                            max_model_len=tiny_engine.BASE["max_model_len"] - K, split_decode=split_decode)
 
 
 def test_dspark_drafts_change_no_token(plain):
@@ -84,17 +84,43 @@ def test_dspark_drafts_change_no_token(plain):
     assert st["spec_drafts"] > 20 and st["spec_draft_tokens"] == K * st["spec_drafts"]
 
 
-def test_accepted_drafts_are_the_target_tokens(plain):
+@pytest.fixture(scope="module")
+def accepted(plain):
+    """The speculative engine (one program a step) on the plain run's own tokens as drafts: (run's result, stats)."""
     eng = speculative()
-    toks, logits, steps = run(eng, oracle=plain[0])
+    return run(eng, oracle=plain[0]), eng.stats()
+
+
+def test_accepted_drafts_are_the_target_tokens(plain, accepted):
+    (toks, logits, steps), st = accepted
     assert toks == plain[0]
     for rid in PROMPTS:
         assert np.abs(logits[rid] - plain[1][rid]).max() < TOL, rid
-    st = eng.stats()
     assert steps < plain[2] / 2 and st["spec_accepted_tokens"] > 2 * st["spec_drafts"]
     # the wrong third draft every third step: position 2 and later are accepted less often than 0 and 1
     per_pos = st["spec_accepted_per_pos"]
     assert sum(per_pos) == st["spec_accepted_tokens"] and per_pos[0] >= per_pos[1] > per_pos[2] >= per_pos[4]
+
+
+def test_split_step_is_the_one_program(plain, accepted):
+    """`split_decode=True`: each speculative step runs `run_decode_first` then `run_spec_rest` (cut at the split
+    layer, before DSpark's target layers), both compiled by warm-up; the same tokens and acceptance as the one
+    program's, and its logits within 1e-4 (tests/test_engine.py's bound between programs: on the CPU the
+    speculative programs compile with XLA's fast-compile preset and `run_decode_first` does not, which moved them by
+    4.3e-6; a misplaced row, ring or carry at the cut moves them by O(0.1))."""
+    eng = speculative(split_decode=True)
+    assert eng.decode_kinds == ("decode_first", "spec_rest")
+    eng.warmup()
+    progs = (programs.ONE_DEVICE.run_decode_first, programs.ONE_DEVICE.run_spec_rest)
+    before = [p._cache_size() for p in progs]
+    toks, logits, steps = run(eng, oracle=plain[0])
+    assert [p._cache_size() for p in progs] == before
+    (toks1, logits1, steps1), st1 = accepted
+    assert toks == toks1 and steps == steps1
+    for rid in PROMPTS:
+        assert np.abs(logits[rid] - logits1[rid]).max() < 1e-4, rid
+    assert eng.stats()["spec_accepted_per_pos"] == st1["spec_accepted_per_pos"]
+    assert speculative().decode_kinds == ("decode",)  # the CPU's default, and a GPU's until measured there
 
 
 def test_verify_lengths_follow_the_cumulative_confidence():

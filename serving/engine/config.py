@@ -106,7 +106,8 @@ class EngineConfig:
     # (scanned on the XLA path, unrolled where the Mosaic GPU kernels run)
     scan_layers: bool | None = None
     # a decode step as two programs cut at the split layer (`programs.run_decode_first` / `run_decode_rest`), not
-    # one; None: the platform's (`splits_decode`). Speculative decoding keeps its one program
+    # one; None: the platform's (`splits_decode`). A speculative step splits (`run_decode_first` / `run_spec_rest`)
+    # only where this is True: its time split is not measured on a GPU yet
     split_decode: bool | None = None
     # the device mesh, by vLLM's flags: heads / widths / vocabulary split over tensor_parallel_size devices;
     # data_parallel_size ranks each running their own requests on their own KV pool; with enable_expert_parallel

@@ -9,7 +9,8 @@
   token of the chunk; returns the split layer's input stream for the chunk's last `replay_tokens` rows.
 - `run_decoder`: the rest of the split layer and the layers after it on each request's last `replay_tokens`
   prompt tokens (SWA bounded replay: their windows start at N - replay_tokens).
-- `run_spec`: a speculative decode step, DSpark's drafts verified and the next block drafted.
+- `run_spec`: a speculative decode step, DSpark's drafts verified and the next block drafted; `run_spec_rest`:
+  the same from the split layer on, after `run_decode_first` on its chunk (`EngineConfig.split_decode` True).
 - `sample`: the tokens of a step in which some row draws (top-k / top-p sampling), its branches chosen on the
   host; the other programs return their logits and argmax.
 The layer math is dsv41's; what is new here is reading/writing the pool.
@@ -582,11 +583,35 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
     the bonus. forced [B] (bool, traced: one program either way): accept every verified draft (benchmarks).
     -> (pool, logits [B, k + 1, V] after a and each d_i (past n: padding), tokens [B, k + 1] (the accepted drafts,
     then the bonus), accepted count [B], next drafts [B, k], their confidence logits [B, k])."""
-    k = spec_tokens
     with jax.named_scope("embed"):
         h, pre = model.embed(params, b.tokens, cfg, num)
+    return _spec_layers(params, pool, b, h, pre, samp, has_q, forced, n_verify, 0, cfg=cfg, num=num,
+                        backends=backends, spec_tokens=spec_tokens)
+
+
+def _spec_rest(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q: jax.Array, forced: jax.Array,
+               n_verify: jax.Array, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(),
+               spec_tokens: int = 0):
+    """`_spec` from layer `split_layer` on, on `_decode_first`'s stream of the same chunk (the split layer starts a
+    fresh indexer carry, as in `_decode_rest`): with it, `_spec`'s step (on the CPU within 1e-4 of its logits: the
+    speculative programs compile with XLA's fast-compile preset, `_decode_first` without). DSpark's target layers
+    must lie at or past the split (`dspark_splits`). -> `_spec`'s outputs."""
+    return _spec_layers(params, pool, b, h, pre, samp, has_q, forced, n_verify, cfg.split_layer, cfg=cfg, num=num,
+                        backends=backends, spec_tokens=spec_tokens)
+
+
+def dspark_splits(cfg: ModelConfig) -> bool:
+    """Whether a speculative step can be cut at the split layer (`_spec_rest`): every layer DSpark reads comes after
+    it, so the first program needs no tap."""
+    return 0 < cfg.split_layer < cfg.n_layers and all(i >= cfg.split_layer for i in cfg.dspark_target_layer_ids)
+
+
+def _spec_layers(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q, forced, n_verify, start: int, *,
+                 cfg: ModelConfig, num: Numerics, backends: Backends, spec_tokens: int):
+    """`_spec` from layer `start`'s input stream h, pre-mix pre on: the layers, verify and draft."""
+    k = spec_tokens
     taps: dict = {}
-    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.n_layers, {}, backends, taps)
+    h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, start, cfg.n_layers, {}, backends, taps)
     B, T = b.tokens.shape
     off = jnp.clip(b.n_valid - (n_verify + 1), 0, T - k - 1)  # the anchor's row
     rows = off[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]  # [B, k + 1]: a, d_1 .. d_k
@@ -833,8 +858,8 @@ class Program:
 
 class Programs:
     """The engine's programs (`run_full`, `run_encoder`, `run_decoder`, `run_decode_first`, `run_decode_rest`,
-    `run_spec`), jitted for one placement, each taking (params, pool, batch, ...) and returning the new pool
-    (donated). A call's host arrays reach the device as one buffer (`host_rows`). `sample(logits, sampling,
+    `run_spec`, `run_spec_rest`), jitted for one placement, each taking (params, pool, batch, ...) and returning the
+    new pool (donated). A call's host arrays reach the device as one buffer (`host_rows`). `sample(logits, sampling,
     filtered=)`: the tokens of a step with rows that draw (`sample`).
 
     mesh None: one device. On a mesh (`dsv41.sharding.make_mesh`) each program runs per data rank: a
@@ -854,6 +879,7 @@ class Programs:
             self.run_decode_first = _program("decode_first", _decode_first, _STATIC)
             self.run_decode_rest = _program("decode_rest", _decode_rest, _STATIC)
             self.run_spec = _program("spec", _spec, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
+            self.run_spec_rest = _program("spec_rest", _spec_rest, _SPEC_STATIC, _SPEC_CPU_OPTIONS)
             self.sample = jax.jit(sample, static_argnames=_SAMPLE_STATIC)
             return
         rank = sharding.rank_sharding(mesh)
@@ -871,7 +897,7 @@ class Programs:
 
         full, enc, dec = per_rank(_full, 2), per_rank(_encoder, 2), per_rank(_decoder, 4)
         first, rest = per_rank(_decode_first, 2), per_rank(_decode_rest, 4)
-        spec = per_rank(_spec, 6)
+        spec, spec_rest = per_rank(_spec, 6), per_rank(_spec_rest, 8)
 
         def run_full(params, pool, b, *, cfg, num, backends=Backends(), dspark_seed=False):
             return full(params, pool, b, cfg=cfg, num=num, backends=backends, dspark_seed=dspark_seed)
@@ -893,6 +919,11 @@ class Programs:
             return spec(params, pool, b, samp, has_q, forced, n_verify, cfg=cfg, num=num, backends=backends,
                         spec_tokens=spec_tokens)
 
+        def run_spec_rest(params, pool, b, h, pre, samp, has_q, forced, n_verify, *, cfg, num, backends=Backends(),
+                          spec_tokens=0):
+            return spec_rest(params, pool, b, h, pre, samp, has_q, forced, n_verify, cfg=cfg, num=num,
+                             backends=backends, spec_tokens=spec_tokens)
+
         def jit(fn, static=_STATIC, out=rank, cpu_options=None):
             return _program("mesh_" + fn.__name__.removeprefix("run_"), fn, static, cpu_options, rank,
                             out_shardings=out)
@@ -906,13 +937,16 @@ class Programs:
         self.run_decode_rest = jit(run_decode_rest, out=(rank, rank, tok))
         self.run_spec = jit(run_spec, _SPEC_STATIC, out=(rank, rank, tok, tok, tok, tok),
                             cpu_options=_SPEC_CPU_OPTIONS)
+        self.run_spec_rest = jit(run_spec_rest, _SPEC_STATIC, out=(rank, rank, tok, tok, tok, tok),
+                                 cpu_options=_SPEC_CPU_OPTIONS)
         # (logits, sampling): `_PerRankArgs` places the sampling rows; the logits are the step's, placed already
         self.sample = _PerRankArgs(jax.jit(sample, static_argnames=_SAMPLE_STATIC, out_shardings=tok), rank)
 
     def bound(self, ex: executables.Executables) -> "Programs":
         """These programs (their jit caches shared) running an engine's own executables (`Program.executables`)."""
         out = copy.copy(self)
-        for name in ("run_full", "run_encoder", "run_decoder", "run_decode_first", "run_decode_rest", "run_spec"):
+        for name in ("run_full", "run_encoder", "run_decoder", "run_decode_first", "run_decode_rest", "run_spec",
+                     "run_spec_rest"):
             setattr(out, name, dataclasses.replace(getattr(self, name), executables=ex))
         return out
 

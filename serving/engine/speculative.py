@@ -1,5 +1,6 @@
 """Speculative decoding with the release's DSpark drafter, the engine's side: setup and checks, and the decode step
-that verifies each row's drafts and drafts the next block (`programs._spec` runs both in one program)."""
+that verifies each row's drafts and drafts the next block (`programs._spec` runs both in one program; with
+`EngineConfig.split_decode` True, `run_decode_first` then `programs._spec_rest`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from dsv41.config import ModelConfig
+from serving.engine import programs
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
 from serving.engine.scheduler import StepOutput, _Request
@@ -95,9 +97,15 @@ class Speculative:
         samp = self._sampling(rows)
         # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
         has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
-        self.pool, logits, out, acc, nxt, conf = self.programs.run_spec(
-            self.params, self.pool, b, samp, has_q, np.full(len(rows), self.spec.forced_acceptance), n_verify,
-            **self.static, spec_tokens=k)
+        args = (samp, has_q, np.full(len(rows), self.spec.forced_acceptance), n_verify)
+        if len(self.decode_kinds) == 2:  # cut at the split layer (`EngineConfig.split_decode`)
+            self.pool, h, pre = self.programs.run_decode_first(self.params, self.pool, b, **self.static)
+            self.pool, logits, out, acc, nxt, conf = self.programs.run_spec_rest(
+                self.params, self.pool, programs.rest_batch(b, self.cfg), h, pre, *args, **self.static,
+                spec_tokens=k)
+        else:
+            self.pool, logits, out, acc, nxt, conf = self.programs.run_spec(self.params, self.pool, b, *args,
+                                                                            **self.static, spec_tokens=k)
         out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
         thr = self.spec.confidence_threshold  # without one, the confidences never leave the device
         n_next = np.full(len(rows), k, np.int32) if thr is None else verify_lengths(np.asarray(conf), thr)

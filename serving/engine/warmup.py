@@ -38,7 +38,7 @@ class Warmup:
         static, progs = self.static, self.programs
         if kind == "encoder":
             return progs.run_encoder, (self.params, pool, b), {**static, "replay_tokens": self.replay_tokens}
-        if kind in ("decoder", "decode_rest"):
+        if kind in ("decoder", "decode_rest", "spec_rest"):
             W, hc = (self.replay_tokens if kind == "decoder" else T), self.cfg.hc_mult
             # committed like the step's, which come out of the program before: a program compiles once per
             # committed / uncommitted signature of its arguments
@@ -48,14 +48,25 @@ class Warmup:
             pre = jnp.zeros((B, W, hc), jnp.float32, device=on)
             if kind == "decode_rest":
                 return progs.run_decode_rest, (self.params, pool, programs.rest_batch(b, self.cfg), h, pre), static
+            if kind == "spec_rest":
+                return progs.run_spec_rest, (self.params, pool, programs.rest_batch(b, self.cfg), h, pre,
+                                             *self._spec_padding(B)), self._spec_static
             return progs.run_decoder, (self.params, pool, b, h, pre), self.prefill_static
         if kind == "decode_first":
             return progs.run_decode_first, (self.params, pool, b), static
         if kind == "decode" and self.spec is not None:
-            forced, samp = np.full(B, self.spec.forced_acceptance), self._sampling([None] * B)
-            return (progs.run_spec, (self.params, pool, b, samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)),
-                    {**static, "spec_tokens": self.spec.num_speculative_tokens})
+            return progs.run_spec, (self.params, pool, b, *self._spec_padding(B)), self._spec_static
         return progs.run_full, (self.params, pool, b), static if kind == "decode" else self.prefill_static
+
+    def _spec_padding(self, B: int) -> tuple:
+        """A speculative step's arguments after its batch (and stream) for B padding rows: sampling, has_q,
+        forced, n_verify, as `speculative.py`'s step passes them."""
+        forced, samp = np.full(B, self.spec.forced_acceptance), self._sampling([None] * B)
+        return samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)
+
+    @property
+    def _spec_static(self) -> dict:
+        return {**self.static, "spec_tokens": self.spec.num_speculative_tokens}
 
     @property
     def warmup_progress(self) -> WarmupProgress:
@@ -160,7 +171,8 @@ class Warmup:
     def _samples(self, shape: tuple[str, int, int, int]) -> bool:
         """Whether a step of this program may run `Programs.sample` on its logits (a speculative step samples
         inside its program)."""
-        return shape[0] not in ("encoder", "decode_first") and not (shape[0] == "decode" and self.spec is not None)
+        return (shape[0] not in ("encoder", "decode_first", "spec_rest")
+                and not (shape[0] == "decode" and self.spec is not None))
 
     def adopt_programs(self) -> None:
         """A staged warm-up's programs that the background finished: runs each once, then lets steps use it; when
@@ -389,7 +401,8 @@ def _shape_name(shape: tuple[str, int, int, int]) -> str:
 
 # whole-model programs first, then the prefill encoder, then the replay decoder; larger batches first within a kind:
 # the longest compiles start first, so the last to finish starts early
-_KIND_ORDER = {"decode": 0, "decode_first": 0, "decode_rest": 0, "full": 1, "encoder": 1, "decoder": 2}
+_KIND_ORDER = {"decode": 0, "decode_first": 0, "decode_rest": 0, "spec_rest": 0, "full": 1, "encoder": 1,
+               "decoder": 2}
 
 
 def compile_order(shape: tuple[str, int, int, int]) -> tuple[int, int]:
