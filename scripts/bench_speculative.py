@@ -10,11 +10,13 @@ k drafts and the bonus token, so its contexts grow and its rings wrap as they wo
 either engine is timed end to end (`Engine.step`: host batch, program, host bookkeeping). At acceptance length L
 (tokens a step, 1 + accepted drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchmark.
 --k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
-(no draft verified: the k-wide program with its draft columns masked). --preset tiny: a CPU smoke test.
+(no draft verified: the k-wide program with its draft columns masked); --split-spec adds each speculative program
+cut at the split layer (the plain step is cut there on a GPU). --preset tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from timing import engine_args, fake_decode_state, kernels_of, make_engine, model_config  # noqa: I001 (sys.path)
@@ -45,8 +47,8 @@ def main():
     ap.add_argument("--k", default="5", help="num_speculative_tokens, one program each (e.g. 1,2,5)")
     ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
     ap.add_argument("--split-spec", action="store_true",
-                    help="the speculative step cut at the split layer (EngineConfig.split_decode=True: "
-                         "run_decode_first, then run_spec_rest), not one program")
+                    help="also time each speculative program cut at the split layer (EngineConfig.split_decode="
+                         "True: run_decode_first, then run_spec_rest), beside the one program")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
                     help="the engines' kernels (timing.KERNELS, with +suffixes); a list times the speculative step "
@@ -68,9 +70,10 @@ def main():
     for B in batches:
         fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0])
         for backend in backends:
-            for name, spec in specs:
+            for (name, spec), split in itertools.product(specs, (False, True)[:1 + args.split_spec]):
                 fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
-                                   backend, args.split_spec)
+                                   backend, split)
+                name += ", two programs" if split else ""
                 rows.append((B, backend, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens,
                              tp, ts))
                 log.info("B=%d plain %.2f ms, %s %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, backend,
@@ -79,8 +82,7 @@ def main():
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
           f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), plain step's kernels "
-          f"{backends[0]}, context {args.decode_ctx}"
-          f"{', speculative step in two programs' if args.split_spec else ''}\n")
+          f"{backends[0]}, context {args.decode_ctx}\n")
     lengths = [L for L in LENGTHS if L <= ks[-1] + 1]
     print("| batch | kernels | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
           + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")

@@ -18,6 +18,8 @@
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
 #                  CUDA graph) against the same device buffers every call (bench preset with 8 experts, batch 1; ~2 min)
+#   spec [B]       DSpark's verify + draft step against a plain decode step at batch B (default 1; 64: ~7 min), as one
+#                  program and cut at the split layer (--split-spec: what the speculative split default waits for)
 #   graph          what a CUDA graph's launch costs a node: chains of XLA fusions and of FP8 linear kernels (~1 min)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
@@ -102,6 +104,9 @@ case "${1:-}" in
     ;;
   launch)
     bench 300 launch scripts/bench_launch.py --experts 8 --batches "${2:-1}" --decode-ctx 4096
+    ;;
+  spec)
+    bench 580 "spec${2:-1}" scripts/bench_speculative.py --batches "${2:-1}" --decode-ctx 4096 --k 5 --split-spec
     ;;
   graph)
     bench 170 graph scripts/bench_graph_launch.py --steps 50,200 --reps 30
