@@ -38,6 +38,9 @@ def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: Spec
     split_spec: a speculative step in two programs (a plain one: the platform's split either way)."""
     eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec,
                       **({"split_decode": True} if split_spec and spec is not None else {}))
+    if split_spec and spec is not None and len(eng.decode_kinds) != 2:
+        raise SystemExit(f"--split-spec: this model's DSpark reads layers {cfg.dspark_target_layer_ids}, not all past "
+                         f"the split layer {cfg.split_layer}, so its step cannot be cut there; drop --split-spec")
     fake_decode_state(eng, B, ctx, temperature)
     return timed(eng.step, reps=1), timed(eng.step, reps=reps)
 

@@ -174,7 +174,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|launch|graph|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|launch|spec|graph|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac
