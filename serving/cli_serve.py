@@ -153,8 +153,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "~flat in the layer count); default: on the XLA path, off where the GPU kernels run")
     g.add_argument("--split-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="run a decode step as two programs cut at the replay split layer, which compile side by "
-                        "side at start-up (default: on a GPU, off on the CPU; a speculative step is split only "
-                        "where this flag is given)")
+                        "side at start-up (default: on a GPU, off on the CPU)")
     g.add_argument("--block-size", dest="page_tokens", type=int, help="tokens per KV page (default: the engine's)")
     g.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int,
                    help="KV pool pages (default: enough for max-num-seqs sequences of max-model-len)")

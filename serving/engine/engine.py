@@ -151,11 +151,12 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         self.static = {"cfg": cfg, "num": numerics, "backends": self.backends}
         self._init_speculative(cfg, config)
         # the programs of a decode step (their shapes' kinds in `program_shapes`)
+        splits = config.splits_decode(jax.default_backend())
         if self.spec is None:
-            split = config.splits_decode(jax.default_backend()) and 0 < cfg.split_layer < cfg.n_layers
+            split = splits and 0 < cfg.split_layer < cfg.n_layers
             self.decode_kinds = ("decode_first", "decode_rest") if split else ("decode",)
         else:
-            split = config.split_decode is True and programs.dspark_splits(cfg)
+            split = splits and programs.dspark_splits(cfg)
             self.decode_kinds = ("decode_first", "spec_rest") if split else ("decode",)
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         self.tables = [t if isinstance(t.weight, np.ndarray)

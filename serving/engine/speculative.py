@@ -1,6 +1,7 @@
 """Speculative decoding with the release's DSpark drafter, the engine's side: setup and checks, and the decode step
-that verifies each row's drafts and drafts the next block (`programs._spec` runs both in one program; with
-`EngineConfig.split_decode` True, `run_decode_first` then `programs._spec_rest`)."""
+that verifies each row's drafts and drafts the next block (`programs._spec` runs both in one program; where
+the decode step is split, a GPU's default (`EngineConfig.splits_decode`), `run_decode_first` then
+`programs._spec_rest`)."""
 
 from __future__ import annotations
 
