@@ -177,3 +177,64 @@ class NgramHasher:
             rolling = rolling ^ products[..., n - 1]  # hash of the n-gram ending here; stays >= 0
             out[..., n - 2, :] = rolling[..., None] % primes[:, n - 2, :]
         return out.reshape(b, s, n_layers, self.n_cols) + self.offsets
+
+
+# ---- on the device ---------------------------------------------------------------------------------------------
+# The same row ids from a jitted program, without 64-bit integers (jax's default): each product t * M[l, k] is read
+# from a table of every class's product as two uint32 halves (the XOR works per half), and the modulus runs over
+# the 64-bit value in digits (Horner's rule), which stays inside uint32 while every prime is below 2^25.
+
+MAX_DEVICE_PRIME = 1 << 25
+
+
+def device_constants(hasher: NgramHasher) -> dict:
+    """The hasher as arrays for `device_rows`: token_map int32 [vocab]; products_hi / products_lo uint32
+    [L, max_ngram, classes] (class c's t * M[l, k], c = pad included); primes uint32 / offsets int32 [L, n_cols];
+    pad int32 []. ~8 bytes a class and (layer, look-back): 7 MB for Flash with its token map."""
+    if hasher.primes.size and hasher.primes.max() >= MAX_DEVICE_PRIME:
+        raise ConfigError(f"an Engram prime is {hasher.primes.max()}, at or above 2^25: device hashing keeps the "
+                          "modulus in uint32 below that; hash on the host (no device feed)")
+    if max(hasher.table_rows, default=0) >= 1 << 31:
+        raise ConfigError(f"an Engram table has {max(hasher.table_rows)} rows: device row ids are int32")
+    classes = np.arange(int(hasher.token_map.max()) + 1, dtype=np.uint64)
+    products = classes[None, None, :] * hasher.multipliers.astype(np.uint64)[:, :, None]  # < 2^63 (multiplier_bound)
+    return {"token_map": hasher.token_map.astype(np.int32),
+            "products_hi": (products >> np.uint64(32)).astype(np.uint32),
+            "products_lo": (products & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+            "primes": hasher.primes.astype(np.uint32), "offsets": hasher.offsets.astype(np.int32),
+            "pad": np.int32(hasher.pad)}
+
+
+def _mod64(hi, lo, p):
+    """(hi * 2^32 + lo) mod p, uint32 throughout, for p < 2^25: r * 2^7 + a 7-bit digit stays below 2^32."""
+    r = hi % p
+    r = (r * 16 + (lo >> 28)) % p
+    for shift in (21, 14, 7, 0):
+        r = (r * 128 + ((lo >> shift) & 127)) % p
+    return r
+
+
+def device_rows(consts: dict, ids, history):
+    """`NgramHasher.hash_step`'s row ids, jitted: ids int32 [B, S] (never DEAD: image tokens are hashed on the
+    host), history int32 [B, max_ngram - 1] (classes, DEAD, NO_TOKEN; `hash_step`'s) -> int32 [B, S, L, n_cols]."""
+    import jax.numpy as jnp
+
+    L, K, _ = consts["products_hi"].shape
+    H = K - 1
+    S = ids.shape[1]
+    ext = jnp.concatenate([history.astype(jnp.int32), consts["token_map"][ids]], axis=1)  # [B, H + S]
+    blocked = jnp.zeros(ids.shape, bool)
+    hi = lo = None
+    n_heads = consts["primes"].shape[1] // H
+    out = []
+    for k in range(K):
+        src = ext[:, H - k: H - k + S]
+        blocked = blocked | (src < 0)
+        t = jnp.where(blocked, consts["pad"], src)  # [B, S]
+        phi, plo = consts["products_hi"][:, k, :][:, t], consts["products_lo"][:, k, :][:, t]  # [L, B, S]
+        hi, lo = (phi, plo) if k == 0 else (hi ^ phi, lo ^ plo)
+        if k:
+            p = consts["primes"].reshape(L, H, n_heads)[:, k - 1]  # [L, heads]
+            out.append(_mod64(hi[..., None], lo[..., None], p[:, None, None, :]))  # [L, B, S, heads]
+    rows = jnp.stack(out, axis=-2).reshape(L, *ids.shape, H * n_heads).astype(jnp.int32)
+    return jnp.moveaxis(rows, 0, 2) + consts["offsets"][None, None]

@@ -182,6 +182,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="run each step's programs while the server streams the previous step's tokens (default "
                         "off; speculative decoding steps stay synchronous); the tokens are the same either way")
+    g.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=None,
+                   help="dispatch each decode step before reading the previous step's tokens, which the program "
+                        "takes on the device with their Engram rows (the Engram tables then also live in device "
+                        "memory: 6.1 GB for the bench preset). Implies --async-scheduling; not with "
+                        "--speculative-config (default off)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "
@@ -248,7 +253,7 @@ _ENGINE_FLAGS = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-
                  "enable_prefix_caching": "--[no-]enable-prefix-caching", "max_waiting": "--max-waiting",
                  "min_prefill_bucket": "--min-prefill-bucket", "max_prefill_rows": "--max-prefill-rows",
                  "min_decode_bucket": "--min-decode-bucket", "batch_invariant": "--batch-invariant",
-                 "async_scheduling": "--[no-]async-scheduling",
+                 "async_scheduling": "--[no-]async-scheduling", "device_feed": "--[no-]device-feed",
                  "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
                  "enable_expert_parallel": "--enable-expert-parallel", "all2all_backend": "--all2all-backend",
                  "speculative_config": "--speculative-config", "program_store": "--[no-]program-store"}

@@ -79,6 +79,19 @@ def test_data_parallel_is_the_one_device_engine_bit_for_bit(replay):
         assert hits[ranks["r0"]] >= 2 * eng.layout.page_tokens and sum(hits) == hits[ranks["r0"]]
 
 
+@pytest.mark.xdist_group(MESH_GROUP)
+def test_device_feed_on_data_ranks():
+    """Decode tokens fed on the device on two data ranks: each rank's rows take their tokens from its own slice of
+    the previous step's ids (`programs.Feed`, rank-local indices) and gather Engram rows from the tables whole on
+    every device; the one-device synchronous engine's tokens, the second turn's prefix hit included."""
+    eng = tiny_engine.make(data_parallel_size=2, num_pages=8, device_feed=True)
+    toks, logits, ranks = serve(eng)
+    ref_toks, ref_logits, _ = one_device(True)
+    assert toks == ref_toks and len(set(ranks.values())) == 2
+    for k in ref_logits:
+        np.testing.assert_allclose(logits[k], ref_logits[k], rtol=0, atol=2e-5, err_msg=k)
+
+
 # DSpark on tensor and expert ranks too costs CI ~20 s more of compiles (2-core CPU, empty cache): asked for with
 # DSV41_TEST_MESH_TP=1 (it passes: the one-device engine's greedy tokens)
 SPEC_LAYOUTS = [dict(data_parallel_size=2),

@@ -174,3 +174,23 @@ def test_errors(tiny):
     with pytest.raises(ConfigError, match="covers"):
         N.NgramHasher(cfg, T.builtin_compressed_token_map()[0][:-1])
     assert not h.token_map.flags.writeable and not h.offsets.flags.writeable
+
+
+@pytest.mark.parametrize("which", ["tiny", "flash"])
+def test_device_rows_equal_the_hosts(which, tiny, flash):
+    """`device_rows` (uint32 halves, the modulus in 7-bit digits) gives `hash_step`'s int64 row ids exactly, at
+    Flash's sizes too (primes up to 2^24, products up to 2^63), with histories holding DEAD and NO_TOKEN."""
+    import jax
+    import jax.numpy as jnp
+
+    hasher = tiny[1] if which == "tiny" else flash
+    cfg = tiny[0] if which == "tiny" else FLASH
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, cfg.vocab_size, size=(16, 5))
+    hist = rng.integers(0, cfg.engram_compressed_vocab_size, size=(16, hasher.history_len))
+    hist[0], hist[1, 0], hist[2, -1], hist[3, :2] = N.NO_TOKEN, N.DEAD, N.DEAD, N.NO_TOKEN
+    hist[4, 0] = hasher.pad
+    consts = jax.tree_util.tree_map(jnp.asarray, N.device_constants(hasher))
+    got = jax.jit(N.device_rows)(consts, jnp.asarray(ids, jnp.int32), jnp.asarray(hist, jnp.int32))
+    want, _ = hasher.hash_step(ids, hist)
+    assert got.dtype == jnp.int32 and np.array_equal(np.asarray(got), want)

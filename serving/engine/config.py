@@ -106,8 +106,8 @@ class EngineConfig:
     # (scanned on the XLA path, unrolled where the Mosaic GPU kernels run)
     scan_layers: bool | None = None
     # a decode step as two programs cut at the split layer (`programs.run_decode_first` / `run_decode_rest`), not
-    # one; None: the platform's (`splits_decode`). A speculative step splits (`run_decode_first` / `run_spec_rest`)
-    # only where this is True: its time split is not measured on a GPU yet
+    # one; None: the platform's (`splits_decode`). A speculative step splits the same way (`run_decode_first` /
+    # `run_spec_rest`) where DSpark's layers come after the split (`programs.dspark_splits`)
     split_decode: bool | None = None
     # the device mesh, by vLLM's flags: heads / widths / vocabulary split over tensor_parallel_size devices;
     # data_parallel_size ranks each running their own requests on their own KV pool; with enable_expert_parallel
@@ -123,6 +123,12 @@ class EngineConfig:
     # decoding steps stay synchronous (Engine.step). Off by default: in a tight decode loop on the H200 it made the
     # step slower (6.60 vs 6.08 ms at batch 1, docs/PERFORMANCE.md section 1) and its serving gain is unmeasured
     async_scheduling: bool = False
+    # the next decode step dispatched before the host reads this step's tokens: each row's token is fed on the
+    # device (the previous step's sampled ids), its Engram rows hashed and gathered there (the tables in device
+    # memory as well as the host's, which prefill keeps reading). The GPU never waits for the host between decode
+    # steps; a row that stopped is computed one step more. Implies async scheduling; not with speculative decoding
+    # or across processes
+    device_feed: bool = False
     # warm-up's compiled programs kept on disk beside the persistent compilation cache and loaded at the next start
     # without tracing (serving/engine/executables.py); off: every program goes through jit
     program_store: bool = True
@@ -137,7 +143,7 @@ class EngineConfig:
                            expert=self.enable_expert_parallel, all2all=self.all2all_backend)
 
     def __post_init__(self):
-        for name in ("batch_invariant", "async_scheduling"):
+        for name in ("batch_invariant", "async_scheduling", "device_feed"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.split_decode not in (None, True, False):

@@ -12,17 +12,19 @@ Async scheduling (`EngineConfig.async_scheduling`, off by default): a step dispa
 without waiting for them; the next step() first reads their sampled tokens (one device-to-host transfer, the
 loop's only wait on the device), so the caller's work on the returned tokens (streaming, detokenizing) runs
 while the device computes. The order of every decision is the synchronous engine's, so the tokens are the same.
-The host still reads a step's tokens before it builds the next step's batch (vLLM's async scheduler feeds them
-on the device): each token's Engram rows are hashed from it and gathered from tables in host memory (Flash's
-are 197 GB). Speculative decoding steps stay synchronous (the next chunk holds the drafts).
+The host still reads a step's tokens before it builds the next step's batch: each token's Engram rows are hashed
+from it and gathered from tables in host memory (Flash's are 197 GB). With `EngineConfig.device_feed` (the tables
+in device memory too) the next decode step is dispatched first, its tokens fed on the device, as vLLM's async
+scheduler does (device_feed.py). Speculative decoding steps stay synchronous (the next chunk holds the drafts).
 
 On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
 pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
 
 Around it: config.py (EngineConfig, every option), scheduler.py (request state, admission and routing to a rank,
 pages, preemption, buckets, batch arrays), prefill.py (a prompt's chunks, replay's tail, image rows),
-speculative.py (DSpark's verify + draft step), prefix_cache.py, sampling.py (SamplingParams, the per-row sampling
-arrays), programs.py (the jitted programs and the device-side sampling).
+speculative.py (DSpark's verify + draft step), device_feed.py (decode tokens fed on the device), prefix_cache.py,
+sampling.py (SamplingParams, the per-row sampling arrays), programs.py (the jitted programs and the device-side
+sampling).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dsv41.params import VISION_KEYS
 from serving.engine import backends, executables, kv_pool, precompile, programs
 from serving.engine import images as im
 from serving.engine.config import EngineConfig
+from serving.engine.device_feed import DeviceFeed
 from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-exported)
 from serving.engine.kv_pool import PoolLayout
 from serving.engine.prefix_cache import PrefixCache
@@ -55,11 +58,13 @@ from serving.engine.warmup import Warmup
 @dataclasses.dataclass(frozen=True)
 class _InFlight:
     """A dispatched program's sampled tokens, not read yet: rows (a request per row, None where nothing was
-    sampled), tok int32 [B], logits [B, V] (keep_logits, else None)."""
+    sampled), tok int32 [B], logits [B, V] (keep_logits, else None); decode: a decode step's (with device_feed
+    its rows' `in_flight` count it)."""
 
     rows: list
     tok: jax.Array
     logits: jax.Array | None
+    decode: bool = False
 
 
 def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -72,12 +77,13 @@ def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
 def _one_row_tables(params: dict) -> dict:
     """The tree with each Engram table as one host row of zeros (an abstract engine's: the tables never reach the
     programs, and Flash's are gigabytes)."""
-    def one_row(t):
-        return quant.Fp8Rows(*(np.zeros((1, *a.shape[1:]), a.dtype) for a in (t.weight, t.scale)))
-
-    layers = [{**lp, "engram": {**lp["engram"], "embed": one_row(lp["engram"]["embed"])}} if "engram" in lp else lp
+    layers = [{**lp, "engram": {**lp["engram"], "embed": _one_row(lp["engram"]["embed"])}} if "engram" in lp else lp
               for lp in params["layers"]]
     return {**params, "layers": layers}
+
+
+def _one_row(t: quant.Fp8Rows) -> quant.Fp8Rows:
+    return quant.Fp8Rows(*(np.zeros((1, *a.shape[1:]), a.dtype) for a in (t.weight, t.scale)))
 
 
 def _committed(params: dict) -> dict:
@@ -94,7 +100,7 @@ def _committed(params: dict) -> dict:
     return jax.tree_util.tree_map(commit, params)
 
 
-class Engine(Scheduler, Prefill, Speculative, Warmup):
+class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig(),
                  *, own_params: bool = False, abstract: bool = False,
                  compiling: precompile.CompileWorkers | None = None):
@@ -138,6 +144,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         self.params = layer_runs.stack_params(self.params, cfg, stack=scan, consume=own_params)
         if self.mesh is None:
             self.params = _committed(self.params)
+        if config.device_feed:  # before the programs take the params' shardings
+            self._device_engram(abstract, tables)
         # one device: the module's programs, whose compiled cache every engine in the process shares; the
         # executables warm-up keeps (or loads from the program store) are this engine's own. Across processes the
         # programs stay with jit (a multi-process executable is neither stored nor called directly here).
@@ -159,8 +167,10 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
             split = splits and programs.dspark_splits(cfg)
             self.decode_kinds = ("decode_first", "spec_rest") if split else ("decode",)
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
+        # (an abstract engine with device_feed has the device tables' shapes: on the host one row of zeros)
         self.tables = [t if isinstance(t.weight, np.ndarray)
-                       else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale)) for t in tables]
+                       else _one_row(t) if abstract else quant.Fp8Rows(np.asarray(t.weight), np.asarray(t.scale))
+                       for t in tables]
         # several processes: which data ranks have devices here (only their Engram rows are gathered on this host)
         self.local_ranks = None if self.mesh is None or jax.process_count() == 1 else np.array(
             [any(d.process_index == jax.process_index() for d in row) for row in self.mesh.devices])
@@ -206,7 +216,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
         # a speculative step's next chunk holds its drafts, which the host needs for their Engram rows: synchronous
-        self.async_scheduling = config.async_scheduling and self.spec is None
+        self.async_scheduling = (config.async_scheduling or config.device_feed) and self.spec is None
+        self._init_device_feed(config)
         self._in_flight: list[_InFlight] = []  # the last step's programs, read by the next step()
         self._undelivered: list[StepOutput] = []  # outputs read by a step that then raised: the next step returns them
         # the program shapes steps may run while a staged warm-up compiles the others (`Warmup`); None: any
@@ -240,7 +251,9 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         from dsv41 import params as P
         from dsv41 import tokenizer as T
 
-        tree = _one_row_tables(P.abstract_params(cfg))
+        tree = P.abstract_params(cfg)
+        if not config.device_feed:  # (with it the device tables are program arguments: their whole shapes)
+            tree = _one_row_tables(tree)
         if checkpoint is not None:
             tree = ckpt.with_token_map(tree, cfg, checkpoint)
         return cls(cfg, tree, T.load_tokenizer(checkpoint), model.hasher_for(tree, cfg), config, abstract=True)
@@ -417,6 +430,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         of the programs the previous call dispatched, else this call's."""
         if self._background is not None:
             self.adopt_programs()
+        if self.device_feed:
+            return self._fed_step()
         outs = self._undelivered = self._undelivered + self._read()
         self._admit()
         queued: dict[int, list[_Request]] = {}  # each rank's prompts to fill, oldest first
@@ -432,22 +447,45 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         self._undelivered = []
         return outs
 
-    def _dispatched(self, rows: list, tok: jax.Array, logits: jax.Array) -> list[StepOutput]:
+    def _fed_step(self) -> list[StepOutput]:
+        """`step` with device_feed: the decode step first (its tokens in flight fed on the device), then the
+        previous step's tokens read, then admission and prefill."""
+        prior, self._in_flight = self._in_flight, []
+        prompts = {r.id for f in prior if not f.decode for r in f.rows if r is not None}  # first tokens not read
+        dec = self._feed_decodes(prompts)
+        outs = self._undelivered
+        try:
+            if dec:
+                self._decode(dec)
+        finally:
+            outs = self._undelivered = outs + self._read(prior)
+        self._admit()
+        queued: dict[int, list[_Request]] = {}
+        for r in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.arrival):
+            queued.setdefault(r.rank, []).append(r)
+        if queued:
+            self._prefill(queued)
+        self._undelivered = []
+        return outs
+
+    def _dispatched(self, rows: list, tok: jax.Array, logits: jax.Array, decode: bool = False) -> list[StepOutput]:
         """A program's sampled tokens: left in flight (async scheduling: -> []), or read and accepted now."""
-        f = _InFlight(rows, tok, logits if self.keep_logits else None)
+        f = _InFlight(rows, tok, logits if self.keep_logits else None, decode)
         for a in (f.tok, f.logits):
             if a is not None:
                 a.copy_to_host_async()  # queued behind the program: the read finds the ids on the host
         self._in_flight.append(f)
         return [] if self.async_scheduling else self._read()
 
-    def _read(self) -> list[StepOutput]:
-        """Reads every program in flight (one transfer: the step's one wait on the device) and accepts their
-        tokens, in the order the programs ran. A row whose request left meanwhile (aborted, failed) is dropped; a
-        prompt preempted before its first token was read takes it (`_accept_preempted`)."""
-        if not self._in_flight:
+    def _read(self, flights: list[_InFlight] | None = None) -> list[StepOutput]:
+        """Reads the programs in flight (flights: those of them; None: every one; one transfer: the step's one wait
+        on the device) and accepts their tokens, in the order the programs ran. A row whose request left meanwhile
+        (aborted, failed, stopped while device_feed computed it one step more) is dropped; a prompt preempted
+        before its first token was read takes it (`_accept_preempted`)."""
+        if flights is None:
+            flights, self._in_flight = self._in_flight, []
+        if not flights:
             return []
-        flights, self._in_flight = self._in_flight, []
         got = jax.device_get([(f.tok, f.logits) for f in flights])
         outs = []
         for f, (tok, logits) in zip(flights, got):
@@ -459,6 +497,8 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
                     continue
                 if logits is not None:
                     r.logits.append(logits[i])
+                if running and f.decode and self.device_feed:
+                    self._fed_read(r, int(tok[i]))
                 outs += (self._accept if running else self._accept_preempted)(r, int(tok[i]))
         return outs
 
@@ -478,20 +518,27 @@ class Engine(Scheduler, Prefill, Speculative, Warmup):
         for r in list(reqs):
             if r.id in self.running:  # (one preempted for an earlier row is back in the queue, holding no pages)
                 # speculative decoding also writes the drafts it verifies past the newest token
-                self._hold_pages(r, r.num_tokens + self._verify_len(r))
+                self._hold_pages(r, r.num_tokens + r.in_flight + self._verify_len(r))
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
             return []
         if self.spec is not None:
             return self._decode_speculative(reqs)
         rows = self._decode_rows(reqs)
-        b, samp = self._decode_batch(rows)
+        if self.device_feed:
+            b, samp = self._fed_batch(rows), self._sampling(rows)
+        else:
+            b, samp = self._decode_batch(rows)
         logits, tok = self.run_decode(b)
         tok = self._drawn(logits, tok, samp)
         for r in filter(None, rows):
-            r.computed = r.num_tokens
+            r.computed = r.num_tokens + r.in_flight
+            if self.device_feed:
+                r.in_flight += 1
+        if self.device_feed:
+            self._prev = self._pad(tok)
         self.counters["decode_steps"] += 1
-        return self._dispatched(rows, tok, logits)
+        return self._dispatched(rows, tok, logits, decode=True)
 
     def run_decode(self, b: programs.Batch) -> tuple[jax.Array, jax.Array]:
         """A decode step's program or programs (`decode_kinds`) on batch b, the pool updated. -> (logits [B, V],

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41 import attention as A
-from dsv41 import compressor, dspark, engram, indexer, mhc, model, quant, sharding
+from dsv41 import compressor, dspark, engram, indexer, mhc, model, ngram_hash, quant, sharding
 from dsv41 import kv_layout as kl
 from dsv41.config import ModelConfig
 from dsv41.kv_layout import LayerKV
@@ -64,6 +64,40 @@ class Batch:
     # in place of their embeddings (prefill chunks) and where the spans are (bias_vl routing, no Engram)
     image_embeds: jax.Array | None = None  # [B, T, D]
     image_mask: jax.Array | None = None  # bool [B, T]
+    feed: "Feed | None" = None  # a decode step's tokens fed on the device (`EngineConfig.device_feed`)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """A decode batch's tokens (T = 1) where the host has not read them yet: row i's token is prev[index[i]]
+    (the previous decode step's sampled ids, `DEVICE_ENGRAM`'s rows hashed from it in the program) where index[i] >=
+    0, else the host's tokens[i]. On a mesh every field is per data rank: prev holds each rank's rows of the previous
+    step padded to the top decode bucket, index is rank-local."""
+
+    prev: jax.Array  # int32 [ranks * top bucket]
+    index: jax.Array  # int32 [B]
+    history: jax.Array  # int32 [B, max_ngram - 1]: the classes before each row's token (`ngram_hash.hash_step`'s)
+
+
+# With `EngineConfig.device_feed` the params tree holds the Engram tables on the device and the hasher's arrays
+# under this key: {"tables": [quant.Fp8Rows per Engram layer], "hash": ngram_hash.device_constants(...)}
+DEVICE_ENGRAM = "device_engram"
+
+
+def _fed(params, b: Batch, cfg: ModelConfig) -> Batch:
+    """b with a `Feed`'s tokens in place and their Engram rows gathered (the batch as the host would have built it
+    had it read the tokens)."""
+    f = b.feed
+    if f is None:
+        return b
+    tok = jnp.where(f.index >= 0, f.prev[jnp.maximum(f.index, 0)], b.tokens[:, 0])[:, None]
+    rows = []
+    if cfg.engram_layer_ids:
+        dev = params[DEVICE_ENGRAM]
+        ids = ngram_hash.device_rows(dev["hash"], tok, f.history)
+        rows = [engram.gather_rows(t, ids[:, :, i]) for i, t in enumerate(dev["tables"])]
+    return dataclasses.replace(b, tokens=tok, rows=rows, feed=None)
 
 
 @jax.tree_util.register_dataclass
@@ -648,6 +682,7 @@ def _full(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Numerics, ba
     ops run the linears, MoE and mHC sites. dspark_seed: also write the chunk's DSpark context keys (a prefill
     under speculative decoding)."""
     with jax.named_scope("embed"):
+        b = _fed(params, b, cfg)
         h, pre = model.embed(params, b.tokens, cfg, num)
         h = model.place_images(h, b.image_embeds, b.image_mask)
     taps = {} if dspark_seed else None
@@ -690,15 +725,18 @@ def _decode_first(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Nume
                   backends: Backends = Backends()):
     """A decode step's embedding and layers [0, split). -> (pool, stream [B, 1, hc, D], pre-mix [B, 1, hc])."""
     with jax.named_scope("embed"):
+        b = _fed(params, b, cfg)
         h, pre = model.embed(params, b.tokens, cfg, num)
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, 0, cfg.split_layer, {}, backends)
     return pool, h, pre
 
 
 def rest_batch(b: Batch, cfg: ModelConfig) -> Batch:
-    """A decode batch as `run_decode_rest` takes it: without the Engram rows where no Engram layer is at or past the
-    split (Flash: layers 1 and 14, split 20), so that the step packs and sends them once, not twice."""
-    return b if any(i >= cfg.split_layer for i in cfg.engram_layer_ids) else dataclasses.replace(b, rows=[])
+    """A decode batch as `run_decode_rest` takes it: without the Engram rows (or their feed) where no Engram layer is
+    at or past the split (Flash: layers 1 and 14, split 20), so that the step packs and sends them once, not twice."""
+    if any(i >= cfg.split_layer for i in cfg.engram_layer_ids):
+        return b
+    return dataclasses.replace(b, rows=[], feed=None)
 
 
 def _decode_rest(params, pool: KVPool, b: Batch, h, pre, *, cfg: ModelConfig, num: Numerics,
@@ -706,6 +744,7 @@ def _decode_rest(params, pool: KVPool, b: Batch, h, pre, *, cfg: ModelConfig, nu
     """Layers [split, L) and the head on `_decode_first`'s stream: with it, `_full`'s decode step bit for bit (the
     split layer starts a fresh indexer carry, as the replay decoder's program does, so nothing else crosses the
     cut). -> (pool, logits [B, V], their argmax [B])."""
+    b = _fed(params, b, cfg)
     h, pre, pool = _layers(params, pool, b, h, pre, cfg, num, cfg.split_layer, cfg.n_layers, {}, backends)
     with jax.named_scope("head"):
         logits, tok = _head(params, h, pre, b, cfg)

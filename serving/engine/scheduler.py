@@ -59,6 +59,10 @@ class _Request:
     image_rows: dict = dataclasses.field(default_factory=dict)  # id(image) -> its span rows, during a prefill
     drafts: list = dataclasses.field(default_factory=list)  # speculative decoding: the tokens the next step verifies
     drafts_drawn: bool = False  # they are the drafter's, drawn in this slot's last step (its states in the pool)
+    # device feed (`device_feed.py`): decode tokens dispatched and not read yet, and the row of the last decode step
+    # that sampled the newest (rank-local)
+    in_flight: int = 0
+    fed_row: int = -1
     # `pages` as int32 for the block table, rebuilt only when pages were added or replaced (once per page of
     # decode steps): converting a 100K-token context's page list every step cost more than the device step
     _page_row: tuple = (None, 0, np.zeros(0, np.int32))
@@ -255,6 +259,7 @@ class Scheduler:
             return False
         v = max(victims, key=lambda r: r.arrival)
         del self.running[v.id]
+        v.in_flight = 0  # a token of it still in flight is read as a preempted request's (`_accept_preempted`)
         self._free(v, keep=False)
         v.prefill_len, v.computed = v.num_tokens, 0  # recompute everything, then go on decoding
         self.waiting.appendleft(v)
@@ -289,8 +294,10 @@ class Scheduler:
             r._ring_lo_row = ((r.start, r.decoder_lo), lo)
         return lo
 
-    def _batch(self, rows: list[_Request | None], toks: dict, pos0: dict, T: int) -> programs.Batch:
-        """The step's batch: rows as `_placed` lays them out; toks / pos0 by request id."""
+    def _batch(self, rows: list[_Request | None], toks: dict, pos0: dict, T: int, engram: bool = True
+               ) -> programs.Batch:
+        """The step's batch: rows as `_placed` lays them out; toks / pos0 by request id. engram False: no Engram
+        rows (the program gathers them: `device_feed.py`)."""
         # one block-table width per engine: the programs read each row's real length at run time
         ctx_pages = self.max_pages_per_seq
         B, L = len(rows), self.cfg.n_layers
@@ -318,7 +325,7 @@ class Scheduler:
         chunks = [(int(p0[i]), int(n_valid[i]), r.images) if r is not None and r.images and p0[i] < r.images[-1].end
                   else None for i, r in enumerate(rows)]
         embeds, mask = (None, None) if not any(chunks) else self._image_rows(chunks, B, T)
-        erows = self._rows(rows, [toks[r.id] if r is not None else [] for r in rows], B, T, mask)
+        erows = self._rows(rows, [toks[r.id] if r is not None else [] for r in rows], B, T, mask) if engram else []
         # host arrays: the jitted call moves them with its own (fast) argument transfer (the Engram rows too)
         return programs.Batch(tokens, p0, n_valid, slot, bt, wlo, rlo, erows, embeds, mask)
 

@@ -35,6 +35,8 @@ class Warmup:
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
                            np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32),
                            np.zeros((B, L), np.int32), rows)
+        if self.device_feed and kind in ("decode", "decode_first", "decode_rest"):
+            b = self._feed_padding(b)
         static, progs = self.static, self.programs
         if kind == "encoder":
             return progs.run_encoder, (self.params, pool, b), {**static, "replay_tokens": self.replay_tokens}
@@ -155,6 +157,8 @@ class Warmup:
         if from_store:
             _first_run(shape, out)
         self.pool = out[0]
+        if self.device_feed and shape[0] in ("decode", "decode_rest"):
+            self._pad(out[2])  # its ids padded as the next step's `Feed.prev`
         logits = out[1] if self._samples(shape) else None
         if logits is not None:
             self._warm_sample(logits)

@@ -22,6 +22,7 @@ def test_serve_flags_map_to_engine_kwargs():
     assert engine_kwargs(_serve([])) == {}
     assert engine_kwargs(_serve(["--batch-invariant"])) == {"batch_invariant": True}
     assert engine_kwargs(_serve(["--no-async-scheduling"])) == {"async_scheduling": False}
+    assert engine_kwargs(_serve(["--device-feed"])) == {"device_feed": True}
     assert engine_kwargs(_serve(["--all2all-backend", "ragged_all_to_all"])) == {"all2all_backend": "ragged_all_to_all"}
     assert engine_kwargs(_serve(["--max-prefill-rows", "1"])) == {"max_prefill_rows": 1}
     assert served_model_name(args) == "tiny"

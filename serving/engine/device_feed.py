@@ -1,0 +1,135 @@
+"""Decode steps fed on the device (`EngineConfig.device_feed`): the engine's side.
+
+A step dispatches the next decode step before it reads the tokens of the one in flight: each row whose newest
+token is still on the device takes it from that step's sampled ids (`programs.Feed`: the ids padded to the top
+decode bucket per data rank, so one program serves every previous batch), and its Engram rows are hashed and
+gathered inside the program (`ngram_hash.device_rows`, the tables in device memory: `programs.DEVICE_ENGRAM`).
+Then the step reads the previous tokens and accepts them. So the GPU runs step N + 1 right behind step N: the host
+prepares and launches it while step N computes (docs/PERFORMANCE.md section 2 measured what that buys).
+
+What it costs: a row that stopped at step N (a stop token; a length limit is known ahead and never dispatched)
+computes step N + 1 too, and its output is dropped; a prompt's first decode waits for its first token to be read
+(one step later than the synchronous engine). The host keeps each row's Engram history (`ngram_hash`'s classes of
+the tokens before its next input) and appends a fed token's class when it reads the token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import ngram_hash, quant, sharding
+from serving.engine import programs
+from serving.engine.errors import EngineError
+from serving.engine.scheduler import _bucket, _Request
+
+
+def _padded(tok: jax.Array, *, ranks: int, width: int) -> jax.Array:
+    """Sampled ids [ranks * b] -> [ranks * width], each rank's b rows first (`programs.Feed.prev`)."""
+    per = tok.reshape(ranks, -1)
+    return jnp.pad(per, ((0, 0), (0, width - per.shape[1]))).reshape(-1)
+
+
+class DeviceFeed:
+    def _device_engram(self, abstract: bool, tables: list) -> None:
+        """Puts the Engram tables and the hasher's arrays in the params tree (`programs.DEVICE_ENGRAM`), whole on
+        every device. tables: per Engram layer as `model.strip_tables` returned them (an abstract engine's:
+        ShapeDtypeStructs)."""
+        if not self.cfg.engram_layer_ids:
+            return
+        whole = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
+                 else sharding.replicated(self.mesh))
+
+        def put(a):
+            if abstract:
+                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole)
+            return jax.device_put(a, whole)
+
+        try:
+            consts = ngram_hash.device_constants(self.hasher)
+        except ngram_hash.ConfigError as e:
+            raise EngineError(str(e)) from None
+        dev = {"tables": [quant.Fp8Rows(put(t.weight), put(t.scale)) for t in tables],
+               "hash": {k: put(v) for k, v in consts.items()}}
+        self.params = {**self.params, programs.DEVICE_ENGRAM: dev}
+
+    def _init_device_feed(self, config) -> None:
+        """Checks the option against the engine's other choices; the first `Feed.prev` (zeros)."""
+        self.device_feed = config.device_feed
+        if not self.device_feed:
+            return
+        if self.spec is not None:
+            raise EngineError("device_feed does not run speculative decoding (its next chunk holds the drafts); "
+                              "leave out --device-feed or --speculative-config")
+        if jax.process_count() > 1:
+            raise EngineError("device_feed runs in one process; leave out --device-feed across hosts")
+        D = len(self.ranks)
+        self.feed_width = _bucket(self.layout.num_slots, self.min_decode_bucket)  # per rank: the top decode bucket
+        rows = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
+                else sharding.rank_sharding(self.mesh))
+        # committed as the step's sampled ids are (a program compiles once per committed / uncommitted signature)
+        self._pad = jax.jit(functools.partial(_padded, ranks=D, width=self.feed_width), out_shardings=rows)
+        self._prev = jax.device_put(np.zeros(D * self.feed_width, np.int32), rows)
+
+    def _feeds(self, r: _Request) -> bool:
+        """Whether r's input this step is its token in flight (a decode step's, unread), not a host token."""
+        return r.in_flight > 0
+
+    def _fed_batch(self, rows: list[_Request | None]) -> programs.Batch:
+        """A decode batch whose tokens the program takes from `_prev` where they are in flight (`programs.Feed`),
+        each row's Engram history as of its input; advances the history past the host tokens it feeds."""
+        live = [r for r in rows if r is not None]
+        fed = {r.id for r in live if self._feeds(r)}
+        toks = {r.id: [0 if r.id in fed else r.last_token] for r in live}
+        pos0 = {r.id: r.num_tokens - (r.id not in fed) for r in live}
+        b = self._batch(rows, toks, pos0, 1, engram=False)
+        B = len(rows)
+        per = B // len(self.ranks)
+        H = self.hasher.history_len if self.hasher is not None else 1
+        index = np.full(B, -1, np.int32)
+        history = np.full((B, H), ngram_hash.NO_TOKEN, np.int32)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            if r.id in fed:
+                index[i] = r.fed_row
+            if self.hasher is not None:
+                history[i] = r.history[0]
+                if r.id not in fed:  # its input is known: the history moves past it now
+                    r.history = self._advanced(r.history, r.last_token)
+            r.fed_row = i - r.rank * per
+        return programs.Batch(**{**b.__dict__, "feed": programs.Feed(self._prev, index, history)})
+
+    def _advanced(self, history: np.ndarray, tok: int) -> np.ndarray:
+        """The Engram history [1, H] after one more (text) token."""
+        return np.concatenate([history[:, 1:], self.hasher.token_map[tok].reshape(1, 1)], axis=1)
+
+    def _feed_padding(self, b: programs.Batch) -> programs.Batch:
+        """An all-padding decode batch as `_fed_batch` builds one (warm-up)."""
+        B = b.tokens.shape[0]
+        H = self.hasher.history_len if self.hasher is not None else 1
+        feed = programs.Feed(self._prev, np.full(B, -1, np.int32), np.full((B, H), ngram_hash.NO_TOKEN, np.int32))
+        return programs.Batch(**{**b.__dict__, "rows": [], "feed": feed})
+
+    def _feed_decodes(self, prefilling: set) -> list[_Request]:
+        """The rows a fed step decodes: running, past their prompt and its first token (read: not in `prefilling`),
+        and not already stopped by a length limit by the token in flight."""
+        out = []
+        for r in self.running.values():
+            if r.prefilling or r.id in prefilling:
+                continue
+            if (len(r.output) + r.in_flight >= r.sampling.max_tokens
+                    or r.num_tokens + r.in_flight >= self.max_model_len):
+                continue
+            out.append(r)
+        return out
+
+    def _fed_read(self, r: _Request, tok: int) -> None:
+        """A decode step's token for r is read: one fewer in flight; if the step after fed it, its class joins the
+        history."""
+        r.in_flight -= 1
+        if r.in_flight and self.hasher is not None:
+            r.history = self._advanced(r.history, tok)
