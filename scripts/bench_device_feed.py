@@ -6,8 +6,8 @@ program's calls queued back to back with nothing read between them (what the GPU
     PYTHONPATH=. python3 scripts/bench_device_feed.py --batches 1,64 --decode-ctx 4096
 
 One engine (device_feed on; the other loops switch it off, with the host tables and their own programs), B
-requests at context --decode-ctx; per block each way runs --steps `Engine.step` calls from the same state, blocks
-alternated, medians. Checks that the fed loop gives the synchronous loop's tokens. Prints one table.
+requests at context --decode-ctx; per block each way runs --steps `Engine.step` calls from the same state (the
+pool copied back), blocks alternated, medians. Checks that the fed loop gives the synchronous loop's tokens. Prints one table.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ log = logging.getLogger("bench_device_feed")
 WAYS = ("sync", "async", "fed")
 
 
-def _set(eng, way: str, B: int, ctx: int) -> None:
-    """B fresh requests at ctx, nothing in flight, the loop of `way`."""
+def _set(eng, way: str, B: int, ctx: int, pool) -> None:
+    """B fresh requests at ctx on a copy of `pool` (the rings and compressor states a run leaves behind are read
+    by the next run's first steps: each way starts from the same state), nothing in flight, the loop of `way`."""
     eng._in_flight.clear()
+    eng.pool = jax.tree_util.tree_map(lambda a: a.copy(), pool)
     fake_decode_state(eng, B, ctx)
     eng.device_feed = way == "fed"
     eng.async_scheduling = way != "sync"
@@ -48,12 +50,13 @@ def _loop(eng, steps: int) -> tuple[float, list[int]]:
 def measure(eng, B: int, ctx: int, steps: int, blocks: int) -> dict:
     """-> {way: median ms a step} with "queued" (the decode program back to back), and the first steps' s."""
     first = {}
+    pool = jax.tree_util.tree_map(lambda a: a.copy(), eng.pool)
     for way in WAYS:  # compiles each way's programs
-        _set(eng, way, B, ctx)
+        _set(eng, way, B, ctx, pool)
         t = time.perf_counter()
         _loop(eng, 3)
         first[way] = time.perf_counter() - t
-    _set(eng, "sync", B, ctx)
+    _set(eng, "sync", B, ctx, pool)
     b, _ = eng.decode_inputs(list(eng.running.values()))
 
     def queued():
@@ -66,7 +69,7 @@ def measure(eng, B: int, ctx: int, steps: int, blocks: int) -> dict:
     tokens = {}
     for _ in range(blocks):
         for way in WAYS:
-            _set(eng, way, B, ctx)
+            _set(eng, way, B, ctx, pool)
             t, tokens[way] = _loop(eng, steps)
             ms[way].append(t)
         t = time.perf_counter()

@@ -20,6 +20,9 @@
 #                  CUDA graph) against the same device buffers every call (bench preset with 8 experts, batch 1; ~2 min)
 #   spec [B]       DSpark's verify + draft step against a plain decode step at batch B (default 1; 64: ~7 min), as one
 #                  program and cut at the split layer (--split-spec: what the speculative split default waits for)
+#   feed [B]       the decode loop with its tokens fed on the device (`--device-feed`) against the synchronous loop,
+#                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
+#                  with 8 experts, batch B (default 1; ~3 min a batch)
 #   graph          what a CUDA graph's launch costs a node: chains of XLA fusions and of FP8 linear kernels (~1 min)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
@@ -108,6 +111,10 @@ case "${1:-}" in
   spec)
     bench 580 "spec${2:-1}" scripts/bench_speculative.py --batches "${2:-1}" --decode-ctx 4096 --k 5 --split-spec
     ;;
+  feed)
+    bench 400 "feed${2:-1}" scripts/bench_device_feed.py --experts 8 --batches "${2:-1}" --decode-ctx 4096 --steps 20 \
+      --blocks 3 --no-split-decode
+    ;;
   graph)
     bench 170 graph scripts/bench_graph_launch.py --steps 50,200 --reps 30
     ;;
@@ -174,7 +181,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|launch|spec|graph|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|launch|spec|feed|graph|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac
