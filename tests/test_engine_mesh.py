@@ -92,6 +92,17 @@ def test_device_feed_on_data_ranks():
         np.testing.assert_allclose(logits[k], ref_logits[k], rtol=0, atol=2e-5, err_msg=k)
 
 
+def test_engram_rows_split_with_padding():
+    """A table whose rows do not divide the data ranks: each rank's block read from it, the last padded with zeros."""
+    from serving.engine.device_feed import split_rows
+
+    mesh = sharding.make_mesh(sharding.Parallelism(data=4, tensor=2))
+    a = np.arange(7 * 3, dtype=np.uint8).reshape(7, 3)
+    got = split_rows(a, sharding.rank_sharding(mesh), 4)
+    assert got.shape == (8, 3) and [s.data.shape for s in got.addressable_shards] == [(2, 3)] * 8
+    np.testing.assert_array_equal(np.asarray(got), np.concatenate([a, np.zeros((1, 3), np.uint8)]))
+
+
 # DSpark on tensor and expert ranks too costs CI ~20 s more of compiles (2-core CPU, empty cache): asked for with
 # DSV41_TEST_MESH_TP=1 (it passes: the one-device engine's greedy tokens)
 SPEC_LAYOUTS = [dict(data_parallel_size=2),

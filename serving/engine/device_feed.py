@@ -33,27 +33,50 @@ def _padded(tok: jax.Array, *, ranks: int, width: int) -> jax.Array:
     return jnp.pad(per, ((0, 0), (0, width - per.shape[1]))).reshape(-1)
 
 
+def split_rows(a, on: jax.sharding.Sharding, ranks: int) -> jax.Array:
+    """a [n, ...] (numpy or jax) placed by `on`, whose first axis splits over `ranks`: rows padded with zeros to a
+    multiple of ranks, each device's block read from a on its own (no padded copy of a whole table)."""
+    n = -(-a.shape[0] // ranks) * ranks
+    if n == a.shape[0]:
+        return jax.device_put(a, on)
+
+    def block(index):
+        lo, hi, _ = index[0].indices(n)
+        part = np.asarray(a[lo:min(hi, a.shape[0])])
+        pad = hi - lo - part.shape[0]
+        return np.concatenate([part, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else part
+
+    return jax.make_array_from_callback((n, *a.shape[1:]), on, block)
+
+
 class DeviceFeed:
     def _device_engram(self, abstract: bool, tables: list) -> None:
-        """Puts the Engram tables and the hasher's arrays in the params tree (`programs.DEVICE_ENGRAM`), whole on
+        """Puts the Engram tables and the hasher's arrays in the params tree (`programs.DeviceEngram`): on a mesh
+        each table's rows split over the data ranks (replicated over tensor ranks), the hasher's arrays whole on
         every device. tables: per Engram layer as `model.strip_tables` returned them (an abstract engine's:
         ShapeDtypeStructs)."""
         if not self.cfg.engram_layer_ids:
             return
-        whole = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
-                 else sharding.replicated(self.mesh))
+        if self.mesh is None:
+            ranks, whole = 1, jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            rows = whole
+        else:
+            ranks, whole = self.mesh.shape[sharding.DATA], sharding.replicated(self.mesh)
+            rows = sharding.rank_sharding(self.mesh)
 
-        def put(a):
+        def put(a, on, split=1):
+            if split == 1:
+                return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=on) if abstract else jax.device_put(a, on)
             if abstract:
-                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole)
-            return jax.device_put(a, whole)
+                return jax.ShapeDtypeStruct((-(-a.shape[0] // split) * split, *a.shape[1:]), a.dtype, sharding=on)
+            return split_rows(a, on, split)
 
         try:
             consts = ngram_hash.device_constants(self.hasher)
         except ngram_hash.ConfigError as e:
             raise EngineError(str(e)) from None
-        dev = {"tables": [quant.Fp8Rows(put(t.weight), put(t.scale)) for t in tables],
-               "hash": {k: put(v) for k, v in consts.items()}}
+        dev = programs.DeviceEngram([quant.Fp8Rows(put(t.weight, rows, ranks), put(t.scale, rows, ranks))
+                                     for t in tables], {k: put(v, whole) for k, v in consts.items()}, ranks)
         self.params = {**self.params, programs.DEVICE_ENGRAM: dev}
 
     def _init_device_feed(self, config) -> None:

@@ -80,9 +80,39 @@ class Feed:
     history: jax.Array  # int32 [B, max_ngram - 1]: the classes before each row's token (`ngram_hash.hash_step`'s)
 
 
-# With `EngineConfig.device_feed` the params tree holds the Engram tables on the device and the hasher's arrays
-# under this key: {"tables": [quant.Fp8Rows per Engram layer], "hash": ngram_hash.device_constants(...)}
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceEngram:
+    """The Engram tables in device memory and the hasher's arrays (`ngram_hash.device_constants`), in the params
+    tree under `DEVICE_ENGRAM` with `EngineConfig.device_feed`. ranks > 1: each table's rows split over the mesh's
+    data ranks (padded to a multiple of them; Flash's 197 GB do not fit one GPU), each rank gathering the rows it
+    holds for every rank's tokens."""
+
+    tables: list  # quant.Fp8Rows [rows, d] per Engram layer (a rank's block of rows where ranks > 1)
+    hash: dict
+    ranks: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+
 DEVICE_ENGRAM = "device_engram"
+
+
+def _split_gather(table: quant.Fp8Rows, ids: jax.Array) -> quant.Fp8Rows:
+    """Rows ids [b, ...] (global row ids, this rank's tokens) of a table whose rows are split over the data ranks
+    (this rank's block [R / ranks, d]), inside the per-rank program: every rank's ids gathered, each rank reads the
+    ones in its block (zeros elsewhere), and a reduce-scatter over the ranks sums each token's one nonzero
+    contribution back to its rank (exact: a sum of zeros and one value)."""
+    n = table.weight.shape[0]
+    every = jax.lax.all_gather(ids, sharding.DATA, axis=0, tiled=True)  # [ranks * b, ...]
+    local = every - jax.lax.axis_index(sharding.DATA) * n
+    mine = (local >= 0) & (local < n)
+    got = engram.gather_rows(table, jnp.where(mine, local, 0))
+
+    def back(a):  # [ranks * b, ..., d] -> [b, ..., d], as bytes
+        u = a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8)
+        u = jax.lax.psum_scatter(jnp.where(mine[..., None], u, 0), sharding.DATA, scatter_dimension=0, tiled=True)
+        return u if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(u, a.dtype)
+
+    return quant.Fp8Rows(back(got.weight), back(got.scale))
 
 
 def _fed(params, b: Batch, cfg: ModelConfig) -> Batch:
@@ -94,9 +124,10 @@ def _fed(params, b: Batch, cfg: ModelConfig) -> Batch:
     tok = jnp.where(f.index >= 0, f.prev[jnp.maximum(f.index, 0)], b.tokens[:, 0])[:, None]
     rows = []
     if cfg.engram_layer_ids:
-        dev = params[DEVICE_ENGRAM]
-        ids = ngram_hash.device_rows(dev["hash"], tok, f.history)
-        rows = [engram.gather_rows(t, ids[:, :, i]) for i, t in enumerate(dev["tables"])]
+        dev: DeviceEngram = params[DEVICE_ENGRAM]
+        ids = ngram_hash.device_rows(dev.hash, tok, f.history)
+        gather = engram.gather_rows if dev.ranks == 1 else _split_gather
+        rows = [gather(t, ids[:, :, i]) for i, t in enumerate(dev.tables)]
     return dataclasses.replace(b, tokens=tok, rows=rows, feed=None)
 
 
