@@ -7,7 +7,8 @@ program's calls queued back to back with nothing read between them (what the GPU
 
 One engine (device_feed on; the other loops switch it off, with the host tables and their own programs), B
 requests at context --decode-ctx; per block each way runs --steps `Engine.step` calls from the same state (the
-pool copied back), blocks alternated, medians. Checks that the fed loop gives the synchronous loop's tokens. Prints one table.
+pool copied back), blocks alternated, medians. Checks that the fed loop gives the synchronous loop's tokens.
+Prints one table.
 """
 
 from __future__ import annotations

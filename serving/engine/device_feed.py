@@ -1,20 +1,23 @@
 """Decode steps fed on the device (`EngineConfig.device_feed`): the engine's side.
 
 A step dispatches the next decode step before it reads the tokens of the one in flight: each row whose newest
-token is still on the device takes it from that step's sampled ids (`programs.Feed`: the ids padded to the top
-decode bucket per data rank, so one program serves every previous batch), and its Engram rows are hashed and
-gathered inside the program (`ngram_hash.device_rows`, the tables in device memory: `programs.DEVICE_ENGRAM`).
-Then the step reads the previous tokens and accepts them. So the GPU runs step N + 1 right behind step N: the host
-prepares and launches it while step N computes (docs/PERFORMANCE.md section 2 measured what that buys).
+token is still on the device takes it from the previous step's sampled ids (`programs.Feed`: the decode step's ids
+padded to the top decode bucket per data rank, and the prefill call's first tokens padded to its rows a rank, so
+one program serves every previous batch), and its Engram rows are hashed and gathered inside the program
+(`ngram_hash.device_rows`, the tables in device memory: `programs.DeviceEngram`). Then the step reads the
+previous tokens and accepts them, admits and prefills. So the GPU runs step N + 1 right behind step N: the host
+prepares and launches it while step N computes (docs/PERFORMANCE.md section 2 measured what that buys). Every row
+with a token in flight is decoded in the very next step (a length limit it reaches is known ahead: then it is not
+in flight), so the padded ids it reads are always the latest.
 
-What it costs: a row that stopped at step N (a stop token; a length limit is known ahead and never dispatched)
-computes step N + 1 too, and its output is dropped; a prompt's first decode waits for its first token to be read
-(one step later than the synchronous engine). The host keeps each row's Engram history (`ngram_hash`'s classes of
-the tokens before its next input) and appends a fed token's class when it reads the token.
+What it costs: a row that stopped on a stop token at step N computes step N + 1 too, and that output is dropped.
+The host keeps each row's Engram history (`ngram_hash`'s classes of the tokens before its next input) and appends
+a fed token's class when it reads the token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -94,23 +97,21 @@ class DeviceFeed:
         rows = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
                 else sharding.rank_sharding(self.mesh))
         # committed as the step's sampled ids are (a program compiles once per committed / uncommitted signature)
+        first = self.shared_prefill[0] if self.shared_prefill else 1  # a prefill call's rows a rank, at most
         self._pad = jax.jit(functools.partial(_padded, ranks=D, width=self.feed_width), out_shardings=rows)
+        self._pad_first = jax.jit(functools.partial(_padded, ranks=D, width=first), out_shardings=rows)
         self._prev = jax.device_put(np.zeros(D * self.feed_width, np.int32), rows)
-
-    def _feeds(self, r: _Request) -> bool:
-        """Whether r's input this step is its token in flight (a decode step's, unread), not a host token."""
-        return r.in_flight > 0
+        self._first = jax.device_put(np.zeros(D * first, np.int32), rows)
 
     def _fed_batch(self, rows: list[_Request | None]) -> programs.Batch:
         """A decode batch whose tokens the program takes from `_prev` where they are in flight (`programs.Feed`),
         each row's Engram history as of its input; advances the history past the host tokens it feeds."""
         live = [r for r in rows if r is not None]
-        fed = {r.id for r in live if self._feeds(r)}
+        fed = {r.id for r in live if r.in_flight}  # their input is their newest token, unread
         toks = {r.id: [0 if r.id in fed else r.last_token] for r in live}
         pos0 = {r.id: r.num_tokens - (r.id not in fed) for r in live}
         b = self._batch(rows, toks, pos0, 1, engram=False)
         B = len(rows)
-        per = B // len(self.ranks)
         H = self.hasher.history_len if self.hasher is not None else 1
         index = np.full(B, -1, np.int32)
         history = np.full((B, H), ngram_hash.NO_TOKEN, np.int32)
@@ -123,8 +124,7 @@ class DeviceFeed:
                 history[i] = r.history[0]
                 if r.id not in fed:  # its input is known: the history moves past it now
                     r.history = self._advanced(r.history, r.last_token)
-            r.fed_row = i - r.rank * per
-        return programs.Batch(**{**b.__dict__, "feed": programs.Feed(self._prev, index, history)})
+        return dataclasses.replace(b, feed=programs.Feed(self._prev, self._first, index, history))
 
     def _advanced(self, history: np.ndarray, tok: int) -> np.ndarray:
         """The Engram history [1, H] after one more (text) token."""
@@ -134,15 +134,16 @@ class DeviceFeed:
         """An all-padding decode batch as `_fed_batch` builds one (warm-up)."""
         B = b.tokens.shape[0]
         H = self.hasher.history_len if self.hasher is not None else 1
-        feed = programs.Feed(self._prev, np.full(B, -1, np.int32), np.full((B, H), ngram_hash.NO_TOKEN, np.int32))
-        return programs.Batch(**{**b.__dict__, "rows": [], "feed": feed})
+        feed = programs.Feed(self._prev, self._first, np.full(B, -1, np.int32),
+                             np.full((B, H), ngram_hash.NO_TOKEN, np.int32))
+        return dataclasses.replace(b, rows=[], feed=feed)
 
-    def _feed_decodes(self, prefilling: set) -> list[_Request]:
-        """The rows a fed step decodes: running, past their prompt and its first token (read: not in `prefilling`),
-        and not already stopped by a length limit by the token in flight."""
+    def _feed_decodes(self) -> list[_Request]:
+        """The rows a fed step decodes: running, past their prompt, and not already stopped by a length limit by
+        the token in flight."""
         out = []
         for r in self.running.values():
-            if r.prefilling or r.id in prefilling:
+            if r.prefilling:
                 continue
             if (len(r.output) + r.in_flight >= r.sampling.max_tokens
                     or r.num_tokens + r.in_flight >= self.max_model_len):
@@ -150,9 +151,22 @@ class DeviceFeed:
             out.append(r)
         return out
 
+    def _dispatched_fed(self, rows: list, tok: jax.Array, decode: bool) -> None:
+        """A decode step's or a prefill call's sampled ids (rows: a request per row, None where nothing was
+        sampled, rank-major) are in flight: each row's next decode takes its token from them."""
+        per = len(rows) // len(self.ranks)
+        at = 0 if decode else self.feed_width  # the prefill's ids after the decode step's (`programs.Feed`)
+        for i, r in enumerate(rows):
+            if r is not None:
+                r.in_flight += 1
+                r.fed_row = at + i - r.rank * per
+        if decode:
+            self._prev = self._pad(tok)
+        else:
+            self._first = self._pad_first(tok)
+
     def _fed_read(self, r: _Request, tok: int) -> None:
-        """A decode step's token for r is read: one fewer in flight; if the step after fed it, its class joins the
-        history."""
+        """A token of r is read: one fewer in flight; if the step after fed it, its class joins the history."""
         r.in_flight -= 1
         if r.in_flight and self.hasher is not None:
             r.history = self._advanced(r.history, tok)

@@ -58,13 +58,11 @@ from serving.engine.warmup import Warmup
 @dataclasses.dataclass(frozen=True)
 class _InFlight:
     """A dispatched program's sampled tokens, not read yet: rows (a request per row, None where nothing was
-    sampled), tok int32 [B], logits [B, V] (keep_logits, else None); decode: a decode step's (with device_feed
-    its rows' `in_flight` count it)."""
+    sampled), tok int32 [B], logits [B, V] (keep_logits, else None)."""
 
     rows: list
     tok: jax.Array
     logits: jax.Array | None
-    decode: bool = False
 
 
 def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -451,8 +449,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         """`step` with device_feed: the decode step first (its tokens in flight fed on the device), then the
         previous step's tokens read, then admission and prefill."""
         prior, self._in_flight = self._in_flight, []
-        prompts = {r.id for f in prior if not f.decode for r in f.rows if r is not None}  # first tokens not read
-        dec = self._feed_decodes(prompts)
+        dec = self._feed_decodes()
         outs = self._undelivered
         try:
             if dec:
@@ -469,8 +466,11 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         return outs
 
     def _dispatched(self, rows: list, tok: jax.Array, logits: jax.Array, decode: bool = False) -> list[StepOutput]:
-        """A program's sampled tokens: left in flight (async scheduling: -> []), or read and accepted now."""
-        f = _InFlight(rows, tok, logits if self.keep_logits else None, decode)
+        """A program's sampled tokens: left in flight (async scheduling: -> []), or read and accepted now. decode:
+        a decode step's (else a prefill call's first tokens)."""
+        if self.device_feed:
+            self._dispatched_fed(rows, tok, decode)
+        f = _InFlight(rows, tok, logits if self.keep_logits else None)
         for a in (f.tok, f.logits):
             if a is not None:
                 a.copy_to_host_async()  # queued behind the program: the read finds the ids on the host
@@ -497,7 +497,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
                     continue
                 if logits is not None:
                     r.logits.append(logits[i])
-                if running and f.decode and self.device_feed:
+                if running and self.device_feed:
                     self._fed_read(r, int(tok[i]))
                 outs += (self._accept if running else self._accept_preempted)(r, int(tok[i]))
         return outs
@@ -533,10 +533,6 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         tok = self._drawn(logits, tok, samp)
         for r in filter(None, rows):
             r.computed = r.num_tokens + r.in_flight
-            if self.device_feed:
-                r.in_flight += 1
-        if self.device_feed:
-            self._prev = self._pad(tok)
         self.counters["decode_steps"] += 1
         return self._dispatched(rows, tok, logits, decode=True)
 

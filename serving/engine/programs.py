@@ -70,12 +70,14 @@ class Batch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Feed:
-    """A decode batch's tokens (T = 1) where the host has not read them yet: row i's token is prev[index[i]]
-    (the previous decode step's sampled ids, `DEVICE_ENGRAM`'s rows hashed from it in the program) where index[i] >=
-    0, else the host's tokens[i]. On a mesh every field is per data rank: prev holds each rank's rows of the previous
-    step padded to the top decode bucket, index is rank-local."""
+    """A decode batch's tokens (T = 1) where the host has not read them yet: row i's token is
+    concat(prev, first)[index[i]] (the previous decode step's sampled ids, then the previous prefill call's first
+    tokens; `DeviceEngram`'s rows hashed from it in the program) where index[i] >= 0, else the host's tokens[i]. On
+    a mesh every field is per data rank: prev and first hold each rank's rows padded to the top decode bucket and
+    to a prefill call's rows a rank, index is rank-local."""
 
     prev: jax.Array  # int32 [ranks * top bucket]
+    first: jax.Array  # int32 [ranks * prefill rows]
     index: jax.Array  # int32 [B]
     history: jax.Array  # int32 [B, max_ngram - 1]: the classes before each row's token (`ngram_hash.hash_step`'s)
 
@@ -121,7 +123,8 @@ def _fed(params, b: Batch, cfg: ModelConfig) -> Batch:
     f = b.feed
     if f is None:
         return b
-    tok = jnp.where(f.index >= 0, f.prev[jnp.maximum(f.index, 0)], b.tokens[:, 0])[:, None]
+    src = jnp.concatenate([f.prev, f.first])
+    tok = jnp.where(f.index >= 0, src[jnp.maximum(f.index, 0)], b.tokens[:, 0])[:, None]
     rows = []
     if cfg.engram_layer_ids:
         dev: DeviceEngram = params[DEVICE_ENGRAM]

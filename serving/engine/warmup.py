@@ -159,6 +159,8 @@ class Warmup:
         self.pool = out[0]
         if self.device_feed and shape[0] in ("decode", "decode_rest"):
             self._pad(out[2])  # its ids padded as the next step's `Feed.prev`
+        elif self.device_feed and shape[0] in ("full", "decoder"):
+            self._pad_first(out[2])  # a prompt's first tokens: `Feed.first`
         logits = out[1] if self._samples(shape) else None
         if logits is not None:
             self._warm_sample(logits)
