@@ -248,11 +248,13 @@ def test_the_engine_exchanges_tokens_as_asked():
 
 
 @pytest.mark.parametrize("kw", [dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),
-                                dict(tensor_parallel_size=4)], ids=["dep2xtp2", "tp4"])
+                                dict(tensor_parallel_size=4), dict(data_parallel_size=3, device_feed=True)],
+                         ids=["dep2xtp2", "tp4", "dp3+feed"])
 def test_abstract_mesh_engine_keys_every_program_as_the_allocated_one(kw):
     """`Engine.abstract` on a mesh (jax.ShapeDtypeStructs placed as the rules place the weights, the KV pool split by
     data rank) traces the same programs with the same argument shardings as the allocated engine: their program
-    store keys are equal, and each lowers (so a model larger than the devices compiles ahead of time, sharded)."""
+    store keys are equal, and each lowers (so a model larger than the devices compiles ahead of time, sharded).
+    With device_feed the Engram tables are program arguments, their rows padded to split over 3 data ranks."""
     from dsv41.config import preset
     from serving.engine import executables
     from serving.engine.config import EngineConfig
