@@ -92,3 +92,22 @@ def test_fed_steps_equal_synchronous(synchronous, split):
     # every decode row took its token on the device: the first from its prompt's prefill call, then its own
     # decode step's (a row that stopped on a stop id ran one step more)
     assert counted.host == 0 and counted.fed >= sum(len(t) - 1 for t in want_t.values())
+
+
+def test_preempted_with_a_token_in_flight():
+    """The pool (5 pages of 64 tokens) cannot hold both requests: a decode row's pages preempt the other request
+    while its newest token is still in flight on the device. That token is read as a preempted request's, and it
+    recomputes from prompt + output as the synchronous engine's preempted request does: the same tokens."""
+    def run(**kw):
+        eng = tiny_engine.make(**kw)
+        eng.add_request("a", prompt(120, 8), SamplingParams(max_tokens=12, ignore_eos=True))
+        eng.add_request("b", prompt(180, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+        toks = {"a": [], "b": []}
+        while eng.has_work():
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+        return toks, eng.counters["preemptions"]
+
+    want, _ = run()
+    got, preemptions = run(device_feed=True)
+    assert preemptions >= 1 and got == want
