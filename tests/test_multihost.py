@@ -2,7 +2,8 @@
 through gloo.
 
 - With DEP (a data rank per process, TP2 inside it, experts over all four devices) a greedy completion is the
-  one of the same engine in one process (this test's own devices). A tensor-parallel server across both processes
+  one of the same engine in one process (this test's own devices); with `DSV41_TEST_MULTIHOST_FEED=1` also with
+  `--device-feed` (each process's Engram row block, the tokens fed on the device). A tensor-parallel server across both processes
   (TP4: the tiny preset splits its output groups at most 4 ways) starts and stops; its completion is not run here
   (its compile in two processes costs CI time; `DSV41_TEST_MULTIHOST_TP=1` runs it).
 - /health lists both processes. After SIGTERM process 0 drains and process 1 leaves cleanly (exit 0); a killed
@@ -46,6 +47,9 @@ CACHE = ROOT / ".jax_cache"  # the persistent compilation cache tests/conftest.p
 LAYOUTS = {"tp": ["--tensor-parallel-size", "4"],
            "dep": ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel"]}
 ANSWERED = ["dep", "tp"] if os.environ.get("DSV41_TEST_MULTIHOST_TP") == "1" else ["dep"]  # layouts asked to complete
+if os.environ.get("DSV41_TEST_MULTIHOST_FEED") == "1":  # decode tokens fed on the device across processes (CI time)
+    LAYOUTS["dep+feed"] = [*LAYOUTS["dep"], "--device-feed"]
+    ANSWERED.append("dep+feed")
 ENGINE = ["--preset", "tiny", "--max-model-len", "128", "--max-num-seqs", "1", "--no-swa-bounded-replay",
           "--min-prefill-bucket", "1", "--min-decode-bucket", "1"]
 PROMPT, MAX_TOKENS = [1], 6

@@ -127,7 +127,6 @@ class EngineConfig:
     # device (the previous step's sampled ids), its Engram rows hashed and gathered there (the tables in device
     # memory as well as the host's, which prefill keeps reading). The GPU never waits for the host between decode
     # steps; a row that stopped is computed one step more. Implies async scheduling; not with speculative decoding
-    # or across processes
     device_feed: bool = False
     # warm-up's compiled programs kept on disk beside the persistent compilation cache and loaded at the next start
     # without tracing (serving/engine/executables.py); off: every program goes through jit

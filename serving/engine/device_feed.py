@@ -90,8 +90,6 @@ class DeviceFeed:
         if self.spec is not None:
             raise EngineError("device_feed does not run speculative decoding (its next chunk holds the drafts); "
                               "leave out --device-feed or --speculative-config")
-        if jax.process_count() > 1:
-            raise EngineError("device_feed runs in one process; leave out --device-feed across hosts")
         D = len(self.ranks)
         self.feed_width = _bucket(self.layout.num_slots, self.min_decode_bucket)  # per rank: the top decode bucket
         rows = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
