@@ -123,14 +123,16 @@ def cmd_kv_budget(args: argparse.Namespace) -> int:
     par = Parallelism(args.tensor_parallel_size or 1, args.data_parallel_size or 1, bool(args.enable_expert_parallel),
                       **_given(all2all=args.all2all_backend))
     try:
-        c = kv_pool.capacity(cfg, par, int(args.gpu_memory_gb * 2**30), args.max_model_len)
+        c = kv_pool.capacity(cfg, par, int(args.gpu_memory_gb * 2**30), args.max_model_len,
+                             device_feed=args.device_feed)
     except ParallelismError as e:
         log.error("%s", e)
         return 2
     rows = [("layout", f"TP{par.tensor} x DP{par.data}{' + EP' if par.expert else ''} ({par.devices} GPUs)"),
             ("global KV bytes / token (per data rank; replicated on its TP ranks)", f"{c.kv_bytes_per_token:.0f}"),
             ("SWA + compressor state / session", f"{c.slot_bytes / 2**20:.2f} MiB"),
-            ("weights / GPU (Engram tables in host memory)", f"{c.weight_bytes_per_device / 2**30:.1f} GiB"),
+            ("weights / GPU" + (" (Engram tables' rows split over data ranks: --device-feed)" if args.device_feed
+                                else " (Engram tables in host memory)"), f"{c.weight_bytes_per_device / 2**30:.1f} GiB"),
             ("Engram tables (host)", f"{tables / 2**30:.1f} GiB"),
             ("GPU memory", f"{args.gpu_memory_gb} GiB x {par.devices}"),
             ("free for KV / GPU (10% reserve)", f"{max(0, c.free_bytes_per_device) / 2**30:.1f} GiB"),
@@ -233,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--max-model-len", type=int, default=None)
     k.add_argument("--plans", action="store_true",
                    help="the standard layouts of an 8x H200 host and a GB300 NVL72 rack, one line each")
+    k.add_argument("--device-feed", action="store_true",
+                   help="count the Engram tables in GPU memory, their rows split over the data ranks (as "
+                        "`dsv41 serve --device-feed` places them)")
     k.set_defaults(fn=cmd_kv_budget)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")

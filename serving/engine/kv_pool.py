@@ -208,13 +208,19 @@ class Capacity:
 
 
 def capacity(cfg: ModelConfig, par: Parallelism, gpu_memory_bytes: int, max_model_len: int | None = None,
-             reserve_fraction: float = 0.1, weights_dtype: str | None = None) -> Capacity:
+             reserve_fraction: float = 0.1, weights_dtype: str | None = None, device_feed: bool = False) -> Capacity:
     """Per-device weights from the layout's shard shapes (`sharding.weight_bytes_per_device`, abstract: no
     device needed), the pool's bytes per token and per sequence read off its arrays, and what is left on each
     device after the weights and `reserve_fraction` of its memory (activations, compiled programs). The pool is
     per data rank and replicated over its tensor ranks (one latent serves every head): tensor parallelism splits
-    the weights, not the KV. Raises sharding.ParallelismError for a layout the model cannot take."""
+    the weights, not the KV. device_feed: the Engram tables in device memory too, their rows split over the data
+    ranks (`EngineConfig.device_feed`). Raises sharding.ParallelismError for a layout the model cannot take."""
     w = sharding.weight_bytes_per_device(cfg, par, weights_dtype)
+    if device_feed:
+        from dsv41 import params as P
+
+        for t in P.engram_tables(P.abstract_params(cfg)):  # a rank's block of rows (`device_feed.split_rows`)
+            w += -(-t.weight.shape[0] // par.data) * (t.weight.size + t.scale.size) // t.weight.shape[0]
     free = gpu_memory_bytes * (1 - reserve_fraction) - w
     return Capacity(par, w, global_bytes_per_token(cfg), slot_bytes(cfg), free,
                     min(max_model_len or cfg.max_seq_len, cfg.max_seq_len))
