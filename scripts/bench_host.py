@@ -4,7 +4,10 @@ outputs made once, so nothing runs on the device and nothing waits for it), B ru
 them, admission, pages, the batch arrays (of them the Engram rows: hashing and the host table gather), the sampling
 arrays, and handing the outputs on. Each function's own time (its callees' taken out), microseconds a step.
 
-    PYTHONPATH=. python3 scripts/bench_host.py [--preset tiny] [--batches 1,8,64] [--steps 300]
+    PYTHONPATH=. python3 scripts/bench_host.py [--preset tiny] [--batches 1,8,64] [--steps 300] [--device-feed]
+
+--device-feed: each batch also with its tokens fed on the device (`EngineConfig.device_feed`: no Engram hashing or
+gather on the host; the step dispatched before the previous one's tokens are read).
 
 The step's share the device sees is this plus the program's dispatch (`bench_engine.py`: engine step against
 device-only). Any machine: the CPU's numbers are this host's Python; on a GPU host, its own.
@@ -28,7 +31,7 @@ log = logging.getLogger("bench_host")
 # Engine methods a decode step calls, in call order (nesting: _decode_batch calls _batch, which calls _rows
 # (Engram), and _sampling; _dispatched calls _read with synchronous scheduling)
 PARTS = ("step", "_read", "_admit", "_decode", "_hold_pages", "_decode_rows", "_decode_batch", "_batch", "_rows",
-         "_sampling", "_drawn", "_dispatched")
+         "_sampling", "_drawn", "_dispatched", "_fed_batch", "_dispatched_fed", "_fed_read")
 
 
 class _Stub:
@@ -75,9 +78,12 @@ class Attribution:
         return timed
 
 
-def host_step(eng, B: int, ctx: int, steps: int, temperature: float = 0.0) -> dict:
+def host_step(eng, B: int, ctx: int, steps: int, temperature: float = 0.0, fed: bool = False) -> dict:
     """-> {'step_us': median wall time of a step (unwrapped), part: own us a step (wrapped run)}. temperature > 0:
-    every row draws, so each step also runs the sampling program (on the device, not stubbed)."""
+    every row draws, so each step also runs the sampling program (on the device, not stubbed). fed: the engine's
+    device feed on (an engine built with it), else the synchronous loop."""
+    eng._in_flight.clear()
+    eng.device_feed, eng.async_scheduling = fed, fed
     fake_decode_state(eng, B, ctx, temperature)
     rows = len(eng._decode_rows(list(eng.running.values())))
     programs, att, walls = eng.programs, Attribution(), []
@@ -104,22 +110,27 @@ def main():
     ap = engine_args(__doc__, batches="1,8,64", weights=False)
     ap.set_defaults(preset="tiny")
     ap.add_argument("--steps", type=int, default=300, help="steps timed (and as many attributed)")
+    ap.add_argument("--device-feed", action="store_true", help="each batch also with its tokens fed on the device")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = preset(args.preset)
     batches = [int(b) for b in args.batches.split(",")]
-    eng = make_engine(cfg, device_params(cfg), True, args.decode_ctx + 1024, max(batches))
+    eng = make_engine(cfg, device_params(cfg), True, args.decode_ctx + 4 * args.steps, max(batches),
+                      device_feed=args.device_feed)
     results = []
     for B in batches:
-        r = host_step(eng, B, args.decode_ctx, args.steps, args.temperature)
-        results.append({"batch": B, **r})
-        log.info("batch %d: host step %.0f us", B, r["step_us"])
+        for fed in (False, True) if args.device_feed else (False,):
+            r = host_step(eng, B, args.decode_ctx, args.steps, args.temperature, fed)
+            results.append({"batch": B, "loop": "fed" if fed else "sync", **r})
+            log.info("batch %d %s: host step %.0f us", B, results[-1]["loop"], r["step_us"])
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind} host, jax {jax.__version__}, {args.preset} preset ({len(cfg.engram_layer_ids)} Engram "
           f"layers), context {args.decode_ctx}: a decode step's host time, us (each function's own; median step "
           f"unwrapped, the parts from a wrapped run of {args.steps} steps)\n")
-    print_table(["batch", "host step", *PARTS],
-                [[r["batch"], f"{r['step_us']:.0f}", *(f"{r.get(p, 0.0):.0f}" for p in PARTS)] for r in results])
+    parts = [p for p in PARTS if any(p in r for r in results)]
+    print_table(["batch", "loop", "host step", *parts],
+                [[r["batch"], r["loop"], f"{r['step_us']:.0f}", *(f"{r.get(p, 0.0):.0f}" for p in parts)]
+                 for r in results])
     write_json(args.out, "bench_host.json", {"args": vars(args), "results": results})
 
 

@@ -104,29 +104,31 @@ class DeviceFeed:
     def _fed_batch(self, rows: list[_Request | None]) -> programs.Batch:
         """A decode batch whose tokens the program takes from `_prev` where they are in flight (`programs.Feed`),
         each row's Engram history as of its input; advances the history past the host tokens it feeds."""
-        live = [r for r in rows if r is not None]
-        fed = {r.id for r in live if r.in_flight}  # their input is their newest token, unread
-        toks = {r.id: [0 if r.id in fed else r.last_token] for r in live}
-        pos0 = {r.id: r.num_tokens - (r.id not in fed) for r in live}
-        b = self._batch(rows, toks, pos0, 1, engram=False)
         B = len(rows)
         H = self.hasher.history_len if self.hasher is not None else 1
         index = np.full(B, -1, np.int32)
         history = np.full((B, H), ngram_hash.NO_TOKEN, np.int32)
+        toks, pos0 = {}, {}
         for i, r in enumerate(rows):
             if r is None:
                 continue
-            if r.id in fed:
-                index[i] = r.fed_row
             if self.hasher is not None:
                 history[i] = r.history[0]
-                if r.id not in fed:  # its input is known: the history moves past it now
-                    r.history = self._advanced(r.history, r.last_token)
+            if r.in_flight:  # its input is its newest token, unread
+                index[i] = r.fed_row
+                toks[r.id], pos0[r.id] = [0], r.num_tokens
+            else:  # known: the history moves past it now
+                toks[r.id], pos0[r.id] = [r.last_token], r.num_tokens - 1
+                self._advance(r, r.last_token)
+        b = self._batch(rows, toks, pos0, 1, engram=False)
         return dataclasses.replace(b, feed=programs.Feed(self._prev, self._first, index, history))
 
-    def _advanced(self, history: np.ndarray, tok: int) -> np.ndarray:
-        """The Engram history [1, H] after one more (text) token."""
-        return np.concatenate([history[:, 1:], self.hasher.token_map[tok].reshape(1, 1)], axis=1)
+    def _advance(self, r: _Request, tok: int) -> None:
+        """r's Engram history [1, H] after one more (text) token, in place (each request's array is its own)."""
+        if self.hasher is not None:
+            h = r.history[0]
+            h[:-1] = h[1:]
+            h[-1] = self.hasher.token_map[tok]
 
     def _feed_padding(self, b: programs.Batch) -> programs.Batch:
         """An all-padding decode batch as `_fed_batch` builds one (warm-up)."""
@@ -166,5 +168,5 @@ class DeviceFeed:
     def _fed_read(self, r: _Request, tok: int) -> None:
         """A token of r is read: one fewer in flight; if the step after fed it, its class joins the history."""
         r.in_flight -= 1
-        if r.in_flight and self.hasher is not None:
-            r.history = self._advanced(r.history, tok)
+        if r.in_flight:
+            self._advance(r, tok)
