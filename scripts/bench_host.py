@@ -31,7 +31,9 @@ log = logging.getLogger("bench_host")
 # Engine methods a decode step calls, in call order (nesting: _decode_batch calls _batch, which calls _rows
 # (Engram), and _sampling; _dispatched calls _read with synchronous scheduling)
 PARTS = ("step", "_read", "_admit", "_decode", "_hold_pages", "_decode_rows", "_decode_batch", "_batch", "_rows",
-         "_sampling", "_drawn", "_dispatched", "_fed_batch", "_dispatched_fed", "_fed_read")
+         "_sampling", "_drawn", "_dispatched")
+# with the tokens fed on the device, in place of _decode_batch and _rows (device_feed.py)
+FED_PARTS = ("_fed_batch", "_dispatched_fed", "_fed_read")
 
 
 class _Stub:
@@ -95,12 +97,12 @@ def host_step(eng, B: int, ctx: int, steps: int, temperature: float = 0.0, fed: 
             t0 = time.perf_counter()
             eng.step()
             walls.append(time.perf_counter() - t0)
-        for name in PARTS:
+        for name in PARTS + FED_PARTS:
             setattr(eng, name, att.wrap(name, getattr(eng, name)))
         for _ in range(steps):
             eng.step()
     finally:  # the engine as it was: its own programs and methods
-        for name in PARTS:
+        for name in PARTS + FED_PARTS:
             vars(eng).pop(name, None)
         eng.programs = programs
     return {"step_us": statistics.median(walls) * 1e6, **{k: v / steps * 1e6 for k, v in att.own.items()}}
@@ -127,7 +129,7 @@ def main():
     print(f"\n{dev.device_kind} host, jax {jax.__version__}, {args.preset} preset ({len(cfg.engram_layer_ids)} Engram "
           f"layers), context {args.decode_ctx}: a decode step's host time, us (each function's own; median step "
           f"unwrapped, the parts from a wrapped run of {args.steps} steps)\n")
-    parts = [p for p in PARTS if any(p in r for r in results)]
+    parts = [p for p in PARTS + FED_PARTS if any(p in r for r in results)]
     print_table(["batch", "loop", "host step", *parts],
                 [[r["batch"], r["loop"], f"{r['step_us']:.0f}", *(f"{r.get(p, 0.0):.0f}" for p in parts)]
                  for r in results])

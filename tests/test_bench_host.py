@@ -33,3 +33,11 @@ def test_host_step_runs_every_part_without_the_device():
     assert r["_rows"] > 0 and r["_batch"] > 0  # the Engram rows and batch arrays were built
     assert eng.programs is programs and "_batch" not in vars(eng)
     assert eng.counters["decode_steps"] >= 40
+
+
+def test_host_step_with_tokens_fed_on_the_device():
+    """The device feed's loop: its own parts attributed, no Engram rows built on the host."""
+    eng = tiny_engine.make(device_feed=True)
+    r = bench_host.host_step(eng, 2, 100, steps=20, fed=True)
+    assert all(r[p] > 0 for p in bench_host.FED_PARTS) and "_rows" not in r and "_decode_batch" not in r
+    assert "_fed_batch" not in vars(eng) and eng.counters["decode_steps"] >= 40
