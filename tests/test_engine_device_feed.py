@@ -1,5 +1,6 @@
 """Decode steps fed on the device (`EngineConfig.device_feed`) against the synchronous engine: the same tokens,
-finish reasons and logits; the decode rows' tokens taken on the device from the step before; one read a step."""
+finish reasons and logits; every decode row's token taken on the device from the step before; a preemption while a
+token is in flight."""
 
 import numpy as np
 import pytest
