@@ -67,8 +67,7 @@ def reads(monkeypatch):
     return counts
 
 
-def prompt(n, seed):
-    return list(np.random.default_rng(seed).integers(3, 1000, n))
+prompt = tiny_engine.prompt
 
 
 # greedy and seeded rows, a two-chunk prompt, stop ids that end a request early, one that ends at its first token,

@@ -12,8 +12,7 @@ from serving.engine.engine import SamplingParams
 pytestmark = pytest.mark.xdist_group(tiny_engine.GROUP)
 
 
-def prompt(n, seed):
-    return list(np.random.default_rng(seed).integers(3, 1000, n))
+prompt = tiny_engine.prompt
 
 
 # greedy and seeded rows, a two-chunk prompt, stop ids that end a request early (its row runs a step more), one

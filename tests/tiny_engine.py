@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from dsv41 import model, quant
 from dsv41 import params as P
 from dsv41 import tokenizer as T
@@ -29,6 +31,11 @@ def tiny():
     """(config, float32 parameters with the Engram tables), seed 0."""
     cfg = preset("tiny")
     return cfg, P.dequantize_params(P.init_params(cfg, seed=0), "float32")
+
+
+def prompt(n: int, seed: int) -> list:
+    """n random token ids (3-999, inside the tiny vocabulary), seeded."""
+    return list(np.random.default_rng(seed).integers(3, 1000, n))
 
 
 def make(**kw) -> Engine:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import ngram_hash, quant, sharding
+from dsv41.config import ConfigError
 from serving.engine import programs
 from serving.engine.errors import EngineError
 from serving.engine.scheduler import _bucket, _Request
@@ -76,7 +77,7 @@ class DeviceFeed:
 
         try:
             consts = ngram_hash.device_constants(self.hasher)
-        except ngram_hash.ConfigError as e:
+        except ConfigError as e:
             raise EngineError(str(e)) from None
         dev = programs.DeviceEngram([quant.Fp8Rows(put(t.weight, rows, ranks), put(t.scale, rows, ranks))
                                      for t in tables], {k: put(v, whole) for k, v in consts.items()}, ranks)
@@ -104,10 +105,7 @@ class DeviceFeed:
     def _fed_batch(self, rows: list[_Request | None]) -> programs.Batch:
         """A decode batch whose tokens the program takes from `_prev` where they are in flight (`programs.Feed`),
         each row's Engram history as of its input; advances the history past the host tokens it feeds."""
-        B = len(rows)
-        H = self.hasher.history_len if self.hasher is not None else 1
-        index = np.full(B, -1, np.int32)
-        history = np.full((B, H), ngram_hash.NO_TOKEN, np.int32)
+        index, history = self._feed_arrays(len(rows))
         toks, pos0 = {}, {}
         for i, r in enumerate(rows):
             if r is None:
@@ -130,12 +128,14 @@ class DeviceFeed:
             h[:-1] = h[1:]
             h[-1] = self.hasher.token_map[tok]
 
+    def _feed_arrays(self, B: int) -> tuple[np.ndarray, np.ndarray]:
+        """A `Feed`'s index and history for B padding rows: no token from the device, nothing before."""
+        H = self.hasher.history_len if self.hasher is not None else 1
+        return np.full(B, -1, np.int32), np.full((B, H), ngram_hash.NO_TOKEN, np.int32)
+
     def _feed_padding(self, b: programs.Batch) -> programs.Batch:
         """An all-padding decode batch as `_fed_batch` builds one (warm-up)."""
-        B = b.tokens.shape[0]
-        H = self.hasher.history_len if self.hasher is not None else 1
-        feed = programs.Feed(self._prev, self._first, np.full(B, -1, np.int32),
-                             np.full((B, H), ngram_hash.NO_TOKEN, np.int32))
+        feed = programs.Feed(self._prev, self._first, *self._feed_arrays(b.tokens.shape[0]))
         return dataclasses.replace(b, rows=[], feed=feed)
 
     def _feed_decodes(self) -> list[_Request]:

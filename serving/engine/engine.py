@@ -432,9 +432,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
             return self._fed_step()
         outs = self._undelivered = self._undelivered + self._read()
         self._admit()
-        queued: dict[int, list[_Request]] = {}  # each rank's prompts to fill, oldest first
-        for r in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.arrival):
-            queued.setdefault(r.rank, []).append(r)
+        queued = self._prompts_to_fill()
         firsts = self._prefill(queued) if queued else []
         outs += firsts
         # a prompt whose first token was read in this step, or is not read yet, decodes from the next step on
@@ -457,13 +455,18 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         finally:
             outs = self._undelivered = outs + self._read(prior)
         self._admit()
-        queued: dict[int, list[_Request]] = {}
-        for r in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.arrival):
-            queued.setdefault(r.rank, []).append(r)
+        queued = self._prompts_to_fill()
         if queued:
             self._prefill(queued)
         self._undelivered = []
         return outs
+
+    def _prompts_to_fill(self) -> dict[int, list[_Request]]:
+        """Each data rank's prompts still prefilling, oldest first."""
+        queued: dict[int, list[_Request]] = {}
+        for r in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.arrival):
+            queued.setdefault(r.rank, []).append(r)
+        return queued
 
     def _dispatched(self, rows: list, tok: jax.Array, logits: jax.Array, decode: bool = False) -> list[StepOutput]:
         """A program's sampled tokens: left in flight (async scheduling: -> []), or read and accepted now. decode:
