@@ -335,6 +335,11 @@ class Fp8Rows:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.weight.shape)
 
+    @staticmethod
+    def row_bytes(d: int) -> int:
+        """Bytes of one row of d values: d e4m3 bytes and a scale byte per 32."""
+        return d + d // 32
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return fp8_dequantize(self.weight, ue8m0_decode(self.scale), 32).astype(dtype)
 

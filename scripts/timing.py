@@ -355,7 +355,10 @@ def make_engine(cfg, params, replay, max_len, seqs, backend="xla", replay_tokens
 def engine_config(cfg, replay, max_len, seqs, backend="xla", replay_tokens=None, min_prefill_bucket=2048,
                   **config) -> EngineConfig:
     """`backend`'s kernels (`kernels_of`), no prefix cache, prefill chunks of 2048 (a shorter prompt padded to
-    min_prefill_bucket, then to a power of two); `config`: other EngineConfig fields."""
+    min_prefill_bucket, then to a power of two), decode tokens read on the host unless `config` says device_feed
+    (the benchmarks time the loop they name; bench_device_feed.py times the fed one); `config`: other EngineConfig
+    fields."""
+    config.setdefault("device_feed", False)
     attn, moe_be, mhc_be, router_be, linear_be = kernels_of(backend)
     suffixes = backend.split("+")[1:]
     opts = KernelOptions(fuse_rope="unfused-rope" not in suffixes,

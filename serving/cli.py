@@ -119,7 +119,7 @@ def cmd_kv_budget(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_json(f"{args.checkpoint}/config.json") if args.checkpoint else preset(args.preset or "flash")
     tables = sum(x.weight.size + x.scale.size for x in P.engram_tables(P.abstract_params(cfg)))
     if args.plans:
-        return _print_plans(cfg, args.max_model_len)
+        return _print_plans(cfg, args.max_model_len, args.device_feed)
     par = Parallelism(args.tensor_parallel_size or 1, args.data_parallel_size or 1, bool(args.enable_expert_parallel),
                       **_given(all2all=args.all2all_backend))
     try:
@@ -131,8 +131,9 @@ def cmd_kv_budget(args: argparse.Namespace) -> int:
     rows = [("layout", f"TP{par.tensor} x DP{par.data}{' + EP' if par.expert else ''} ({par.devices} GPUs)"),
             ("global KV bytes / token (per data rank; replicated on its TP ranks)", f"{c.kv_bytes_per_token:.0f}"),
             ("SWA + compressor state / session", f"{c.slot_bytes / 2**20:.2f} MiB"),
-            ("weights / GPU" + (" (Engram tables' rows split over data ranks: --device-feed)" if args.device_feed
-                                else " (Engram tables in host memory)"), f"{c.weight_bytes_per_device / 2**30:.1f} GiB"),
+            ("weights / GPU" + (" (+ the Engram tables' rows split over data ranks; --no-device-feed: host only)"
+                                if args.device_feed else " (Engram tables in host memory)"),
+             f"{c.weight_bytes_per_device / 2**30:.1f} GiB"),
             ("Engram tables (host)", f"{tables / 2**30:.1f} GiB"),
             ("GPU memory", f"{args.gpu_memory_gb} GiB x {par.devices}"),
             ("free for KV / GPU (10% reserve)", f"{max(0, c.free_bytes_per_device) / 2**30:.1f} GiB"),
@@ -150,7 +151,7 @@ def cmd_kv_budget(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_plans(cfg, max_model_len: int | None) -> int:
+def _print_plans(cfg, max_model_len: int | None, device_feed: bool) -> int:
     from dsv41.sharding import Parallelism, ParallelismError
     from serving.engine import kv_pool
 
@@ -162,7 +163,7 @@ def _print_plans(cfg, max_model_len: int | None) -> int:
             par = Parallelism(tp, dp, ep)
             name = f"TP{tp}" + (f" x DP{dp}" if dp > 1 else "") + (" + EP" if ep else "")
             try:
-                c = kv_pool.capacity(cfg, par, gib * 2**30, max_model_len)
+                c = kv_pool.capacity(cfg, par, gib * 2**30, max_model_len, device_feed=device_feed)
             except ParallelismError as e:
                 out.append((machine, name, str(par.devices), f"cannot: {e}", "", "", "", "", ""))
                 continue
@@ -176,6 +177,9 @@ def _print_plans(cfg, max_model_len: int | None) -> int:
     widths = [max(len(r[i]) for r in out if len(r[i]) < 60) for i in range(len(head))]
     for r in out:
         sys.stdout.write("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + "\n")
+    sys.stdout.write("weights/GPU " + ("include the Engram tables' rows split over the data ranks (serve's default "
+                                       "on GPUs; --no-device-feed: in host memory only)\n" if device_feed else
+                                       "leave the Engram tables in host memory\n"))
     return 0
 
 
@@ -235,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--max-model-len", type=int, default=None)
     k.add_argument("--plans", action="store_true",
                    help="the standard layouts of an 8x H200 host and a GB300 NVL72 rack, one line each")
-    k.add_argument("--device-feed", action="store_true",
-                   help="count the Engram tables in GPU memory, their rows split over the data ranks (as "
-                        "`dsv41 serve --device-feed` places them)")
+    k.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the Engram tables in GPU memory, their rows split over the data ranks, as `dsv41 "
+                        "serve` places them on GPUs by default; --no-device-feed: in host memory only (`serve "
+                        "--no-device-feed`, or with --speculative-config)")
     k.set_defaults(fn=cmd_kv_budget)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")

@@ -185,8 +185,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=None,
                    help="dispatch each decode step before reading the previous step's tokens, which the program "
                         "takes on the device with their Engram rows (the Engram tables then also live in device "
-                        "memory: 6.1 GB for the bench preset). Implies --async-scheduling; not with "
-                        "--speculative-config (default off)")
+                        "memory, their rows split over the data ranks: 5.9 GiB for the bench preset; `dsv41 "
+                        "kv-budget` counts them). Implies --async-scheduling; not with --speculative-config "
+                        "(default: on with a GPU, unless --speculative-config or the tables would take over a "
+                        "quarter of a GPU's memory; off on CPU)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "

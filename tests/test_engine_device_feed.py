@@ -111,3 +111,50 @@ def test_preempted_with_a_token_in_flight():
     want, _ = run()
     got, preemptions = run(device_feed=True)
     assert preemptions >= 1 and got == want
+
+
+def test_the_platform_decides_where_the_option_is_unset():
+    """device_feed=None: fed on a GPU (not on the CPU), but for speculative decoding or where the Engram tables a
+    device would hold take more than FEED_TABLES_MAX_SHARE of its memory (Flash with tensor parallelism alone holds
+    its 188.8 GiB tables whole on every GPU); a given value stands, and device_feed=True with speculative decoding
+    is refused before anything is built. The engine resolves it before it places anything (`platform_config`), so
+    its compile workers and the program store's keys see the value it runs."""
+    from dsv41.config import preset
+    from serving.engine import kv_pool
+    from serving.engine.config import FEED_TABLES_MAX_SHARE, EngineConfig, EngineError, SpeculativeConfig
+    from serving.engine.engine import platform_config
+
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+    h200 = 141 * 2**30
+    flash = preset("flash")
+    dp8, tp8 = (kv_pool.engram_bytes_per_device(flash, d) for d in (8, 1))
+    assert dp8 <= FEED_TABLES_MAX_SHARE * h200 < tp8
+    assert not EngineConfig().feeds_on_device("cpu")
+    assert EngineConfig().feeds_on_device("gpu") and EngineConfig().feeds_on_device("gpu", dp8, h200)
+    assert not EngineConfig().feeds_on_device("gpu", tp8, h200)
+    assert not EngineConfig(speculative_config=spec).feeds_on_device("gpu")
+    assert EngineConfig(device_feed=True).feeds_on_device("cpu")
+    assert not EngineConfig(device_feed=False).feeds_on_device("gpu")
+    with pytest.raises(EngineError, match="--device-feed or --speculative-config"):
+        EngineConfig(device_feed=True, speculative_config=spec)
+    cfg = tiny_engine.tiny()[0]
+    assert platform_config(cfg, EngineConfig()).device_feed is False  # this CPU
+    assert platform_config(cfg, EngineConfig(device_feed=True)).device_feed is True
+    eng = tiny_engine.make()
+    assert eng.config.device_feed is False and not eng.device_feed
+
+
+def test_table_bytes_are_the_tables_rows_a_rank_holds():
+    """`kv_pool.engram_bytes_per_device` (what the default and `dsv41 kv-budget` count, from the config alone)
+    equals the bytes of each table's block of rows a data rank holds in the abstract parameter tree."""
+    from dsv41 import params as P
+    from dsv41.config import preset
+    from serving.engine import kv_pool
+
+    for name in ("tiny", "bench"):
+        cfg = preset(name)
+        tables = P.engram_tables(P.abstract_params(cfg))
+        for ranks in (1, 3, 8):
+            want = sum(-(-t.weight.shape[0] // ranks) * (t.weight.size + t.scale.size) // t.weight.shape[0]
+                       for t in tables)
+            assert kv_pool.engram_bytes_per_device(cfg, ranks) == want, (name, ranks)

@@ -233,11 +233,11 @@ def test_kv_budget_plans(capsys):
     assert cli.main(["kv-budget", "--plans"]) == 0
     out = capsys.readouterr().out
     assert "8x H200" in out and "GB300 NVL72" in out and "cannot be split 72 ways" in out
-    assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel"]) == 0
+    assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel", "--no-device-feed"]) == 0
     out = capsys.readouterr().out
     assert "TP1 x DP8 + EP (8 GPUs)" in out
-    # Flash's Engram tables (188.8 GiB) in device memory too, an eighth a GPU
-    assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel", "--device-feed"]) == 0
+    # by default (serve's on GPUs) Flash's Engram tables (188.8 GiB) in device memory too, an eighth a GPU
+    assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel"]) == 0
     w = [float(line.split()[-2]) for o in (out, capsys.readouterr().out) for line in o.splitlines()
          if line.startswith("weights / GPU")]
     assert abs(w[1] - w[0] - 188.8 / 8) < 0.1, w

@@ -14,6 +14,9 @@ from dsv41.sharding import Parallelism
 from serving.engine.backends import KernelOptions
 from serving.engine.errors import EngineError
 
+# the most of a device's memory the Engram tables may take for decode steps to be fed on it by default
+# (`EngineConfig.feeds_on_device`): Flash's tables on 8 data ranks take 17% of an H200
+FEED_TABLES_MAX_SHARE = 0.25
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
@@ -126,8 +129,9 @@ class EngineConfig:
     # the next decode step dispatched before the host reads this step's tokens: each row's token is fed on the
     # device (the previous step's sampled ids), its Engram rows hashed and gathered there (the tables in device
     # memory as well as the host's, which prefill keeps reading). The GPU never waits for the host between decode
-    # steps; a row that stopped is computed one step more. Implies async scheduling; not with speculative decoding
-    device_feed: bool = False
+    # steps; a row that stopped is computed one step more. Implies async scheduling; not with speculative decoding.
+    # None: the platform's (`feeds_on_device`)
+    device_feed: bool | None = None
     # warm-up's compiled programs kept on disk beside the persistent compilation cache and loaded at the next start
     # without tracing (serving/engine/executables.py); off: every program goes through jit
     program_store: bool = True
@@ -142,12 +146,15 @@ class EngineConfig:
                            expert=self.enable_expert_parallel, all2all=self.all2all_backend)
 
     def __post_init__(self):
-        for name in ("batch_invariant", "async_scheduling", "device_feed"):
+        for name in ("batch_invariant", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.split_decode not in (None, True, False):
-            raise EngineError(f"split_decode must be True, False or None (the platform's), got "
-                              f"{self.split_decode!r}")
+        for name in ("split_decode", "device_feed"):
+            if getattr(self, name) not in (None, True, False):
+                raise EngineError(f"{name} must be True, False or None (the platform's), got {getattr(self, name)!r}")
+        if self.device_feed and self.speculative_config is not None:
+            raise EngineError("device_feed does not run speculative decoding (its next chunk holds the drafts); "
+                              "leave out --device-feed or --speculative-config")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_rows", 1),
                          ("page_tokens", 2), ("max_waiting", 0), ("swa_replay_tokens", 1), ("tensor_parallel_size", 1),
                          ("data_parallel_size", 1)):
@@ -199,6 +206,22 @@ class EngineConfig:
         compile in one process's threads (no compile workers by default): `dsv41 serve --preset tiny` was healthy
         after 40.8 s split against 37.8 s as one program on a 2-core host."""
         return self.split_decode if self.split_decode is not None else platform != "cpu"
+
+    def feeds_on_device(self, platform: str, tables_bytes: int = 0, memory_bytes: int | None = None) -> bool:
+        """Whether decode steps take their tokens on the device (`device_feed`) on `platform` (jax's: 'cpu',
+        'gpu'), the platform's where device_feed is None. A GPU: yes, but for speculative decoding and where the
+        Engram tables a device would hold (`tables_bytes`: `kv_pool.engram_bytes_per_device`) take more than
+        `FEED_TABLES_MAX_SHARE` of its memory (`memory_bytes`; None: unknown). There a decode step's launch (~660
+        graph nodes) and the read of its tokens sit between the steps: fed, a step took what the program takes
+        queued back to back, 0.59x / 0.70x / 0.68x the synchronous step at batch 1 / 16 / 64 (H100, bench preset),
+        and the agentic serving benchmark's TPOT p50 fell 26% (docs/PERFORMANCE.md sections 2 and 5). The cost is
+        the tables in device memory too: 5.9 GiB for the bench preset; Flash's 188.8 GiB split over the data
+        ranks, 23.6 GiB a GPU on 8 (`dsv41 kv-budget`), but whole on every GPU of tensor parallelism alone, where
+        the share keeps them on the host. The CPU: no; its steps do not wait on a launch."""
+        if self.device_feed is not None:
+            return self.device_feed
+        fits = memory_bytes is None or tables_bytes <= FEED_TABLES_MAX_SHARE * memory_bytes
+        return platform != "cpu" and self.speculative_config is None and fits
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -83,14 +83,11 @@ class DeviceFeed:
                                      for t in tables], {k: put(v, whole) for k, v in consts.items()}, ranks)
         self.params = {**self.params, programs.DEVICE_ENGRAM: dev}
 
-    def _init_device_feed(self, config) -> None:
-        """Checks the option against the engine's other choices; the first `Feed.prev` (zeros)."""
-        self.device_feed = config.device_feed
-        if not self.device_feed:
+    def _init_device_feed(self, feed: bool) -> None:
+        """feed: `EngineConfig.feeds_on_device` here; the first `Feed.prev` (zeros)."""
+        self.device_feed = feed
+        if not feed:
             return
-        if self.spec is not None:
-            raise EngineError("device_feed does not run speculative decoding (its next chunk holds the drafts); "
-                              "leave out --device-feed or --speculative-config")
         D = len(self.ranks)
         self.feed_width = _bucket(self.layout.num_slots, self.min_decode_bucket)  # per rank: the top decode bucket
         rows = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None

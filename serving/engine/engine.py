@@ -13,9 +13,9 @@ without waiting for them; the next step() first reads their sampled tokens (one 
 loop's only wait on the device), so the caller's work on the returned tokens (streaming, detokenizing) runs
 while the device computes. The order of every decision is the synchronous engine's, so the tokens are the same.
 The host still reads a step's tokens before it builds the next step's batch: each token's Engram rows are hashed
-from it and gathered from tables in host memory (Flash's are 197 GB). With `EngineConfig.device_feed` (the tables
-in device memory too) the next decode step is dispatched first, its tokens fed on the device, as vLLM's async
-scheduler does (device_feed.py). Speculative decoding steps stay synchronous (the next chunk holds the drafts).
+from it and gathered from tables in host memory (Flash's are 197 GB). With `EngineConfig.device_feed` (a GPU's
+default; the tables in device memory too) the next decode step is dispatched first, its tokens fed on the device,
+as vLLM's async scheduler does (device_feed.py). Speculative decoding steps stay synchronous (the next chunk holds the drafts).
 
 On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
 pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
@@ -98,6 +98,18 @@ def _committed(params: dict) -> dict:
     return jax.tree_util.tree_map(commit, params)
 
 
+def platform_config(cfg: ModelConfig, config: EngineConfig) -> EngineConfig:
+    """config with device_feed decided where it is None (`EngineConfig.feeds_on_device`) for this platform, cfg's
+    Engram tables and the first device's memory, before anything is placed: the engine, its compile workers (which
+    get this config) and the program store's keys then see one value."""
+    if config.device_feed is not None:
+        return config
+    stats = jax.local_devices()[0].memory_stats() or {}
+    tables = kv_pool.engram_bytes_per_device(cfg, config.data_parallel_size)
+    return dataclasses.replace(config, device_feed=config.feeds_on_device(jax.default_backend(), tables,
+                                                                          stats.get("bytes_limit")))
+
+
 class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer, hasher, config: EngineConfig = EngineConfig(),
                  *, own_params: bool = False, abstract: bool = False,
@@ -109,6 +121,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         if not isinstance(config, EngineConfig):
             raise EngineError(f"config must be an EngineConfig, got {type(config).__name__}; "
                               f"pass engine options as EngineConfig(...) fields")
+        config = platform_config(cfg, config)
         self.config = config
         numerics = config.numerics
         max_num_seqs, page_tokens = config.max_num_seqs, config.page_tokens
@@ -142,7 +155,8 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         self.params = layer_runs.stack_params(self.params, cfg, stack=scan, consume=own_params)
         if self.mesh is None:
             self.params = _committed(self.params)
-        if config.device_feed:  # before the programs take the params' shardings
+        feed = config.device_feed
+        if feed:  # before the programs take the params' shardings
             self._device_engram(abstract, tables)
         # one device: the module's programs, whose compiled cache every engine in the process shares; the
         # executables warm-up keeps (or loads from the program store) are this engine's own. Across processes the
@@ -214,8 +228,8 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
         # a speculative step's next chunk holds its drafts, which the host needs for their Engram rows: synchronous
-        self.async_scheduling = (config.async_scheduling or config.device_feed) and self.spec is None
-        self._init_device_feed(config)
+        self.async_scheduling = (config.async_scheduling or feed) and self.spec is None
+        self._init_device_feed(feed)
         self._in_flight: list[_InFlight] = []  # the last step's programs, read by the next step()
         self._undelivered: list[StepOutput] = []  # outputs read by a step that then raised: the next step returns them
         # the program shapes steps may run while a staged warm-up compiles the others (`Warmup`); None: any
@@ -231,6 +245,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         from dsv41.config import preset
 
         cfg = preset(name)
+        config = platform_config(cfg, config)
         compiling = precompile.start(cfg, config)  # while the weights are drawn
         params = P.init_params(cfg, seed)
         return cls(cfg, params, T.load_tokenizer(), model.hasher_for(params, cfg), config, own_params=True,
@@ -250,7 +265,8 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         from dsv41 import tokenizer as T
 
         tree = P.abstract_params(cfg)
-        if not config.device_feed:  # (with it the device tables are program arguments: their whole shapes)
+        config = platform_config(cfg, config)
+        if not config.device_feed:  # (fed: the device tables are program arguments: their whole shapes)
             tree = _one_row_tables(tree)
         if checkpoint is not None:
             tree = ckpt.with_token_map(tree, cfg, checkpoint)
@@ -270,8 +286,11 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         try:
             mesh = sharding.make_mesh(par) if par.devices > 1 else None
             # while the weights load (a release-format directory's config; an orbax one's programs compile here)
-            compiling = (precompile.start(checkpoint.read_config(path), config, checkpoint=path)
-                         if mesh is None and not checkpoint.is_orbax_dir(path) else None)
+            if mesh is None and not checkpoint.is_orbax_dir(path):
+                config = platform_config(checkpoint.read_config(path), config)
+                compiling = precompile.start(checkpoint.read_config(path), config, checkpoint=path)
+            else:
+                compiling = None
             cfg, params = checkpoint.load_checkpoint(path, mesh=mesh, parallelism=par)
         except sharding.ParallelismError as e:
             raise EngineError(str(e)) from None

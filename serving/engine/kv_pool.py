@@ -29,7 +29,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from dsv41 import layer_runs, sharding
+from dsv41 import layer_runs, quant, sharding
 from dsv41.config import ModelConfig
 from dsv41.kv_layout import LayerKV
 from dsv41.sharding import Parallelism
@@ -207,6 +207,13 @@ class Capacity:
                                                          / self.kv_bytes_per_token)))
 
 
+def engram_bytes_per_device(cfg: ModelConfig, data_ranks: int) -> int:
+    """The Engram tables' bytes on each device when they live in device memory (`EngineConfig.device_feed`): a data
+    rank's block of each table's rows (`device_feed.split_rows`), whole on every tensor rank."""
+    rows = [n for n, layer in zip(cfg.engram_num_embeddings, cfg.engram_layer_ids) if layer < cfg.n_layers]
+    return sum(-(-n // data_ranks) * quant.Fp8Rows.row_bytes(cfg.engram_head_dim) for n in rows)
+
+
 def capacity(cfg: ModelConfig, par: Parallelism, gpu_memory_bytes: int, max_model_len: int | None = None,
              reserve_fraction: float = 0.1, weights_dtype: str | None = None, device_feed: bool = False) -> Capacity:
     """Per-device weights from the layout's shard shapes (`sharding.weight_bytes_per_device`, abstract: no
@@ -217,10 +224,7 @@ def capacity(cfg: ModelConfig, par: Parallelism, gpu_memory_bytes: int, max_mode
     ranks (`EngineConfig.device_feed`). Raises sharding.ParallelismError for a layout the model cannot take."""
     w = sharding.weight_bytes_per_device(cfg, par, weights_dtype)
     if device_feed:
-        from dsv41 import params as P
-
-        for t in P.engram_tables(P.abstract_params(cfg)):  # a rank's block of rows (`device_feed.split_rows`)
-            w += -(-t.weight.shape[0] // par.data) * (t.weight.size + t.scale.size) // t.weight.shape[0]
+        w += engram_bytes_per_device(cfg, par.data)
     free = gpu_memory_bytes * (1 - reserve_fraction) - w
     return Capacity(par, w, global_bytes_per_token(cfg), slot_bytes(cfg), free,
                     min(max_model_len or cfg.max_seq_len, cfg.max_seq_len))
