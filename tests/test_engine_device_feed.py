@@ -1,7 +1,9 @@
 """Decode steps fed on the device (`EngineConfig.device_feed`) against the synchronous engine: the same tokens,
 finish reasons and logits; every decode row's token taken on the device from the step before; a preemption while a
-token is in flight."""
+token is in flight. Where the option is unset the platform decides (a GPU's default); tables that do not fit name
+the fix."""
 
+import jax
 import numpy as np
 import pytest
 import tiny_engine
@@ -158,3 +160,17 @@ def test_table_bytes_are_the_tables_rows_a_rank_holds():
             want = sum(-(-t.weight.shape[0] // ranks) * (t.weight.size + t.scale.size) // t.weight.shape[0]
                        for t in tables)
             assert kv_pool.engram_bytes_per_device(cfg, ranks) == want, (name, ranks)
+
+
+def test_tables_that_do_not_fit_name_the_fix(monkeypatch):
+    """Device memory running out while the Engram tables are placed is an EngineError that names the tables' size
+    and the fix (--no-device-feed), not XLA's allocator message."""
+    from serving.engine import device_feed
+    from serving.engine.errors import EngineError
+
+    def full(*a, **k):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.94GiB.")
+
+    monkeypatch.setattr(device_feed, "split_rows", full)
+    with pytest.raises(EngineError, match=r"Engram tables \(0\.0 GiB a device\).*--no-device-feed"):
+        tiny_engine.make(data_parallel_size=2, num_pages=8, device_feed=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 from dsv41 import ngram_hash, quant, sharding
 from dsv41.config import ConfigError
-from serving.engine import programs
+from serving.engine import kv_pool, programs
 from serving.engine.errors import EngineError
 from serving.engine.scheduler import _bucket, _Request
 
@@ -79,8 +79,17 @@ class DeviceFeed:
             consts = ngram_hash.device_constants(self.hasher)
         except ConfigError as e:
             raise EngineError(str(e)) from None
-        dev = programs.DeviceEngram([quant.Fp8Rows(put(t.weight, rows, ranks), put(t.scale, rows, ranks))
-                                     for t in tables], {k: put(v, whole) for k, v in consts.items()}, ranks)
+        try:
+            dev = programs.DeviceEngram([quant.Fp8Rows(put(t.weight, rows, ranks), put(t.scale, rows, ranks))
+                                         for t in tables], {k: put(v, whole) for k, v in consts.items()}, ranks)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            gib = kv_pool.engram_bytes_per_device(self.cfg, ranks) / 2**30
+            raise EngineError(f"the Engram tables ({gib:.1f} GiB a device) do not fit in device memory beside the "
+                              f"weights, which the device feed needs: pass --no-device-feed "
+                              f"(EngineConfig(device_feed=False)) to read decode tokens on the host, or split the "
+                              f"tables' rows over more data ranks (--data-parallel-size)") from None
         self.params = {**self.params, programs.DEVICE_ENGRAM: dev}
 
     def _init_device_feed(self, feed: bool) -> None:
