@@ -7,8 +7,12 @@ The bench preset (Flash's per-layer widths) with its three DSpark stages at Flas
 the release's stored formats (FP8 linears, FP4 experts) with the engine's default kernels, as `dsv41 serve` runs.
 Random weights accept almost no draft, so the speculative engine runs with forced acceptance: every step takes
 k drafts and the bonus token, so its contexts grow and its rings wrap as they would at full acceptance. A step of
-either engine is timed end to end (`Engine.step`: host batch, program, host bookkeeping). At acceptance length L
-(tokens a step, 1 + accepted drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchmark.
+either engine is timed end to end (`Engine.step`: host batch, program, host bookkeeping; --reps steps in a loop and
+the read that ends it, divided by --reps, the median of 3 such blocks). The plain step is timed twice: as `dsv41
+serve` runs it on a GPU (its tokens fed on the device, `EngineConfig.device_feed`: the step N + 1 dispatched before
+step N's tokens are read), the baseline of the speed-ups, and with each step's tokens read on the host, as the
+speculative step still runs (its next chunk holds the drafts). At acceptance length L (tokens a step, 1 + accepted
+drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchmark.
 --k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
 (no draft verified: the k-wide program with its draft columns masked); --split-spec adds each speculative program
 cut at the split layer (the plain step is cut there on a GPU). --preset tiny: a CPU smoke test.
@@ -18,10 +22,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
+import time
 
 from timing import engine_args, fake_decode_state, kernels_of, make_engine, model_config  # noqa: I001 (sys.path)
 from timing import write_json
-from timing import median_wall_s as timed
 import jax
 
 from dsv41 import params as P
@@ -31,18 +36,32 @@ log = logging.getLogger("bench_speculative")
 LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
 
 
+BLOCKS = 3
+
+
 def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None,
-              temperature: float = 0.0, backend: str = "auto", split_spec: bool = False):
+              temperature: float = 0.0, backend: str = "auto", split_spec: bool = False, fed: bool = False):
     """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
     backend's kernels (`timing.kernels_of`: `auto` is serve's), one decode bucket of B rows, at that temperature;
-    split_spec: a speculative step in two programs (a plain one: the platform's split either way)."""
+    split_spec: a speculative step in two programs (a plain one: the platform's split either way); fed: a plain
+    step's tokens fed on the device."""
     eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec,
-                      **({"split_decode": True} if split_spec and spec is not None else {}))
+                      device_feed=fed, **({"split_decode": True} if split_spec and spec is not None else {}))
     if split_spec and spec is not None and len(eng.decode_kinds) != 2:
         raise SystemExit(f"--split-spec: this model's DSpark reads layers {cfg.dspark_target_layer_ids}, not all past "
                          f"the split layer {cfg.split_layer}, so its step cannot be cut there; drop --split-spec")
     fake_decode_state(eng, B, ctx, temperature)
-    return timed(eng.step, reps=1), timed(eng.step, reps=reps)
+    first = _loop(eng, 1)
+    return first, statistics.median(_loop(eng, reps) for _ in range(BLOCKS))
+
+
+def _loop(eng, steps: int) -> float:
+    """Seconds a step over `steps` calls of `Engine.step` and the read of what the last one left in flight."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    eng._read()
+    return (time.perf_counter() - t) / steps
 
 
 def main():
@@ -65,35 +84,40 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     params = P.init_params(cfg, seed=0)
     ks = sorted(int(k) for k in args.k.split(","))
-    max_len = -(-(args.decode_ctx + (ks[-1] + 1) * (args.reps + 2) + 64) // 64) * 64
+    max_len = -(-(args.decode_ctx + (ks[-1] + 1) * (BLOCKS * args.reps + 2) + 64) // 64) * 64
     specs = [(f"k={k}", SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=True)) for k in ks]
     specs += [(f"k={ks[-1]} cut to 0", SpeculativeConfig(num_speculative_tokens=ks[-1], forced_acceptance=True,
                                                          confidence_threshold=1.0))] * args.cut
     rows = []
     for B in batches:
-        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0])
+        fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0],
+                           fed=True)
+        th = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0])[1]
         for backend in backends:
             for (name, spec), split in itertools.product(specs, (False, True)[:1 + args.split_spec]):
                 fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
                                    backend, split)
                 name += ", two programs" if split else ""
                 rows.append((B, backend, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens,
-                             tp, ts))
-                log.info("B=%d plain %.2f ms, %s %s %.2f ms (first calls %.1f / %.1f s)", B, tp * 1e3, backend,
-                         name, ts * 1e3, fp, fs)
+                             tp, th, ts))
+                log.info("B=%d plain %.2f ms fed, %.2f ms read on the host, %s %s %.2f ms (first calls %.1f / "
+                         "%.1f s)", B, tp * 1e3, th * 1e3, backend, name, ts * 1e3, fp, fs)
 
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}, {args.preset} preset + 3 DSpark stages "
           f"({cfg.dspark_n_routed_experts} experts, top-{cfg.dspark_num_experts_per_tok}), plain step's kernels "
           f"{backends[0]}, context {args.decode_ctx}\n")
     lengths = [L for L in LENGTHS if L <= ks[-1] + 1]
-    print("| batch | kernels | program | plain step ms | verify + draft step ms | cost ratio | plain tok/s | "
-          + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")
+    print("Speed-ups (x) against the plain step as serve runs it (fed); in brackets against the plain step with its "
+          "tokens read on the host.\n")
+    print("| batch | kernels | program | plain step ms, fed / read on the host | verify + draft step ms | cost ratio "
+          "| plain tok/s | " + " | ".join(f"L={L:g} tok/s (x)" for L in lengths) + " |")
     print("|---" * (7 + len(lengths)) + "|")
-    for B, backend, name, k, tp, ts in rows:
-        cells = [f"{B * L / ts:,.0f} ({tp * L / ts:.2f}x)" if L <= k + 1 else "" for L in lengths]
-        print(f"| {B} | {backend} | {name} | {tp * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | {B / tp:,.0f} | "
-              + " | ".join(cells) + " |")
+    for B, backend, name, k, tp, th, ts in rows:
+        cells = [f"{B * L / ts:,.0f} ({tp * L / ts:.2f}x) [{th * L / ts:.2f}x]" if L <= k + 1 else ""
+                 for L in lengths]
+        print(f"| {B} | {backend} | {name} | {tp * 1e3:.2f} / {th * 1e3:.2f} | {ts * 1e3:.2f} | {ts / tp:.2f} | "
+              f"{B / tp:,.0f} | " + " | ".join(cells) + " |")
     write_json(args.out, "bench_speculative.json", {"args": vars(args), "rows": rows})
 
 
