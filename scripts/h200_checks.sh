@@ -35,7 +35,10 @@
 #                  host events by name), then XLA's autotuning: the decode program's first step (its compile) and
 #                  its step time, batch 1, in engines of 8192 and 131072 tokens (the block table's width), with XLA's
 #                  default flags and with --xla_gpu_autotune_level=0 (~6 min)
-#   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` (~6 min; + $SERVE_ARGS; $BENCH_ARGS: the load)
+#   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` with serve's bucket ladder, 16 sequences of up
+#                  to 8192 tokens, every program compiled before /health is 200 (~6 min; + $SERVE_ARGS); the load
+#                  ($BENCH_ARGS): 16 agentic sessions of 4 turns with 8K-token prompts arriving at 0.5/s (issue
+#                  #43's TPOT targets; the server's wheels carried and on PYTHONPATH, as for startup)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
 #   exchange       the expert-parallel token exchanges on every GPU of the machine (2-8: a multi-GPU kind): the
@@ -147,15 +150,15 @@ case "${1:-}" in
     done
     ;;
   serve)
-    args="--preset bench --max-model-len 8192 --max-num-seqs 8 --max-num-batched-tokens 2048 --min-prefill-bucket 2048"
+    args="--preset bench --max-model-len 8192 --max-num-seqs 16 --no-serve-during-warmup"
     $PY -m serving.cli serve $args ${SERVE_ARGS:-} --warmup --port 8123 > "$OUT/server.txt" 2>&1 &
     server=$!
-    for _ in $(seq 240); do  # warm-up compiles every program shape first (~2 min)
+    for _ in $(seq 300); do  # warm-up compiles every program shape first (~3 min cold)
       $PY -c "import urllib.request as u; u.urlopen('http://localhost:8123/health')" 2> /dev/null && break; sleep 1
     done
-    timeout -k 10 300 $PY -m serving.cli bench serve --port 8123 --result-dir "$OUT/serve" ${BENCH_ARGS:---max-concurrency 1,4,8 \
-      --num-turns 3 --think-time 0.3 --shared-prefix-len 1500 --input-len 300 --turn-input-len 100 --output-len 32 \
-      --num-warmups 1} > "$OUT/serve.txt" 2>&1
+    timeout -k 10 300 $PY -m serving.cli bench serve --port 8123 --result-dir "$OUT/serve" ${BENCH_ARGS:---max-concurrency 16 \
+      --num-turns 4 --think-time 0.3 --shared-prefix-len 1500 --input-len 300 --turn-input-len 100 --output-len 64 \
+      --num-warmups 1 --long-prompt-rate 0.5 --long-prompt-len 3000} > "$OUT/serve.txt" 2>&1
     echo "bench serve rc=$?"
     kill "$server"; wait "$server"
     tail -n 25 "$OUT/serve.txt"
