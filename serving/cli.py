@@ -123,16 +123,16 @@ def cmd_kv_budget(args: argparse.Namespace) -> int:
     par = Parallelism(args.tensor_parallel_size or 1, args.data_parallel_size or 1, bool(args.enable_expert_parallel),
                       **_given(all2all=args.all2all_backend))
     try:
-        c = kv_pool.capacity(cfg, par, int(args.gpu_memory_gb * 2**30), args.max_model_len,
-                             device_feed=args.device_feed)
+        feed = _feeds(cfg, par, args.gpu_memory_gb, args.device_feed)
+        c = kv_pool.capacity(cfg, par, int(args.gpu_memory_gb * 2**30), args.max_model_len, device_feed=feed)
     except ParallelismError as e:
         log.error("%s", e)
         return 2
     rows = [("layout", f"TP{par.tensor} x DP{par.data}{' + EP' if par.expert else ''} ({par.devices} GPUs)"),
             ("global KV bytes / token (per data rank; replicated on its TP ranks)", f"{c.kv_bytes_per_token:.0f}"),
             ("SWA + compressor state / session", f"{c.slot_bytes / 2**20:.2f} MiB"),
-            ("weights / GPU" + (" (+ the Engram tables' rows split over data ranks; --no-device-feed: host only)"
-                                if args.device_feed else " (Engram tables in host memory)"),
+            ("weights / GPU" + (" (+ the Engram tables' rows split over data ranks: decode fed on the GPUs)"
+                                if feed else " (Engram tables in host memory)"),
              f"{c.weight_bytes_per_device / 2**30:.1f} GiB"),
             ("Engram tables (host)", f"{tables / 2**30:.1f} GiB"),
             ("GPU memory", f"{args.gpu_memory_gb} GiB x {par.devices}"),
@@ -151,35 +151,47 @@ def cmd_kv_budget(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_plans(cfg, max_model_len: int | None, device_feed: bool) -> int:
+def _feeds(cfg, par, gpu_memory_gb: float, device_feed: bool | None) -> bool:
+    """Whether `dsv41 serve` on these GPUs holds the Engram tables in their memory (its decode tokens fed on the
+    device): as given, or the GPUs' default (`EngineConfig.feeds_on_device`)."""
+    from serving.engine import kv_pool
+    from serving.engine.config import EngineConfig
+
+    return EngineConfig(device_feed=device_feed).feeds_on_device(
+        "gpu", kv_pool.engram_bytes_per_device(cfg, par.data), int(gpu_memory_gb * 2**30))
+
+
+def _print_plans(cfg, max_model_len: int | None, device_feed: bool | None) -> int:
     from dsv41.sharding import Parallelism, ParallelismError
     from serving.engine import kv_pool
 
-    head = ("machine", "layout", "GPUs", "weights/GPU", "KV/GPU", "tokens/rank", "tokens", "longest ctx",
-            "sessions@len")
+    head = ("machine", "layout", "GPUs", "Engram tables", "weights/GPU", "KV/GPU", "tokens/rank", "tokens",
+            "longest ctx", "sessions@len")
     out = [head]
     for machine, gib, layouts in PLANS:
         for tp, dp, ep in layouts:
             par = Parallelism(tp, dp, ep)
             name = f"TP{tp}" + (f" x DP{dp}" if dp > 1 else "") + (" + EP" if ep else "")
             try:
-                c = kv_pool.capacity(cfg, par, gib * 2**30, max_model_len, device_feed=device_feed)
+                feed = _feeds(cfg, par, gib, device_feed)
+                c = kv_pool.capacity(cfg, par, gib * 2**30, max_model_len, device_feed=feed)
             except ParallelismError as e:
-                out.append((machine, name, str(par.devices), f"cannot: {e}", "", "", "", "", ""))
+                out.append((machine, name, str(par.devices), "", f"cannot: {e}", "", "", "", "", ""))
                 continue
+            where = "GPU" if feed else "host"
             if c.free_bytes_per_device <= 0:
-                out.append((machine, name, str(par.devices), f"{c.weight_bytes_per_device / 2**30:.1f} GiB",
+                out.append((machine, name, str(par.devices), where, f"{c.weight_bytes_per_device / 2**30:.1f} GiB",
                             "weights do not fit", "", "", "", ""))
                 continue
-            out.append((machine, name, str(par.devices), f"{c.weight_bytes_per_device / 2**30:.1f} GiB",
+            out.append((machine, name, str(par.devices), where, f"{c.weight_bytes_per_device / 2**30:.1f} GiB",
                         f"{c.free_bytes_per_device / 2**30:.1f} GiB", f"{c.tokens_per_rank:,}", f"{c.tokens:,}",
                         f"{c.longest_context:,}", f"{c.sessions_per_rank() * par.data:,} @ {c.max_model_len:,}"))
     widths = [max(len(r[i]) for r in out if len(r[i]) < 60) for i in range(len(head))]
     for r in out:
         sys.stdout.write("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + "\n")
-    sys.stdout.write("weights/GPU " + ("include the Engram tables' rows split over the data ranks (serve's default "
-                                       "on GPUs; --no-device-feed: in host memory only)\n" if device_feed else
-                                       "leave the Engram tables in host memory\n"))
+    sys.stdout.write("Engram tables on the GPU: their rows split over the data ranks and counted in weights/GPU, the "
+                     "decode tokens fed on the device (serve's default where they take at most a quarter of a GPU; "
+                     "--[no-]device-feed)\n")
     return 0
 
 
@@ -239,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--max-model-len", type=int, default=None)
     k.add_argument("--plans", action="store_true",
                    help="the standard layouts of an 8x H200 host and a GB300 NVL72 rack, one line each")
-    k.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=True,
-                   help="count the Engram tables in GPU memory, their rows split over the data ranks, as `dsv41 "
-                        "serve` places them on GPUs by default; --no-device-feed: in host memory only (`serve "
-                        "--no-device-feed`, or with --speculative-config)")
+    k.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=None,
+                   help="count the Engram tables in GPU memory, their rows split over the data ranks (`dsv41 serve "
+                        "--device-feed`); --no-device-feed: in host memory only (`serve --no-device-feed`, or with "
+                        "--speculative-config). Default: as serve on GPUs, in GPU memory where they take at most a "
+                        "quarter of it")
     k.set_defaults(fn=cmd_kv_budget)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")

@@ -233,6 +233,11 @@ def test_kv_budget_plans(capsys):
     assert cli.main(["kv-budget", "--plans"]) == 0
     out = capsys.readouterr().out
     assert "8x H200" in out and "GB300 NVL72" in out and "cannot be split 72 ways" in out
+    # where serve holds Flash's Engram tables by default: whole on each GPU of TP8 (188.8 GiB) is over a quarter of
+    # an H200, an eighth a GPU of DP8 is not
+    rows = [line.split() for line in out.splitlines() if line.startswith("8x H200")]
+    assert ["TP8", "8", "host"] in [r[2:5] for r in rows], out
+    assert ["TP1", "x", "DP8", "+", "EP", "8", "GPU"] in [r[2:9] for r in rows], out
     assert cli.main(["kv-budget", "--data-parallel-size", "8", "--enable-expert-parallel", "--no-device-feed"]) == 0
     out = capsys.readouterr().out
     assert "TP1 x DP8 + EP (8 GPUs)" in out

@@ -18,6 +18,7 @@ from serving.engine.errors import EngineError
 # (`EngineConfig.feeds_on_device`): Flash's tables on 8 data ranks take 17% of an H200
 FEED_TABLES_MAX_SHARE = 0.25
 
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config: `{"method": "dspark", "num_speculative_tokens": 5}`. DSpark (the release's

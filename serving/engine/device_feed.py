@@ -93,7 +93,8 @@ class DeviceFeed:
         self.params = {**self.params, programs.DEVICE_ENGRAM: dev}
 
     def _init_device_feed(self, feed: bool) -> None:
-        """feed: `EngineConfig.feeds_on_device` here; the first `Feed.prev` (zeros)."""
+        """feed: the engine's resolved `EngineConfig.device_feed` (`engine.platform_config`); the first `Feed.prev`
+        (zeros)."""
         self.device_feed = feed
         if not feed:
             return

@@ -15,7 +15,8 @@ while the device computes. The order of every decision is the synchronous engine
 The host still reads a step's tokens before it builds the next step's batch: each token's Engram rows are hashed
 from it and gathered from tables in host memory (Flash's are 197 GB). With `EngineConfig.device_feed` (a GPU's
 default; the tables in device memory too) the next decode step is dispatched first, its tokens fed on the device,
-as vLLM's async scheduler does (device_feed.py). Speculative decoding steps stay synchronous (the next chunk holds the drafts).
+as vLLM's async scheduler does (device_feed.py). Speculative decoding steps stay synchronous (the next chunk holds
+the drafts).
 
 On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
 pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
@@ -155,8 +156,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         self.params = layer_runs.stack_params(self.params, cfg, stack=scan, consume=own_params)
         if self.mesh is None:
             self.params = _committed(self.params)
-        feed = config.device_feed
-        if feed:  # before the programs take the params' shardings
+        if config.device_feed:  # before the programs take the params' shardings
             self._device_engram(abstract, tables)
         # one device: the module's programs, whose compiled cache every engine in the process shares; the
         # executables warm-up keeps (or loads from the program store) are this engine's own. Across processes the
@@ -228,8 +228,8 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
         # a speculative step's next chunk holds its drafts, which the host needs for their Engram rows: synchronous
-        self.async_scheduling = (config.async_scheduling or feed) and self.spec is None
-        self._init_device_feed(feed)
+        self.async_scheduling = (config.async_scheduling or config.device_feed) and self.spec is None
+        self._init_device_feed(config.device_feed)
         self._in_flight: list[_InFlight] = []  # the last step's programs, read by the next step()
         self._undelivered: list[StepOutput] = []  # outputs read by a step that then raised: the next step returns them
         # the program shapes steps may run while a staged warm-up compiles the others (`Warmup`); None: any
@@ -287,8 +287,9 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
             mesh = sharding.make_mesh(par) if par.devices > 1 else None
             # while the weights load (a release-format directory's config; an orbax one's programs compile here)
             if mesh is None and not checkpoint.is_orbax_dir(path):
-                config = platform_config(checkpoint.read_config(path), config)
-                compiling = precompile.start(checkpoint.read_config(path), config, checkpoint=path)
+                release_cfg = checkpoint.read_config(path)
+                config = platform_config(release_cfg, config)
+                compiling = precompile.start(release_cfg, config, checkpoint=path)
             else:
                 compiling = None
             cfg, params = checkpoint.load_checkpoint(path, mesh=mesh, parallelism=par)
