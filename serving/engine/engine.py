@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -54,6 +55,8 @@ from serving.engine.scheduler import (Rank, Scheduler, StepOutput, _bucket, _Req
 from serving.engine.prefill import Prefill
 from serving.engine.speculative import Speculative
 from serving.engine.warmup import Warmup
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +233,13 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         # a speculative step's next chunk holds its drafts, which the host needs for their Engram rows: synchronous
         self.async_scheduling = (config.async_scheduling or config.device_feed) and self.spec is None
         self._init_device_feed(config.device_feed)
+        if not abstract:
+            log.info("decode steps: %s", (
+                f"tokens fed on the device (the Engram tables in its memory too, "
+                f"{kv_pool.engram_bytes_per_device(cfg, par.data) / 2**30:.1f} GiB a device; --no-device-feed: "
+                f"read on the host)" if config.device_feed else
+                "tokens read on the host (speculative steps take their drafts there)" if self.spec is not None else
+                "tokens read on the host (--device-feed: fed on the device)"))
         self._in_flight: list[_InFlight] = []  # the last step's programs, read by the next step()
         self._undelivered: list[StepOutput] = []  # outputs read by a step that then raised: the next step returns them
         # the program shapes steps may run while a staged warm-up compiles the others (`Warmup`); None: any
