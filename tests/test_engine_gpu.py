@@ -255,6 +255,35 @@ def test_shared_prefill_call_with_the_kernels(bench):
     assert all(np.all(np.isfinite(s)) for s in shared) and max(rel) < E2E_TOL
 
 
+def test_fed_engine_gives_the_synchronous_tokens(bench):
+    """Decode tokens fed on the device (a GPU's default: `EngineConfig.feeds_on_device`) through the kernels
+    (`auto`) against the same engine reading them on the host: three requests of different lengths, admitted while
+    others decode, greedy; the same tokens, and the logits of every step equal up to the rounding of programs
+    compiled apart (the fed decode program gathers the Engram rows from device tables: the same bytes)."""
+    cfg, params = bench
+    prompts = [list(np.random.default_rng(50 + i).integers(3, cfg.vocab_size, n)) for i, n in enumerate((300, 40, 700))]
+
+    def run(feed):
+        eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                     config=EngineConfig(max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=512,
+                                         enable_prefix_caching=False, numerics=NUM, keep_logits=True,
+                                         min_prefill_bucket=128, min_decode_bucket=4, device_feed=feed))
+        assert eng.device_feed == feed
+        toks = {f"p{i}": [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            eng.add_request(f"p{i}", p, SamplingParams(max_tokens=6 + i, ignore_eos=True))
+        while eng.has_work():
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+        return toks, {r: np.stack(v).astype(np.float32) for r, v in eng.finished_logits.items()}
+
+    assert EngineConfig().feeds_on_device(jax.default_backend())
+    (fed, fed_logits), (host, host_logits) = run(True), run(False)
+    rel = {r: float(np.abs(fed_logits[r] - host_logits[r]).max() / np.abs(host_logits[r]).max()) for r in host}
+    print(f"fed against read on the host: tokens {fed} / {host}; rel. max logit difference {rel}")
+    assert fed == host and max(rel.values()) < 1e-3
+
+
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 or more GPUs (expert parallelism)")
 def test_ragged_expert_exchange_on_the_gpus():
     """`--all2all-backend ragged_all_to_all` through XLA's collective (the CPU tests run its all-gather form) on a
