@@ -34,9 +34,7 @@ from serving.engine.config import SpeculativeConfig
 
 log = logging.getLogger("bench_speculative")
 LENGTHS = (1.0, 2.0, 3.0, 3.51, 4.0, 5.0, 6.0)
-
-
-BLOCKS = 3
+BLOCKS = 3  # loops of --reps steps; a step's time is their median
 
 
 def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None,
