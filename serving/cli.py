@@ -111,13 +111,12 @@ PLANS = (("8x H200", 141, ((8, 1, False), (1, 8, True), (4, 2, True), (4, 1, Fal
 
 
 def cmd_kv_budget(args: argparse.Namespace) -> int:
-    from dsv41 import params as P
     from dsv41.config import ModelConfig, preset
     from dsv41.sharding import Parallelism, ParallelismError
     from serving.engine import kv_pool
 
     cfg = ModelConfig.from_json(f"{args.checkpoint}/config.json") if args.checkpoint else preset(args.preset or "flash")
-    tables = sum(x.weight.size + x.scale.size for x in P.engram_tables(P.abstract_params(cfg)))
+    tables = kv_pool.engram_bytes_per_device(cfg, 1)
     if args.plans:
         return _print_plans(cfg, args.max_model_len, args.device_feed)
     par = Parallelism(args.tensor_parallel_size or 1, args.data_parallel_size or 1, bool(args.enable_expert_parallel),

@@ -225,6 +225,15 @@ def test_engine_with_all_kernels_end_to_end(bench, replay, sites):
     assert np.all(np.isfinite(lp)) and rel[0] < E2E_TOL
 
 
+def _small_engine(cfg, params, **kw) -> Engine:
+    """An engine of 4 sequences of up to 2048 tokens, 512-token chunks from a 128-token bucket, no prefix cache,
+    the logits kept; kw: other EngineConfig fields."""
+    return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
+                  config=EngineConfig(max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=512,
+                                      enable_prefix_caching=False, numerics=NUM, keep_logits=True,
+                                      min_prefill_bucket=128, min_decode_bucket=4, **kw))
+
+
 def test_shared_prefill_call_with_the_kernels(bench):
     """Short prompts in one prefill call of the shared shape (`--max-prefill-rows`: 4 rows x 128 tokens, exact
     prefill) through the kernels (`auto`) against each prompt in a call of its own: the same kernels on the same
@@ -235,11 +244,7 @@ def test_shared_prefill_call_with_the_kernels(bench):
     prompts = [list(np.random.default_rng(40 + i).integers(3, cfg.vocab_size, n)) for i, n in enumerate((100, 70, 120))]
 
     def first_logits(rows):
-        eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
-                     config=EngineConfig(max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=512,
-                                         enable_prefix_caching=False, swa_bounded_replay=False, numerics=NUM,
-                                         keep_logits=True, min_prefill_bucket=128, min_decode_bucket=4,
-                                         max_prefill_rows=rows))
+        eng = _small_engine(cfg, params, swa_bounded_replay=False, max_prefill_rows=rows)
         for i, p in enumerate(prompts):
             eng.add_request(f"p{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
         while eng.has_work():
@@ -264,10 +269,7 @@ def test_fed_engine_gives_the_synchronous_tokens(bench):
     prompts = [list(np.random.default_rng(50 + i).integers(3, cfg.vocab_size, n)) for i, n in enumerate((300, 40, 700))]
 
     def run(feed):
-        eng = Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg),
-                     config=EngineConfig(max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=512,
-                                         enable_prefix_caching=False, numerics=NUM, keep_logits=True,
-                                         min_prefill_bucket=128, min_decode_bucket=4, device_feed=feed))
+        eng = _small_engine(cfg, params, device_feed=feed)
         assert eng.device_feed == feed
         toks = {f"p{i}": [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):

@@ -3,9 +3,9 @@ through gloo.
 
 - With DEP (a data rank per process, TP2 inside it, experts over all four devices) a greedy completion is the
   one of the same engine in one process (this test's own devices); with `DSV41_TEST_MULTIHOST_FEED=1` also with
-  `--device-feed` (each process's Engram row block, the tokens fed on the device). A tensor-parallel server across both processes
-  (TP4: the tiny preset splits its output groups at most 4 ways) starts and stops; its completion is not run here
-  (its compile in two processes costs CI time; `DSV41_TEST_MULTIHOST_TP=1` runs it).
+  `--device-feed` (each process's Engram row block, the tokens fed on the device). A tensor-parallel server across
+  both processes (TP4: the tiny preset splits its output groups at most 4 ways) starts and stops; its completion is
+  not run here (its compile in two processes costs CI time; `DSV41_TEST_MULTIHOST_TP=1` runs it).
 - /health lists both processes. After SIGTERM process 0 drains and process 1 leaves cleanly (exit 0); a killed
   process 1 makes process 0 answer 503 naming it and exit with EXIT_LOST.
 - In one process, over the side channel: a follower built with other options is refused naming the option; one
