@@ -11,11 +11,12 @@ either engine is timed end to end (`Engine.step`: host batch, program, host book
 the read that ends it, divided by --reps, the median of 3 such blocks). The plain step is timed twice: as `dsv41
 serve` runs it on a GPU (its tokens fed on the device, `EngineConfig.device_feed`: the step N + 1 dispatched before
 step N's tokens are read), the baseline of the speed-ups, and with each step's tokens read on the host, as the
-speculative step still runs (its next chunk holds the drafts). At acceptance length L (tokens a step, 1 + accepted
+speculative step runs unless --fed-spec. At acceptance length L (tokens a step, 1 + accepted
 drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchmark.
 --k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
 (no draft verified: the k-wide program with its draft columns masked); --split-spec adds each speculative program
-cut at the split layer (the plain step is cut there on a GPU). --preset tiny: a CPU smoke test.
+cut at the split layer (the plain step is cut there on a GPU); --fed-spec adds each speculative step fed on the
+device. --preset tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: Spec
               temperature: float = 0.0, backend: str = "auto", split_spec: bool = False, fed: bool = False):
     """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
     backend's kernels (`timing.kernels_of`: `auto` is serve's), one decode bucket of B rows, at that temperature;
-    split_spec: a speculative step in two programs (a plain one: the platform's split either way); fed: a plain
-    step's tokens fed on the device."""
+    split_spec: a speculative step in two programs (a plain one: the platform's split either way); fed: the step's
+    tokens (a speculative step's chunk) fed on the device."""
     eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec,
                       device_feed=fed, **({"split_decode": True} if split_spec and spec is not None else {}))
     if split_spec and spec is not None and len(eng.decode_kinds) != 2:
@@ -69,6 +70,9 @@ def main():
     ap.add_argument("--split-spec", action="store_true",
                     help="also time each speculative program cut at the split layer (EngineConfig.split_decode="
                          "True: run_decode_first, then run_spec_rest), beside the one program")
+    ap.add_argument("--fed-spec", action="store_true",
+                    help="also time each speculative step fed on the device (EngineConfig.device_feed: its chunk "
+                         "built from the step before, programs.SpecFeed), beside the one read on the host")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
                     help="the engines' kernels (timing.KERNELS, with +suffixes); a list times the speculative step "
@@ -92,10 +96,11 @@ def main():
                            fed=True)
         th = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0])[1]
         for backend in backends:
-            for (name, spec), split in itertools.product(specs, (False, True)[:1 + args.split_spec]):
+            for (name, spec), split, fed in itertools.product(specs, (False, True)[:1 + args.split_spec],
+                                                              (False, True)[:1 + args.fed_spec]):
                 fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
-                                   backend, split)
-                name += ", two programs" if split else ""
+                                   backend, split, fed)
+                name += (", two programs" if split else "") + (", fed" if fed else "")
                 rows.append((B, backend, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens,
                              tp, th, ts))
                 log.info("B=%d plain %.2f ms fed, %.2f ms read on the host, %s %s %.2f ms (first calls %.1f / "

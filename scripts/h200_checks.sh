@@ -18,8 +18,8 @@
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
 #                  CUDA graph) against the same device buffers every call (bench preset with 8 experts, batch 1; ~2 min)
-#   spec [B]       DSpark's verify + draft step against a plain decode step at batch B (default 1; 64: ~7 min), as one
-#                  program and cut at the split layer (--split-spec: what the speculative split default waits for)
+#   spec [B]       DSpark's verify + draft step against a plain decode step at batch B (default 1; 64: ~7 min), cut at
+#                  the split layer (a GPU's default), read on the host and fed on the device (--fed-spec)
 #   feed [B]       the decode loop with its tokens fed on the device (`--device-feed`) against the synchronous loop,
 #                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
 #                  with 8 experts, batch B (default 1; ~3 min a batch)
@@ -112,7 +112,7 @@ case "${1:-}" in
     bench 300 launch scripts/bench_launch.py --experts 8 --batches "${2:-1}" --decode-ctx 4096
     ;;
   spec)
-    bench 580 "spec${2:-1}" scripts/bench_speculative.py --batches "${2:-1}" --decode-ctx 4096 --k 5 --split-spec
+    bench 580 "spec${2:-1}" scripts/bench_speculative.py --batches "${2:-1}" --decode-ctx 4096 --k 5 --fed-spec
     ;;
   feed)
     bench 400 "feed${2:-1}" scripts/bench_device_feed.py --experts 8 --batches "${2:-1}" --decode-ctx 4096 --steps 20 \

@@ -285,16 +285,18 @@ def test_abstract_mesh_engine_keys_every_program_as_the_allocated_one(kw):
     assert f"mhlo.num_partitions = {devices}" in fn.lower(params, pool, *args, **static).as_text()
 
 
-def test_split_speculative_step_lowers_on_data_ranks():
+@pytest.mark.parametrize("feed", [False, True], ids=["read", "fed"])
+def test_split_speculative_step_lowers_on_data_ranks(feed):
     """`split_decode=True` under DSpark on two data ranks (an abstract engine: nothing compiles or runs): the step's
-    two programs, `run_decode_first` on the speculative chunk and `run_spec_rest`, each lower per rank. (The split
-    step's tokens: tests/test_engine_speculative.py, one device.)"""
+    two programs, `run_decode_first` on the speculative chunk and `run_spec_rest`, each lower per rank, also with
+    the chunk fed on the device (`programs.SpecFeed`: each rank's slice of the previous step's outputs). (The split
+    step's tokens: tests/test_engine_speculative.py and tests/test_engine_speculative_feed.py, one device.)"""
     from dsv41.config import preset
     from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
     config = EngineConfig(max_num_seqs=2, max_model_len=128, data_parallel_size=2, split_decode=True,
-                          speculative_config=SpeculativeConfig(num_speculative_tokens=5))
+                          speculative_config=SpeculativeConfig(num_speculative_tokens=5), device_feed=feed)
     eng = Engine.abstract(preset("tiny"), config)
     assert eng.decode_kinds == ("decode_first", "spec_rest")
     shapes = [s for s in eng.program_shapes() if s[0] in eng.decode_kinds]

@@ -123,14 +123,16 @@ class EngineConfig:
     # DSpark speculative decoding (None: off): greedy tokens unchanged, sampled ones by rejection sampling
     speculative_config: SpeculativeConfig | None = None
     # vLLM's --async-scheduling: a step's programs run while the caller handles the previous step's tokens (each
-    # step() returns the tokens of the programs the step before dispatched); tokens unchanged. Speculative
-    # decoding steps stay synchronous (Engine.step). Off by default: in a tight decode loop on the H200 it made the
-    # step slower (6.60 vs 6.08 ms at batch 1, docs/PERFORMANCE.md section 1) and its serving gain is unmeasured
+    # step() returns the tokens of the programs the step before dispatched); tokens unchanged. Unfed
+    # (`device_feed`), speculative decoding steps stay synchronous (Engine.step). Off by default: in a tight decode
+    # loop on the H200 it made the step slower (6.60 vs 6.08 ms at batch 1, docs/PERFORMANCE.md section 1) and its
+    # serving gain is unmeasured
     async_scheduling: bool = False
     # the next decode step dispatched before the host reads this step's tokens: each row's token is fed on the
     # device (the previous step's sampled ids), its Engram rows hashed and gathered there (the tables in device
     # memory as well as the host's, which prefill keeps reading). The GPU never waits for the host between decode
-    # steps; a row that stopped is computed one step more. Implies async scheduling; not with speculative decoding.
+    # steps; a row that stopped is computed one step more. Implies async scheduling. With speculative decoding each
+    # step's chunk (bonus token, drafts, positions) comes from the step before on the device (`programs.SpecFeed`).
     # None: the platform's (`feeds_on_device`)
     device_feed: bool | None = None
     # warm-up's compiled programs kept on disk beside the persistent compilation cache and loaded at the next start
@@ -153,9 +155,6 @@ class EngineConfig:
         for name in ("split_decode", "device_feed"):
             if getattr(self, name) not in (None, True, False):
                 raise EngineError(f"{name} must be True, False or None (the platform's), got {getattr(self, name)!r}")
-        if self.device_feed and self.speculative_config is not None:
-            raise EngineError("device_feed does not run speculative decoding (its next chunk holds the drafts); "
-                              "leave out --device-feed or --speculative-config")
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_rows", 1),
                          ("page_tokens", 2), ("max_waiting", 0), ("swa_replay_tokens", 1), ("tensor_parallel_size", 1),
                          ("data_parallel_size", 1)):
@@ -218,7 +217,9 @@ class EngineConfig:
         and the agentic serving benchmark's TPOT p50 fell 26% (docs/PERFORMANCE.md sections 2 and 5). The cost is
         the tables in device memory too: 5.9 GiB for the bench preset; Flash's 188.8 GiB split over the data
         ranks, 23.6 GiB a GPU on 8 (`dsv41 kv-budget`), but whole on every GPU of tensor parallelism alone, where
-        the share keeps them on the host. The CPU: no; its steps do not wait on a launch."""
+        the share keeps them on the host. Speculative decoding fed (its chunks built on the device) was slower than
+        read on the host: 16.29 against 11.07 ms a step at batch 1 (H100, bench preset, section 5), so it is asked
+        for only. The CPU: no; its steps do not wait on a launch."""
         if self.device_feed is not None:
             return self.device_feed
         fits = memory_bytes is None or tables_bytes <= FEED_TABLES_MAX_SHARE * memory_bytes

@@ -28,13 +28,15 @@ from dsv41 import ngram_hash, quant, sharding
 from dsv41.config import ConfigError
 from serving.engine import kv_pool, programs
 from serving.engine.errors import EngineError
-from serving.engine.scheduler import _bucket, _Request
+from serving.engine.scheduler import _bucket, _InFlight, _Request
 
 
-def _padded(tok: jax.Array, *, ranks: int, width: int) -> jax.Array:
-    """Sampled ids [ranks * b] -> [ranks * width], each rank's b rows first (`programs.Feed.prev`)."""
-    per = tok.reshape(ranks, -1)
-    return jnp.pad(per, ((0, 0), (0, width - per.shape[1]))).reshape(-1)
+def _padded(a: jax.Array, *, ranks: int, width: int) -> jax.Array:
+    """A step's per-row outputs [ranks * b, ...] -> [ranks * width, ...], each rank's b rows first
+    (`programs.Feed.prev`, `programs.SpecFeed`'s)."""
+    per = a.reshape(ranks, -1, *a.shape[1:])
+    pad = ((0, 0), (0, width - per.shape[1])) + ((0, 0),) * (a.ndim - 1)
+    return jnp.pad(per, pad).reshape(-1, *a.shape[1:])
 
 
 def split_rows(a, on: jax.sharding.Sharding, ranks: int) -> jax.Array:
@@ -108,6 +110,10 @@ class DeviceFeed:
         self._pad_first = jax.jit(functools.partial(_padded, ranks=D, width=first), out_shardings=rows)
         self._prev = jax.device_put(np.zeros(D * self.feed_width, np.int32), rows)
         self._first = jax.device_put(np.zeros(D * first, np.int32), rows)
+        if self.spec is not None:  # `programs.SpecFeed`'s: out, accepted, drafts, n_next
+            k, n = self.spec_tokens, D * self.feed_width
+            self._spec_prev = tuple(jax.device_put(np.zeros(s, np.int32), rows)
+                                    for s in ((n, k + 1), (n,), (n, k), (n,)))
 
     def _fed_batch(self, rows: list[_Request | None]) -> programs.Batch:
         """A decode batch whose tokens the program takes from `_prev` where they are in flight (`programs.Feed`),
@@ -141,22 +147,43 @@ class DeviceFeed:
         return np.full(B, -1, np.int32), np.full((B, H), ngram_hash.NO_TOKEN, np.int32)
 
     def _feed_padding(self, b: programs.Batch) -> programs.Batch:
-        """An all-padding decode batch as `_fed_batch` builds one (warm-up)."""
-        feed = programs.Feed(self._prev, self._first, *self._feed_arrays(b.tokens.shape[0]))
+        """An all-padding decode batch as `_fed_batch` (speculative: `_decode_speculative`) builds one (warm-up)."""
+        B = b.tokens.shape[0]
+        index, history = self._feed_arrays(B)
+        if self.spec is None:
+            return dataclasses.replace(b, rows=[], feed=programs.Feed(self._prev, self._first, index, history))
+        feed = programs.SpecFeed(*self._spec_prev, self._first, index, index, np.zeros(B, np.int32), history,
+                                 rerun=self.spec_rerun)
         return dataclasses.replace(b, rows=[], feed=feed)
 
     def _feed_decodes(self) -> list[_Request]:
-        """The rows a fed step decodes: running, past their prompt, and not already stopped by a length limit by
-        the token in flight."""
+        """The rows a fed step decodes: running, past their prompt, and not stopped by a length limit by the tokens
+        in flight, or (speculative) whose positions may pass the context: those wait for the read."""
         out = []
         for r in self.running.values():
             if r.prefilling:
                 continue
             if (len(r.output) + r.in_flight >= r.sampling.max_tokens
-                    or r.num_tokens + r.in_flight >= self.max_model_len):
+                    or r.num_tokens + self.step_advance * r.in_flight >= self.max_model_len):
                 continue
             out.append(r)
         return out
+
+    def _dispatched_spec(self, rows: list, spec: tuple, logits: jax.Array, n_verify: np.ndarray) -> None:
+        """A fed speculative step's outputs (out, accepted, next drafts, n_next) are in flight: the next step's rows
+        continue them (`programs.SpecFeed`), the next engine step reads them (`_accept_spec`)."""
+        per = len(rows) // len(self.ranks)
+        for i, r in enumerate(rows):
+            if r is not None:
+                r.in_flight += 1
+                r.fed_row = i - r.rank * per
+                r.drafts_drawn = True
+        self._spec_prev = tuple(self._pad(a) for a in spec)
+        f = _InFlight(rows, spec, logits if self.keep_logits else None, n_verify)
+        for a in (*spec, f.logits):
+            if a is not None:
+                a.copy_to_host_async()
+        self._in_flight.append(f)
 
     def _dispatched_fed(self, rows: list, tok: jax.Array, decode: bool) -> None:
         """A decode step's or a prefill call's sampled ids (rows: a request per row, None where nothing was

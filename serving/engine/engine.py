@@ -15,8 +15,8 @@ while the device computes. The order of every decision is the synchronous engine
 The host still reads a step's tokens before it builds the next step's batch: each token's Engram rows are hashed
 from it and gathered from tables in host memory (Flash's are 197 GB). With `EngineConfig.device_feed` (a GPU's
 default; the tables in device memory too) the next decode step is dispatched first, its tokens fed on the device,
-as vLLM's async scheduler does (device_feed.py). Speculative decoding steps stay synchronous (the next chunk holds
-the drafts).
+as vLLM's async scheduler does (device_feed.py); a speculative step's next chunk (the bonus token and the drafts)
+is then built on the device from the step before (`programs.SpecFeed`). Unfed, speculative steps are synchronous.
 
 On a device mesh (`EngineConfig.parallelism`) the programs run per data rank, each rank with its own pool,
 pages, slots and prefix cache (docs/ARCHITECTURE.md, Parallelism).
@@ -50,23 +50,13 @@ from serving.engine.errors import EngineError, QueueFull  # noqa: F401 (re-expor
 from serving.engine.kv_pool import PoolLayout
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.sampling import SamplingParams, sampling_arrays
-from serving.engine.scheduler import (Rank, Scheduler, StepOutput, _bucket, _Request,  # noqa: F401 (re-exported)
-                                      shared_prefill_shape)
+from serving.engine.scheduler import (Rank, Scheduler, StepOutput, _bucket, _InFlight,  # noqa: F401 (re-exported)
+                                      _Request, shared_prefill_shape)
 from serving.engine.prefill import Prefill
 from serving.engine.speculative import Speculative
 from serving.engine.warmup import Warmup
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _InFlight:
-    """A dispatched program's sampled tokens, not read yet: rows (a request per row, None where nothing was
-    sampled), tok int32 [B], logits [B, V] (keep_logits, else None)."""
-
-    rows: list
-    tok: jax.Array
-    logits: jax.Array | None
 
 
 def _scatter_rows(a: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -230,15 +220,14 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         self.counters = collections.Counter()
         self.keep_logits = config.keep_logits
         self.finished_logits: dict[str, list] = {}
-        # a speculative step's next chunk holds its drafts, which the host needs for their Engram rows: synchronous
-        self.async_scheduling = (config.async_scheduling or config.device_feed) and self.spec is None
+        # unfed, a speculative step's next chunk holds its drafts, which the host needs for their Engram rows
+        self.async_scheduling = config.device_feed or (config.async_scheduling and self.spec is None)
         self._init_device_feed(config.device_feed)
         if not abstract:
             log.info("decode steps: %s", (
                 f"tokens fed on the device (the Engram tables in its memory too, "
                 f"{kv_pool.engram_bytes_per_device(cfg, par.data) / 2**30:.1f} GiB a device; --no-device-feed: "
                 f"read on the host)" if config.device_feed else
-                "tokens read on the host (speculative steps take their drafts there)" if self.spec is not None else
                 "tokens read on the host (--device-feed: fed on the device)"))
         self._in_flight: list[_InFlight] = []  # the last step's programs, read by the next step()
         self._undelivered: list[StepOutput] = []  # outputs read by a step that then raised: the next step returns them
@@ -522,6 +511,9 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
         got = jax.device_get([(f.tok, f.logits) for f in flights])
         outs = []
         for f, (tok, logits) in zip(flights, got):
+            if f.n_verify is not None:
+                outs += self._read_spec(f.rows, tok, logits, f.n_verify)
+                continue
             for i, r in enumerate(f.rows):
                 if r is None:
                     continue
@@ -534,6 +526,21 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
                     self._fed_read(r, int(tok[i]))
                 outs += (self._accept if running else self._accept_preempted)(r, int(tok[i]))
         return outs
+
+    def _read_spec(self, rows: list, spec: tuple, logits, n_verify: np.ndarray) -> list[StepOutput]:
+        """`_read` of a fed speculative step: its rows whose requests left meanwhile dropped, the preempted ones'
+        tokens taken as `_accept_preempted` takes a prompt's first."""
+        rows, preempted = list(rows), set()
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            if self.running.get(r.id) is r:
+                r.in_flight -= 1
+            elif any(w is r for w in self.waiting):
+                preempted.add(i)
+            else:
+                rows[i] = None
+        return self._accept_spec(rows, spec, logits, n_verify, frozenset(preempted))
 
     def _accept_preempted(self, r: _Request, tok: int) -> list[StepOutput]:
         """A prompt's first token, read after a decode step of the same engine step preempted the request (async
@@ -550,8 +557,9 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
     def _decode(self, reqs: list[_Request]) -> list[StepOutput]:
         for r in list(reqs):
             if r.id in self.running:  # (one preempted for an earlier row is back in the queue, holding no pages)
-                # speculative decoding also writes the drafts it verifies past the newest token
-                self._hold_pages(r, r.num_tokens + r.in_flight + self._verify_len(r))
+                # speculative decoding also writes the drafts it verifies past the newest token (in flight: up to k)
+                verify = self.spec_tokens if r.in_flight and self.spec is not None else self._verify_len(r)
+                self._hold_pages(r, r.num_tokens + self.step_advance * r.in_flight + verify)
         reqs = [r for r in reqs if r.id in self.running]
         if not reqs:
             return []

@@ -64,7 +64,8 @@ class Batch:
     # in place of their embeddings (prefill chunks) and where the spans are (bias_vl routing, no Engram)
     image_embeds: jax.Array | None = None  # [B, T, D]
     image_mask: jax.Array | None = None  # bool [B, T]
-    feed: "Feed | None" = None  # a decode step's tokens fed on the device (`EngineConfig.device_feed`)
+    # a decode step's tokens (a speculative step's chunks) fed on the device (`EngineConfig.device_feed`)
+    feed: "Feed | SpecFeed | None" = None
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +81,31 @@ class Feed:
     first: jax.Array  # int32 [ranks * prefill rows]
     index: jax.Array  # int32 [B]
     history: jax.Array  # int32 [B, max_ngram - 1]: the classes before each row's token (`ngram_hash.hash_step`'s)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecFeed:
+    """A speculative decode batch's chunks where the host has not read the step before (`EngineConfig.device_feed`
+    with DSpark). Row i with index[i] >= 0 continues row index[i] of the previous speculative step, whose anchor
+    sat at the host's pos0[i] (its token: tokens[i, 0]): with m its accepted drafts, the new anchor is that step's
+    bonus at a = pos0 + m + 1, followed by the drafts it drew (n_next of them verified), and where a chunk would
+    start at an odd position (`Speculative.spec_rerun`: rerun) by the token before a (the last accepted draft, or
+    the old anchor). Row i with first_index[i] >= 0 takes its anchor, in column first_col[i], from the previous
+    prefill call's first tokens (its positions are the host's). Other rows are the host's. Every row's Engram rows
+    are hashed in the program (history: the classes before the host's pos0). On a mesh every field is per data
+    rank, as `Feed`'s: the previous step's arrays padded to the top decode bucket a rank."""
+
+    out: jax.Array  # int32 [ranks * top bucket, k + 1]: the previous step's accepted drafts, then its bonus
+    accepted: jax.Array  # int32 [ranks * top bucket]
+    drafts: jax.Array  # int32 [ranks * top bucket, k]: the blocks it drafted
+    n_next: jax.Array  # int32 [ranks * top bucket]: the drafts of each that the next step verifies
+    first: jax.Array  # int32 [ranks * prefill rows]
+    index: jax.Array  # int32 [B]
+    first_index: jax.Array  # int32 [B]
+    first_col: jax.Array  # int32 [B]
+    history: jax.Array  # int32 [B, max_ngram - 1]
+    rerun: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -118,20 +144,69 @@ def _split_gather(table: quant.Fp8Rows, ids: jax.Array) -> quant.Fp8Rows:
 
 
 def _fed(params, b: Batch, cfg: ModelConfig) -> Batch:
-    """b with a `Feed`'s tokens in place and their Engram rows gathered (the batch as the host would have built it
-    had it read the tokens)."""
+    """b with a `Feed`'s or `SpecFeed`'s tokens (and positions) in place and their Engram rows gathered (the batch
+    as the host would have built it had it read the tokens)."""
     f = b.feed
     if f is None:
         return b
+    if isinstance(f, SpecFeed):
+        return _spec_fed(params, b, cfg)[0]
     src = jnp.concatenate([f.prev, f.first])
     tok = jnp.where(f.index >= 0, src[jnp.maximum(f.index, 0)], b.tokens[:, 0])[:, None]
+    return dataclasses.replace(b, tokens=tok, rows=_device_engram_rows(params, tok, f.history, cfg), feed=None)
+
+
+def _device_engram_rows(params, tok: jax.Array, history: jax.Array, cfg: ModelConfig) -> list:
+    """The Engram rows [B, T, n_cols, d] per Engram layer of tok [B, T] after history [B, H] (classes), hashed and
+    gathered from the tables in device memory (`DeviceEngram`)."""
+    if not cfg.engram_layer_ids:
+        return []
+    dev: DeviceEngram = params[DEVICE_ENGRAM]
+    ids = ngram_hash.device_rows(dev.hash, tok, history)
+    gather = engram.gather_rows if dev.ranks == 1 else _split_gather
+    return [gather(t, ids[:, :, i]) for i, t in enumerate(dev.tables)]
+
+
+def _spec_fed(params, b: Batch, cfg: ModelConfig, n_verify: jax.Array | None = None, engram_rows: bool = True
+              ) -> tuple[Batch, jax.Array]:
+    """b's `SpecFeed` resolved: each continuing row's chunk, pos0 and n_valid from the previous step's outputs, the
+    prefill's first tokens in their columns, and (engram_rows) every row's Engram rows. n_verify [B]: the host's
+    (None where only the batch is needed). -> (the batch as the host would have built it, n_verify with the
+    continuing rows' from the previous step)."""
+    f: SpecFeed = b.feed
+    B, T = b.tokens.shape
+    k = f.drafts.shape[1]
+    cont = f.index >= 0
+    j = jnp.maximum(f.index, 0)
+    m, out, drafts, nv = f.accepted[j], f.out[j], f.drafts[j], f.n_next[j]  # [B], [B, k + 1], [B, k], [B]
+    a = b.pos0 + m + 1  # the new anchor's position
+    back = (a % 2) if f.rerun else jnp.zeros_like(a)
+    bonus = jnp.take_along_axis(out, m[:, None], axis=1)[:, 0]
+    before = jnp.where(m > 0, jnp.take_along_axis(out, jnp.maximum(m - 1, 0)[:, None], axis=1)[:, 0],
+                       b.tokens[:, 0])
+    col = jnp.arange(T, dtype=jnp.int32)[None]
+    d = col - back[:, None] - 1  # the draft in each column
+    chunk = jnp.where(col < back[:, None], before[:, None],
+                      jnp.where(col == back[:, None], bonus[:, None],
+                                jnp.where((d >= 0) & (d < nv[:, None]),
+                                          jnp.take_along_axis(drafts, jnp.clip(d, 0, k - 1), axis=1), 0)))
+    firsts = f.first[jnp.maximum(f.first_index, 0)]
+    host = jnp.where((f.first_index >= 0)[:, None] & (col == f.first_col[:, None]), firsts[:, None], b.tokens)
+    tokens = jnp.where(cont[:, None], chunk, host).astype(jnp.int32)
+    pos0 = jnp.where(cont, a - back, b.pos0)
+    n_valid = jnp.where(cont, nv + 1 + back, b.n_valid)
     rows = []
-    if cfg.engram_layer_ids:
-        dev: DeviceEngram = params[DEVICE_ENGRAM]
-        ids = ngram_hash.device_rows(dev.hash, tok, f.history)
-        gather = engram.gather_rows if dev.ranks == 1 else _split_gather
-        rows = [gather(t, ids[:, :, i]) for i, t in enumerate(dev.tables)]
-    return dataclasses.replace(b, tokens=tok, rows=rows, feed=None)
+    if cfg.engram_layer_ids and engram_rows:
+        # the classes of positions pos0 - H .. pos0 + k (the host's pos0): its history, the old anchor, the drafts
+        # accepted after it; a continuing row's history starts pos0' - pos0 = m + 1 - back positions in
+        H = f.history.shape[1]
+        cls = params[DEVICE_ENGRAM].hash["token_map"][jnp.concatenate([b.tokens[:, :1], out[:, :k]], axis=1)]
+        ext = jnp.concatenate([f.history, cls.astype(jnp.int32)], axis=1)  # [B, H + k + 1]
+        shift = jnp.where(cont, pos0 - b.pos0, 0)
+        hist = jnp.take_along_axis(ext, shift[:, None] + jnp.arange(H, dtype=jnp.int32)[None], axis=1)
+        rows = _device_engram_rows(params, tokens, hist, cfg)
+    n_verify = nv if n_verify is None else jnp.where(cont, nv, n_verify)
+    return dataclasses.replace(b, tokens=tokens, pos0=pos0, n_valid=n_valid, rows=rows, feed=None), n_verify
 
 
 @jax.tree_util.register_dataclass
@@ -652,6 +727,8 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
     -> (pool, logits [B, k + 1, V] after a and each d_i (past n: padding), tokens [B, k + 1] (the accepted drafts,
     then the bonus), accepted count [B], next drafts [B, k], their confidence logits [B, k])."""
     with jax.named_scope("embed"):
+        if isinstance(b.feed, SpecFeed):
+            b, n_verify = _spec_fed(params, b, cfg, n_verify)
         h, pre = model.embed(params, b.tokens, cfg, num)
     return _spec_layers(params, pool, b, h, pre, samp, has_q, forced, n_verify, 0, cfg=cfg, num=num,
                         backends=backends, spec_tokens=spec_tokens)
@@ -664,6 +741,8 @@ def _spec_rest(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q: ja
     fresh indexer carry, as in `_decode_rest`): with it, `_spec`'s step (on the CPU within 1e-4 of its logits: the
     speculative programs compile with XLA's fast-compile preset, `_decode_first` without). DSpark's target layers
     must lie at or past the split (`dspark_splits`). -> `_spec`'s outputs."""
+    if isinstance(b.feed, SpecFeed):  # resolved again as `_decode_first` did (the same inputs)
+        b, n_verify = _spec_fed(params, b, cfg, n_verify, any(i >= cfg.split_layer for i in cfg.engram_layer_ids))
     return _spec_layers(params, pool, b, h, pre, samp, has_q, forced, n_verify, cfg.split_layer, cfg=cfg, num=num,
                         backends=backends, spec_tokens=spec_tokens)
 
@@ -768,8 +847,8 @@ def _decode_first(params, pool: KVPool, b: Batch, *, cfg: ModelConfig, num: Nume
 def rest_batch(b: Batch, cfg: ModelConfig) -> Batch:
     """A decode batch as `run_decode_rest` takes it: without the Engram rows (or their feed) where no Engram layer is
     at or past the split (Flash: layers 1 and 14, split 20), so that the step packs and sends them once, not twice."""
-    if any(i >= cfg.split_layer for i in cfg.engram_layer_ids):
-        return b
+    if any(i >= cfg.split_layer for i in cfg.engram_layer_ids) or isinstance(b.feed, SpecFeed):
+        return b  # (a speculative feed also sets the chunks and their positions)
     return dataclasses.replace(b, rows=[], feed=None)
 
 

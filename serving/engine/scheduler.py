@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -117,6 +118,18 @@ def shared_prefill_shape(rows: int, chunk: int, min_bucket: int) -> tuple[int, i
     that small)."""
     fits = [T for T in _ladder(min(min_bucket, chunk), chunk) if rows * T <= chunk]
     return (rows, fits[-1]) if rows > 1 and fits else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A dispatched program's sampled tokens, not read yet: rows (a request per row, None where nothing was
+    sampled), tok int32 [B] (a speculative step's: its outputs, `Speculative._accept_spec`'s spec), logits [B, V]
+    (keep_logits, else None); n_verify: a speculative step's drafts verified a row (None: not one)."""
+
+    rows: list
+    tok: Any
+    logits: Any
+    n_verify: np.ndarray | None = None
 
 
 @dataclasses.dataclass

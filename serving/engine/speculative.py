@@ -6,7 +6,10 @@ the decode step is split, a GPU's default (`EngineConfig.splits_decode`), `run_d
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dsv41.config import ModelConfig
@@ -16,9 +19,11 @@ from serving.engine.errors import EngineError
 from serving.engine.scheduler import StepOutput, _Request
 
 
-def verify_lengths(conf: np.ndarray, threshold: float | None) -> np.ndarray:
-    """The drafts each row verifies next step: conf [B, k] (the drafter's confidence logits, float32) -> int [B]:
-    the positions whose cumulative confidence prod_{j <= i} sigmoid(conf_j) is >= threshold (all k: None).
+@functools.partial(jax.jit, static_argnames="threshold")
+def verify_lengths(conf: jax.Array, threshold: float | None) -> jax.Array:
+    """The drafts each row verifies next step: conf [B, k] (the drafter's confidence logits) -> int32 [B]: the
+    positions whose cumulative confidence prod_{j <= i} sigmoid(conf_j) is >= threshold (all k: None). On the
+    device: a fed step (`programs.SpecFeed`) takes it from the step before without a read.
 
     The head is trained (nemo-automodel's DSpark loss) on each position's acceptance rate given the prefix
     before it (1 - TV(p_i, q_i), binary cross-entropy), so the product is the estimated chance that drafts 1 .. i
@@ -27,10 +32,10 @@ def verify_lengths(conf: np.ndarray, threshold: float | None) -> np.ndarray:
     keeps the cut exact (`spec_sampling`)."""
     B, k = conf.shape
     if threshold is None:
-        return np.full(B, k, np.int32)
+        return jnp.full(B, k, jnp.int32)
     # log-space: the sum of log-sigmoids never rounds up to log 1 = 0 (threshold 1 verifies nothing)
-    log_cum = np.cumsum(-np.logaddexp(0.0, -conf.astype(np.float64)), axis=1)
-    return np.sum(log_cum >= np.log(threshold), axis=1).astype(np.int32)
+    log_cum = jnp.cumsum(-jnp.logaddexp(0.0, -conf.astype(jnp.float32)), axis=1)
+    return jnp.sum(log_cum >= np.float32(np.log(threshold)), axis=1).astype(jnp.int32)
 
 
 class Speculative:
@@ -47,6 +52,7 @@ class Speculative:
         # chunk starts at an even position: `programs._spec`)
         self.spec_rerun = any(r > 1 for r in cfg.compress_ratios)
         self.decode_tokens = 1 if self.spec is None else self.spec_tokens + 1 + int(self.spec_rerun)
+        self.step_advance = self.spec_tokens + 1  # the most tokens a decode step adds to a row
         # how often the draft at each block position was accepted (vLLM's per-position count), and how many
         # blocks verified each number of drafts 0 .. k (all k without confidence_threshold)
         self.spec_accepted_per_pos = [0] * self.spec_tokens
@@ -78,27 +84,48 @@ class Speculative:
         """One speculative step (`programs._spec`): each row verifies its drafts (`_verify_len`) and takes the
         accepted ones and the target's next token; the pool already holds the next block's drafts' context. Pages
         cover the verified drafts' positions (`Engine._decode` holds them); what rejected drafts wrote there is
-        overwritten by the tokens that take those positions."""
-        k = self.spec_tokens
+        overwritten by the tokens that take those positions. With device_feed the step is dispatched before the
+        host reads the one in flight: a row continuing it takes its chunk from that step's outputs on the device
+        (`programs.SpecFeed`), and its tokens are read by the next engine step (-> [])."""
+        k, fed = self.spec_tokens, self.device_feed
         rows = self._decode_rows(reqs)
         toks, pos0 = {}, {}
         n_verify = np.zeros(len(rows), np.int32)
+        if fed:
+            index, history = self._feed_arrays(len(rows))
+            first_index, first_col = np.full(len(rows), -1, np.int32), np.zeros(len(rows), np.int32)
         for i, r in enumerate(rows):
             if r is None:
                 continue
-            a = r.num_tokens - 1  # the anchor: the newest token, whose KV is not in the pool yet
+            if fed and r.in_flight and r.drafts_drawn:  # continues the speculative step in flight
+                a = r.num_tokens - 1  # that step's anchor
+                toks[r.id], pos0[r.id], index[i], n_verify[i] = [r.last_token], a, r.fed_row, -1
+                if self.hasher is not None:
+                    history[i] = self._history_before(r, a)[0]
+                continue
+            # the anchor: the newest token, whose KV is not in the pool yet (fed: a prefill's first token, unread)
+            a = r.num_tokens - 1 + r.in_flight
             # a chunk starts at an even position (`programs._spec`): an odd anchor re-runs the token before it
             back = 1 if self.spec_rerun and a % 2 else 0
             n_verify[i] = self._verify_len(r)
             drafts = (r.drafts + [self.cfg.dspark_noise_token_id] * k)[:n_verify[i]]
-            toks[r.id] = r.token_range(a - back, a + 1) + drafts
-            pos0[r.id] = a - back
-            r.history = self._history_before(r, a - back)
-        b = self._batch(rows, toks, pos0, self.decode_tokens)
+            anchor = [0] if r.in_flight else r.token_range(a, a + 1)
+            toks[r.id], pos0[r.id] = r.token_range(a - back, a) + anchor + drafts, a - back
+            if not fed:
+                r.history = self._history_before(r, a - back)
+                continue
+            if r.in_flight:
+                first_index[i], first_col[i] = r.fed_row, back
+            if self.hasher is not None:
+                history[i] = self._history_before(r, a - back)[0]
+        b = self._batch(rows, toks, pos0, self.decode_tokens, engram=not fed)
+        if fed:
+            b = dataclasses.replace(b, feed=programs.SpecFeed(*self._spec_prev, self._first, index, first_index,
+                                                              first_col, history, rerun=self.spec_rerun))
         samp = self._sampling(rows)
         # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
         has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
-        args = (samp, has_q, np.full(len(rows), self.spec.forced_acceptance), n_verify)
+        args = (samp, has_q, np.full(len(rows), self.spec.forced_acceptance), np.maximum(n_verify, 0))
         if len(self.decode_kinds) == 2:  # cut at the split layer (`EngineConfig.split_decode`)
             self.pool, h, pre = self.programs.run_decode_first(self.params, self.pool, b, **self.static)
             self.pool, logits, out, acc, nxt, conf = self.programs.run_spec_rest(
@@ -107,30 +134,45 @@ class Speculative:
         else:
             self.pool, logits, out, acc, nxt, conf = self.programs.run_spec(self.params, self.pool, b, *args,
                                                                             **self.static, spec_tokens=k)
-        out, acc, nxt = np.asarray(out), np.asarray(acc), np.asarray(nxt)
-        thr = self.spec.confidence_threshold  # without one, the confidences never leave the device
-        n_next = np.full(len(rows), k, np.int32) if thr is None else verify_lengths(np.asarray(conf), thr)
+        # without a threshold the confidences never leave the device
+        spec = (out, acc, nxt, verify_lengths(conf, self.spec.confidence_threshold))
+        self.counters["decode_steps"] += 1
+        if fed:
+            self._dispatched_spec(rows, spec, logits, n_verify)
+            return []
+        return self._accept_spec(rows, jax.device_get(spec), logits, n_verify)
+
+    def _accept_spec(self, rows: list, spec: tuple, logits, n_verify: np.ndarray,
+                     preempted: frozenset = frozenset()) -> list[StepOutput]:
+        """A speculative step's outputs read (spec: out, accepted, next drafts, how many of them the next step
+        verifies; host arrays), each row's tokens accepted. rows: the step's (None: nothing to take; the rows
+        numbered in `preempted` take their tokens as a preempted request's). n_verify: the drafts each row verified
+        (-1: those `_verify_len` gives now, a fed row that continued the step before)."""
+        out, acc, nxt, n_next = spec
         outs = []
         for i, r in enumerate(rows):
             if r is None:
                 continue
+            n_ver = self._verify_len(r) if n_verify[i] < 0 else int(n_verify[i])
             a = r.num_tokens - 1
             new: list[int] = []
             for j in range(int(acc[i]) + 1):
-                r.computed = a + j + 1  # the pool holds the anchor and the j drafts accepted before this token
                 if self.keep_logits:
                     r.logits.append(np.asarray(logits[i, j]))
-                o = self._accept(r, int(out[i, j]))[0]
+                if i in preempted:
+                    o = self._accept_preempted(r, int(out[i, j]))[0]
+                else:
+                    r.computed = a + j + 1  # the pool holds the anchor and the j drafts accepted before this token
+                    o = self._accept(r, int(out[i, j]))[0]
                 new.append(int(out[i, j]))
                 if o.finished:
                     break
             r.drafts, r.drafts_drawn = nxt[i, :n_next[i]].tolist(), True
             self.counters["spec_drafts"] += 1
-            self.counters["spec_draft_tokens"] += int(n_verify[i])
-            self.spec_verified_per_len[n_verify[i]] += 1
+            self.counters["spec_draft_tokens"] += n_ver
+            self.spec_verified_per_len[n_ver] += 1
             self.counters["spec_accepted_tokens"] += len(new) - 1
             for j in range(len(new) - 1):
                 self.spec_accepted_per_pos[j] += 1
             outs.append(dataclasses.replace(o, new_token_ids=new))
-        self.counters["decode_steps"] += 1
         return outs

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import compile_events, executables, programs
+from serving.engine import compile_events, executables, programs, speculative
 from serving.engine.errors import EngineError
 from serving.engine.warmup_progress import ProgramReport, WarmupProgress, report_line
 
@@ -35,7 +35,7 @@ class Warmup:
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
                            np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32),
                            np.zeros((B, L), np.int32), rows)
-        if self.device_feed and kind in ("decode", "decode_first", "decode_rest"):
+        if self.device_feed and kind in ("decode", "decode_first", "decode_rest", "spec_rest"):
             b = self._feed_padding(b)
         static, progs = self.static, self.programs
         if kind == "encoder":
@@ -157,7 +157,11 @@ class Warmup:
         if from_store:
             _first_run(shape, out)
         self.pool = out[0]
-        if self.device_feed and shape[0] in ("decode", "decode_rest"):
+        if self.device_feed and self.spec is not None and shape[0] in ("decode", "spec_rest"):
+            # its outputs padded as the next step's `SpecFeed`'s
+            for a in (*out[2:5], speculative.verify_lengths(out[5], self.spec.confidence_threshold)):
+                self._pad(a)
+        elif self.device_feed and shape[0] in ("decode", "decode_rest"):
             self._pad(out[2])  # its ids padded as the next step's `Feed.prev`
         elif self.device_feed and shape[0] in ("full", "decoder"):
             self._pad_first(out[2])  # a prompt's first tokens: `Feed.first`
