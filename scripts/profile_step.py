@@ -13,6 +13,10 @@ scopes of the compiled program's HLO matched to CUPTI's kernel names (cuBLAS ker
 busy time and its idle gaps, which kernel each long gap waits for, and the host thread's time per event name. A gap
 the host does not fill means the device waits for launches; a step whose dispatch does not return before the
 device is done holds the host (a device-to-host read inside the program). One batch size a run.
+
+--device-feed: the decode steps fed on the device (`EngineConfig.device_feed`: each dispatched before the host reads
+the one before), timed as loops closed by the read of what the last step left in flight; the timeline's steps run
+that way too.
 """
 
 from __future__ import annotations
@@ -175,6 +179,13 @@ def timeline(xplane: str, steps: int, top: int = 12) -> dict:
             "host": {f"{t} | {e}": v for (t, e), v in host.items()}}
 
 
+def steps(eng, n: int) -> None:
+    """n engine steps, then the read of whatever the last left in flight (a fed step's tokens)."""
+    for _ in range(n):
+        eng.step()
+    eng._read()
+
+
 def traced(fn, reps: int) -> str:
     """Runs fn reps times under jax.profiler -> the trace's xplane file."""
     d = tempfile.mkdtemp(prefix="dsv41_trace")
@@ -192,6 +203,8 @@ def main():
     ap.add_argument("--parts", action=argparse.BooleanOptionalAction, default=True,
                     help="the first batch's kernels by model part (compiles the program once more)")
     ap.add_argument("--timeline", action="store_true", help="also trace the decode steps: GPU idle gaps, host time")
+    ap.add_argument("--device-feed", action="store_true",
+                    help="decode steps fed on the device, each dispatched before the one before is read")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     if args.timeline and len(batches) > 1:
@@ -215,16 +228,17 @@ def main():
             if args.speculative else None
         max_len += (args.speculative + 1) * 16
         eng = make_engine(cfg, params, True, max_len, max(batches), args.backend, speculative_config=spec,
-                          scan_layers=args.scan_layers)
+                          scan_layers=args.scan_layers, device_feed=args.device_feed)
         # the step's programs (`Engine.run_decode`)
         names = tuple({"decode": "run_spec" if spec else "run_full"}.get(k, "run_" + k) for k in eng.decode_kinds)
         hlo = recording(eng.programs, names) if args.parts else None  # its tree_map costs ms a step
-        eng.async_scheduling = False  # CUPTI reads a step's kernels once it returns: each step waits for its own
+        # CUPTI reads a step's kernels once it returns: each step waits for its own (fed: `steps` closes the loop)
+        eng.async_scheduling = args.device_feed
         for j, B in enumerate(batches):
             fake_decode_state(eng, B, args.decode_ctx, args.temperature)
-            eng.step()  # compile
-            wall = timed(eng.step, reps=10) * 1e3
-            kernels = cupti_kernels(eng.step)
+            steps(eng, 1)  # compile
+            wall = timed(lambda: steps(eng, 10), reps=3) * 1e3 / 10
+            kernels = cupti_kernels(lambda: steps(eng, 1))
             what = f"DSpark verify + draft step (k={args.speculative})" if spec else "decode step"
             results.append(summarize(f"{what}, batch {B}, context {args.decode_ctx}", wall, kernels, 20))
             if j == 0 and args.parts:
@@ -237,7 +251,7 @@ def main():
                 results[-1]["by_part"] = parts
             if args.timeline:
                 print(f"\n### timeline of 5 steps, batch {B}")
-                results[-1]["timeline"] = timeline(traced(eng.step, 5), 5)
+                results[-1]["timeline"] = timeline(traced(lambda: steps(eng, 5), 1), 5)
         del eng
     if args.prefill:
         n = args.prefill
