@@ -41,6 +41,7 @@
 #                  #43's TPOT targets; the server's wheels carried and on PYTHONPATH, as for startup)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
+#                  ($PROFILE_ARGS: e.g. "--speculative 5 --device-feed", DSpark's step fed on the device)
 #   exchange       the expert-parallel token exchanges on every GPU of the machine (2-8: a multi-GPU kind): the
 #                  ragged one's GPU test, then both timed at Flash widths, decode and prefill sizes
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
@@ -172,7 +173,7 @@ case "${1:-}" in
   timeline)
     for B in 1 64; do  # one batch a process: Mosaic's CUPTI reader fails after a trace
       timeout -k 10 220 $PY scripts/profile_step.py --backend auto --weights release --batches $B --prefill 0 \
-        --no-parts --timeline --out "$OUT" > "$OUT/timeline$B.txt" 2>&1
+        --no-parts --timeline --out "$OUT" ${PROFILE_ARGS:-} > "$OUT/timeline$B.txt" 2>&1
       echo "timeline batch $B rc=$?"
       grep -A70 "### timeline" "$OUT/timeline$B.txt" | head -45
     done
