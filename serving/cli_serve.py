@@ -181,14 +181,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "any batch or after a prefix hit; more padding (overrides the --min-* buckets)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="run each step's programs while the server streams the previous step's tokens (default "
-                        "off; speculative decoding steps stay synchronous); the tokens are the same either way")
+                        "off; speculative decoding steps stay synchronous unless --device-feed); the tokens are the "
+                        "same either way")
     g.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=None,
                    help="dispatch each decode step before reading the previous step's tokens, which the program "
                         "takes on the device with their Engram rows (the Engram tables then also live in device "
                         "memory, their rows split over the data ranks: 5.9 GiB for the bench preset; `dsv41 "
-                        "kv-budget` counts them). Implies --async-scheduling; not with --speculative-config "
-                        "(default: on with a GPU, unless --speculative-config or the tables would take over a "
-                        "quarter of a GPU's memory; off on CPU)")
+                        "kv-budget` counts them). Implies --async-scheduling. With --speculative-config each step's "
+                        "chunk (bonus token, drafts) is built on the device from the step before (default: on with "
+                        "a GPU, unless --speculative-config, which measured slower fed, or the tables would take "
+                        "over a quarter of a GPU's memory; off on CPU)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "
