@@ -2,7 +2,8 @@
 # The standing device runs, one group a device call (10 minutes), from the repository root; logs go to $OUT:
 #   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~8 min); SHARD 1-7: all @pytest.mark.gpu
 #                  tests in seven parts that each fit one device call (the engine's GPU tests, shards 3-7, compile
-#                  bench-preset programs, ~2 min a test); PATHS: the gpu tests there
+#                  bench-preset programs, ~2 min a test; 7 also DSpark fed against read on the host); PATHS: the gpu
+#                  tests there
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   buckets        prefill of short prompts (16-512 tokens, replay on) at their own buckets' programs, then every
@@ -72,10 +73,11 @@ case "${1:-}" in
       1) set -- tests/pallas_kernels/test_{expert_gemm,fp8_linear,codec_ptx,indexer_chunk,indexer_logits,kv_write}.py ;;
       2) set -- tests/pallas_kernels/test_{mhc,router,sparse_attention,topk_select}.py ;;
       3) set -- tests/test_engine_gpu.py; k="layer_by_layer and not indexer-blocks" ;;
-      4) set -- tests/test_engine_gpu.py; k="not layer_by_layer and not all_kernels and not scanned and not shared" ;;
+      4) set -- tests/test_engine_gpu.py
+         k="not layer_by_layer and not all_kernels and not scanned and not shared and not speculative" ;;
       5) set -- tests/test_engine_gpu.py; k="all_kernels" ;;
       6) set -- tests/test_engine_gpu.py; k="scanned" ;;
-      7) set -- tests/test_engine_gpu.py; k="shared or indexer-blocks" ;;
+      7) set -- tests/test_engine_gpu.py; k="shared or indexer-blocks or speculative" ;;
       "") set -- tests/pallas_kernels ;;
     esac
     timeout -k 10 "${TESTS_TIMEOUT:-580}" $PY -m pytest -q -s -rA --tb=short -m gpu -p no:cacheprovider \

@@ -27,7 +27,7 @@ from dsv41.config import preset
 from layer_paths import attention_diffs, fill, make_batch, zero_rows
 from serving.engine import backends as BK
 from serving.engine import kv_pool
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -283,6 +283,37 @@ def test_fed_engine_gives_the_synchronous_tokens(bench):
     (fed, fed_logits), (host, host_logits) = run(True), run(False)
     rel = {r: float(np.abs(fed_logits[r] - host_logits[r]).max() / np.abs(host_logits[r]).max()) for r in host}
     print(f"fed against read on the host: tokens {fed} / {host}; rel. max logit difference {rel}")
+    assert fed == host and max(rel.values()) < 1e-3
+
+
+def test_fed_speculative_engine_gives_the_synchronous_tokens(bench):
+    """DSpark (k = 5, the bench preset's three stages at Flash's widths) with each step's chunk built on the device
+    from the step in flight (`--device-feed`: `programs.SpecFeed`), split at the split layer as a GPU runs it,
+    through the kernels, against the same engine reading each step on the host. Forced acceptance with a confidence
+    cut at 0.5: each row accepts the drafts its cut kept, so accept lengths, anchor parities and Engram history
+    shifts vary by row and step. The same tokens, and the logits equal up to the rounding of programs compiled
+    apart."""
+    cfg, _ = bench
+    cfg = cfg.replace(n_mtp_layers=3)
+    params = P.init_params(cfg, seed=0)
+    prompts = [list(np.random.default_rng(60 + i).integers(3, cfg.vocab_size, n)) for i, n in enumerate((301, 40))]
+    spec = SpeculativeConfig(num_speculative_tokens=5, forced_acceptance=True, confidence_threshold=0.5)
+
+    def run(feed):
+        eng = _small_engine(cfg, params, device_feed=feed, speculative_config=spec)
+        assert eng.device_feed == feed and len(eng.decode_kinds) == 2
+        toks = {f"p{i}": [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            eng.add_request(f"p{i}", p, SamplingParams(max_tokens=20 + i, ignore_eos=True))
+        while eng.has_work():
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+        return toks, {r: np.stack(v).astype(np.float32) for r, v in eng.finished_logits.items()}, eng.stats()
+
+    (fed, fed_logits, st), (host, host_logits, _) = run(True), run(False)
+    rel = {r: float(np.abs(fed_logits[r] - host_logits[r]).max() / np.abs(host_logits[r]).max()) for r in host}
+    print(f"fed speculative against read on the host: tokens {fed} / {host}; rel. max logit difference {rel}; "
+          f"verified per length {st['spec_verified_per_len']}")
     assert fed == host and max(rel.values()) < 1e-3
 
 
