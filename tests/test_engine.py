@@ -12,7 +12,6 @@ from dsv41 import params as P
 from dsv41 import tokenizer as T
 from dsv41.config import preset
 from serving.engine import kv_pool, programs
-from serving.engine.backends import KernelOptions
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine, EngineError, SamplingParams
 from tiny_engine import NUM
@@ -126,48 +125,6 @@ def test_replay_tokens_bounds():
         EngineConfig(swa_replay_tokens=600)
     with pytest.raises(EngineError, match="below the model's window"):
         tiny_engine.make(swa_replay_tokens=64)
-
-
-# the defaults, and every option at its other setting (the suite's time: ~25 s a program on CI, so both settings'
-# kernel paths share one program a phase with the XLA path: layer_paths.attention_diffs_each)
-KERNEL_OPTIONS = {"default": KernelOptions(),
-                  "unfused-rope+xla-indexer+kernel-topk": KernelOptions(
-                      fuse_rope=False, prefill_indexer_kernel=False, indexer_topk="kernel"),
-                  "indexer-blocks": KernelOptions(prefill_indexer_block_entries=64)}
-
-
-def test_fused_kernel_path_equals_xla_layer_by_layer(tiny):
-    """Every layer's attention through the fused kernels' inputs (FP8 window rows, page tables, top-k entries;
-    their jnp references on the CPU) equals the XLA path's from the same state: a prefill chunk whose windows
-    reach into the ring (two rows, one ragged) and a decode step with its fused KV writes and indexer; with each
-    setting of `backends.KernelOptions` (the query / output RoPE handed to the attention kernel or not, the
-    prefill chunk's indexer through the scoring kernel or XLA, over the whole block table or by blocks, the top-k
-    by XLA or, through its reference, the threshold kernel). The kernels against those references:
-    tests/pallas_kernels; the compiled kernels: tests/test_engine_gpu.py."""
-    from layer_paths import attention_diffs_each, make_batch, zero_rows
-
-    cfg, params = tiny
-    core, _ = model.strip_tables(params)
-    pool = kv_pool.allocate(cfg, kv_pool.PoolLayout(num_pages=16, page_tokens=64, num_slots=2))
-    B, T, ctx = 2, 128, 6
-    bt = np.arange(B * ctx).reshape(B, ctx)
-    tokens = np.asarray([prompt(T, seed=20), prompt(T, seed=21)], np.int32)
-    opts = list(KERNEL_OPTIONS.values())
-    # the first chunk fills the pool through the XLA path of the program the prefill phase runs (the same
-    # shapes: one CPU compile of ~10 s fewer than the engine's run_full), its diffs checked as well
-    L = cfg.n_layers
-    first, pool = attention_diffs_each(core, pool, make_batch(tokens, 0, [T, T], [0, 1], bt, zero_rows(cfg, B, T), L),
-                                       cfg, NUM, "reference", opts, with_pool=True)
-    per_phase = {
-        "first chunk": first,
-        "prefill": attention_diffs_each(core, pool, make_batch(tokens[:, ::-1].copy(), T, [T, 77], [0, 1], bt,
-                                                               zero_rows(cfg, B, T), L), cfg, NUM, "reference", opts,
-                                        with_pool=True)[0],
-        "decode": attention_diffs_each(core, pool, make_batch(tokens[:, :1].copy(), 2 * T, [1, 1], [0, 1], bt,
-                                                              zero_rows(cfg, B, 1), L), cfg, NUM, "reference", opts),
-    }
-    worst = {(name, phase): d for phase, ds in per_phase.items() for name, d in zip(KERNEL_OPTIONS, ds)}
-    assert max(float(d.max()) for d in worst.values()) < 1e-5, worst
 
 
 def test_program_shapes_cover_the_buckets(tiny):
