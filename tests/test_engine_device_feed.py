@@ -28,42 +28,8 @@ REQUESTS = {
 }
 
 
-class Counted:
-    """The engine's programs, counting the decode rows whose token came from the device."""
-
-    def __init__(self, progs):
-        self.progs, self.fed, self.host = progs, 0, 0
-
-    def __getattr__(self, name):
-        return getattr(self.progs, name)
-
-    def _count(self, b):
-        if b.feed is not None:
-            live = np.asarray(b.n_valid) > 0
-            idx = np.asarray(b.feed.index)
-            self.fed += int((live & (idx >= 0)).sum())
-            self.host += int((live & (idx < 0)).sum())
-
-    def run_full(self, params, pool, b, **kw):
-        self._count(b)
-        return self.progs.run_full(params, pool, b, **kw)
-
-    def run_decode_first(self, params, pool, b, **kw):
-        self._count(b)
-        return self.progs.run_decode_first(params, pool, b, **kw)
-
-
 def serve(eng):
-    for rid, (ids, s) in REQUESTS.items():
-        eng.add_request(rid, ids, s)
-    toks = {rid: [] for rid in REQUESTS}
-    reasons = {}
-    while eng.has_work():
-        for o in eng.step():
-            toks[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-    return toks, reasons, eng.finished_logits
+    return (*tiny_engine.drain(eng, REQUESTS), eng.finished_logits)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +51,7 @@ def test_fed_steps_equal_synchronous(synchronous, split):
     jits = (programs.run_full, programs.run_encoder, programs.run_decoder, programs.ONE_DEVICE.run_decode_first,
             programs.ONE_DEVICE.run_decode_rest, eng._pad, eng._pad_first)
     before = [p._cache_size() for p in jits]
-    eng.programs = counted = Counted(eng.programs)
+    eng.programs = counted = tiny_engine.FedRows(eng.programs, ("run_full", "run_decode_first"))
     toks, reasons, logits = serve(eng)
     assert [p._cache_size() for p in jits] == before
     assert toks == want_t and reasons == want_r
@@ -102,12 +68,8 @@ def test_preempted_with_a_token_in_flight():
     recomputes from prompt + output as the synchronous engine's preempted request does: the same tokens."""
     def run(**kw):
         eng = tiny_engine.make(**kw)
-        eng.add_request("a", prompt(120, 8), SamplingParams(max_tokens=12, ignore_eos=True))
-        eng.add_request("b", prompt(180, 9), SamplingParams(max_tokens=8, ignore_eos=True))
-        toks = {"a": [], "b": []}
-        while eng.has_work():
-            for o in eng.step():
-                toks[o.request_id] += o.new_token_ids
+        toks, _ = tiny_engine.drain(eng, {"a": (prompt(120, 8), SamplingParams(max_tokens=12, ignore_eos=True)),
+                                          "b": (prompt(180, 9), SamplingParams(max_tokens=8, ignore_eos=True))})
         return toks, eng.counters["preemptions"]
 
     want, _ = run()

@@ -271,19 +271,25 @@ def test_fed_engine_gives_the_synchronous_tokens(bench):
     def run(feed):
         eng = _small_engine(cfg, params, device_feed=feed)
         assert eng.device_feed == feed
-        toks = {f"p{i}": [] for i in range(len(prompts))}
-        for i, p in enumerate(prompts):
-            eng.add_request(f"p{i}", p, SamplingParams(max_tokens=6 + i, ignore_eos=True))
-        while eng.has_work():
-            for o in eng.step():
-                toks[o.request_id] += o.new_token_ids
-        return toks, {r: np.stack(v).astype(np.float32) for r, v in eng.finished_logits.items()}
+        return _greedy_run(eng, prompts, 6)
 
     assert EngineConfig().feeds_on_device(jax.default_backend())
     (fed, fed_logits), (host, host_logits) = run(True), run(False)
     rel = {r: float(np.abs(fed_logits[r] - host_logits[r]).max() / np.abs(host_logits[r]).max()) for r in host}
     print(f"fed against read on the host: tokens {fed} / {host}; rel. max logit difference {rel}")
     assert fed == host and max(rel.values()) < 1e-3
+
+
+def _greedy_run(eng: Engine, prompts: list, max_tokens: int) -> tuple[dict, dict]:
+    """prompts added at once ("p0", "p1", ...; prompt i decodes max_tokens + i tokens, greedy) and run to the end.
+    -> (tokens, logits float32 [steps, V]) by request."""
+    toks = {f"p{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", p, SamplingParams(max_tokens=max_tokens + i, ignore_eos=True))
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+    return toks, {r: np.stack(v).astype(np.float32) for r, v in eng.finished_logits.items()}
 
 
 def test_fed_speculative_engine_gives_the_synchronous_tokens(bench):
@@ -302,13 +308,7 @@ def test_fed_speculative_engine_gives_the_synchronous_tokens(bench):
     def run(feed):
         eng = _small_engine(cfg, params, device_feed=feed, speculative_config=spec)
         assert eng.device_feed == feed and len(eng.decode_kinds) == 2
-        toks = {f"p{i}": [] for i in range(len(prompts))}
-        for i, p in enumerate(prompts):
-            eng.add_request(f"p{i}", p, SamplingParams(max_tokens=20 + i, ignore_eos=True))
-        while eng.has_work():
-            for o in eng.step():
-                toks[o.request_id] += o.new_token_ids
-        return toks, {r: np.stack(v).astype(np.float32) for r, v in eng.finished_logits.items()}, eng.stats()
+        return *_greedy_run(eng, prompts, 20), eng.stats()
 
     (fed, fed_logits, st), (host, host_logits, _) = run(True), run(False)
     rel = {r: float(np.abs(fed_logits[r] - host_logits[r]).max() / np.abs(host_logits[r]).max()) for r in host}

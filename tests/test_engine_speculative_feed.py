@@ -36,41 +36,8 @@ def speculative(forced: bool = True, **kw):
     return tiny_engine.make(speculative_config=spec, max_model_len=tiny_engine.BASE["max_model_len"] - K, **kw)
 
 
-class Counted:
-    """The engine's programs, counting the speculative rows that continued the step before on the device."""
-
-    def __init__(self, progs):
-        self.progs, self.fed, self.host = progs, 0, 0
-
-    def __getattr__(self, name):
-        return getattr(self.progs, name)
-
-    def _count(self, b):
-        assert isinstance(b.feed, programs.SpecFeed)
-        live = np.asarray(b.n_valid) > 0
-        idx = np.asarray(b.feed.index)
-        self.fed += int((live & (idx >= 0)).sum())
-        self.host += int((live & (idx < 0)).sum())
-
-    def run_spec(self, params, pool, b, *args, **kw):
-        self._count(b)
-        return self.progs.run_spec(params, pool, b, *args, **kw)
-
-    def run_decode_first(self, params, pool, b, **kw):
-        self._count(b)
-        return self.progs.run_decode_first(params, pool, b, **kw)
-
-
 def serve(eng):
-    for rid, (ids, s) in REQUESTS.items():
-        eng.add_request(rid, ids, s)
-    toks = {rid: [] for rid in REQUESTS}
-    reasons = {}
-    while eng.has_work():
-        for o in eng.step():
-            toks[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
+    toks, reasons = tiny_engine.drain(eng, REQUESTS)
     st = eng.stats()
     counts = {k: st[k] for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos",
                                  "spec_verified_per_len")}
@@ -94,7 +61,7 @@ def test_fed_speculative_steps_equal_synchronous(synchronous, split):
     jits = (programs.ONE_DEVICE.run_spec, programs.ONE_DEVICE.run_decode_first, programs.ONE_DEVICE.run_spec_rest,
             eng._pad)
     before = [p._cache_size() for p in jits]
-    eng.programs = counted = Counted(eng.programs)
+    eng.programs = counted = tiny_engine.FedRows(eng.programs, ("run_spec", "run_decode_first"))
     toks, reasons, logits, counts = serve(eng)
     assert [p._cache_size() for p in jits] == before
     assert toks == want_t and reasons == want_r and counts == want_c
@@ -112,13 +79,9 @@ def test_preempted_with_a_speculative_step_in_flight():
     tokens (not forced: forced tokens are the drafts, which depend on when the recompute happens)."""
     def run(**kw):
         eng = speculative(forced=False, **kw)
-        for rid, n in (("a", 180), ("b", 150)):
-            eng.add_request(rid, prompt(n, n), SamplingParams(max_tokens=24, ignore_eos=True))
-        toks = {"a": [], "b": []}
-        while eng.has_work():
-            for o in eng.step():
-                toks[o.request_id] += o.new_token_ids
-        return toks, eng.stats()
+        greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+        reqs = {rid: (prompt(n, n), greedy) for rid, n in (("a", 180), ("b", 150))}
+        return tiny_engine.drain(eng, reqs)[0], eng.stats()
 
     want, _ = run()
     got, st = run(device_feed=True)

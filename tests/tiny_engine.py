@@ -41,3 +41,40 @@ def prompt(n: int, seed: int) -> list:
 def make(**kw) -> Engine:
     cfg, params = tiny()
     return Engine(cfg, params, T.load_tokenizer(), model.builtin_hasher(cfg), config=EngineConfig(**{**BASE, **kw}))
+
+
+def drain(eng: Engine, requests: dict) -> tuple[dict, dict]:
+    """requests (id -> (prompt ids, SamplingParams)) added at once, the engine stepped until idle. -> (tokens by
+    id, finish reasons by id)."""
+    for rid, (ids, s) in requests.items():
+        eng.add_request(rid, ids, s)
+    toks, reasons = {rid: [] for rid in requests}, {}
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    return toks, reasons
+
+
+class FedRows:
+    """An engine's programs (`eng.programs = FedRows(eng.programs, names)`), counting over the calls of the programs
+    named the live decode rows whose input the program takes from the step before on the device (their feed's
+    index >= 0: `programs.Feed`, `programs.SpecFeed`) and those the host gave."""
+
+    def __init__(self, progs, names: tuple[str, ...]):
+        self.progs, self.names, self.fed, self.host = progs, names, 0, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.progs, name)
+        if name not in self.names:
+            return fn
+
+        def counted(params, pool, b, *args, **kw):
+            if b.feed is not None:
+                live, idx = np.asarray(b.n_valid) > 0, np.asarray(b.feed.index)
+                self.fed += int((live & (idx >= 0)).sum())
+                self.host += int((live & (idx < 0)).sum())
+            return fn(params, pool, b, *args, **kw)
+
+        return counted
