@@ -14,9 +14,9 @@ step N's tokens are read), the baseline of the speed-ups, and with each step's t
 speculative step runs unless --fed-spec. At acceptance length L (tokens a step, 1 + accepted
 drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchmark.
 --k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
-(no draft verified: the k-wide program with its draft columns masked); --split-spec adds each speculative program
-cut at the split layer (the plain step is cut there on a GPU); --fed-spec adds each speculative step fed on the
-device. --preset tiny: a CPU smoke test.
+(no draft verified: the k-wide program with its draft columns masked); the speculative step runs as the platform
+runs it (cut at the split layer on a GPU, as the plain step), or with --split-spec both as one program and cut;
+--fed-spec adds each speculative step fed on the device. --preset tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ BLOCKS = 3  # loops of --reps steps; a step's time is their median
 
 
 def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: SpeculativeConfig | None,
-              temperature: float = 0.0, backend: str = "auto", split_spec: bool = False, fed: bool = False):
+              temperature: float = 0.0, backend: str = "auto", split_spec: bool | None = None, fed: bool = False):
     """-> (first step s (compile), median step s) of B requests decoding at position ctx in an engine of the
     backend's kernels (`timing.kernels_of`: `auto` is serve's), one decode bucket of B rows, at that temperature;
-    split_spec: a speculative step in two programs (a plain one: the platform's split either way); fed: the step's
-    tokens (a speculative step's chunk) fed on the device."""
+    split_spec: a speculative step in two programs or one (None: the platform's, two on a GPU; a plain step: the
+    platform's split either way); fed: the step's tokens (a speculative step's chunk) fed on the device."""
     eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec,
-                      device_feed=fed, **({"split_decode": True} if split_spec and spec is not None else {}))
+                      device_feed=fed, split_decode=split_spec if spec is not None else None)
     if split_spec and spec is not None and len(eng.decode_kinds) != 2:
         raise SystemExit(f"--split-spec: this model's DSpark reads layers {cfg.dspark_target_layer_ids}, not all past "
                          f"the split layer {cfg.split_layer}, so its step cannot be cut there; drop --split-spec")
@@ -68,8 +68,9 @@ def main():
     ap.add_argument("--k", default="5", help="num_speculative_tokens, one program each (e.g. 1,2,5)")
     ap.add_argument("--cut", action="store_true", help="also the largest k with confidence_threshold 1")
     ap.add_argument("--split-spec", action="store_true",
-                    help="also time each speculative program cut at the split layer (EngineConfig.split_decode="
-                         "True: run_decode_first, then run_spec_rest), beside the one program")
+                    help="time each speculative step as one program and cut at the split layer (EngineConfig."
+                         "split_decode: run_decode_first, then run_spec_rest); without it, as the platform runs it "
+                         "(cut on a GPU)")
     ap.add_argument("--fed-spec", action="store_true",
                     help="also time each speculative step fed on the device (EngineConfig.device_feed: its chunk "
                          "built from the step before, programs.SpecFeed), beside the one read on the host")
@@ -96,11 +97,11 @@ def main():
                            fed=True)
         th = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0])[1]
         for backend in backends:
-            for (name, spec), split, fed in itertools.product(specs, (False, True)[:1 + args.split_spec],
+            for (name, spec), split, fed in itertools.product(specs, (False, True) if args.split_spec else (None,),
                                                               (False, True)[:1 + args.fed_spec]):
                 fs, ts = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, spec, args.temperature,
                                    backend, split, fed)
-                name += (", two programs" if split else "") + (", fed" if fed else "")
+                name += {None: "", False: ", one program", True: ", two programs"}[split] + (", fed" if fed else "")
                 rows.append((B, backend, name, 0 if spec.confidence_threshold else spec.num_speculative_tokens,
                              tp, th, ts))
                 log.info("B=%d plain %.2f ms fed, %.2f ms read on the host, %s %s %.2f ms (first calls %.1f / "
