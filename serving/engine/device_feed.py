@@ -106,14 +106,16 @@ class DeviceFeed:
                 else sharding.rank_sharding(self.mesh))
         # committed as the step's sampled ids are (a program compiles once per committed / uncommitted signature)
         first = self.shared_prefill[0] if self.shared_prefill else 1  # a prefill call's rows a rank, at most
-        self._pad = jax.jit(functools.partial(_padded, ranks=D, width=self.feed_width), out_shardings=rows)
+        # (a pytree of outputs padded in one program: a speculative step's four)
+        self._pad = jax.jit(lambda t: jax.tree.map(functools.partial(_padded, ranks=D, width=self.feed_width), t),
+                            out_shardings=rows)
         self._pad_first = jax.jit(functools.partial(_padded, ranks=D, width=first), out_shardings=rows)
         self._prev = jax.device_put(np.zeros(D * self.feed_width, np.int32), rows)
         self._first = jax.device_put(np.zeros(D * first, np.int32), rows)
-        if self.spec is not None:  # `programs.SpecFeed`'s: out, accepted, drafts, n_next
+        if self.spec is not None:  # `programs.SpecFeed`'s: out, accepted, drafts, n_next (all k: `_spec_padded`)
             k, n = self.spec_tokens, D * self.feed_width
-            self._spec_prev = tuple(jax.device_put(np.zeros(s, np.int32), rows)
-                                    for s in ((n, k + 1), (n,), (n, k), (n,)))
+            self._spec_prev = tuple(jax.device_put(np.full(s, v, np.int32), rows)
+                                    for s, v in (((n, k + 1), 0), ((n,), 0), ((n, k), 0), ((n,), k)))
 
     def _fed_batch(self, rows: list[_Request | None]) -> programs.Batch:
         """A decode batch whose tokens the program takes from `_prev` where they are in flight (`programs.Feed`),
@@ -178,12 +180,18 @@ class DeviceFeed:
                 r.in_flight += 1
                 r.fed_row = i - r.rank * per
                 r.drafts_drawn = True
-        self._spec_prev = tuple(self._pad(a) for a in spec)
+        self._spec_prev = self._spec_padded(spec)
         f = _InFlight(rows, spec, logits if self.keep_logits else None, n_verify)
         for a in (*spec, f.logits):
-            if a is not None:
+            if isinstance(a, jax.Array):
                 a.copy_to_host_async()
         self._in_flight.append(f)
+
+    def _spec_padded(self, spec: tuple) -> tuple:
+        """A speculative step's (out, accepted, drafts, n_next) as the next `SpecFeed` takes them, padded in one
+        program; an n_next on the host (all k, `_next_verify`) keeps the constant one."""
+        dev = spec if isinstance(spec[3], jax.Array) else spec[:3]
+        return (*self._pad(dev), *self._spec_prev[len(dev):])
 
     def _dispatched_fed(self, rows: list, tok: jax.Array, decode: bool) -> None:
         """A decode step's or a prefill call's sampled ids (rows: a request per row, None where nothing was

@@ -134,13 +134,21 @@ class Speculative:
         else:
             self.pool, logits, out, acc, nxt, conf = self.programs.run_spec(self.params, self.pool, b, *args,
                                                                             **self.static, spec_tokens=k)
-        # without a threshold the confidences never leave the device
-        spec = (out, acc, nxt, verify_lengths(conf, self.spec.confidence_threshold))
+        spec = (out, acc, nxt, self._next_verify(conf))
         self.counters["decode_steps"] += 1
         if fed:
             self._dispatched_spec(rows, spec, logits, n_verify)
             return []
         return self._accept_spec(rows, jax.device_get(spec), logits, n_verify)
+
+    def _next_verify(self, conf: jax.Array) -> jax.Array | np.ndarray:
+        """The drafts each row's next step verifies, from its drafter's confidences conf [B, k]: `verify_lengths` on
+        the device with a confidence threshold, else all k, a host constant (the confidences never leave the
+        device, and no program runs for them)."""
+        thr = self.spec.confidence_threshold
+        if thr is None:
+            return np.full(conf.shape[0], self.spec_tokens, np.int32)
+        return verify_lengths(conf, thr)
 
     def _accept_spec(self, rows: list, spec: tuple, logits, n_verify: np.ndarray,
                      preempted: frozenset = frozenset()) -> list[StepOutput]:

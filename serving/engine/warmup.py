@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import compile_events, executables, programs, speculative
+from serving.engine import compile_events, executables, programs
 from serving.engine.errors import EngineError
 from serving.engine.warmup_progress import ProgramReport, WarmupProgress, report_line
 
@@ -158,9 +158,7 @@ class Warmup:
             _first_run(shape, out)
         self.pool = out[0]
         if self.device_feed and self.spec is not None and shape[0] in ("decode", "spec_rest"):
-            # its outputs padded as the next step's `SpecFeed`'s
-            for a in (*out[2:5], speculative.verify_lengths(out[5], self.spec.confidence_threshold)):
-                self._pad(a)
+            self._spec_padded((*out[2:5], self._next_verify(out[5])))  # as the next step's `SpecFeed`'s
         elif self.device_feed and shape[0] in ("decode", "decode_rest"):
             self._pad(out[2])  # its ids padded as the next step's `Feed.prev`
         elif self.device_feed and shape[0] in ("full", "decoder"):
