@@ -22,8 +22,9 @@ with the XLA compiles each ran:
     PYTHONPATH=. python3 scripts/bench_startup.py --build --preset bench
 
 --lower-for cuda: on any host (no GPU needed), each program as a GPU engine would choose it (kernels, buckets),
-traced and lowered for CUDA, not compiled: trace and lower seconds, the Mosaic GPU kernels it holds, its size.
-Lowering runs in one thread before any compile can start, so it bounds a cold start from below:
+traced and lowered for CUDA, not compiled: trace and lower seconds, the Mosaic GPU kernels it holds, the ops at
+which a GPU call waits for the host (`serving/engine/host_round_trips.py`: logged by named scope), its size
+(with `--speculative-config`, the abstract engine has DSpark's three stages). Lowering runs in one thread before any compile can start, so it bounds a cold start from below:
 
     PYTHONPATH=. python3 scripts/bench_startup.py --abstract --lower-for cuda --preset bench
 
@@ -44,6 +45,7 @@ smallest program of each kind named, cold only, 40 layers against 8:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -63,6 +65,7 @@ import jax
 from dsv41.config import preset
 from serving import cli_serve, compilation_cache
 from serving.engine import compile_events
+from serving.engine.host_round_trips import host_round_trips
 from serving.engine.warmup_progress import parse_report_line
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
@@ -102,7 +105,10 @@ def abstract_engine(args: argparse.Namespace):
     if args.checkpoint:
         raise SystemExit("--abstract measures a preset (--preset tiny / bench / flash); drop --checkpoint")
     config = EngineConfig(**cli_serve.engine_kwargs(args, EngineConfig.field_names()))
-    return Engine.abstract(preset(args.preset), config)
+    cfg = preset(args.preset)
+    if config.speculative_config is not None and not cfg.n_mtp_layers:
+        cfg = cfg.replace(n_mtp_layers=3)  # the bench preset leaves DSpark's stages out; its benches add the three
+    return Engine.abstract(cfg, config)
 
 
 def selected_shapes(eng, args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
@@ -198,13 +204,16 @@ def measure_lowering(args: argparse.Namespace) -> None:
         # one Mosaic GPU custom call per kernel hash a program calls (a kernel called at several sites is lowered
         # once); jaxlib compiles each hash once in a process (pallas_kernels/kernel_hashes.py)
         hashes = set(re.findall(r'kernel_hash = "(.*?)"', text))
+        trips = host_round_trips(traced.jaxpr)
         kind, B, T, pages = shape
-        rows.append([kind, f"{B} x {T}", pages, t1 - t0, t2 - t1, len(hashes), len(hashes - seen), len(text) // 1000])
+        rows.append([kind, f"{B} x {T}", pages, t1 - t0, t2 - t1, len(hashes), len(hashes - seen), len(trips),
+                     len(text) // 1000])
         seen |= hashes
-        logger.info("%s B=%d T=%d: trace %.2f s, lower %.2f s, %d kernels", kind, B, T, t1 - t0, t2 - t1,
-                    len(hashes))
+        logger.info("%s B=%d T=%d: trace %.2f s, lower %.2f s, %d kernels, host round trips %s", kind, B, T, t1 - t0,
+                    t2 - t1, len(hashes), collections.Counter(f"{k} in {n or 'the program'}" for k, n in trips))
     print_table(["program", "B x T", "pages", "trace s", "lower s", "Mosaic GPU kernels", "not in a program above",
-                 "lowered k chars"], [[*r[:3], fmt(r[3]), fmt(r[4]), *r[5:]] for r in rows], "lrrrrrrr")
+                 "host round trips", "lowered k chars"], [[*r[:3], fmt(r[3]), fmt(r[4]), *r[5:]] for r in rows],
+                "lrrrrrrrr")
     print()
     print_table(["programs", "trace s", "lower s", "kernels lowered", "kernel hashes (compiles in one process)"],
                 [[len(rows), fmt(sum(r[3] for r in rows)), fmt(sum(r[4] for r in rows)), sum(r[5] for r in rows),

@@ -1,0 +1,73 @@
+"""`serving.engine.host_round_trips`: on small programs, the ops XLA's GPU backend runs by reading a device value on
+the host mid-call and those it does not; then the engine's GPU decode step, which must have none."""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from serving.engine.host_round_trips import host_round_trips
+
+x = jnp.arange(8.0)
+
+
+def trips(f, *args):
+    return host_round_trips(jax.jit(f).trace(*args).jaxpr)
+
+
+def test_a_cond_on_a_device_value_and_a_data_dependent_loop_count():
+    def f(v):
+        with jax.named_scope("pick"):
+            v = jax.lax.cond(v[0] > 0, jnp.sin, jnp.cos, v)
+        with jax.named_scope("loop"):
+            n = jnp.argmax(v).astype(jnp.int32)
+            return jax.lax.fori_loop(0, n, lambda i, a: a + i, v)  # a traced bound: a while loop
+
+    assert trips(f, x) == [("cond", "pick"), ("while", "loop")]
+
+
+def test_nested_in_a_branch_and_under_vmap():
+    def inner(v):
+        with jax.named_scope("inner"):
+            return jax.lax.cond(v.sum() > 0, lambda a: a + 1, lambda a: a, v)
+
+    def f(v):
+        return jax.lax.cond(v[0] > 0, inner, lambda a: a, v)
+
+    assert trips(f, x) == [("cond", ""), ("cond", "inner")]
+    assert trips(jax.vmap(inner), x[None]) == []  # a per-row predicate: both branches run, then a select
+
+
+def test_static_trip_counts_platform_choices_and_kernel_bodies_are_not_round_trips():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jax.lax.fori_loop(0, x_ref[0].astype(jnp.int32), lambda i, a: a + 1.0, x_ref[...])
+
+    def f(v):
+        v = jax.lax.fori_loop(0, 3, lambda i, a: a * 2, v)  # static bounds: a scan
+        v = jax.lax.scan(lambda c, a: (c + a, c), 0.0, v)[1]
+        v = jax.lax.platform_dependent(v, cpu=jnp.sin, default=jnp.cos)
+        v = jax.lax.cond(True, jnp.sin, jnp.cos, v)  # a literal predicate
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), interpret=True)(v)
+
+    assert trips(f, x) == []
+
+
+def test_a_gpu_decode_step_waits_for_no_host_value():
+    """The bench preset's decode step (Flash's widths) as a GPU engine builds it with serve's defaults (a 131072-token
+    block table), its tokens fed on the device and read on the host, cut at the split layer: no program of it stops
+    the host mid-call, so each call returns once
+    launched and the host prepares the next step meanwhile (traced only: no lowering, nothing allocated). The
+    tiny preset's widths miss some kernels' tiles, so its XLA indexer scores by blocks in a loop: not counted there."""
+    from unittest import mock
+
+    from dsv41.config import preset
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import Engine
+
+    for feed in (True, False):
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            eng = Engine.abstract(preset("bench"), EngineConfig(max_num_seqs=1, device_feed=feed))
+        assert eng.decode_kinds == ("decode_first", "decode_rest")
+        for shape in eng.program_shapes():
+            if shape[0] in eng.decode_kinds:
+                fn, args, static = eng._padding_call(*shape)
+                assert host_round_trips(fn.trace(*args, **static).jaxpr) == [], (feed, shape)
