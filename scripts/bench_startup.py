@@ -23,8 +23,9 @@ with the XLA compiles each ran:
 
 --lower-for cuda: on any host (no GPU needed), each program as a GPU engine would choose it (kernels, buckets),
 traced and lowered for CUDA, not compiled: trace and lower seconds, the Mosaic GPU kernels it holds, the ops at
-which a GPU call waits for the host (`serving/engine/host_round_trips.py`: logged by named scope), its size
-(with `--speculative-config`, the abstract engine has DSpark's three stages). Lowering runs in one thread before any compile can start, so it bounds a cold start from below:
+which a GPU call waits for the host (`serving/engine/host_round_trips.py`: logged by named scope), its size (with
+`--speculative-config`, the abstract engine has DSpark's three stages). Lowering runs in one thread before any
+compile can start, so it bounds a cold start from below:
 
     PYTHONPATH=. python3 scripts/bench_startup.py --abstract --lower-for cuda --preset bench
 

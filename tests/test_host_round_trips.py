@@ -54,9 +54,9 @@ def test_static_trip_counts_platform_choices_and_kernel_bodies_are_not_round_tri
 def test_a_gpu_decode_step_waits_for_no_host_value():
     """The bench preset's decode step (Flash's widths) as a GPU engine builds it with serve's defaults (a 131072-token
     block table), its tokens fed on the device and read on the host, cut at the split layer: no program of it stops
-    the host mid-call, so each call returns once
-    launched and the host prepares the next step meanwhile (traced only: no lowering, nothing allocated). The
-    tiny preset's widths miss some kernels' tiles, so its XLA indexer scores by blocks in a loop: not counted there."""
+    the host mid-call, so each call returns once launched and the host prepares the next step meanwhile (traced
+    only: no lowering, nothing allocated). The tiny preset's GPU engine has some (it scores some indexers' context
+    by blocks in a loop, `indexer.running_topk`), so this is the bench preset's."""
     from unittest import mock
 
     from dsv41.config import preset
