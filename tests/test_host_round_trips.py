@@ -25,6 +25,15 @@ def test_a_cond_on_a_device_value_and_a_data_dependent_loop_count():
     assert trips(f, x) == [("cond", "pick"), ("while", "loop")]
 
 
+def test_host_callbacks():
+    def f(v):
+        with jax.named_scope("log"):
+            jax.debug.print("{}", v[0])
+        return jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+
+    assert trips(f, x) == [("callback", "log"), ("callback", "")]
+
+
 def test_nested_in_a_branch_and_under_vmap():
     def inner(v):
         with jax.named_scope("inner"):

@@ -2,12 +2,14 @@
 
 XLA's GPU backend runs a `lax.cond` / `lax.switch` on a device value by copying the branch index to the host and
 launching the branch it names, and a `lax.while_loop` by reading its condition on the host before every iteration
-(neither is a CUDA-graph command under XLA's default `--xla_gpu_enable_command_buffer`). Each such op stops the
-host thread that launches the program until the device reaches it, so the call cannot return once it is launched:
-the host cannot prepare the next step meanwhile (`EngineConfig.device_feed` counts on that), and every op is a
-device idle gap while the host launches what follows. Not counted: a cond on `lax.platform_dependent`'s index
-(resolved when the program is lowered for one platform), a loop with a static trip count (jax's scan; XLA knows
-its trip count), and anything inside a kernel's body (Pallas / Mosaic GPU: its control flow runs on the device).
+(neither is a CUDA-graph command under XLA's default `--xla_gpu_enable_command_buffer`); a host callback
+(`jax.pure_callback`, `io_callback`, `jax.debug.print` / `callback`) copies its operands to the host and runs Python
+there. Each such op stops the host thread that launches the program until the device reaches it, so the call
+cannot return once it is launched: the host cannot prepare the next step meanwhile (`EngineConfig.device_feed`
+counts on that), and every op is a device idle gap while the host launches what follows. Not counted: a cond on
+`lax.platform_dependent`'s index (resolved when the program is lowered for one platform), a loop with a static trip
+count (jax's scan; XLA knows its trip count), and anything inside a kernel's body (Pallas / Mosaic GPU: its control
+flow runs on the device).
 
     host_round_trips(jax.jit(step).trace(*args).jaxpr)  # -> [("cond", "head_sample"), ("while", "attention")]
 """
@@ -20,11 +22,12 @@ from jax.extend import core
 
 # kernel calls: their bodies' control flow is the kernel's own (Mosaic GPU's primitive, and Pallas' in interpret mode)
 _KERNEL_PRIMITIVES = frozenset({"mpmd_map", "pallas_call"})
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "debug_print"})
 
 
 def host_round_trips(jaxpr: core.ClosedJaxpr | core.Jaxpr) -> list[tuple[str, str]]:
     """The ops of a traced program (`jax.jit(f).trace(...).jaxpr`) that read a device value on the host mid-call
-    on a GPU: ("cond" | "while", the op's named scope), in program order, nested ones included."""
+    on a GPU: ("cond" | "while" | "callback", the op's named scope), in program order, nested ones included."""
     return list(_walk(getattr(jaxpr, "jaxpr", jaxpr)))
 
 
@@ -40,6 +43,8 @@ def _walk(jaxpr: core.Jaxpr) -> Iterator[tuple[str, str]]:
             yield "cond", str(eqn.source_info.name_stack)
         elif name == "while":
             yield "while", str(eqn.source_info.name_stack)
+        elif name in _CALLBACKS:
+            yield "callback", str(eqn.source_info.name_stack)
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 if isinstance(sub, core.ClosedJaxpr):
