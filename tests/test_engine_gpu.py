@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_engine
 
 from dsv41 import model, moe, quant
 from dsv41 import params as P
@@ -283,12 +284,8 @@ def test_fed_engine_gives_the_synchronous_tokens(bench):
 def _greedy_run(eng: Engine, prompts: list, max_tokens: int) -> tuple[dict, dict]:
     """prompts added at once ("p0", "p1", ...; prompt i decodes max_tokens + i tokens, greedy) and run to the end.
     -> (tokens, logits float32 [steps, V]) by request."""
-    toks = {f"p{i}": [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        eng.add_request(f"p{i}", p, SamplingParams(max_tokens=max_tokens + i, ignore_eos=True))
-    while eng.has_work():
-        for o in eng.step():
-            toks[o.request_id] += o.new_token_ids
+    toks, _ = tiny_engine.drain(eng, {f"p{i}": (p, SamplingParams(max_tokens=max_tokens + i, ignore_eos=True))
+                                      for i, p in enumerate(prompts)})
     return toks, {r: np.stack(v).astype(np.float32) for r, v in eng.finished_logits.items()}
 
 
@@ -324,7 +321,6 @@ def test_ragged_expert_exchange_on_the_gpus():
     (float32, another order) and as the plain MoE on one device."""
     import dataclasses
 
-    import tiny_engine
     from dsv41 import sharding
     from dsv41.ops import XLA
 

@@ -61,7 +61,7 @@ def test_fed_speculative_steps_equal_synchronous(synchronous, split):
     jits = (programs.ONE_DEVICE.run_spec, programs.ONE_DEVICE.run_decode_first, programs.ONE_DEVICE.run_spec_rest,
             eng._pad)
     before = [p._cache_size() for p in jits]
-    eng.programs = counted = tiny_engine.FedRows(eng.programs, ("run_spec", "run_decode_first"))
+    eng.programs = counted = tiny_engine.FedRows(eng.programs, ("run_spec", "run_decode_first"), programs.SpecFeed)
     toks, reasons, logits, counts = serve(eng)
     assert [p._cache_size() for p in jits] == before
     assert toks == want_t and reasons == want_r and counts == want_c

@@ -60,10 +60,11 @@ def drain(eng: Engine, requests: dict) -> tuple[dict, dict]:
 class FedRows:
     """An engine's programs (`eng.programs = FedRows(eng.programs, names)`), counting over the calls of the programs
     named the live decode rows whose input the program takes from the step before on the device (their feed's
-    index >= 0: `programs.Feed`, `programs.SpecFeed`) and those the host gave."""
+    index >= 0: `programs.Feed`, `programs.SpecFeed`) and those the host gave. feed: the type every fed batch's feed
+    must have (None: any)."""
 
-    def __init__(self, progs, names: tuple[str, ...]):
-        self.progs, self.names, self.fed, self.host = progs, names, 0, 0
+    def __init__(self, progs, names: tuple[str, ...], feed: type | None = None):
+        self.progs, self.names, self.feed, self.fed, self.host = progs, names, feed, 0, 0
 
     def __getattr__(self, name):
         fn = getattr(self.progs, name)
@@ -72,6 +73,7 @@ class FedRows:
 
         def counted(params, pool, b, *args, **kw):
             if b.feed is not None:
+                assert self.feed is None or isinstance(b.feed, self.feed), type(b.feed)
                 live, idx = np.asarray(b.n_valid) > 0, np.asarray(b.feed.index)
                 self.fed += int((live & (idx >= 0)).sum())
                 self.host += int((live & (idx < 0)).sum())
