@@ -95,12 +95,13 @@ def test_prefix_hit_equals_cold_replay(tiny):
 
 def test_replay_tokens_at_the_window_reproduce_window_replay(tiny):
     """swa_replay_tokens = window is the replay the engine ran before the option existed: tokens and logits
-    recorded from that engine (2026-12-04, under the suite's XLA -O0; at -O3 FP8 bin flips move these logits by
-    up to 2.4e-3) for a prompt whose decoder windows are clipped."""
+    recorded from that engine (under the suite's XLA -O0) for a prompt whose decoder windows are clipped. XLA:CPU's
+    code differs by optimization level and by host CPU (-O3, or -O0 on an AMD EPYC host) and flips FP8 bins, which
+    moves these logits by up to 2.4e-3; the exact path's are 1.8e-2 away, so 5e-3 still tells the two apart."""
     toks, logits = run(make(tiny, swa_bounded_replay=True, enable_prefix_caching=False, swa_replay_tokens=128),
                        prompt(300, seed=30))
     assert toks == [906, 509, 403, 309]
-    assert np.abs(logits[0, :4] - [-0.42925271, 1.25267196, 1.77353561, -0.70392036]).max() < TOL
+    assert np.abs(logits[0, :4] - [-0.42925271, 1.25267196, 1.77353561, -0.70392036]).max() < 5e-3
 
 
 # prompts of up to 4 windows, a decoder prefill of up to 2: one prefill width and block-table width for the test below
