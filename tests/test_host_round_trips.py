@@ -80,3 +80,26 @@ def test_a_gpu_decode_step_waits_for_no_host_value():
             if shape[0] in eng.decode_kinds:
                 fn, args, static = eng._padding_call(*shape)
                 assert host_round_trips(fn.trace(*args, **static).jaxpr) == [], (feed, shape)
+
+
+def test_a_gpu_speculative_step_waits_only_in_its_sampling():
+    """The same for DSpark's step (k = 5, cut at the split layer): its verify chunk's indexers score in one pass,
+    through the decode kernel as a decode step's do (`programs._kernel_index_topk`), so the first half has no round
+    trip and the second has only its sampling's branches (docs/PERFORMANCE.md section 5 counts them)."""
+    from unittest import mock
+
+    from dsv41.config import preset
+    from serving.engine.config import EngineConfig, SpeculativeConfig
+    from serving.engine.engine import Engine
+
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        eng = Engine.abstract(preset("bench").replace(n_mtp_layers=3),
+                              EngineConfig(max_num_seqs=1, device_feed=False, speculative_config=SpeculativeConfig()))
+    assert eng.decode_kinds == ("decode_first", "spec_rest")
+    trips_of = {}
+    for shape in eng.program_shapes():
+        if shape[0] in eng.decode_kinds:
+            fn, args, static = eng._padding_call(*shape)
+            trips_of[shape[0]] = host_round_trips(fn.trace(*args, **static).jaxpr)
+    assert trips_of["decode_first"] == []
+    assert sorted(trips_of["spec_rest"]) == [("cond", "")] + [("cond", "dspark")] * 5 + [("cond", "head_sample")] * 2

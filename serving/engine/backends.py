@@ -62,14 +62,16 @@ class KernelOptions:
       in place of lax.top_k for fewer rows of 16384+; else those two, by rows) or 'kernel' (the threshold
       kernel for every row).
     prefill_indexer_block_entries: with prefill_indexer_kernel, a prefill chunk's encoder indexers and candidate
-      source score the block table in blocks of about this many entries, only those some query sees, each merged
-      into the running top-k (`indexer_logits.context_topk_blocks`), so that their work follows the context, not
-      `--max-model-len`: at serve's defaults for the bench preset one pass over the whole table writes
-      [chunk, 32-64K entries] float32 scores a layer whatever the prompt. A table of at most this many entries
-      is scored in one pass all the same (one block would cost more than the pass: below). 0: one pass always.
-      On the H200 (docs/PERFORMANCE.md, section 3) with 8192, replay prefill of 1K / 16K tokens: in an engine of
-      131072 tokens 0.052 -> 0.044 s and 0.326 -> 0.227 s; in one of 18432 tokens (4608 entries a ratio-4 layer)
-      the blocks cost 0.036 -> 0.048 s and 0.201 -> 0.228 s, so such a table keeps the one pass."""
+      source (a chunk of more queries than the decode kernel takes, `indexer_chunk.query_group`; fewer score in
+      one pass, as a decode step does) score the block table in blocks of about this many entries, only those
+      some query sees, each merged into the running top-k (`indexer_logits.context_topk_blocks`), so that their
+      work follows the context, not `--max-model-len`: at serve's defaults for the bench preset one pass over the
+      whole table writes [chunk, 32-64K entries] float32 scores a layer whatever the prompt. A table of at most
+      this many entries is scored in one pass all the same (one block would cost more than the pass: below).
+      0: one pass always. On the H200 (docs/PERFORMANCE.md, section 3) with 8192, replay prefill of 1K / 16K
+      tokens: in an engine of 131072 tokens 0.052 -> 0.044 s and 0.326 -> 0.227 s; in one of 18432 tokens (4608
+      entries a ratio-4 layer) the blocks cost 0.036 -> 0.048 s and 0.201 -> 0.228 s, so such a table keeps the
+      one pass."""
 
     fuse_rope: bool = True
     prefill_indexer_kernel: bool = True

@@ -455,7 +455,12 @@ def _kernel_index_topk(qi, wi, pages: LayerKV, b: Batch, pos, r: int, plan: Laye
     want = plan.makes_candidates
     entries = b.block_table.shape[1] * ikp.shape[1]
     blocks = opts.prefill_indexer_block_entries
-    if pos.shape[1] > 1 and 0 < blocks < entries:  # a prefill chunk over a table of several blocks: those it sees
+    # a chunk of at most `query_group` queries (a decode step, DSpark's verify chunk) goes to the decode kernel,
+    # whose work follows the context: it scores the whole table in one pass, as a decode step does. By blocks,
+    # their loop (a run-time trip count) and the candidate blocks' every-seen branch would each cost XLA's GPU
+    # backend a round trip to the host (`host_round_trips`): a fed step's dispatch could not return before the
+    # device reached them
+    if pos.shape[1] > il.query_group(qi.shape[2]) and 0 < blocks < entries:  # a prefill chunk: the blocks it sees
         select = functools.partial(il.context_topk_blocks, block_entries=blocks)
     else:
         select = functools.partial(il.index_topk, num_entries=entries)
