@@ -60,46 +60,48 @@ def test_static_trip_counts_platform_choices_and_kernel_bodies_are_not_round_tri
     assert trips(f, x) == []
 
 
+def gpu_decode_trips(cfg, config) -> dict:
+    """{program kind: its round trips} of the decode step a GPU engine of cfg and config builds (`Engine.abstract`:
+    traced only, no lowering, nothing allocated), every decode program shape."""
+    from unittest import mock
+
+    from serving.engine.engine import Engine
+
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        eng = Engine.abstract(cfg, config)
+    out = {}
+    for shape in eng.program_shapes():
+        if shape[0] in eng.decode_kinds:
+            fn, args, static = eng._padding_call(*shape)
+            out[shape] = host_round_trips(fn.trace(*args, **static).jaxpr)
+    return out
+
+
 def test_a_gpu_decode_step_waits_for_no_host_value():
     """The bench preset's decode step (Flash's widths) as a GPU engine builds it with serve's defaults (a 131072-token
     block table), its tokens fed on the device and read on the host, cut at the split layer: no program of it stops
-    the host mid-call, so each call returns once launched and the host prepares the next step meanwhile (traced
-    only: no lowering, nothing allocated). The tiny preset's GPU engine has some (it scores some indexers' context
-    by blocks in a loop, `indexer.running_topk`), so this is the bench preset's."""
-    from unittest import mock
-
+    the host mid-call, so each call returns once launched and the host prepares the next step meanwhile. The tiny
+    preset's GPU engine has some (it scores some indexers' context by blocks in a loop, `indexer.running_topk`), so
+    this is the bench preset's."""
     from dsv41.config import preset
     from serving.engine.config import EngineConfig
-    from serving.engine.engine import Engine
 
     for feed in (True, False):
-        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-            eng = Engine.abstract(preset("bench"), EngineConfig(max_num_seqs=1, device_feed=feed))
-        assert eng.decode_kinds == ("decode_first", "decode_rest")
-        for shape in eng.program_shapes():
-            if shape[0] in eng.decode_kinds:
-                fn, args, static = eng._padding_call(*shape)
-                assert host_round_trips(fn.trace(*args, **static).jaxpr) == [], (feed, shape)
+        trips_of = gpu_decode_trips(preset("bench"), EngineConfig(max_num_seqs=1, device_feed=feed))
+        assert [s[0] for s in trips_of] == ["decode_first", "decode_rest"]
+        for shape, t in trips_of.items():
+            assert t == [], (feed, shape)
 
 
 def test_a_gpu_speculative_step_waits_only_in_its_sampling():
     """The same for DSpark's step (k = 5, cut at the split layer): its verify chunk's indexers score in one pass,
     through the decode kernel as a decode step's do (`programs._kernel_index_topk`), so the first half has no round
     trip and the second has only its sampling's branches (docs/PERFORMANCE.md section 5 counts them)."""
-    from unittest import mock
-
     from dsv41.config import preset
     from serving.engine.config import EngineConfig, SpeculativeConfig
-    from serving.engine.engine import Engine
 
-    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-        eng = Engine.abstract(preset("bench").replace(n_mtp_layers=3),
-                              EngineConfig(max_num_seqs=1, device_feed=False, speculative_config=SpeculativeConfig()))
-    assert eng.decode_kinds == ("decode_first", "spec_rest")
-    trips_of = {}
-    for shape in eng.program_shapes():
-        if shape[0] in eng.decode_kinds:
-            fn, args, static = eng._padding_call(*shape)
-            trips_of[shape[0]] = host_round_trips(fn.trace(*args, **static).jaxpr)
+    trips_of = {s[0]: t for s, t in gpu_decode_trips(preset("bench").replace(n_mtp_layers=3), EngineConfig(
+        max_num_seqs=1, device_feed=False, speculative_config=SpeculativeConfig())).items()}
+    assert list(trips_of) == ["decode_first", "spec_rest"]
     assert trips_of["decode_first"] == []
     assert sorted(trips_of["spec_rest"]) == [("cond", "")] + [("cond", "dspark")] * 5 + [("cond", "head_sample")] * 2
