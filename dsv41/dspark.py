@@ -109,7 +109,7 @@ def draft_logits(params: dict, states: jax.Array, prev_ids: jax.Array, cfg: Mode
                  num: Numerics) -> tuple[jax.Array, jax.Array]:
     """states [..., D] (`draft_states`) and each position's previous token prev_ids [...] -> (float32 logits
     [..., V]: the target's head plus the Markov bias of the previous token; float32 confidence logits [...])."""
-    return _biased(params, linear_f32(states, params["head"]), states, prev_ids, num)
+    return _biased(params, head_logits(params, states), states, prev_ids, num)
 
 
 def _biased(params: dict, head_logits: jax.Array, states: jax.Array, prev_ids: jax.Array,
@@ -128,15 +128,25 @@ def greedy(logits: jax.Array, i: int) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def head_logits(params: dict, states: jax.Array) -> jax.Array:
+    """states [..., D] -> the target's head over them, float32 [..., V] (the step's largest weight, read once a
+    block: no position's head reads the previous token)."""
+    return linear_f32(states, params["head"])
+
+
 def draft_tokens(params: dict, states: jax.Array, anchor_ids: jax.Array, cfg: ModelConfig, num: Numerics,
                  sample: Callable[[jax.Array, int], jax.Array] = greedy):
     """Drafts one block sequentially: position i's Markov bias reads the token drafted at i-1 (the anchor at 0).
     states [B, K, D], anchor_ids [B] -> (draft ids [B, K], their logits [B, K, V], confidence logits [B, K]).
     sample(logits [B, V], i) -> ids [B] picks each token (default: argmax)."""
+    return draft_from_head(params, head_logits(params, states), states, anchor_ids, num, sample)
+
+
+def draft_from_head(params: dict, head: jax.Array, states: jax.Array, anchor_ids: jax.Array, num: Numerics,
+                    sample: Callable[[jax.Array, int], jax.Array] = greedy):
+    """`draft_tokens` with the states' `head_logits` head [B, K, V] computed already (a caller that branches on
+    its sampling runs the head once, before the branches)."""
     prev = anchor_ids.astype(jnp.int32)
-    # the head (V x D, the step's largest weight) does not read the previous token: one GEMM a block reads it
-    # once, not once a position; and it is the GEMM `draft_logits` runs on the block's states [B, K, D]
-    head = linear_f32(states, params["head"])
     toks, logits, confs = [], [], []
     for i in range(states.shape[1]):
         lg, cf = _biased(params, head[:, i], states[:, i], prev, num)

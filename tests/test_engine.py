@@ -283,15 +283,17 @@ def _sampling(temps, top_p, top_k, seed=0):
 
 
 def test_sample_branches():
-    """Greedy rows, plain draws and top-k / top-p filtered draws, alone and mixed in one batch (the filters and
-    the draw are skipped when no row needs them: the result may not depend on which rows share the batch)."""
+    """Greedy rows, plain draws and top-k / top-p filtered draws, alone and mixed in one batch (the filters are
+    skipped when no row needs them: the result may not depend on which rows share the batch)."""
+    import functools
+
     import jax
 
     from serving.engine.programs import sample
     rng = np.random.default_rng(0)
     logits = jax.numpy.asarray(rng.standard_normal((4, 300)) * 3, jax.numpy.float32)
     greedy = np.asarray(logits).argmax(-1)
-    f = jax.jit(sample)
+    f = jax.jit(functools.partial(sample, filtered=True))  # the filter leaves rows that do not filter as they are
     assert (np.asarray(f(logits, _sampling([0, 0, 0, 0], [1] * 4, [0] * 4))) == greedy).all()
     # top_k=1 and a tiny top_p leave only the argmax, at any temperature
     out = np.asarray(f(logits, _sampling([0, 5.0, 5.0, 0], [1, 1, 1e-6, 1], [0, 1, 0, 0])))
@@ -306,7 +308,7 @@ def test_sample_branches():
     for seed in range(8):
         out = np.asarray(f(logits, _sampling([50.0] * 4, [1] * 4, [3] * 4, seed)))
         assert all(out[i] in top3[i] for i in range(4))
-    # the engine's sampling program: the branches the host chose (`Engine._drawn`) give the device's choice
+    # the engine's sampling program: the variant the host chose (`Engine._drawn`) draws what the filter always would
     g = jax.jit(sample, static_argnames="filtered")
     for t, p, k in [([0, 5.0, 5.0, 0], [1, 1, 1e-6, 1], [0, 1, 0, 0]), ([50.0] * 4, [1] * 4, [0] * 4),
                     ([50.0, 0, 50.0, 50.0], [1, 1, 0.5, 1], [0, 3, 0, 0])]:

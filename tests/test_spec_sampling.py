@@ -32,10 +32,11 @@ def _setup(top_k=0):
         for i in range(K + 1):
             e = np.exp(target[i, keep[i]] - target[i, keep[i]].max())
             p[i, keep[i]] = e / e.sum()
+    target_rows = jnp.broadcast_to(jnp.asarray(target), (N, K + 1, V))
     verify = jax.jit(lambda d, hq, n=jnp.full(N, K, jnp.int32): spec_sampling.verify(
-        jnp.broadcast_to(jnp.asarray(target), (N, K + 1, V)), d,
-        lambda: jnp.broadcast_to(jnp.asarray(draft), (N, K, V)), hq, s, jnp.full(N, V - 1, jnp.int32), n))
-    return p, drafts, verify
+        target_rows, d, lambda: jnp.broadcast_to(jnp.asarray(draft), (N, K, V)), hq, s, n))
+    plain = np.asarray(spec_sampling.plain_draw(target_rows[:, 0], s, filtered=bool(top_k)))
+    return p, drafts, verify, plain
 
 
 def _emitted(m, bonus, drafts, j):
@@ -49,7 +50,7 @@ def _freq(tok, mask):
 
 
 def test_emitted_tokens_follow_the_target():
-    p, drafts, verify = _setup()
+    p, drafts, verify, _ = _setup()
     m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.ones(N, bool)))
     assert 0 < (m == 0).mean() < 1 and (m == K).any()  # the draft is wrong often and right sometimes
     first = _emitted(m, bonus, drafts, 0)
@@ -65,12 +66,12 @@ def test_a_cut_keeps_the_target():
     it cuts: a row whose first draft is even verifies all, an odd one only that one), a tenth of the rows none.
     A row stops at its cut and takes p_n there (not the residual p_n - q_n): every emitted token still follows
     the target; the rows with n = 0 take their plain draw."""
-    p, drafts, verify = _setup()
+    p, drafts, verify, plain = _setup()
     n = np.where(drafts[:, 0] % 2 == 0, K, 1).astype(np.int32)
     n[::10] = 0
     m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.ones(N, bool), jnp.asarray(n)))
     assert (m <= n).all() and ((m == n) & (n == 1)).any()
-    assert (bonus[n == 0] == V - 1).all()
+    assert (bonus[n == 0] == plain[n == 0]).all()
     for j in (0, 1):  # (few rows get further)
         tok = _emitted(m, bonus, drafts, j)
         np.testing.assert_allclose(_freq(tok, (m >= j) & (n > 0)), p[j], atol=TOL)
@@ -79,7 +80,7 @@ def test_a_cut_keeps_the_target():
 
 
 def test_top_k_filters_both_sides():
-    p, drafts, verify = _setup(top_k=3)
+    p, drafts, verify, _ = _setup(top_k=3)
     m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.ones(N, bool)))
     first = _emitted(m, bonus, drafts, 0)
     np.testing.assert_allclose(_freq(first, first >= 0), p[0], atol=TOL)
@@ -87,6 +88,36 @@ def test_top_k_filters_both_sides():
 
 
 def test_rows_without_drafter_states_take_their_plain_draw():
-    _, drafts, verify = _setup()
+    p, drafts, verify, plain = _setup()
     m, bonus = (np.asarray(a) for a in verify(jnp.asarray(drafts), jnp.zeros(N, bool)))
-    assert (m == 0).all() and (bonus == V - 1).all()
+    assert (m == 0).all() and (bonus == plain).all()
+    np.testing.assert_allclose(_freq(plain, plain >= 0), p[0], atol=TOL)
+
+
+def _batch(temps, top_p, top_k):
+    B = len(temps)
+    return Sampling(jnp.asarray(temps, jnp.float32), jnp.asarray(top_p, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                    jnp.asarray(np.stack([np.arange(B), np.full(B, 5)], 1), jnp.uint32))
+
+
+def test_a_row_verifies_alike_in_any_batch():
+    """A step samples under one branch of the whole batch (`spec_sampling.branch`): all greedy, some row drawing,
+    some row filtering. A row's tokens may not depend on which branch its batch took: a greedy row takes the
+    target's argmax and a drawing row that does not filter the same draws whether or not another row filters."""
+    rng = np.random.default_rng(1)
+    B = 4
+    target = jnp.asarray(rng.normal(size=(B, K + 1, V)) * 2, jnp.float32)
+    draft = jnp.asarray(rng.normal(size=(B, K, V)) * 2, jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, V, (B, K)), jnp.int32)
+    run = jax.jit(lambda s: spec_sampling.verify(target, drafts, lambda: draft, jnp.ones(B, bool), s,
+                                                 jnp.full(B, K, jnp.int32)) + (spec_sampling.branch(s),))
+    greedy = run(_batch([0.0] * B, [1.0] * B, [0] * B))
+    drawn = run(_batch([0.0, 2.0, 2.0, 0.0], [1.0] * B, [0] * B))
+    filtered = run(_batch([0.0, 2.0, 2.0, 2.0], [1.0] * B, [0, 0, 0, 2]))
+    assert [int(r[2]) for r in (greedy, drawn, filtered)] == list(spec_sampling.BRANCHES)
+    for rows, a, b in (([0, 3], greedy, drawn), ([0], greedy, filtered), ([1, 2], drawn, filtered)):
+        for x, y in zip(a[:2], b[:2]):
+            np.testing.assert_array_equal(np.asarray(x)[rows], np.asarray(y)[rows])
+    target_argmax = np.asarray(target).argmax(-1)
+    m, bonus = (np.asarray(a) for a in greedy[:2])
+    assert (bonus == target_argmax[np.arange(B), m]).all()

@@ -42,7 +42,7 @@ import numpy as np
 from dsv41 import layer_runs, model, quant, sharding
 from dsv41.config import ModelConfig
 from dsv41.params import VISION_KEYS
-from serving.engine import backends, executables, kv_pool, precompile, programs
+from serving.engine import backends, executables, kv_pool, precompile, programs, spec_sampling
 from serving.engine import images as im
 from serving.engine.config import EngineConfig
 from serving.engine.device_feed import DeviceFeed
@@ -433,7 +433,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
     def _drawn(self, logits: jax.Array, greedy: jax.Array, samp: programs.Sampling) -> jax.Array:
         """A step's token ids: its program's argmax where no row draws, else `Programs.sample`'s, with the
         branches this step needs (the host knows them: no device-to-host read)."""
-        draws, filters = programs.row_branches(samp)
+        draws, filters = spec_sampling.row_branches(samp)
         if not draws.any():
             return greedy
         return self.programs.sample(logits, samp, filtered=bool(filters.any()))

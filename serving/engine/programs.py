@@ -634,43 +634,14 @@ def _last_rows(x, n_valid, n: int):
     return jnp.take_along_axis(x, t.reshape(*t.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def row_branches(s: Sampling):
-    """-> (the rows that draw, the drawing rows that filter by top-k / top-p), bool [B] each; numpy arrays for
-    host sampling values (`Engine` picks `sample`'s branches from them), jax arrays inside a program."""
-    sampled = s.temperature > 0
-    return sampled, sampled & ((s.top_k > 0) | (s.top_p < 1.0))
-
-
-def sample(logits: jax.Array, s: Sampling, filtered: bool | None = None) -> jax.Array:
-    """logits [B, V] -> token ids [B]: greedy at temperature 0, else top-k / top-p filtered sampling.
-
-    The filters sort every row over the vocabulary (0.9 ms at batch 64 on the H200); a batch in which no
-    sampled row asks for top-k or top-p (the OpenAI defaults) skips them, and an all-greedy batch skips the
-    draw as well. filtered None: both decided on the device by `lax.cond`s, whose predicates the host reads
-    before the call can return (the speculative program, which verifies with the tokens it samples); a bool:
-    the caller knows that some row draws and whether a drawing row filters (static, no branch: the engine's
-    sampling program `Programs.sample`, run only for such steps)."""
-    logits = logits.astype(jnp.float32)
+def sample(logits: jax.Array, s: Sampling, filtered: bool) -> jax.Array:
+    """logits [B, V] -> token ids [B]: greedy at temperature 0, else a draw (`spec_sampling.plain_draw`), filtered
+    by top-k / top-p where filtered. The engine's sampling program (`Programs.sample`), run only for steps with
+    rows that draw; the host picks filtered from its rows (`spec_sampling.row_branches`): the filters sort every
+    row over the vocabulary (0.9 ms at batch 64 on the H200), which the OpenAI defaults do not ask for."""
     greedy = jnp.argmax(logits, -1)
-    t = jnp.maximum(s.temperature, 1e-5)[:, None]
-    sampled, filters = row_branches(s)
-
-    def top_k_top_p(z):
-        return spec_sampling.filter_top_k_top_p(z, s.top_k, s.top_p)
-
-    def drawn(z):
-        if filtered is None:
-            z = jax.lax.cond(jnp.any(filters), top_k_top_p, lambda v: v, z)
-        elif filtered:
-            z = top_k_top_p(z)
-        keys = jax.vmap(jax.random.wrap_key_data)(s.key)
-        return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
-
-    if filtered is None:
-        d = jax.lax.cond(jnp.any(sampled), drawn, lambda z: jnp.zeros(z.shape[:1], jnp.int32), logits / t)
-    else:
-        d = drawn(logits / t)
-    return jnp.where(sampled, d, greedy).astype(jnp.int32)
+    sampled, _ = spec_sampling.row_branches(s)
+    return jnp.where(sampled, spec_sampling.plain_draw(logits, s, filtered), greedy).astype(jnp.int32)
 
 
 def _head(params, h, pre, b: Batch, cfg) -> tuple[jax.Array, jax.Array]:
@@ -712,7 +683,16 @@ def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: 
         ctx_k.append(_dequant_fp8_rows(kl.read_slots(rec.swa_q, b.slot), kl.read_slots(rec.swa_s, b.slot)))
     ctx_pos = kl.ring_positions(anchor_pos, R, lo)
     states = dspark.draft_states(params, ctx_k, ctx_pos, anchor_ids, anchor_pos, cfg, num, ops)[:, :k]
-    drafts, _, conf = dspark.draft_tokens(params, states, anchor_ids, cfg, num, spec_sampling.draft_sampler(samp))
+    head = dspark.head_logits(params, states)
+
+    def block(branch: int):
+        sampler = (dspark.greedy if branch == spec_sampling.GREEDY else
+                   spec_sampling.draft_sampler(samp, branch == spec_sampling.FILTERED))
+        drafts, _, conf = dspark.draft_from_head(params, head, states, anchor_ids, num, sampler)
+        return drafts, conf
+
+    # one branch index for the block's k draws (a host round trip on a GPU), not one a draw
+    drafts, conf = jax.lax.switch(spec_sampling.branch(samp), [functools.partial(block, i) for i in spec_sampling.BRANCHES])
     pool = dataclasses.replace(pool, dspark_states=kl.write_slots(pool.dspark_states, b.slot,
                                                                   states.astype(pool.dspark_states.dtype)))
     return pool, drafts, conf
@@ -778,8 +758,7 @@ def _spec_layers(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q, 
         def draft_logits():  # the drafter's logits of d_i, whose Markov bias read d_{i-1} (d_0 = a)
             return dspark.draft_logits(params, prev_states, toks[:, :k], cfg, num)[0]
 
-        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, sample(logits[:, 0], samp),
-                                        n_verify)
+        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, n_verify)
     m = jnp.where(forced, n_verify, m)
     forced_bonus = jnp.argmax(jnp.take_along_axis(logits, n_verify[:, None, None], axis=1)[:, 0], -1)
     bonus = jnp.where(forced, forced_bonus.astype(jnp.int32), bonus)  # forced [B]

@@ -17,7 +17,7 @@ states): given the prefix, a verified position emits p_j (the rejection step abo
 directly, and the choice between the two does not depend on d_j. By induction over positions every emitted
 token is distributed as the target's given the tokens before it. Greedy rows accept min(n, the matching prefix)
 and take the target's argmax there: the plain step's token. A row with n = 0 is a plain step (its token is
-first_token, the plain draw at the anchor).
+`plain_draw`'s at the anchor, as a plain step would draw it).
 
 Random numbers come from each row's per-step key (`programs.Sampling.key`) folded with fixed offsets, so a seeded
 request repeats. Shapes: B rows, k drafts, V vocabulary.
@@ -47,11 +47,44 @@ def filter_top_k_top_p(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     return jnp.where(z < cutoff, -jnp.inf, z)
 
 
-def probs(logits: jax.Array, s) -> jax.Array:
-    """logits [B, V] -> each sampled row's sampling distribution float32 [B, V] (s: `programs.Sampling`; rows at
-    temperature 0 get a distribution too, which their callers do not use)."""
+# A batch's sampling branch (`branch`): every row greedy; some row draws and none filters; a drawing row filters
+GREEDY, DRAWN, FILTERED = BRANCHES = (0, 1, 2)
+
+
+def row_branches(s) -> tuple:
+    """-> (the rows that draw, the drawing rows that filter by top-k / top-p), bool [B] each; numpy arrays for
+    host sampling values (the engine picks `programs.sample`'s variant from them), jax arrays inside a program."""
+    sampled = s.temperature > 0
+    return sampled, sampled & ((s.top_k > 0) | (s.top_p < 1.0))
+
+
+def branch(s) -> jax.Array:
+    """The batch's sampling branch (GREEDY, DRAWN, FILTERED), an int32 scalar. A speculative step samples under
+    one `lax.switch` on it where it verifies and one where it drafts: XLA's GPU backend copies a branch index to
+    the host before it can go on (a host round trip), so two indices a step rather than one per draw. FILTERED
+    serves every row: the filter leaves a row with neither top-k nor top-p as it is."""
+    sampled, filters = row_branches(s)
+    return jnp.where(jnp.any(filters), FILTERED, jnp.where(jnp.any(sampled), DRAWN, GREEDY)).astype(jnp.int32)
+
+
+def _scaled(logits: jax.Array, s, filtered: bool) -> jax.Array:
+    """logits [B, V] / each row's temperature, filtered by its top-k / top-p where filtered (float32)."""
     z = logits.astype(jnp.float32) / jnp.maximum(s.temperature, 1e-5)[:, None]
-    return jax.nn.softmax(filter_top_k_top_p(z, s.top_k, s.top_p), -1)
+    return filter_top_k_top_p(z, s.top_k, s.top_p) if filtered else z
+
+
+def probs(logits: jax.Array, s, filtered: bool = True) -> jax.Array:
+    """logits [B, V] -> each sampled row's sampling distribution float32 [B, V] (s: `programs.Sampling`; rows at
+    temperature 0 get a distribution too, which their callers do not use). filtered False: no row of s filters
+    (the filter would leave every row as it is)."""
+    return jax.nn.softmax(_scaled(logits, s, filtered), -1)
+
+
+def plain_draw(logits: jax.Array, s, filtered: bool) -> jax.Array:
+    """A plain step's draw: logits [B, V] -> one id a row int32 [B] from its temperature-scaled (filtered) logits
+    with the row's step key (rows at temperature 0 get one too, which their callers do not use)."""
+    keys = jax.vmap(jax.random.wrap_key_data)(s.key)
+    return jax.vmap(jax.random.categorical)(keys, _scaled(logits, s, filtered)).astype(jnp.int32)
 
 
 def _keys(s, offset: int):
@@ -64,27 +97,26 @@ def draw(p: jax.Array, s, offset: int) -> jax.Array:
     return jax.vmap(jax.random.categorical)(_keys(s, offset), logp).astype(jnp.int32)
 
 
-def draft_sampler(s):
-    """The drafter's `sample(logits [B, V], i)` for block position i: argmax on greedy rows, a draw from the
-    row's distribution on sampled ones (skipped when no row samples)."""
+def draft_sampler(s, filtered: bool):
+    """The drafter's `sample(logits [B, V], i)` for block position i in a batch where some row draws: argmax on
+    greedy rows, a draw from the row's distribution (filtered: `probs`) on sampled ones."""
     sampled = s.temperature > 0
 
     def sample(logits, i):
-        greedy = jnp.argmax(logits, -1).astype(jnp.int32)
-        drawn = jax.lax.cond(jnp.any(sampled), lambda z: draw(probs(z, s), s, _DRAFT + i),
-                             lambda z: greedy, logits)
-        return jnp.where(sampled, drawn, greedy)
+        drawn = draw(probs(logits, s, filtered), s, _DRAFT + i)
+        return jnp.where(sampled, drawn, jnp.argmax(logits, -1).astype(jnp.int32))
 
     return sample
 
 
 def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: jax.Array, s,
-           first_token: jax.Array, n_verify: jax.Array) -> tuple[jax.Array, jax.Array]:
+           n_verify: jax.Array) -> tuple[jax.Array, jax.Array]:
     """target_logits [B, k + 1, V] (after the anchor and after each draft), drafts [B, k]; draft_logits_fn() ->
-    the logits [B, k, V] the drafts were drawn from (called only when a row samples with them); has_q [B]: the
+    the logits [B, k, V] the drafts were drawn from (called only in a batch where some row draws); has_q [B]: the
     row's drafts were drawn by the drafter (else, e.g. the first step after a prefill, a sampled row accepts
-    none and takes first_token [B], its plain step's draw at the anchor); n_verify [B] (0 .. k): the drafts each
-    row verifies, the rest cut (the module's docstring). -> (accepted drafts m [B], the token after them [B])."""
+    none and takes its plain step's draw at the anchor, `plain_draw`); n_verify [B] (0 .. k): the drafts each
+    row verifies, the rest cut (the module's docstring). -> (accepted drafts m [B], the token after them [B]).
+    One `lax.switch` on the batch's `branch`: an all-greedy batch computes no distribution."""
     B, k1, V = target_logits.shape
     k = k1 - 1
     verified = jnp.arange(k, dtype=jnp.int32)[None] < n_verify[:, None]  # [B, k]
@@ -95,9 +127,10 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: 
     sampled = s.temperature > 0
     spec = sampled & has_q & (n_verify > 0)
 
-    def rejection(_):
-        p = jax.vmap(lambda lg: probs(lg, s), in_axes=1, out_axes=1)(target_logits)  # [B, k + 1, V]
-        q = jax.vmap(lambda lg: probs(lg, s), in_axes=1, out_axes=1)(draft_logits_fn())  # [B, k, V]
+    def rejection(filtered: bool):
+        dist = jax.vmap(lambda lg: probs(lg, s, filtered), in_axes=1, out_axes=1)
+        p = dist(target_logits)  # [B, k + 1, V]
+        q = dist(draft_logits_fn())  # [B, k, V]
         pd = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]
         qd = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
         u = jnp.stack([jax.vmap(jax.random.uniform)(_keys(s, _ACCEPT + i)) for i in range(k)], 1)  # [B, k]
@@ -109,10 +142,10 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: 
         res = jnp.maximum(p_m - q_m, 0.0)
         mass = jnp.sum(res, -1, keepdims=True)
         res = jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p_m)
-        return m, draw(res, s, _RESIDUAL)
+        first = plain_draw(target_logits[:, 0], s, filtered)
+        m = jnp.where(spec, m, jnp.where(sampled, 0, m_greedy))
+        bonus = jnp.where(spec, draw(res, s, _RESIDUAL), jnp.where(sampled, first, bonus_greedy))
+        return m, bonus
 
-    m_s, bonus_s = jax.lax.cond(jnp.any(spec), rejection,
-                                lambda _: (jnp.zeros((B,), jnp.int32), first_token), None)
-    m = jnp.where(spec, m_s, jnp.where(sampled, 0, m_greedy))
-    bonus = jnp.where(spec, bonus_s, jnp.where(sampled, first_token, bonus_greedy))
-    return m, bonus
+    return jax.lax.switch(branch(s), [lambda: (m_greedy, bonus_greedy), lambda: rejection(False),
+                                      lambda: rejection(True)])
