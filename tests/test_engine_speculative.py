@@ -105,9 +105,9 @@ def test_accepted_drafts_are_the_target_tokens(plain, accepted):
 def test_split_step_is_the_one_program(plain, accepted):
     """`split_decode=True`: each speculative step runs `run_decode_first` then `run_spec_rest` (cut at the split
     layer, before DSpark's target layers), both compiled by warm-up; the same tokens and acceptance as the one
-    program's, and its logits within 1e-4 (tests/test_engine.py's bound between programs: on the CPU the
-    speculative programs compile with XLA's fast-compile preset and `run_decode_first` does not, which moved them by
-    4.3e-6; a misplaced row, ring or carry at the cut moves them by O(0.1))."""
+    program's, and its logits within 2e-3: on the CPU the speculative programs compile with XLA's fast-compile
+    preset and `run_decode_first` does not, which moves a step's logits by ~4e-6, and where that flips an FP8 KV
+    code, the later steps' by up to 5.4e-4; a misplaced row, ring or carry at the cut moves them by O(0.1)."""
     eng = speculative(split_decode=True)
     assert eng.decode_kinds == ("decode_first", "spec_rest")
     eng.warmup()
@@ -118,7 +118,7 @@ def test_split_step_is_the_one_program(plain, accepted):
     (toks1, logits1, steps1), st1 = accepted
     assert toks == toks1 and steps == steps1
     for rid in PROMPTS:
-        assert np.abs(logits[rid] - logits1[rid]).max() < 1e-4, rid
+        assert np.abs(logits[rid] - logits1[rid]).max() < 2e-3, rid
     assert eng.stats()["spec_accepted_per_pos"] == st1["spec_accepted_per_pos"]
     assert speculative().decode_kinds == ("decode",)  # the CPU's default, and a GPU's until measured there
 
