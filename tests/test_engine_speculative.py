@@ -123,6 +123,45 @@ def test_split_step_is_the_one_program(plain, accepted):
     assert speculative().decode_kinds == ("decode",)  # the CPU's default, and a GPU's until measured there
 
 
+class _GreedyCalls:
+    """An engine's programs, noting each speculative call's `greedy` (`SpeculativeConfig.greedy_program`)."""
+
+    def __init__(self, progs):
+        self.progs, self.greedy = progs, []
+
+    def __getattr__(self, name):
+        return getattr(self.progs, name)
+
+    def run_spec(self, *args, **kw):
+        self.greedy.append(kw["greedy"])
+        return self.progs.run_spec(*args, **kw)
+
+
+def test_greedy_program_serves_the_all_greedy_steps(accepted):
+    """`greedy_program`: a step whose rows are all greedy runs the speculative program without its sampling (warm-up
+    compiles it for each decode bucket), any other the sampling one. The accepted run's tokens, steps and acceptance,
+    its logits within 2e-3 (another program, so the FP8 KV codes a few ulps from a bin edge may round the other way,
+    as between the split and the one program), nothing compiled after warm-up; a sampled request's seeded tokens as
+    the sampling program gives them."""
+    eng = speculative(greedy_program=True)
+    assert eng.greedy_kind == "decode_greedy"
+    assert [s[0] for s in eng.program_shapes() if s[0] in ("decode", "decode_greedy")] == ["decode", "decode_greedy"]
+    eng.warmup()
+    eng.programs = calls = _GreedyCalls(eng.programs)
+    before = programs.ONE_DEVICE.run_spec._cache_size()
+    toks, logits, steps = run(eng, oracle=accepted[0][0])
+    assert programs.ONE_DEVICE.run_spec._cache_size() == before
+    (toks1, logits1, steps1), st1 = accepted
+    assert toks == toks1 and steps == steps1
+    assert eng.stats()["spec_accepted_per_pos"] == st1["spec_accepted_per_pos"]
+    for rid in PROMPTS:
+        assert np.abs(logits[rid] - logits1[rid]).max() < 2e-3, rid
+    assert calls.greedy and all(calls.greedy)
+    sp = SamplingParams(max_tokens=6, temperature=5.0, seed=3, ignore_eos=True)
+    sampled = [tiny_engine.drain(e, {"s": (PROMPTS["short"], sp)})[0]["s"] for e in (eng, speculative())]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 6 and calls.greedy[-1] is False
+
+
 def test_verify_lengths_follow_the_cumulative_confidence():
     conf = np.array([[3.0, 3.0, -3.0, 3.0, 3.0], [-1.0, 5.0, 5.0, 5.0, 5.0], [20.0] * 5, [0.0] * 5])
     cum = np.cumprod(1 / (1 + np.exp(-conf)), axis=1)  # the chance that drafts 1 .. i are all accepted

@@ -71,7 +71,7 @@ def gpu_decode_trips(cfg, config) -> dict:
         eng = Engine.abstract(cfg, config)
     out = {}
     for shape in eng.program_shapes():
-        if shape[0] in eng.decode_kinds:
+        if shape[0] in eng.decode_kinds + (eng.greedy_kind,):
             fn, args, static = eng._padding_call(*shape)
             out[shape] = host_round_trips(fn.trace(*args, **static).jaxpr)
     return out
@@ -97,12 +97,12 @@ def test_a_gpu_speculative_step_waits_only_in_its_sampling():
     """The same for DSpark's step (k = 5, cut at the split layer): its verify chunk's indexers score in one pass,
     through the decode kernel as a decode step's do (`programs._kernel_index_topk`), so the first half has no round
     trip and the second only its sampling's two branch indices: one where it verifies, one where it drafts the
-    block (`spec_sampling.branch`), not one a draw."""
+    block (`spec_sampling.branch`), not one a draw; with `greedy_program` the all-greedy step's has none."""
     from dsv41.config import preset
     from serving.engine.config import EngineConfig, SpeculativeConfig
 
     trips_of = {s[0]: t for s, t in gpu_decode_trips(preset("bench").replace(n_mtp_layers=3), EngineConfig(
-        max_num_seqs=1, device_feed=False, speculative_config=SpeculativeConfig())).items()}
-    assert list(trips_of) == ["decode_first", "spec_rest"]
-    assert trips_of["decode_first"] == []
+        max_num_seqs=1, device_feed=False, speculative_config=SpeculativeConfig(greedy_program=True))).items()}
+    assert list(trips_of) == ["decode_first", "spec_rest", "spec_rest_greedy"]
+    assert trips_of["decode_first"] == [] and trips_of["spec_rest_greedy"] == []
     assert sorted(trips_of["spec_rest"]) == [("cond", "dspark"), ("cond", "head_sample")]

@@ -28,12 +28,17 @@ class SpeculativeConfig:
     confidence_threshold (None: off, every step verifies all k drafts): each row verifies only the drafts whose
     cumulative confidence (the drafter's confidence head: the product of the sigmoids up to that position, the
     estimated chance that every draft up to it is accepted) is at least this value (0 < t <= 1; 1 verifies none,
-    a plain step). Outputs are unchanged (`speculative.verify_lengths`)."""
+    a plain step). Outputs are unchanged (`speculative.verify_lengths`).
+    greedy_program: a step whose rows are all greedy runs a variant of the speculative program without sampling
+    (one more program a decode batch bucket, compiled at warm-up). On a GPU the sampling's two branch indices are
+    the step's only host round trips (`spec_sampling.branch`): without them its call returns once launched, as a
+    plain step's does. Tokens unchanged."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 5
     forced_acceptance: bool = False
     confidence_threshold: float | None = None
+    greedy_program: bool = False
 
     def __post_init__(self):
         if self.method != "dspark":
@@ -41,8 +46,9 @@ class SpeculativeConfig:
         n = self.num_speculative_tokens
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise EngineError(f"num_speculative_tokens must be an integer >= 1, got {n!r}")
-        if not isinstance(self.forced_acceptance, bool):
-            raise EngineError(f"forced_acceptance must be true or false, got {self.forced_acceptance!r}")
+        for name in ("forced_acceptance", "greedy_program"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineError(f"{name} must be true or false, got {getattr(self, name)!r}")
         t = self.confidence_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
             raise EngineError(f"confidence_threshold must be a number in (0, 1] (or null: verify every draft), "

@@ -344,7 +344,8 @@ class Scheduler:
 
     def program_shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (program, rows B, tokens T, block-table pages) a step of this engine can call, from its shape
-        buckets (B counts every rank's rows), the short prompts' shared prefill call included. The block table is
+        buckets (B counts every rank's rows), the short prompts' shared prefill call included, and the all-greedy
+        speculative step's program where it has one of its own (`greedy_kind`). The block table is
         always max_pages_per_seq wide (the context length is a run-time value); coarser buckets
         (min_prefill_bucket = the chunk, min_decode_bucket = max_num_seqs) mean fewer programs and more padding."""
 
@@ -358,8 +359,9 @@ class Scheduler:
         if self.replay:
             shapes += [("decoder", D * R, 1, c) for R in (1, *(self.shared_prefill or ())[:1])]
         decode_top = _bucket(self.layout.num_slots, self.min_decode_bucket)
+        kinds = self.decode_kinds + ((self.greedy_kind,) if self.greedy_kind else ())
         shapes += [(k, D * B, self.decode_tokens, c) for B in _ladder(self.min_decode_bucket, decode_top)
-                   for k in self.decode_kinds]
+                   for k in kinds]
         return shapes
 
     def covering_shapes(self) -> list[tuple[str, int, int, int]]:

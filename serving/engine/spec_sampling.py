@@ -110,13 +110,14 @@ def draft_sampler(s, filtered: bool):
 
 
 def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: jax.Array, s,
-           n_verify: jax.Array) -> tuple[jax.Array, jax.Array]:
+           n_verify: jax.Array, greedy: bool = False) -> tuple[jax.Array, jax.Array]:
     """target_logits [B, k + 1, V] (after the anchor and after each draft), drafts [B, k]; draft_logits_fn() ->
     the logits [B, k, V] the drafts were drawn from (called only in a batch where some row draws); has_q [B]: the
     row's drafts were drawn by the drafter (else, e.g. the first step after a prefill, a sampled row accepts
     none and takes its plain step's draw at the anchor, `plain_draw`); n_verify [B] (0 .. k): the drafts each
     row verifies, the rest cut (the module's docstring). -> (accepted drafts m [B], the token after them [B]).
-    One `lax.switch` on the batch's `branch`: an all-greedy batch computes no distribution."""
+    One `lax.switch` on the batch's `branch`: an all-greedy batch computes no distribution. greedy: every row is
+    greedy (the caller knows it), no switch."""
     B, k1, V = target_logits.shape
     k = k1 - 1
     verified = jnp.arange(k, dtype=jnp.int32)[None] < n_verify[:, None]  # [B, k]
@@ -124,6 +125,8 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: 
     match = (drafts == target[:, :k]) & verified
     m_greedy = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     bonus_greedy = jnp.take_along_axis(target, m_greedy[:, None], axis=1)[:, 0]
+    if greedy:
+        return m_greedy, bonus_greedy
     sampled = s.temperature > 0
     spec = sampled & has_q & (n_verify > 0)
 

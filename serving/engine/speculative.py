@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41.config import ModelConfig
-from serving.engine import programs
+from serving.engine import programs, spec_sampling
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
 from serving.engine.scheduler import StepOutput, _Request
@@ -126,20 +126,29 @@ class Speculative:
         # a row's drafts came from the drafter's last step (whose states the pool holds), or not (after a prefill)
         has_q = np.asarray([r is not None and r.drafts_drawn for r in rows])
         args = (samp, has_q, np.full(len(rows), self.spec.forced_acceptance), np.maximum(n_verify, 0))
+        static = self.spec_static(self._greedy_program(samp, b.tokens.shape))
         if len(self.decode_kinds) == 2:  # cut at the split layer (`EngineConfig.split_decode`)
             self.pool, h, pre = self.programs.run_decode_first(self.params, self.pool, b, **self.static)
             self.pool, logits, out, acc, nxt, conf = self.programs.run_spec_rest(
-                self.params, self.pool, programs.rest_batch(b, self.cfg), h, pre, *args, **self.static,
-                spec_tokens=k)
+                self.params, self.pool, programs.rest_batch(b, self.cfg), h, pre, *args, **static)
         else:
             self.pool, logits, out, acc, nxt, conf = self.programs.run_spec(self.params, self.pool, b, *args,
-                                                                            **self.static, spec_tokens=k)
+                                                                            **static)
         spec = (out, acc, nxt, self._next_verify(conf))
         self.counters["decode_steps"] += 1
         if fed:
             self._dispatched_spec(rows, spec, logits, n_verify)
             return []
         return self._accept_spec(rows, jax.device_get(spec), logits, n_verify)
+
+    def _greedy_program(self, samp: programs.Sampling, shape: tuple[int, int]) -> bool:
+        """Whether a step of these sampling rows and batch shape [B, T] runs the all-greedy program
+        (`SpeculativeConfig.greedy_program`): every row greedy, and the program usable (a staged warm-up may still
+        be compiling it: until then the sampling program serves)."""
+        if self.greedy_kind is None or spec_sampling.row_branches(samp)[0].any():
+            return False
+        u = self.usable_shapes
+        return u is None or (self.greedy_kind, *shape, self.max_pages_per_seq) in u
 
     def _next_verify(self, conf: jax.Array) -> jax.Array | np.ndarray:
         """The drafts each row's next step verifies, from its drafter's confidences conf [B, k]: `verify_lengths` on

@@ -35,6 +35,8 @@ class Warmup:
         b = programs.Batch(np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32),
                            np.full(B, S, np.int32), np.full((B, ctx), P, np.int32), np.zeros(B, np.int32),
                            np.zeros((B, L), np.int32), rows)
+        greedy = kind == self.greedy_kind
+        kind = kind.removesuffix("_greedy") if greedy else kind
         if self.device_feed and kind in ("decode", "decode_first", "decode_rest", "spec_rest"):
             b = self._feed_padding(b)
         static, progs = self.static, self.programs
@@ -52,12 +54,12 @@ class Warmup:
                 return progs.run_decode_rest, (self.params, pool, programs.rest_batch(b, self.cfg), h, pre), static
             if kind == "spec_rest":
                 return progs.run_spec_rest, (self.params, pool, programs.rest_batch(b, self.cfg), h, pre,
-                                             *self._spec_padding(B)), self._spec_static
+                                             *self._spec_padding(B)), self.spec_static(greedy)
             return progs.run_decoder, (self.params, pool, b, h, pre), self.prefill_static
         if kind == "decode_first":
             return progs.run_decode_first, (self.params, pool, b), static
         if kind == "decode" and self.spec is not None:
-            return progs.run_spec, (self.params, pool, b, *self._spec_padding(B)), self._spec_static
+            return progs.run_spec, (self.params, pool, b, *self._spec_padding(B)), self.spec_static(greedy)
         return progs.run_full, (self.params, pool, b), static if kind == "decode" else self.prefill_static
 
     def _spec_padding(self, B: int) -> tuple:
@@ -66,9 +68,9 @@ class Warmup:
         forced, samp = np.full(B, self.spec.forced_acceptance), self._sampling([None] * B)
         return samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)
 
-    @property
-    def _spec_static(self) -> dict:
-        return {**self.static, "spec_tokens": self.spec.num_speculative_tokens}
+    def spec_static(self, greedy: bool) -> dict:
+        """A speculative program's static keywords, as every call passes them (greedy: the all-greedy variant)."""
+        return {**self.static, "spec_tokens": self.spec.num_speculative_tokens, "greedy": greedy}
 
     @property
     def warmup_progress(self) -> WarmupProgress:
@@ -157,7 +159,7 @@ class Warmup:
         if from_store:
             _first_run(shape, out)
         self.pool = out[0]
-        if self.device_feed and self.spec is not None and shape[0] in ("decode", "spec_rest"):
+        if self.device_feed and self.spec is not None and shape[0] in ("decode", "spec_rest", self.greedy_kind):
             self._spec_padded((*out[2:5], self._next_verify(out[5])))  # as the next step's `SpecFeed`'s
         elif self.device_feed and shape[0] in ("decode", "decode_rest"):
             self._pad(out[2])  # its ids padded as the next step's `Feed.prev`
@@ -179,7 +181,7 @@ class Warmup:
     def _samples(self, shape: tuple[str, int, int, int]) -> bool:
         """Whether a step of this program may run `Programs.sample` on its logits (a speculative step samples
         inside its program)."""
-        return (shape[0] not in ("encoder", "decode_first", "spec_rest")
+        return (shape[0] not in ("encoder", "decode_first", "spec_rest", self.greedy_kind)
                 and not (shape[0] == "decode" and self.spec is not None))
 
     def adopt_programs(self) -> None:
@@ -409,8 +411,8 @@ def _shape_name(shape: tuple[str, int, int, int]) -> str:
 
 # whole-model programs first, then the prefill encoder, then the replay decoder; larger batches first within a kind:
 # the longest compiles start first, so the last to finish starts early
-_KIND_ORDER = {"decode": 0, "decode_first": 0, "decode_rest": 0, "spec_rest": 0, "full": 1, "encoder": 1,
-               "decoder": 2}
+_KIND_ORDER = {"decode": 0, "decode_first": 0, "decode_rest": 0, "spec_rest": 0, "decode_greedy": 0,
+               "spec_rest_greedy": 0, "full": 1, "encoder": 1, "decoder": 2}
 
 
 def compile_order(shape: tuple[str, int, int, int]) -> tuple[int, int]:
