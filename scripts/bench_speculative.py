@@ -16,11 +16,15 @@ drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchma
 --k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
 (no draft verified: the k-wide program with its draft columns masked); the speculative step runs as the platform
 runs it (cut at the split layer on a GPU, as the plain step), or with --split-spec both as one program and cut;
---fed-spec adds each speculative step fed on the device. --preset tiny: a CPU smoke test.
+--fed-spec adds each speculative step fed on the device; --greedy-program adds each with the all-greedy step's
+program without sampling (`SpeculativeConfig.greedy_program`; the rows here are greedy unless --temperature).
+--preset tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import itertools
 import logging
 import statistics
@@ -44,6 +48,7 @@ def step_time(cfg, params, B: int, ctx: int, reps: int, max_len: int, spec: Spec
     backend's kernels (`timing.kernels_of`: `auto` is serve's), one decode bucket of B rows, at that temperature;
     split_spec: a speculative step in two programs or one (None: the platform's, two on a GPU; a plain step: the
     platform's split either way); fed: the step's tokens (a speculative step's chunk) fed on the device."""
+    gc.collect()  # the engine before: its pool and programs freed before this one takes the memory
     eng = make_engine(cfg, params, True, max_len, B, backend, min_decode_bucket=B, speculative_config=spec,
                       device_feed=fed, split_decode=split_spec if spec is not None else None)
     if split_spec and spec is not None and len(eng.decode_kinds) != 2:
@@ -74,6 +79,9 @@ def main():
     ap.add_argument("--fed-spec", action="store_true",
                     help="also time each speculative step fed on the device (EngineConfig.device_feed: its chunk "
                          "built from the step before, programs.SpecFeed), beside the one read on the host")
+    ap.add_argument("--greedy-program", action="store_true",
+                    help="also time each speculative step with SpeculativeConfig.greedy_program (an all-greedy step's "
+                         "program without sampling: no host round trip on a GPU)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
                     help="the engines' kernels (timing.KERNELS, with +suffixes); a list times the speculative step "
@@ -91,6 +99,8 @@ def main():
     specs = [(f"k={k}", SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=True)) for k in ks]
     specs += [(f"k={ks[-1]} cut to 0", SpeculativeConfig(num_speculative_tokens=ks[-1], forced_acceptance=True,
                                                          confidence_threshold=1.0))] * args.cut
+    specs += [(f"{name}, greedy program", dataclasses.replace(spec, greedy_program=True))
+              for name, spec in specs] * args.greedy_program
     rows = []
     for B in batches:
         fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0],
