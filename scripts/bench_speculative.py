@@ -99,8 +99,8 @@ def main():
     specs = [(f"k={k}", SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=True)) for k in ks]
     specs += [(f"k={ks[-1]} cut to 0", SpeculativeConfig(num_speculative_tokens=ks[-1], forced_acceptance=True,
                                                          confidence_threshold=1.0))] * args.cut
-    specs += [(f"{name}, greedy program", dataclasses.replace(spec, greedy_program=True))
-              for name, spec in specs] * args.greedy_program
+    specs = [(f"{name}, greedy program", dataclasses.replace(spec, greedy_program=True))
+             for name, spec in specs] * args.greedy_program + specs
     rows = []
     for B in batches:
         fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0],
