@@ -461,7 +461,7 @@ def kernel_ops(*, experts: bool = False, linears: bool = False, mhc: str = "xla"
 # The FP8 linears that run through `Ops.linear`, by path in a layer (wo_a: `Ops.grouped_linear`, GROUPED_FP8_LINEARS).
 FP8_LINEARS = (("attn", "wq_a"), ("attn", "wq_b"), ("attn", "wkv"), ("attn", "wo_b"), ("attn", "indexer", "wq_b"),
                ("ffn", "shared_experts", "w1"), ("ffn", "shared_experts", "w2"), ("ffn", "shared_experts", "w3"),
-               ("engram", "wkv"), ("main_proj",))  # main_proj: DSpark stage 0's context projection
+               ("engram", "wkv"))
 
 
 # Grouped linears stored dense in our tree but FP8 in the release (convert.py dequantizes wo_a): their values

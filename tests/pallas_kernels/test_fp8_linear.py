@@ -197,7 +197,6 @@ def test_prepare_linears_and_linear_dispatch():
 
     want = {"".join(f"['{key}']" for key in path) for path in BK.FP8_LINEARS if f8.supported(get(lp0, path))}
     assert converted == want and "['attn']['wq_a']" in converted
-    assert is_p(prepared["mtp"][0]["main_proj"])  # DSpark's context projection, [D, 3 D]
     assert not is_p(pp0["attn"]["wo_a"])  # grouped, 64 rows a group here: below the kernel's 128
     num = quant.Numerics(act_quant=False)
     rng = np.random.default_rng(3)
