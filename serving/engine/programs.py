@@ -713,7 +713,7 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
     the token after them (the bonus; has_q [B]: the row's drafts came from the drafter's previous step, whose
     states the pool holds). The chunk's DSpark context keys go into the rings and the next block is drafted from
     the bonus. forced [B] (bool, traced: one program either way): accept every verified draft (benchmarks).
-    greedy: every row of samp is greedy, and the program holds no sampling (`EngineConfig.spec_greedy_program`).
+    greedy: every row of samp is greedy, and the program holds no sampling (`SpeculativeConfig.greedy_program`).
     -> (pool, logits [B, k + 1, V] after a and each d_i (past n: padding), tokens [B, k + 1] (the accepted drafts,
     then the bonus), accepted count [B], next drafts [B, k], their confidence logits [B, k])."""
     with jax.named_scope("embed"):
@@ -728,8 +728,8 @@ def _spec_rest(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q: ja
                n_verify: jax.Array, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(),
                spec_tokens: int = 0, greedy: bool = False):
     """`_spec` from layer `split_layer` on, on `_decode_first`'s stream of the same chunk (the split layer starts a
-    fresh indexer carry, as in `_decode_rest`): with it, `_spec`'s step (on the CPU within 1e-4 of its logits: the
-    speculative programs compile with XLA's fast-compile preset, `_decode_first` without). DSpark's target layers
+    fresh indexer carry, as in `_decode_rest`): with it, `_spec`'s step (on the CPU a step's logits within ~4e-6 of
+    its: the speculative programs compile with XLA's fast-compile preset, `_decode_first` without). DSpark's target layers
     must lie at or past the split (`dspark_splits`). -> `_spec`'s outputs."""
     if isinstance(b.feed, SpecFeed):  # resolved again as `_decode_first` did (the same inputs)
         b, n_verify = _spec_fed(params, b, cfg, n_verify, any(i >= cfg.split_layer for i in cfg.engram_layer_ids))
