@@ -288,19 +288,22 @@ def test_abstract_mesh_engine_keys_every_program_as_the_allocated_one(kw):
 @pytest.mark.parametrize("feed", [False, True], ids=["read", "fed"])
 def test_split_speculative_step_lowers_on_data_ranks(feed):
     """`split_decode=True` under DSpark on two data ranks (an abstract engine: nothing compiles or runs): the step's
-    two programs, `run_decode_first` on the speculative chunk and `run_spec_rest`, each lower per rank, also with
-    the chunk fed on the device (`programs.SpecFeed`: each rank's slice of the previous step's outputs). (The split
-    step's tokens: tests/test_engine_speculative.py and tests/test_engine_speculative_feed.py, one device.)"""
+    two programs, `run_decode_first` on the speculative chunk and `run_spec_rest` (and its all-greedy variant,
+    `SpeculativeConfig.greedy_program`), each lower per rank, also with the chunk fed on the device
+    (`programs.SpecFeed`: each rank's slice of the previous step's outputs). (The split step's tokens:
+    tests/test_engine_speculative.py and tests/test_engine_speculative_feed.py, one device.)"""
     from dsv41.config import preset
     from serving.engine.config import EngineConfig
     from serving.engine.engine import Engine
 
+    spec = SpeculativeConfig(num_speculative_tokens=5, greedy_program=True)
     config = EngineConfig(max_num_seqs=2, max_model_len=128, data_parallel_size=2, split_decode=True,
-                          speculative_config=SpeculativeConfig(num_speculative_tokens=5), device_feed=feed)
+                          speculative_config=spec, device_feed=feed)
     eng = Engine.abstract(preset("tiny"), config)
-    assert eng.decode_kinds == ("decode_first", "spec_rest")
-    shapes = [s for s in eng.program_shapes() if s[0] in eng.decode_kinds]
-    assert {s[0] for s in shapes} == set(eng.decode_kinds) and all(s[2] == eng.decode_tokens for s in shapes)
+    assert eng.decode_kinds == ("decode_first", "spec_rest") and eng.greedy_kind == "spec_rest_greedy"
+    kinds = (*eng.decode_kinds, eng.greedy_kind)
+    shapes = [s for s in eng.program_shapes() if s[0] in kinds]
+    assert {s[0] for s in shapes} == set(kinds) and all(s[2] == eng.decode_tokens for s in shapes)
     for shape in shapes:
         fn, (params, pool, *args), static = eng._padding_call(*shape)
         assert "mhlo.num_partitions = 2" in fn.lower(params, pool, *args, **static).as_text(), shape
