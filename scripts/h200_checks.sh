@@ -20,7 +20,8 @@
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
 #                  CUDA graph) against the same device buffers every call (bench preset with 8 experts, batch 1; ~2 min)
 #   spec [B]       DSpark's verify + draft step against a plain decode step at batch B (default 1; 64: ~7 min), cut at
-#                  the split layer (a GPU's default), read on the host and fed on the device (--fed-spec)
+#                  the split layer (a GPU's default), read on the host and fed on the device (--fed-spec);
+#                  SPEC_ARGS=--greedy-program adds both with the all-greedy program (batch 1: ~6 min)
 #   feed [B]       the decode loop with its tokens fed on the device (`--device-feed`) against the synchronous loop,
 #                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
 #                  with 8 experts, batch B (default 1; ~3 min a batch)
@@ -116,7 +117,8 @@ case "${1:-}" in
     ;;
   spec)  # two engines of the bench preset + DSpark in turn: at jax's default 75% the second ran out of memory (H100)
     XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} \
-      bench 580 "spec${2:-1}" scripts/bench_speculative.py --batches "${2:-1}" --decode-ctx 4096 --k 5 --fed-spec
+      bench 580 "spec${2:-1}" scripts/bench_speculative.py --batches "${2:-1}" --decode-ctx 4096 --k 5 --fed-spec \
+        ${SPEC_ARGS:-}
     ;;
   feed)
     bench 400 "feed${2:-1}" scripts/bench_device_feed.py --experts 8 --batches "${2:-1}" --decode-ctx 4096 --steps 20 \
