@@ -728,9 +728,9 @@ def _spec_rest(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q: ja
                n_verify: jax.Array, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(),
                spec_tokens: int = 0, greedy: bool = False):
     """`_spec` from layer `split_layer` on, on `_decode_first`'s stream of the same chunk (the split layer starts a
-    fresh indexer carry, as in `_decode_rest`): with it, `_spec`'s step (on the CPU a step's logits within ~4e-6 of
-    its: the speculative programs compile with XLA's fast-compile preset, `_decode_first` without). DSpark's target layers
-    must lie at or past the split (`dspark_splits`). -> `_spec`'s outputs."""
+    fresh indexer carry, as in `_decode_rest`): with it, `_spec`'s step (on the CPU its logits ~4e-6 from `_spec`'s:
+    the speculative programs compile with XLA's fast-compile preset, `_decode_first` without). DSpark's target
+    layers must lie at or past the split (`dspark_splits`). -> `_spec`'s outputs."""
     if isinstance(b.feed, SpecFeed):  # resolved again as `_decode_first` did (the same inputs)
         b, n_verify = _spec_fed(params, b, cfg, n_verify, any(i >= cfg.split_layer for i in cfg.engram_layer_ids))
     return _spec_layers(params, pool, b, h, pre, samp, has_q, forced, n_verify, cfg.split_layer, cfg=cfg, num=num,
