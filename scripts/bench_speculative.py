@@ -16,8 +16,9 @@ drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchma
 --k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
 (no draft verified: the k-wide program with its draft columns masked); the speculative step runs as the platform
 runs it (cut at the split layer on a GPU, as the plain step), or with --split-spec both as one program and cut;
---fed-spec adds each speculative step fed on the device; --greedy-program adds each with the all-greedy step's
-program without sampling (`SpeculativeConfig.greedy_program`; the rows here are greedy unless --temperature).
+--fed-spec adds each speculative step fed on the device. The rows here are greedy unless --temperature: an
+all-greedy step runs the program without sampling where the platform has it (`SpeculativeConfig.greedy_program`, a
+GPU's default); there --sampling-program adds each with the sampling program (what a step with a sampled row runs).
 --preset tiny: a CPU smoke test.
 """
 
@@ -79,9 +80,9 @@ def main():
     ap.add_argument("--fed-spec", action="store_true",
                     help="also time each speculative step fed on the device (EngineConfig.device_feed: its chunk "
                          "built from the step before, programs.SpecFeed), beside the one read on the host")
-    ap.add_argument("--greedy-program", action="store_true",
-                    help="also time each speculative step with SpeculativeConfig.greedy_program (an all-greedy step's "
-                         "program without sampling: no host round trip on a GPU)")
+    ap.add_argument("--sampling-program", action="store_true",
+                    help="also time each speculative step with its sampling program (SpeculativeConfig."
+                         "greedy_program false; the all-greedy program is a GPU's default: no host round trip)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
                     help="the engines' kernels (timing.KERNELS, with +suffixes); a list times the speculative step "
@@ -99,8 +100,10 @@ def main():
     specs = [(f"k={k}", SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=True)) for k in ks]
     specs += [(f"k={ks[-1]} cut to 0", SpeculativeConfig(num_speculative_tokens=ks[-1], forced_acceptance=True,
                                                          confidence_threshold=1.0))] * args.cut
-    specs = [(f"{name}, greedy program", dataclasses.replace(spec, greedy_program=True))
-             for name, spec in specs] * args.greedy_program + specs
+    greedy = args.temperature == 0 and SpeculativeConfig().uses_greedy_program(jax.default_backend())
+    specs = [(f"{name}, {'greedy' if greedy else 'sampling'} program", spec) for name, spec in specs]
+    specs += [(name.replace("greedy", "sampling"), dataclasses.replace(spec, greedy_program=False))
+              for name, spec in specs] * (args.sampling_program and greedy)
     rows = []
     for B in batches:
         fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0],

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The standing device runs, one group a device call (10 minutes), from the repository root; logs go to $OUT:
-#   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~8 min); SHARD 1-7: all @pytest.mark.gpu
-#                  tests in seven parts that each fit one device call (the engine's GPU tests, shards 3-7, compile
-#                  bench-preset programs, ~2 min a test; 7 also DSpark fed against read on the host); PATHS: the gpu
-#                  tests there
+#   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~7 min); SHARD 1-8: all @pytest.mark.gpu
+#                  tests in eight parts that each fit one device call (the engine's GPU tests, shards 3-8, compile
+#                  bench-preset programs, ~2 min a test; 7 and 8 DSpark fed against read on the host, through the
+#                  sampling program and the all-greedy one: ~5 min each); PATHS: the gpu tests there
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   buckets        prefill of short prompts (16-512 tokens, replay on) at their own buckets' programs, then every
@@ -21,7 +21,8 @@
 #                  CUDA graph) against the same device buffers every call (bench preset with 8 experts, batch 1; ~2 min)
 #   spec [B]       DSpark's verify + draft step against a plain decode step at batch B (default 1; 64: ~7 min), cut at
 #                  the split layer (a GPU's default), read on the host and fed on the device (--fed-spec);
-#                  SPEC_ARGS=--greedy-program adds both with the all-greedy program (batch 1: ~6 min)
+#                  the rows greedy: the all-greedy program; SPEC_ARGS=--sampling-program adds both with the
+#                  sampling program, a sampled row's (batch 1: ~8 min)
 #   feed [B]       the decode loop with its tokens fed on the device (`--device-feed`) against the synchronous loop,
 #                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
 #                  with 8 experts, batch B (default 1; ~3 min a batch)
@@ -78,7 +79,8 @@ case "${1:-}" in
          k="not layer_by_layer and not all_kernels and not scanned and not shared and not speculative" ;;
       5) set -- tests/test_engine_gpu.py; k="all_kernels" ;;
       6) set -- tests/test_engine_gpu.py; k="scanned" ;;
-      7) set -- tests/test_engine_gpu.py; k="shared or indexer-blocks or speculative" ;;
+      7) set -- tests/test_engine_gpu.py; k="shared or indexer-blocks or sampling_program" ;;
+      8) set -- tests/test_engine_gpu.py; k="greedy_program" ;;
       "") set -- tests/pallas_kernels ;;
     esac
     timeout -k 10 "${TESTS_TIMEOUT:-580}" $PY -m pytest -q -s -rA --tb=short -m gpu -p no:cacheprovider \

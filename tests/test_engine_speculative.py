@@ -242,7 +242,17 @@ def test_bad_speculative_configs_name_the_fix():
         SpeculativeConfig.from_json('{"method": "eagle"}')
     with pytest.raises(EngineError, match="block of 5"):
         tiny_engine.make(speculative_config=SpeculativeConfig(num_speculative_tokens=6))
+    with pytest.raises(EngineError, match="greedy_program must be true, false or null"):
+        SpeculativeConfig.from_json('{"greedy_program": "yes"}')
     assert SpeculativeConfig.from_json('{"method": "dspark", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+
+
+def test_greedy_program_is_a_gpus_default():
+    """The all-greedy program spares a GPU's step its host round trips; a CPU's conds are local (no program added)."""
+    assert SpeculativeConfig().uses_greedy_program("gpu") and not SpeculativeConfig().uses_greedy_program("cpu")
+    assert SpeculativeConfig(greedy_program=True).uses_greedy_program("cpu")
+    assert not SpeculativeConfig.from_json('{"greedy_program": false}').uses_greedy_program("gpu")
+    assert speculative().greedy_kind is None  # this CPU's default
 
 
 def test_seeded_sampling_speculates_and_repeats():

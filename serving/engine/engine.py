@@ -172,7 +172,7 @@ class Engine(Scheduler, Prefill, Speculative, DeviceFeed, Warmup):
             split = splits and programs.dspark_splits(cfg)
             self.decode_kinds = ("decode_first", "spec_rest") if split else ("decode",)
         # the program an all-greedy speculative step runs in place of its last (`SpeculativeConfig.greedy_program`)
-        greedy = self.spec is not None and self.spec.greedy_program
+        greedy = self.spec is not None and self.spec.uses_greedy_program(jax.default_backend())
         self.greedy_kind = self.decode_kinds[-1] + "_greedy" if greedy else None
         # Engram tables are read by row on the host: keep them there (a device copy would be gathered row by row)
         # (an abstract engine with device_feed has the device tables' shapes: on the host one row of zeros)
