@@ -33,8 +33,13 @@ def _setup(top_k=0):
             e = np.exp(target[i, keep[i]] - target[i, keep[i]].max())
             p[i, keep[i]] = e / e.sum()
     target_rows = jnp.broadcast_to(jnp.asarray(target), (N, K + 1, V))
-    verify = jax.jit(lambda d, hq, n=jnp.full(N, K, jnp.int32): spec_sampling.verify(
-        target_rows, d, lambda: jnp.broadcast_to(jnp.asarray(draft), (N, K, V)), hq, s, n))
+    # every array an argument: XLA:CPU would constant-fold a closed-over one's sorts (a minute a compile)
+    run = jax.jit(lambda t, q, d, hq, s, n: spec_sampling.verify(t, d, lambda: jnp.broadcast_to(q, (N, K, V)), hq, s,
+                                                                   n))
+
+    def verify(d, hq, n=jnp.full(N, K, jnp.int32)):
+        return run(target_rows, jnp.asarray(draft), d, hq, s, n)
+
     plain = np.asarray(spec_sampling.plain_draw(target_rows[:, 0], s, filtered=bool(top_k)))
     return p, drafts, verify, plain
 
