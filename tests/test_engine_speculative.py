@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.engine import programs
+from serving.engine import programs, spec_sampling
 from serving.engine.config import SpeculativeConfig
 from serving.engine.speculative import verify_lengths
 from serving.engine.errors import EngineError
@@ -123,31 +123,31 @@ def test_split_step_is_the_one_program(plain, accepted):
     assert speculative().decode_kinds == ("decode",)  # the CPU's default, and a GPU's until measured there
 
 
-class _GreedyCalls:
-    """An engine's programs, noting each speculative call's `greedy` (`SpeculativeConfig.greedy_program`)."""
+class _BranchCalls:
+    """An engine's programs, noting each speculative call's sampling `branch` (`spec_sampling.verify`)."""
 
     def __init__(self, progs):
-        self.progs, self.greedy = progs, []
+        self.progs, self.branches = progs, []
 
     def __getattr__(self, name):
         return getattr(self.progs, name)
 
     def run_spec(self, *args, **kw):
-        self.greedy.append(kw["greedy"])
+        self.branches.append(kw["branch"])
         return self.progs.run_spec(*args, **kw)
 
 
 def test_greedy_program_serves_the_all_greedy_steps(accepted):
     """`greedy_program`: a step whose rows are all greedy runs the speculative program without its sampling (warm-up
-    compiles it for each decode bucket), any other the sampling one. The accepted run's tokens, steps and acceptance,
-    its logits within 2e-3 (another program, so the FP8 KV codes a few ulps from a bin edge may round the other way,
-    as between the split and the one program), nothing compiled after warm-up; a sampled request's seeded tokens as
-    the sampling program gives them."""
+    compiles it for each decode bucket), any other the program whose sampling filters every row (no branch on the
+    device). The accepted run's tokens, steps and acceptance, its logits within 2e-3 (another program, so the FP8 KV
+    codes a few ulps from a bin edge may round the other way, as between the split and the one program), nothing
+    compiled after warm-up; a sampled request's seeded tokens as the program with the device's branch gives them."""
     eng = speculative(greedy_program=True)
     assert eng.greedy_kind == "decode_greedy"
     assert [s[0] for s in eng.program_shapes() if s[0] in ("decode", "decode_greedy")] == ["decode", "decode_greedy"]
     eng.warmup()
-    eng.programs = calls = _GreedyCalls(eng.programs)
+    eng.programs = calls = _BranchCalls(eng.programs)
     before = programs.ONE_DEVICE.run_spec._cache_size()
     toks, logits, steps = run(eng, oracle=accepted[0][0])
     assert programs.ONE_DEVICE.run_spec._cache_size() == before
@@ -156,10 +156,10 @@ def test_greedy_program_serves_the_all_greedy_steps(accepted):
     assert eng.stats()["spec_accepted_per_pos"] == st1["spec_accepted_per_pos"]
     for rid in PROMPTS:
         assert np.abs(logits[rid] - logits1[rid]).max() < 2e-3, rid
-    assert calls.greedy and all(calls.greedy)
+    assert calls.branches and set(calls.branches) == {spec_sampling.GREEDY}
     sp = SamplingParams(max_tokens=6, temperature=5.0, seed=3, ignore_eos=True)
     sampled = [tiny_engine.drain(e, {"s": (PROMPTS["short"], sp)})[0]["s"] for e in (eng, speculative())]
-    assert sampled[0] == sampled[1] and len(sampled[0]) == 6 and calls.greedy[-1] is False
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 6 and calls.branches[-1] == spec_sampling.FILTERED
 
 
 def test_verify_lengths_follow_the_cumulative_confidence():

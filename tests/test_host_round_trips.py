@@ -93,16 +93,22 @@ def test_a_gpu_decode_step_waits_for_no_host_value():
             assert t == [], (feed, shape)
 
 
-def test_a_gpu_speculative_step_waits_only_in_its_sampling():
+def test_a_gpu_speculative_step_waits_for_no_host_value():
     """The same for DSpark's step (k = 5, cut at the split layer): its verify chunk's indexers score in one pass,
     through the decode kernel as a decode step's do (`programs._kernel_index_topk`), so the first half has no round
-    trip and the second only its sampling's two branch indices: one where it verifies, one where it drafts the
-    block (`spec_sampling.branch`), not one a draw; with `greedy_program` the all-greedy step's has none."""
+    trip; its sampling branch is the host's (`SpeculativeConfig.greedy_program`, a GPU's default: the all-greedy
+    program, or the one filtering every row), so neither program of the second half has one. With the branch on
+    the device instead (greedy_program false): two, one where it verifies and one where it drafts the block
+    (`spec_sampling.batch_branch`), not one a draw."""
     from dsv41.config import preset
     from serving.engine.config import EngineConfig, SpeculativeConfig
 
-    trips_of = {s[0]: t for s, t in gpu_decode_trips(preset("bench").replace(n_mtp_layers=3), EngineConfig(
-        max_num_seqs=1, device_feed=False, speculative_config=SpeculativeConfig(greedy_program=True))).items()}
-    assert list(trips_of) == ["decode_first", "spec_rest", "spec_rest_greedy"]
-    assert trips_of["decode_first"] == [] and trips_of["spec_rest_greedy"] == []
-    assert sorted(trips_of["spec_rest"]) == [("cond", "dspark"), ("cond", "head_sample")]
+    for greedy_program in (None, False):
+        trips_of = {s[0]: t for s, t in gpu_decode_trips(preset("bench").replace(n_mtp_layers=3), EngineConfig(
+            max_num_seqs=1, device_feed=False,
+            speculative_config=SpeculativeConfig(greedy_program=greedy_program))).items()}
+        if greedy_program is None:
+            assert trips_of == {"decode_first": [], "spec_rest": [], "spec_rest_greedy": []}
+        else:
+            assert list(trips_of) == ["decode_first", "spec_rest"] and trips_of["decode_first"] == []
+            assert sorted(trips_of["spec_rest"]) == [("cond", "dspark"), ("cond", "head_sample")]

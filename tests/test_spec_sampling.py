@@ -106,7 +106,7 @@ def _batch(temps, top_p, top_k):
 
 
 def test_a_row_verifies_alike_in_any_batch():
-    """A step samples under one branch of the whole batch (`spec_sampling.branch`): all greedy, some row drawing,
+    """A step samples under one branch of the whole batch (`spec_sampling.batch_branch`): all greedy, some row drawing,
     some row filtering. A row's tokens may not depend on which branch its batch took: a greedy row takes the
     target's argmax and a drawing row that does not filter the same draws whether or not another row filters."""
     rng = np.random.default_rng(1)
@@ -115,7 +115,7 @@ def test_a_row_verifies_alike_in_any_batch():
     draft = jnp.asarray(rng.normal(size=(B, K, V)) * 2, jnp.float32)
     drafts = jnp.asarray(rng.integers(0, V, (B, K)), jnp.int32)
     run = jax.jit(lambda s: spec_sampling.verify(target, drafts, lambda: draft, jnp.ones(B, bool), s,
-                                                 jnp.full(B, K, jnp.int32)) + (spec_sampling.branch(s),))
+                                                 jnp.full(B, K, jnp.int32)) + (spec_sampling.batch_branch(s),))
     greedy = run(_batch([0.0] * B, [1.0] * B, [0] * B))
     drawn = run(_batch([0.0, 2.0, 2.0, 0.0], [1.0] * B, [0] * B))
     filtered = run(_batch([0.0, 2.0, 2.0, 2.0], [1.0] * B, [0, 0, 0, 2]))
@@ -126,3 +126,10 @@ def test_a_row_verifies_alike_in_any_batch():
     target_argmax = np.asarray(target).argmax(-1)
     m, bonus = (np.asarray(a) for a in greedy[:2])
     assert (bonus == target_argmax[np.arange(B), m]).all()
+    # the branch the host picks (`SpeculativeConfig.greedy_program`): FILTERED gives any batch the switch's tokens
+    static = jax.jit(lambda s, branch: spec_sampling.verify(target, drafts, lambda: draft, jnp.ones(B, bool), s,
+                                                            jnp.full(B, K, jnp.int32), branch), static_argnums=1)
+    for temps, top_k, by_switch in (([0.0] * B, [0] * B, greedy), ([0.0, 2.0, 2.0, 0.0], [0] * B, drawn)):
+        for branch in (spec_sampling.FILTERED, spec_sampling.batch_branch(_batch(temps, [1.0] * B, top_k)).item()):
+            for x, y in zip(static(_batch(temps, [1.0] * B, top_k), branch), by_switch[:2]):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -30,8 +30,10 @@ class SpeculativeConfig:
     estimated chance that every draft up to it is accepted) is at least this value (0 < t <= 1; 1 verifies none,
     a plain step). Outputs are unchanged (`speculative.verify_lengths`).
     greedy_program: a step whose rows are all greedy runs a variant of the speculative program without sampling
-    (one more program a decode batch bucket, compiled at warm-up); None: the platform's (`uses_greedy_program`).
-    Tokens unchanged."""
+    (one more program a decode batch bucket, compiled at warm-up), and any other step one that samples every row as
+    a batch filtering by top-k / top-p would: the host picks the sampling branch, the program branches on no device
+    value (`spec_sampling.verify`); off: one program, a `lax.switch` on the batch's branch. None: the platform's
+    (`uses_greedy_program`). Tokens unchanged."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 5
@@ -56,13 +58,15 @@ class SpeculativeConfig:
                               f"got {t!r}")
 
     def uses_greedy_program(self, platform: str) -> bool:
-        """Whether all-greedy steps run the program without sampling on `platform` (jax's: 'cpu', 'gpu'), the
-        platform's where greedy_program is None. A GPU: yes. There XLA reads each `lax.cond` / `lax.switch` index on
-        the host, and the sampling's two (`spec_sampling.branch`) are the step's only host round trips: without
-        them its call returns once launched, as a plain step's does. On an H100 (bench preset, batch 1, k = 5,
-        context 4096) the step took 8.77 ms read on the host against 9.39 with sampling, and 6.81 ms fed on the
-        device (`device_feed`) against 11.28 (docs/PERFORMANCE.md section 5). The CPU: no; its conds are local,
-        and the variant would only add compiles."""
+        """Whether the host picks a speculative step's sampling branch (`greedy_program`) on `platform` (jax's:
+        'cpu', 'gpu'), the platform's where greedy_program is None. A GPU: yes. There XLA reads each `lax.cond` /
+        `lax.switch` index on the host, and the sampling's two (`spec_sampling.batch_branch`) were the step's only
+        host round trips: without them its call returns once launched, as a plain step's does. On an H100 (bench
+        preset, greedy rows, batch 1, k = 5, context 4096) the all-greedy program took 8.77 ms read on the host
+        against 9.39 with the switch, and 6.81 ms fed on the device (`device_feed`) against 11.28
+        (docs/PERFORMANCE.md section 5). The cost: a step with a sampled row but no top-k / top-p filters anyway
+        (sorts the vocabulary rows it samples). The CPU: no; its conds are local, and the variant would only add
+        compiles."""
         return self.greedy_program if self.greedy_program is not None else platform != "cpu"
 
     @classmethod

@@ -670,10 +670,10 @@ def _dspark_write(params, pool: KVPool, b: Batch, taps: dict, cfg: ModelConfig, 
 
 
 def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: Sampling, k: int,
-                  cfg: ModelConfig, num: Numerics, ops, greedy: bool = False):
+                  cfg: ModelConfig, num: Numerics, ops, branch: int | None = None):
     """One block drafted a row from its DSpark rings: anchor_ids [B] at anchor_pos [B] (the newest token; the
     rings hold the context before it, from the rows' decoder ring start on). Greedy rows take each position's
-    argmax, sampled rows draw (`spec_sampling.draft_sampler`); greedy: every row is greedy (no branch). The
+    argmax, sampled rows draw (`spec_sampling.draft_sampler`) under branch (`spec_sampling.verify`'s). The
     block's first k states go to the pool: the next step recomputes the distributions its drafts were drawn
     from. -> (pool, drafts int32 [B, k], their confidence logits float32 [B, k])."""
     lo = b.ring_lo[:, -1]
@@ -691,10 +691,10 @@ def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: 
         drafts, _, conf = dspark.draft_from_head(params, head, states, anchor_ids, num, sampler)
         return drafts, conf
 
-    if greedy:
-        drafts, conf = block(spec_sampling.GREEDY)
+    if branch is not None:
+        drafts, conf = block(branch)
     else:  # one branch index for the block's k draws (a host round trip on a GPU), not one a draw
-        drafts, conf = jax.lax.switch(spec_sampling.branch(samp),
+        drafts, conf = jax.lax.switch(spec_sampling.batch_branch(samp),
                                       [functools.partial(block, i) for i in spec_sampling.BRANCHES])
     pool = dataclasses.replace(pool, dspark_states=kl.write_slots(pool.dspark_states, b.slot,
                                                                   states.astype(pool.dspark_states.dtype)))
@@ -703,7 +703,7 @@ def _dspark_draft(params, pool: KVPool, b: Batch, anchor_ids, anchor_pos, samp: 
 
 def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forced: jax.Array, n_verify: jax.Array,
           *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(), spec_tokens: int = 0,
-          greedy: bool = False):
+          branch: int | None = None):
     """One speculative decode step: verify and draft in one call. Row b's chunk is [maybe the token before,
     anchor a (its newest token), drafts d_1..d_n] at positions pos0 .., n = n_verify [B] <= k the drafts it
     verifies (`spec_sampling.verify`; the rest of the k + 2 columns are padding: no KV, ring or compressor write,
@@ -713,7 +713,8 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
     the token after them (the bonus; has_q [B]: the row's drafts came from the drafter's previous step, whose
     states the pool holds). The chunk's DSpark context keys go into the rings and the next block is drafted from
     the bonus. forced [B] (bool, traced: one program either way): accept every verified draft (benchmarks).
-    greedy: every row of samp is greedy, and the program holds no sampling (`SpeculativeConfig.greedy_program`).
+    branch: the batch's sampling branch (`spec_sampling.verify`'s), chosen on the host (`SpeculativeConfig.
+    greedy_program`: GREEDY, no sampling in the program, or FILTERED), or None: a `lax.switch` on the device.
     -> (pool, logits [B, k + 1, V] after a and each d_i (past n: padding), tokens [B, k + 1] (the accepted drafts,
     then the bonus), accepted count [B], next drafts [B, k], their confidence logits [B, k])."""
     with jax.named_scope("embed"):
@@ -721,12 +722,12 @@ def _spec(params, pool: KVPool, b: Batch, samp: Sampling, has_q: jax.Array, forc
             b, n_verify = _spec_fed(params, b, cfg, n_verify)
         h, pre = model.embed(params, b.tokens, cfg, num)
     return _spec_layers(params, pool, b, h, pre, samp, has_q, forced, n_verify, 0, cfg=cfg, num=num,
-                        backends=backends, spec_tokens=spec_tokens, greedy=greedy)
+                        backends=backends, spec_tokens=spec_tokens, branch=branch)
 
 
 def _spec_rest(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q: jax.Array, forced: jax.Array,
                n_verify: jax.Array, *, cfg: ModelConfig, num: Numerics, backends: Backends = Backends(),
-               spec_tokens: int = 0, greedy: bool = False):
+               spec_tokens: int = 0, branch: int | None = None):
     """`_spec` from layer `split_layer` on, on `_decode_first`'s stream of the same chunk (the split layer starts a
     fresh indexer carry, as in `_decode_rest`): with it, `_spec`'s step (on the CPU its logits ~4e-6 from `_spec`'s:
     the speculative programs compile with XLA's fast-compile preset, `_decode_first` without). DSpark's target
@@ -734,7 +735,7 @@ def _spec_rest(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q: ja
     if isinstance(b.feed, SpecFeed):  # resolved again as `_decode_first` did (the same inputs)
         b, n_verify = _spec_fed(params, b, cfg, n_verify, any(i >= cfg.split_layer for i in cfg.engram_layer_ids))
     return _spec_layers(params, pool, b, h, pre, samp, has_q, forced, n_verify, cfg.split_layer, cfg=cfg, num=num,
-                        backends=backends, spec_tokens=spec_tokens, greedy=greedy)
+                        backends=backends, spec_tokens=spec_tokens, branch=branch)
 
 
 def dspark_splits(cfg: ModelConfig) -> bool:
@@ -744,7 +745,7 @@ def dspark_splits(cfg: ModelConfig) -> bool:
 
 
 def _spec_layers(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q, forced, n_verify, start: int, *,
-                 cfg: ModelConfig, num: Numerics, backends: Backends, spec_tokens: int, greedy: bool):
+                 cfg: ModelConfig, num: Numerics, backends: Backends, spec_tokens: int, branch: int | None):
     """`_spec` from layer `start`'s input stream h, pre-mix pre on: the layers, verify and draft."""
     k = spec_tokens
     taps: dict = {}
@@ -763,7 +764,7 @@ def _spec_layers(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q, 
         def draft_logits():  # the drafter's logits of d_i, whose Markov bias read d_{i-1} (d_0 = a)
             return dspark.draft_logits(params, prev_states, toks[:, :k], cfg, num)[0]
 
-        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, n_verify, greedy)
+        m, bonus = spec_sampling.verify(logits, drafts_in, draft_logits, has_q, samp, n_verify, branch)
     m = jnp.where(forced, n_verify, m)
     forced_bonus = jnp.argmax(jnp.take_along_axis(logits, n_verify[:, None, None], axis=1)[:, 0], -1)
     bonus = jnp.where(forced, forced_bonus.astype(jnp.int32), bonus)  # forced [B]
@@ -772,7 +773,7 @@ def _spec_layers(params, pool: KVPool, b: Batch, h, pre, samp: Sampling, has_q, 
     with jax.named_scope("dspark"):
         pool = _dspark_write(params, pool, b, taps, cfg, num, backends.ops)
         anchor_pos = b.pos0 + off + m + 1
-        pool, nxt, conf = _dspark_draft(params, pool, b, bonus, anchor_pos, samp, k, cfg, num, backends.ops, greedy)
+        pool, nxt, conf = _dspark_draft(params, pool, b, bonus, anchor_pos, samp, k, cfg, num, backends.ops, branch)
     return pool, logits, out, m, nxt, conf
 
 
@@ -877,7 +878,7 @@ def left_align(h, pre, n):
 _STATIC = ("cfg", "num", "backends")
 _ENCODER_STATIC = _STATIC + ("replay_tokens",)
 _PREFILL_STATIC = _STATIC + ("dspark_seed",)
-_SPEC_STATIC = _STATIC + ("spec_tokens", "greedy")
+_SPEC_STATIC = _STATIC + ("spec_tokens", "branch")
 _SAMPLE_STATIC = ("filtered",)
 # XLA's CPU backend at full optimization took over 7 minutes on the tiny preset's speculative program (the plain
 # programs: ~10 s); its fast-compile preset, 18-19 s. The plain programs keep the default: the preset compiles them no
@@ -1056,14 +1057,14 @@ class Programs:
             return rest(params, pool, b, h, pre, cfg=cfg, num=num, backends=backends)
 
         def run_spec(params, pool, b, samp, has_q, forced, n_verify, *, cfg, num, backends=Backends(),
-                     spec_tokens=0, greedy=False):
+                     spec_tokens=0, branch=None):
             return spec(params, pool, b, samp, has_q, forced, n_verify, cfg=cfg, num=num, backends=backends,
-                        spec_tokens=spec_tokens, greedy=greedy)
+                        spec_tokens=spec_tokens, branch=branch)
 
         def run_spec_rest(params, pool, b, h, pre, samp, has_q, forced, n_verify, *, cfg, num, backends=Backends(),
-                          spec_tokens=0, greedy=False):
+                          spec_tokens=0, branch=None):
             return spec_rest(params, pool, b, h, pre, samp, has_q, forced, n_verify, cfg=cfg, num=num,
-                             backends=backends, spec_tokens=spec_tokens, greedy=greedy)
+                             backends=backends, spec_tokens=spec_tokens, branch=branch)
 
         def jit(fn, static=_STATIC, out=rank, cpu_options=None):
             return _program("mesh_" + fn.__name__.removeprefix("run_"), fn, static, cpu_options, rank,

@@ -47,7 +47,7 @@ def filter_top_k_top_p(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     return jnp.where(z < cutoff, -jnp.inf, z)
 
 
-# A batch's sampling branch (`branch`): every row greedy; some row draws and none filters; a drawing row filters
+# A batch's sampling branch (`batch_branch`): every row greedy; some row draws and none filters; a drawing row filters
 GREEDY, DRAWN, FILTERED = BRANCHES = (0, 1, 2)
 
 
@@ -58,11 +58,12 @@ def row_branches(s) -> tuple:
     return sampled, sampled & ((s.top_k > 0) | (s.top_p < 1.0))
 
 
-def branch(s) -> jax.Array:
-    """The batch's sampling branch (GREEDY, DRAWN, FILTERED), an int32 scalar. A speculative step samples under
-    one `lax.switch` on it where it verifies and one where it drafts: XLA's GPU backend copies a branch index to
-    the host before it can go on (a host round trip), so two indices a step rather than one per draw. FILTERED
-    serves every row: the filter leaves a row with neither top-k nor top-p as it is."""
+def batch_branch(s) -> jax.Array:
+    """The batch's sampling branch (GREEDY, DRAWN, FILTERED), an int32 scalar. Where the host does not pick the
+    branch (`SpeculativeConfig.greedy_program`), a speculative step samples under one `lax.switch` on it where it
+    verifies and one where it drafts: XLA's GPU backend copies a branch index to the host before it can go on (a
+    host round trip), so two indices a step rather than one per draw. FILTERED serves every row: the filter leaves
+    a row with neither top-k nor top-p as it is."""
     sampled, filters = row_branches(s)
     return jnp.where(jnp.any(filters), FILTERED, jnp.where(jnp.any(sampled), DRAWN, GREEDY)).astype(jnp.int32)
 
@@ -110,14 +111,15 @@ def draft_sampler(s, filtered: bool):
 
 
 def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: jax.Array, s,
-           n_verify: jax.Array, greedy: bool = False) -> tuple[jax.Array, jax.Array]:
+           n_verify: jax.Array, branch: int | None = None) -> tuple[jax.Array, jax.Array]:
     """target_logits [B, k + 1, V] (after the anchor and after each draft), drafts [B, k]; draft_logits_fn() ->
     the logits [B, k, V] the drafts were drawn from (called only in a batch where some row draws); has_q [B]: the
     row's drafts were drawn by the drafter (else, e.g. the first step after a prefill, a sampled row accepts
     none and takes its plain step's draw at the anchor, `plain_draw`); n_verify [B] (0 .. k): the drafts each
     row verifies, the rest cut (the module's docstring). -> (accepted drafts m [B], the token after them [B]).
-    One `lax.switch` on the batch's `branch`: an all-greedy batch computes no distribution. greedy: every row is
-    greedy (the caller knows it), no switch."""
+    branch: the batch's sampling branch where the caller knows it (GREEDY: every row greedy; FILTERED serves any
+    batch), no switch; None: one `lax.switch` on the batch's `batch_branch` (an all-greedy batch computes no
+    distribution)."""
     B, k1, V = target_logits.shape
     k = k1 - 1
     verified = jnp.arange(k, dtype=jnp.int32)[None] < n_verify[:, None]  # [B, k]
@@ -125,7 +127,7 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: 
     match = (drafts == target[:, :k]) & verified
     m_greedy = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     bonus_greedy = jnp.take_along_axis(target, m_greedy[:, None], axis=1)[:, 0]
-    if greedy:
+    if branch == GREEDY:
         return m_greedy, bonus_greedy
     sampled = s.temperature > 0
     spec = sampled & has_q & (n_verify > 0)
@@ -150,5 +152,7 @@ def verify(target_logits: jax.Array, drafts: jax.Array, draft_logits_fn, has_q: 
         bonus = jnp.where(spec, draw(res, s, _RESIDUAL), jnp.where(sampled, first, bonus_greedy))
         return m, bonus
 
-    return jax.lax.switch(branch(s), [lambda: (m_greedy, bonus_greedy), lambda: rejection(False),
-                                      lambda: rejection(True)])
+    if branch is not None:
+        return rejection(branch == FILTERED)
+    return jax.lax.switch(batch_branch(s), [lambda: (m_greedy, bonus_greedy), lambda: rejection(False),
+                                            lambda: rejection(True)])

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import compile_events, executables, programs
+from serving.engine import compile_events, executables, programs, spec_sampling
 from serving.engine.errors import EngineError
 from serving.engine.warmup_progress import ProgramReport, WarmupProgress, report_line
 
@@ -69,8 +69,12 @@ class Warmup:
         return samp, np.zeros(B, bool), forced, np.zeros(B, np.int32)
 
     def spec_static(self, greedy: bool) -> dict:
-        """A speculative program's static keywords, as every call passes them (greedy: the all-greedy variant)."""
-        return {**self.static, "spec_tokens": self.spec.num_speculative_tokens, "greedy": greedy}
+        """A speculative program's static keywords, as every call passes them (greedy: the all-greedy variant).
+        Its sampling branch (`spec_sampling.verify`): with the all-greedy program (`greedy_kind`) the host picks
+        it, GREEDY or else FILTERED (which serves every row: one program, no branch on the device, so no host
+        round trip on a GPU); without, a `lax.switch` on the device (None)."""
+        branch = None if self.greedy_kind is None else spec_sampling.GREEDY if greedy else spec_sampling.FILTERED
+        return {**self.static, "spec_tokens": self.spec.num_speculative_tokens, "branch": branch}
 
     @property
     def warmup_progress(self) -> WarmupProgress:
