@@ -16,9 +16,10 @@ drafts) the speculative rate is B * L / step; L = 3.51 is vLLM's agentic benchma
 --k 1,2,5 times a program of each k (a short-k program's cost); --cut adds the largest k at confidence_threshold 1
 (no draft verified: the k-wide program with its draft columns masked); the speculative step runs as the platform
 runs it (cut at the split layer on a GPU, as the plain step), or with --split-spec both as one program and cut;
---fed-spec adds each speculative step fed on the device. The rows here are greedy unless --temperature: an
-all-greedy step runs the program without sampling where the platform has it (`SpeculativeConfig.greedy_program`, a
-GPU's default); there --sampling-program adds each with the sampling program (what a step with a sampled row runs).
+--fed-spec adds each speculative step fed on the device. The rows here are greedy unless --temperature. Where the
+host picks the sampling branch (`SpeculativeConfig.greedy_program`, a GPU's default) an all-greedy step runs the
+program without sampling and a sampled one (--temperature) the program filtering every row; there
+--sampling-program adds each with the branch on the device (greedy_program false: one `lax.switch` program).
 --preset tiny: a CPU smoke test.
 """
 
@@ -81,8 +82,9 @@ def main():
                     help="also time each speculative step fed on the device (EngineConfig.device_feed: its chunk "
                          "built from the step before, programs.SpecFeed), beside the one read on the host")
     ap.add_argument("--sampling-program", action="store_true",
-                    help="also time each speculative step with its sampling program (SpeculativeConfig."
-                         "greedy_program false; the all-greedy program is a GPU's default: no host round trip)")
+                    help="also time each speculative step with its sampling branch on the device (SpeculativeConfig."
+                         "greedy_program false: a lax.switch, a host round trip on a GPU; a GPU's default picks the "
+                         "branch on the host)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="auto",
                     help="the engines' kernels (timing.KERNELS, with +suffixes); a list times the speculative step "
@@ -100,10 +102,11 @@ def main():
     specs = [(f"k={k}", SpeculativeConfig(num_speculative_tokens=k, forced_acceptance=True)) for k in ks]
     specs += [(f"k={ks[-1]} cut to 0", SpeculativeConfig(num_speculative_tokens=ks[-1], forced_acceptance=True,
                                                          confidence_threshold=1.0))] * args.cut
-    greedy = args.temperature == 0 and SpeculativeConfig().uses_greedy_program(jax.default_backend())
-    specs = [(f"{name}, {'greedy' if greedy else 'sampling'} program", spec) for name, spec in specs]
-    specs += [(name.replace("greedy", "sampling"), dataclasses.replace(spec, greedy_program=False))
-              for name, spec in specs] * (args.sampling_program and greedy)
+    host = SpeculativeConfig().uses_greedy_program(jax.default_backend())
+    program = ("greedy program" if args.temperature == 0 else "filtering program") if host else "switch program"
+    specs = [(f"{name}, {program}", spec) for name, spec in specs]
+    specs += [(name.replace(program, "switch program"), dataclasses.replace(spec, greedy_program=False))
+              for name, spec in specs] * (args.sampling_program and host)
     rows = []
     for B in batches:
         fp, tp = step_time(cfg, params, B, args.decode_ctx, args.reps, max_len, None, args.temperature, backends[0],

@@ -22,7 +22,8 @@
 #   spec [B]       DSpark's verify + draft step against a plain decode step at batch B (default 1; 64: ~7 min), cut at
 #                  the split layer (a GPU's default), read on the host and fed on the device (--fed-spec);
 #                  the rows greedy: the all-greedy program; SPEC_ARGS=--sampling-program adds both with the
-#                  sampling program, a sampled row's (batch 1: ~8 min)
+#                  branch on the device (batch 1: ~8 min); SPEC_ARGS="--temperature 1": sampled rows, the program
+#                  filtering every row
 #   feed [B]       the decode loop with its tokens fed on the device (`--device-feed`) against the synchronous loop,
 #                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
 #                  with 8 experts, batch B (default 1; ~3 min a batch)

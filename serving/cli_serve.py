@@ -113,9 +113,9 @@ def add_speculative_arg(g) -> None:
                         "(the release's DSpark drafter; greedy tokens unchanged, sampling exact by rejection sampling). "
                         '"confidence_threshold": 0.5 verifies only the drafts whose cumulative confidence (DSpark\'s '
                         "confidence head) reaches it; "
-                        '"greedy_program": the host picks the step's sampling (all-greedy steps run a program '
-                        "without it: one more program a decode batch bucket; no host round trip in the step; default: "
-                        "on a GPU only); "
+                        '"greedy_program": the host picks a step\'s sampling branch (all-greedy steps run a program '
+                        "without sampling: one more program a decode batch bucket; no host round trip in the step; "
+                        "default: on a GPU only); "
                         '"forced_acceptance": true takes every draft, for benchmarks only (wrong outputs)')
 
 

@@ -283,11 +283,11 @@ def test_fed_engine_gives_the_synchronous_tokens(bench):
     assert fed == host and max(rel.values()) < 1e-3
 
 
-def _greedy_run(eng: Engine, prompts: list, max_tokens: int) -> tuple[dict, dict]:
-    """prompts added at once ("p0", "p1", ...; prompt i decodes max_tokens + i tokens, greedy) and run to the end.
-    -> (tokens, logits float32 [steps, V]) by request."""
-    toks, _ = tiny_engine.drain(eng, {f"p{i}": (p, SamplingParams(max_tokens=max_tokens + i, ignore_eos=True))
-                                      for i, p in enumerate(prompts)})
+def _greedy_run(eng: Engine, prompts: list, max_tokens: int, more: dict | None = None) -> tuple[dict, dict]:
+    """prompts added at once ("p0", "p1", ...; prompt i decodes max_tokens + i tokens, greedy), with `more`
+    ({id: (prompt, SamplingParams)}), and run to the end. -> (tokens, logits float32 [steps, V]) by request."""
+    toks, _ = tiny_engine.drain(eng, {**{f"p{i}": (p, SamplingParams(max_tokens=max_tokens + i, ignore_eos=True))
+                                         for i, p in enumerate(prompts)}, **(more or {})})
     return toks, {r: np.stack(v).astype(np.float32) for r, v in eng.finished_logits.items()}
 
 
@@ -297,8 +297,10 @@ def test_fed_speculative_engine_gives_the_synchronous_tokens(bench, greedy_progr
     from the step in flight (`--device-feed`: `programs.SpecFeed`), split at the split layer as a GPU runs it,
     through the kernels, against the same engine reading each step on the host. Forced acceptance with a confidence
     cut at 0.5: each row accepts the drafts its cut kept, so accept lengths, anchor parities and Engram history
-    shifts vary by row and step. The same tokens, and the logits equal up to the rounding of programs compiled
-    apart; fed through the sampling program or the all-greedy one (`greedy_program`: no host round trip)."""
+    shifts vary by row and step. A seeded sampled request ends first, so later steps are all greedy. The same
+    tokens, and the logits equal up to the rounding of programs compiled apart; fed with the sampling branch on
+    the device (`lax.switch`) or the host's (`greedy_program`: the all-greedy program, or the one filtering every
+    row while the sampled request runs; no host round trip), against the switch read on the host."""
     cfg, _ = bench
     cfg = cfg.replace(n_mtp_layers=3)
     params = P.init_params(cfg, seed=0)
@@ -310,7 +312,8 @@ def test_fed_speculative_engine_gives_the_synchronous_tokens(bench, greedy_progr
         eng = _small_engine(cfg, params, device_feed=feed,
                             speculative_config=dataclasses.replace(spec, greedy_program=greedy_program))
         assert eng.device_feed == feed and len(eng.decode_kinds) == 2
-        return *_greedy_run(eng, prompts, 20), eng.stats()
+        sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+        return *_greedy_run(eng, prompts, 20, {"s": (prompts[1][:25], sampled)}), eng.stats()
 
     host, host_logits, _ = run(False, False)
     fed, fed_logits, st = run(True, greedy_program)
