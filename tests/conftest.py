@@ -3,7 +3,6 @@ compile-bound, not compute-bound), and a persistent compilation cache shared by 
 
 from __future__ import annotations
 
-import gc
 import os
 import pathlib
 import sys
@@ -26,10 +25,6 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-# tracing allocates many short-lived objects, and the default thresholds ran the cyclic collector through jax's
-# caches ~3-4% of a tiny engine's start-up (CPU time, tests/tiny_engine.py's engine built and warmed up)
-gc.freeze()
-gc.set_threshold(50_000, 20, 20)
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m / --deselect: only the items that will run count below
