@@ -34,6 +34,7 @@ F32_REL = 2e-5
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
+    import jax
     import jax.numpy as jnp
 
     cfg = preset("tiny")
@@ -44,18 +45,25 @@ def both(tmp_path_factory):
     num = quant.EXACT_F32
     ids = np.random.default_rng(11).integers(3, cfg.vocab_size, (2, SEQ)).astype(np.int32)
 
-    _, trace = model.forward_with_trace(pf, cfg, ids, num)
-    feats = dspark.target_features([trace[f"layer{l}.block_in"] for l in cfg.dspark_target_layer_ids])
     B, A = ANCHORS.shape
-    pos = jnp.broadcast_to(jnp.arange(SEQ, dtype=jnp.int32), (B, SEQ))
-    kv = dspark.context_kv(pf, dspark.project_context(pf, feats, cfg, num), pos, cfg, num)
     rows = np.repeat(np.arange(B), A)  # one block per (row, anchor)
-    anchor_pos = jnp.asarray(ANCHORS.reshape(-1))
-    anchor_ids = jnp.asarray(ids[rows, ANCHORS.reshape(-1)])
-    states = dspark.draft_states(pf, [k[rows] for k in kv], pos[rows], anchor_ids, anchor_pos, cfg, num)
-    drafts, logits, conf = dspark.draft_tokens(pf, states, anchor_ids, cfg, num)
-    prev = np.concatenate([np.asarray(anchor_ids)[:, None], np.asarray(drafts)[:, :-1]], axis=1)
-    forced_logits, forced_conf = dspark.draft_logits(pf, states, jnp.asarray(prev), cfg, num)
+
+    @jax.jit  # one compile: op by op, the three stages dispatched ~340 small ones (~15 s of CI)
+    def draft(pf, block_ins, ids):
+        feats = dspark.target_features(block_ins)
+        pos = jnp.broadcast_to(jnp.arange(SEQ, dtype=jnp.int32), (B, SEQ))
+        kv = dspark.context_kv(pf, dspark.project_context(pf, feats, cfg, num), pos, cfg, num)
+        anchor_ids = ids[rows, ANCHORS.reshape(-1)]
+        states = dspark.draft_states(pf, [k[rows] for k in kv], pos[rows], anchor_ids,
+                                     jnp.asarray(ANCHORS.reshape(-1)), cfg, num)
+        drafts, logits, conf = dspark.draft_tokens(pf, states, anchor_ids, cfg, num)
+        prev = jnp.concatenate([anchor_ids[:, None], drafts[:, :-1]], axis=1)
+        return feats, drafts, logits, conf, prev, *dspark.draft_logits(pf, states, prev, cfg, num)
+
+    _, trace = model.forward_with_trace(pf, cfg, ids, num)
+    block_ins = [trace[f"layer{l}.block_in"] for l in cfg.dspark_target_layer_ids]
+    feats, drafts, logits, conf, prev, forced_logits, forced_conf = jax.device_get(
+        draft(model.strip_tables(pf)[0], block_ins, jnp.asarray(ids)))
     K = cfg.dspark_block_size
     ours = {
         "drafts": np.asarray(drafts).reshape(B, A, K),

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -58,24 +59,29 @@ COMPLETION = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temp
 
 
 def free_ports(n: int) -> list[int]:
-    """n ports p with p + 1 free too (jax's coordinator, then the engine's side channel; or HTTP)."""
-    socks, out = [], []
+    """n ports p with p + 1 free too (jax's coordinator, then the engine's side channel; or HTTP), drawn below the
+    kernel's ephemeral range: a port the kernel hands out (a bind to port 0, an outgoing connection of another test)
+    could be taken again by another test's connection between this check and the server's bind."""
     try:
-        while len(out) < n:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            p = s.getsockname()[1]
-            try:
-                t = socket.socket()
-                t.bind(("127.0.0.1", p + 1))
-                socks.append(t)
-                out.append(p)
-            except OSError:
-                continue
-    finally:
-        for s in socks:
-            s.close()
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng, out = random.Random(), []
+    while len(out) < n:
+        p = rng.randrange(10000, low - 1)
+        if {p, p + 1} & {q + i for q in out for i in (0, 1)}:
+            continue
+        socks = []
+        try:
+            for q in (p, p + 1):
+                socks.append(socket.socket())
+                socks[-1].bind(("", q))
+            out.append(p)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
     return out
 
 
