@@ -59,16 +59,17 @@ COMPLETION = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temp
 
 
 def free_ports(n: int) -> list[int]:
-    """n ports p with p + 1 free too (jax's coordinator, then the engine's side channel; or HTTP), drawn below the
+    """n ports p with p + 1 free too (jax's coordinator, then the engine's side channel; or HTTP), drawn outside the
     kernel's ephemeral range: a port the kernel hands out (a bind to port 0, an outgoing connection of another test)
     could be taken again by another test's connection between this check and the server's bind."""
     try:
-        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
+        low, high = map(int, pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    span = (10000, low - 1) if low > 12000 else (high + 1, 65534)  # below the range, or above it
     rng, out = random.Random(), []
     while len(out) < n:
-        p = rng.randrange(10000, low - 1)
+        p = rng.randrange(*span)
         if {p, p + 1} & {q + i for q in out for i in (0, 1)}:
             continue
         socks = []
