@@ -238,9 +238,11 @@ class EngineConfig:
         and the agentic serving benchmark's TPOT p50 fell 26% (docs/PERFORMANCE.md sections 2 and 5). The cost is
         the tables in device memory too: 5.9 GiB for the bench preset; Flash's 188.8 GiB split over the data
         ranks, 23.6 GiB a GPU on 8 (`dsv41 kv-budget`), but whole on every GPU of tensor parallelism alone, where
-        the share keeps them on the host. Speculative decoding fed (its chunks built on the device) was slower than
-        read on the host: 16.29 against 11.07 ms a step at batch 1 (H100, bench preset, section 5), so it is asked
-        for only. The CPU: no; its steps do not wait on a launch."""
+        the share keeps them on the host. Speculative decoding fed (its chunks built on the device): an all-greedy
+        step is faster than read on the host (6.81 against 8.77 ms at batch 1, 26.20 against 34.10 at batch 64),
+        a step with a sampled row slower (10.65 against 9.78 ms at batch 1: the filtering program's call holds the
+        host; H100, bench preset, section 5), so there it is asked for only (`--device-feed` for greedy traffic).
+        The CPU: no; its steps do not wait on a launch."""
         if self.device_feed is not None:
             return self.device_feed
         fits = memory_bytes is None or tables_bytes <= FEED_TABLES_MAX_SHARE * memory_bytes
