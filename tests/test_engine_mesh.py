@@ -118,9 +118,12 @@ def test_speculative_decoding_on_mesh_ranks(layout):
     devices): each data rank verifies and drafts its own rows in its own pool (rings, pages, the drafter's
     states), the drafter's heads, widths and experts split as the model's; greedy tokens are the one-device
     engine's without speculation, the second turn's prefix-cache hit on its rank included. Random weights reject
-    nearly every draft, so a draft's rollback that left a trace on either rank would move a token."""
+    nearly every draft, so a draft's rollback that left a trace on either rank would move a token. The step split
+    at the split layer, as a GPU runs it."""
     eng = tiny_engine.make(**layout, speculative_config=SpeculativeConfig(num_speculative_tokens=5),
-                           max_model_len=tiny_engine.BASE["max_model_len"] - 5)  # the block tables stay 8 pages
+                           max_model_len=tiny_engine.BASE["max_model_len"] - 5,  # the block tables stay 8 pages
+                           split_decode=True)
+    assert eng.decode_kinds == ("decode_first", "spec_rest")
     toks, _, ranks = serve(eng)
     assert toks == one_device(True)[0]
     assert len(set(ranks.values())) == 2 and ranks["r0b"] == ranks["r0"]

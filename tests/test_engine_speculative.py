@@ -124,7 +124,8 @@ def test_split_step_is_the_one_program(plain, accepted):
 
 
 class _BranchCalls:
-    """An engine's programs, noting each speculative call's sampling `branch` (`spec_sampling.verify`)."""
+    """An engine's programs, noting each speculative call's sampling `branch` (`spec_sampling.verify`) in the split
+    step's second half."""
 
     def __init__(self, progs):
         self.progs, self.branches = progs, []
@@ -132,9 +133,9 @@ class _BranchCalls:
     def __getattr__(self, name):
         return getattr(self.progs, name)
 
-    def run_spec(self, *args, **kw):
+    def run_spec_rest(self, *args, **kw):
         self.branches.append(kw["branch"])
-        return self.progs.run_spec(*args, **kw)
+        return self.progs.run_spec_rest(*args, **kw)
 
 
 def test_greedy_program_serves_the_all_greedy_steps(accepted):
@@ -142,15 +143,17 @@ def test_greedy_program_serves_the_all_greedy_steps(accepted):
     compiles it for each decode bucket), any other the program whose sampling filters every row (no branch on the
     device). The accepted run's tokens, steps and acceptance, its logits within 2e-3 (another program, so the FP8 KV
     codes a few ulps from a bin edge may round the other way, as between the split and the one program), nothing
-    compiled after warm-up; a sampled request's seeded tokens as the program with the device's branch gives them."""
-    eng = speculative(greedy_program=True)
-    assert eng.greedy_kind == "decode_greedy"
-    assert [s[0] for s in eng.program_shapes() if s[0] in ("decode", "decode_greedy")] == ["decode", "decode_greedy"]
+    compiled after warm-up; a sampled request's seeded tokens as the program with the device's branch gives them.
+    The step split, as a GPU runs it (and its halves compile in half the time of the one program here)."""
+    eng = speculative(greedy_program=True, split_decode=True)
+    assert eng.greedy_kind == "spec_rest_greedy"
+    kinds = ("decode_first", "spec_rest", "spec_rest_greedy")
+    assert [s[0] for s in eng.program_shapes() if s[0] in kinds] == list(kinds)
     eng.warmup()
     eng.programs = calls = _BranchCalls(eng.programs)
-    before = programs.ONE_DEVICE.run_spec._cache_size()
+    before = programs.ONE_DEVICE.run_spec_rest._cache_size()
     toks, logits, steps = run(eng, oracle=accepted[0][0])
-    assert programs.ONE_DEVICE.run_spec._cache_size() == before
+    assert programs.ONE_DEVICE.run_spec_rest._cache_size() == before
     (toks1, logits1, steps1), st1 = accepted
     assert toks == toks1 and steps == steps1
     assert eng.stats()["spec_accepted_per_pos"] == st1["spec_accepted_per_pos"]
