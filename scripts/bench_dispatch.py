@@ -3,7 +3,10 @@ a chain of GEMMs (device work of several ms) followed by each of the ops a sampl
 
 A fed decode step overlaps the next step's launch with this one only if the call returns before the device is
 done. A speculative step with sampled rows (the filtering program: sorts of [rows, V] probabilities) did not
-(docs/PERFORMANCE.md section 5, DSpark); this separates the ops:
+(docs/PERFORMANCE.md section 5, DSpark). The suspect: XLA runs a large sort as a cub radix sort
+(`CubSortThunk`), which for a batch of rows first copies the rows' offsets from a host vector to the device, in
+stream order; a copy from pageable host memory may wait for the stream. This separates the ops, the sort of a
+batch of rows from that of one row:
 
     PYTHONPATH=. python3 scripts/bench_dispatch.py --rows 11 --vocab 129280
 
@@ -31,6 +34,8 @@ def tails(k: int):
         "argmax": lambda lg, key: jnp.argmax(lg, -1),
         "categorical": lambda lg, key: jax.random.categorical(key, lg),
         "sort": lambda lg, key: jnp.sort(lg, -1)[:, -1],
+        # one row: XLA's cub sort copies its rows' offsets from the host for a batch of rows only (CubSortThunk)
+        "sort, one row": lambda lg, key: jnp.sort(lg[:1], -1)[:, -1],
         "argsort": lambda lg, key: jnp.argsort(-lg, -1)[:, 0],
         f"lax.top_k {k}": lambda lg, key: jax.lax.top_k(lg, k)[1][:, 0],
         "cumsum of sorted": lambda lg, key: jnp.cumsum(jax.nn.softmax(jnp.sort(lg, -1), -1), -1)[:, -2],

@@ -16,6 +16,7 @@ def test_tails_compute_their_ops_and_the_calls_are_timed():
     np.testing.assert_array_equal(ops["argsort"](lg, None), best)
     np.testing.assert_array_equal(ops["lax.top_k 4"](lg, None), best)
     np.testing.assert_allclose(ops["sort"](lg, None), np.max(np.asarray(lg), -1))
+    np.testing.assert_allclose(ops["sort, one row"](lg, None), np.max(np.asarray(lg), -1)[:1])
     drawn = ops["categorical"](lg, jax.random.key(2))
     assert drawn.shape == (3,) and np.all((0 <= drawn) & (drawn < 50))
     # the sorted softmax's cumulative mass just before its last (largest) entry: 1 - that entry's probability
