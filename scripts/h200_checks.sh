@@ -28,7 +28,8 @@
 #                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
 #                  with 8 experts, batch B (default 1; ~3 min a batch)
 #   dispatch       whether a program's call returns once launched, with each sampling op (sort, top-k, categorical)
-#                  after a few ms of GEMMs: what holds the host in the fed speculative step with sampled rows (~1 min)
+#                  after a few ms of GEMMs: what holds the host in the fed speculative step with sampled rows; then
+#                  with --xla_gpu_enable_cub_radix_sort=false (~2 min)
 #   graph          what a CUDA graph's launch costs a node: chains of XLA fusions and of FP8 linear kernels (~1 min)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
@@ -129,8 +130,10 @@ case "${1:-}" in
     bench 400 "feed${2:-1}" scripts/bench_device_feed.py --experts 8 --batches "${2:-1}" --decode-ctx 4096 --steps 20 \
       --blocks 3 --no-split-decode
     ;;
-  dispatch)
+  dispatch)  # then without XLA's cub sorts (XLA's own sort kernels: no host copy of the rows' offsets)
     bench 170 dispatch scripts/bench_dispatch.py --rows 11 --vocab 129280
+    XLA_FLAGS=$(echo ${XLA_FLAGS:-} --xla_gpu_enable_cub_radix_sort=false) \
+      bench 170 dispatch_no_cub scripts/bench_dispatch.py --rows 11 --vocab 129280
     ;;
   graph)
     bench 170 graph scripts/bench_graph_launch.py --steps 50,200 --reps 30
