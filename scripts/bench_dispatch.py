@@ -2,11 +2,12 @@
 a chain of GEMMs (device work of several ms) followed by each of the ops a sampling step runs on vocabulary rows.
 
 A fed decode step overlaps the next step's launch with this one only if the call returns before the device is
-done. A speculative step with sampled rows (the filtering program: sorts of [rows, V] probabilities) did not
-(docs/PERFORMANCE.md section 5, DSpark). The suspect: XLA runs a large sort as a cub radix sort
-(`CubSortThunk`), which for a batch of rows first copies the rows' offsets from a host vector to the device, in
-stream order; a copy from pageable host memory may wait for the stream. This separates the ops, the sort of a
-batch of rows from that of one row:
+done. A speculative step with sampled rows (the filtering program: sorts of [rows, V] probabilities) held the host
+(docs/PERFORMANCE.md section 5, DSpark). The first suspect was XLA's cub radix sort (`CubSortThunk`), which for a
+batch of rows copies the rows' offsets from a host vector to the device in stream order; this separates the ops,
+the sort of a batch of rows from that of one row, and cleared it: every op's call returns at launch, with cub
+sorts or XLA's own (`--xla_gpu_enable_cub_radix_sort=false`). The hold was the update of the step's CUDA graphs
+(`serving/engine/host_rows.py`, `pinned`).
 
     PYTHONPATH=. python3 scripts/bench_dispatch.py --rows 11 --vocab 129280
 

@@ -28,8 +28,8 @@
 #                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
 #                  with 8 experts, batch B (default 1; ~3 min a batch)
 #   dispatch       whether a program's call returns once launched, with each sampling op (sort, top-k, categorical)
-#                  after a few ms of GEMMs: what holds the host in the fed speculative step with sampled rows; then
-#                  with --xla_gpu_enable_cub_radix_sort=false (~2 min)
+#                  after a few ms of GEMMs (each does, on an H100: docs/PERFORMANCE.md section 5); then with
+#                  --xla_gpu_enable_cub_radix_sort=false (~1 min)
 #   graph          what a CUDA graph's launch costs a node: chains of XLA fusions and of FP8 linear kernels (~1 min)
 #   host           a decode step's host time by function, the programs stubbed (bench preset, batch 1/8/64; ~1 min)
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
