@@ -14,11 +14,11 @@ The unpacked arrays pass an optimization barrier (`pinned`): without it XLA fold
 fusion that reads the array, and hands a kernel its range of the buffer in place, so every one of them read the
 argument. The buffer lands at the same address call after call only while the allocator's state repeats, as in a
 loop that reads each step's outputs before the next call; fed on the device (`EngineConfig.device_feed`) the step
-before's outputs are still alive at the call, the buffer's address alternates, and the update of those commands
-held the host for milliseconds a step (docs/PERFORMANCE.md, section 5).
+before's outputs are still alive at the call, the buffer lands elsewhere, and the update of those commands held
+the host for milliseconds a step (docs/PERFORMANCE.md, section 5).
 
 Each array's bytes start at a multiple of `ALIGN` within a row: with one row (a decode step of one sequence, or one
-row per data rank) an array is a contiguous range of the buffer, which XLA hands to a kernel in place (its
+row per data rank) an array is a contiguous range of the buffer, which XLA may hand to a kernel in place (its
 dynamic-slice fusion), and Mosaic GPU kernels reject an operand that is not 256-byte aligned ("Input buffer 4 is
 not 256-byte aligned": the block table at byte 16 of the row, `dsv41 serve`'s defaults on a GPU).
 """
