@@ -6,8 +6,8 @@ done. A speculative step with sampled rows (the filtering program: sorts of [row
 (docs/PERFORMANCE.md section 5, DSpark). The first suspect was XLA's cub radix sort (`CubSortThunk`), which for a
 batch of rows copies the rows' offsets from a host vector to the device in stream order; this separates the ops,
 the sort of a batch of rows from that of one row, and cleared it: every op's call returns at launch, with cub
-sorts or XLA's own (`--xla_gpu_enable_cub_radix_sort=false`). The hold was the update of the step's CUDA graphs
-(`serving/engine/host_rows.py`, `pinned`).
+sorts or XLA's own (`--xla_gpu_enable_cub_radix_sort=false`). The hold is XLA's update of the step's CUDA graphs
+at every fed call (section 5).
 
     PYTHONPATH=. python3 scripts/bench_dispatch.py --rows 11 --vocab 129280
 

@@ -49,6 +49,10 @@
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
 #                  ($PROFILE_ARGS: e.g. "--speculative 5 --device-feed", DSpark's step fed on the device)
+#   ab GROUP [ARG] GROUP on the code in base/ (another commit's packages, made on this machine before the call:
+#                  `rm -rf base && mkdir base && git archive COMMIT dsv41 serving pallas_kernels | tar -x -C base`, and
+#                  carried: the run tool's carry ["base"]), then on the tree, one machine: a same-host A/B, logs in
+#                  $OUT/base and $OUT/tree (the benches themselves, scripts/, are the tree's)
 #   exchange       the expert-parallel token exchanges on every GPU of the machine (2-8: a multi-GPU kind): the
 #                  ragged one's GPU test, then both timed at Flash widths, decode and prefill sizes
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
@@ -60,7 +64,8 @@
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # (+ wheels installed to a path of their own)
+# (+ wheels installed to a path of their own); AB_FIRST (set by `ab`): a directory whose packages shadow the tree's
+export PYTHONUNBUFFERED=1 PYTHONPATH=${AB_FIRST:+$AB_FIRST:}.${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 
 bench() {  # bench SECONDS NAME SCRIPT ARGS...: run a bench under a limit, its log to $OUT/NAME.txt, the table shown
@@ -194,6 +199,15 @@ case "${1:-}" in
       grep -A70 "### timeline" "$OUT/timeline$B.txt" | head -45
     done
     ;;
+  ab)
+    shift
+    if [ ! -d base/serving ]; then
+      echo "ab: no base/ here; make it (git archive COMMIT dsv41 serving pallas_kernels | tar -x -C base), carry it" >&2
+      exit 2
+    fi
+    echo "== base"; OUT="$OUT/base" AB_FIRST=base bash "$0" "$@"
+    echo "== tree"; OUT="$OUT/tree" bash "$0" "$@"
+    ;;
   exchange)
     timeout -k 10 120 $PY -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/test_engine_gpu.py \
       -k ragged_expert_exchange > "$OUT/exchange_test.txt" 2>&1
@@ -201,7 +215,7 @@ case "${1:-}" in
     bench 440 exchange scripts/bench_expert_exchange.py --out "$OUT" --tokens 1,8,64,512,2048
     ;;
   *)
-    echo "usage: $0 tests [SHARD|PATHS]|engine|prefill|buckets|width|scan on|off|split|launch|spec|feed|dispatch|graph|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
+    echo "usage: $0 tests [SHARD|PATHS]|ab GROUP [ARG]|engine|prefill|buckets|width|scan on|off|split|launch|spec|feed|dispatch|graph|host|kernels|startup|compile|serve|profile|timeline|exchange" >&2
     exit 2
     ;;
 esac

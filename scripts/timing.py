@@ -20,8 +20,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-# the benches import this first (their folder is on sys.path): the repository's packages then import without PYTHONPATH
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the benches import this first (their folder is on sys.path): the repository's packages then import without
+# PYTHONPATH; with it, its order stands (`h200_checks.sh ab` puts another commit's packages before the tree's)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(1, _ROOT)
 from dsv41 import model, quant  # noqa: E402
 from dsv41 import params as P  # noqa: E402
 from dsv41 import tokenizer as T  # noqa: E402

@@ -1,7 +1,3 @@
-import dataclasses
-import functools
-import types
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -41,43 +37,3 @@ def test_split_packs_only_host_rows_and_join_restores_the_arguments():
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(args)
     for a, b in zip(flat, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _pinned(jaxpr) -> set:
-    """The values a traced function's top level takes out of an optimization barrier."""
-    return {v for e in jaxpr.eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
-
-
-def test_join_pins_the_unpacked_arrays():
-    """The program reads each unpacked array from the barrier's output, materialized at a fixed place in XLA's
-    temporary buffer, never the packed buffer itself, whose address changes between calls (`host_rows.pinned`)."""
-    args = (np.arange(6, dtype=np.int32).reshape(2, 3), np.array([1.5, 2.5], np.float32), jnp.ones(4))
-    rows, rest, layout = host_rows.split(args)
-    jaxpr = jax.make_jaxpr(lambda r, s: host_rows.join(r, s, layout))(rows, rest).jaxpr
-    out = jaxpr.outvars
-    assert out[0] in _pinned(jaxpr) and out[1] in _pinned(jaxpr)
-    assert out[2] is jaxpr.invars[-1]  # a device array passes as it is
-
-
-def test_a_fed_step_pins_what_it_resolves_from_the_feed():
-    """A fed step's tokens, positions and lengths are computed from the step before's outputs (another address each
-    step); the layers read them pinned, not recomputed from the feed in every fusion that uses them."""
-    from serving.engine import programs
-
-    B, T, k = 2, 7, 5
-    i32 = functools.partial(np.zeros, dtype=np.int32)
-    b = programs.Batch(tokens=i32((B, T)), pos0=i32(B), n_valid=i32(B), slot=i32(B), block_table=i32((B, 4)),
-                       write_lo=i32(B), ring_lo=i32((B, 2)), rows=[])
-    spec = programs.SpecFeed(out=i32((B, k + 1)), accepted=i32(B), drafts=i32((B, k)), n_next=i32(B),
-                             first=i32(B), index=i32(B), first_index=i32(B), first_col=i32(B), history=i32((B, 2)))
-    plain = programs.Feed(prev=i32(B), first=i32(B), index=i32(B), history=i32((B, 2)))
-    cfg = types.SimpleNamespace(engram_layer_ids=())  # no Engram rows: the tables are not part of this
-
-    def spec_fed(b):
-        r, n_verify = programs._spec_fed({}, b, cfg, jnp.zeros(B, jnp.int32), engram_rows=False)
-        return r.tokens, r.pos0, r.n_valid, n_verify
-
-    jaxpr = jax.make_jaxpr(spec_fed)(dataclasses.replace(b, feed=spec)).jaxpr
-    assert all(v in _pinned(jaxpr) for v in jaxpr.outvars[:3])
-    jaxpr = jax.make_jaxpr(lambda b: programs._fed({}, b, cfg).tokens)(dataclasses.replace(b, feed=plain)).jaxpr
-    assert jaxpr.outvars[0] in _pinned(jaxpr)

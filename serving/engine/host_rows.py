@@ -10,15 +10,8 @@ kernels' captures are re-traced) held the host; the batch-1 engine step fell by 
 their unpacked copies, which XLA keeps at fixed places in its temporary buffer. Rows stay rows, so a mesh splits
 the buffer over data ranks as it split the arrays.
 
-The unpacked arrays pass an optimization barrier (`pinned`): without it XLA folds a slice of the buffer into each
-fusion that reads the array, and hands a kernel its range of the buffer in place, so every one of them read the
-argument. The buffer lands at the same address call after call only while the allocator's state repeats, as in a
-loop that reads each step's outputs before the next call; fed on the device (`EngineConfig.device_feed`) the step
-before's outputs are still alive at the call, the buffer lands elsewhere, and the update of those commands held
-the host for milliseconds a step (docs/PERFORMANCE.md, section 5).
-
 Each array's bytes start at a multiple of `ALIGN` within a row: with one row (a decode step of one sequence, or one
-row per data rank) an array is a contiguous range of the buffer, which XLA may hand to a kernel in place (its
+row per data rank) an array is a contiguous range of the buffer, which XLA hands to a kernel in place (its
 dynamic-slice fusion), and Mosaic GPU kernels reject an operand that is not 256-byte aligned ("Input buffer 4 is
 not 256-byte aligned": the block table at byte 16 of the row, `dsv41 serve`'s defaults on a GPU).
 """
@@ -102,17 +95,10 @@ def split(args: tuple) -> tuple[HostRows | None, tuple, Any]:
     return (pack(packed) if packed else None), rest, (tree, host)
 
 
-def pinned(tree):
-    """tree's arrays materialized where a program computes them (`jax.lax.optimization_barrier`): the commands that
-    read them read XLA's temporary buffer, whose address is fixed, not the arguments they came from, whose
-    addresses change between calls and make XLA update every command that reads them."""
-    return jax.lax.optimization_barrier(tree)
-
-
 def join(rows: HostRows | None, rest: tuple, layout) -> tuple:
-    """`split`'s arguments again, inside the program (the packed ones `pinned`)."""
+    """`split`'s arguments again, inside the program."""
     tree, host = layout
-    packed, rest = iter(pinned(unpack(rows)) if rows is not None else ()), iter(rest)
+    packed, rest = iter(unpack(rows) if rows is not None else ()), iter(rest)
     return jax.tree_util.tree_unflatten(tree, [next(packed) if h else next(rest) for h in host])
 
 

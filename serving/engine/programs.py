@@ -152,7 +152,7 @@ def _fed(params, b: Batch, cfg: ModelConfig) -> Batch:
     if isinstance(f, SpecFeed):
         return _spec_fed(params, b, cfg)[0]
     src = jnp.concatenate([f.prev, f.first])
-    tok = host_rows.pinned(jnp.where(f.index >= 0, src[jnp.maximum(f.index, 0)], b.tokens[:, 0])[:, None])
+    tok = jnp.where(f.index >= 0, src[jnp.maximum(f.index, 0)], b.tokens[:, 0])[:, None]
     return dataclasses.replace(b, tokens=tok, rows=_device_engram_rows(params, tok, f.history, cfg), feed=None)
 
 
@@ -172,8 +172,7 @@ def _spec_fed(params, b: Batch, cfg: ModelConfig, n_verify: jax.Array | None = N
     """b's `SpecFeed` resolved: each continuing row's chunk, pos0 and n_valid from the previous step's outputs, the
     prefill's first tokens in their columns, and (engram_rows) every row's Engram rows. n_verify [B]: the host's
     (None where only the batch is needed). -> (the batch as the host would have built it, n_verify with the
-    continuing rows' from the previous step); what it computes from the feed is `host_rows.pinned`, so that the
-    layers read it, not the feed's arrays (another address each step)."""
+    continuing rows' from the previous step)."""
     f: SpecFeed = b.feed
     B, T = b.tokens.shape
     k = f.drafts.shape[1]
@@ -193,9 +192,9 @@ def _spec_fed(params, b: Batch, cfg: ModelConfig, n_verify: jax.Array | None = N
                                           jnp.take_along_axis(drafts, jnp.clip(d, 0, k - 1), axis=1), 0)))
     firsts = f.first[jnp.maximum(f.first_index, 0)]
     host = jnp.where((f.first_index >= 0)[:, None] & (col == f.first_col[:, None]), firsts[:, None], b.tokens)
-    tokens, pos0, n_valid, nv = host_rows.pinned((jnp.where(cont[:, None], chunk, host).astype(jnp.int32),
-                                                  jnp.where(cont, a - back, b.pos0),
-                                                  jnp.where(cont, nv + 1 + back, b.n_valid), nv))
+    tokens = jnp.where(cont[:, None], chunk, host).astype(jnp.int32)
+    pos0 = jnp.where(cont, a - back, b.pos0)
+    n_valid = jnp.where(cont, nv + 1 + back, b.n_valid)
     rows = []
     if cfg.engram_layer_ids and engram_rows:
         # the classes of positions pos0 - H .. pos0 + k (the host's pos0): its history, the old anchor, the drafts
