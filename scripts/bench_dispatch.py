@@ -52,7 +52,7 @@ def program(tail, gemms: int, rows: int):
     return f
 
 
-def time_calls(f, args, reps: int) -> tuple[float, float, float]:
+def call_and_result_s(f, args, reps: int) -> tuple[float, float, float]:
     """-> median (call s, to-result s, second queued call s)."""
     jax.block_until_ready(f(*args))
     calls, totals, seconds = [], [], []
@@ -89,7 +89,7 @@ def main():
         if only and name not in only:
             continue
         f = program(tail, args.gemms, args.rows)
-        call, total, second = time_calls(f, (x, w, head, key), args.reps)
+        call, total, second = call_and_result_s(f, (x, w, head, key), args.reps)
         rows.append([name, f"{call * 1e3:.3f}", f"{total * 1e3:.3f}", f"{call / total:.2f}", f"{second * 1e3:.3f}"])
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.gemms} GEMMs then [{args.rows}, "
           f"{args.vocab}] float32 rows, {time.strftime('%F')}\n")

@@ -242,8 +242,7 @@ class EngineConfig:
         step is faster than read on the host (6.81 against 8.77 ms at batch 1, 26.20 against 34.10 at batch 64),
         a step with a sampled row slower (10.65 against 9.78 ms at batch 1: XLA updates the step's CUDA graphs
         every call; H100, bench preset, section 5), so there it is asked for only (`--device-feed` for greedy
-        traffic).
-        The CPU: no; its steps do not wait on a launch."""
+        traffic). The CPU: no; its steps do not wait on a launch."""
         if self.device_feed is not None:
             return self.device_feed
         fits = memory_bytes is None or tables_bytes <= FEED_TABLES_MAX_SHARE * memory_bytes
