@@ -28,12 +28,12 @@ log = logging.getLogger("bench_device_feed")
 WAYS = ("sync", "async", "fed")
 
 
-def _set(eng, way: str, B: int, ctx: int, pool) -> None:
+def _set(eng, way: str, B: int, ctx: int, pool, temperature: float) -> None:
     """B fresh requests at ctx on a copy of `pool` (the rings and compressor states a run leaves behind are read
     by the next run's first steps: each way starts from the same state), nothing in flight, the loop of `way`."""
     eng._in_flight.clear()
     eng.pool = jax.tree_util.tree_map(lambda a: a.copy(), pool)
-    fake_decode_state(eng, B, ctx)
+    fake_decode_state(eng, B, ctx, temperature)
     eng.device_feed = way == "fed"
     eng.async_scheduling = way != "sync"
 
@@ -48,16 +48,16 @@ def _loop(eng, steps: int) -> tuple[float, list[int]]:
     return (time.perf_counter() - t) / steps * 1e3, toks
 
 
-def measure(eng, B: int, ctx: int, steps: int, blocks: int) -> dict:
+def measure(eng, B: int, ctx: int, steps: int, blocks: int, temperature: float = 0.0) -> dict:
     """-> {way: median ms a step} with "queued" (the decode program back to back), and the first steps' s."""
     first = {}
     pool = jax.tree_util.tree_map(lambda a: a.copy(), eng.pool)
     for way in WAYS:  # compiles each way's programs
-        _set(eng, way, B, ctx, pool)
+        _set(eng, way, B, ctx, pool, temperature)
         t = time.perf_counter()
         _loop(eng, 3)
         first[way] = time.perf_counter() - t
-    _set(eng, "sync", B, ctx, pool)
+    _set(eng, "sync", B, ctx, pool, temperature)
     b, _ = eng.decode_inputs(list(eng.running.values()))
 
     def queued():
@@ -70,7 +70,7 @@ def measure(eng, B: int, ctx: int, steps: int, blocks: int) -> dict:
     tokens = {}
     for _ in range(blocks):
         for way in WAYS:
-            _set(eng, way, B, ctx, pool)
+            _set(eng, way, B, ctx, pool, temperature)
             t, tokens[way] = _loop(eng, steps)
             ms[way].append(t)
         t = time.perf_counter()
@@ -98,14 +98,15 @@ def main(argv: list[str] | None = None) -> None:
     log.info("engine built in %.1f s (decode programs: %s)", time.perf_counter() - t, "+".join(eng.decode_kinds))
     rows = []
     for B in batches:
-        ms, first = measure(eng, B, args.decode_ctx, args.steps, args.blocks)
+        ms, first = measure(eng, B, args.decode_ctx, args.steps, args.blocks, args.temperature)
         log.info("B=%d %s; first 3 steps %s", B, {w: round(v, 3) for w, v in ms.items()},
                  {w: round(v, 1) for w, v in first.items()})
         rows.append([B, *(f"{ms[w]:.3f}" for w in (*WAYS, "queued")), f"{ms['fed'] / ms['sync']:.2f}",
                      f"{ms['fed'] / ms['async']:.2f}", f"{ms['fed'] / ms['queued']:.2f}"])
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.preset} preset ({cfg.n_layers} layers, "
           f"{cfg.n_routed_experts} experts), kernels {args.backend}, decode {'+'.join(eng.decode_kinds)}, context "
-          f"{args.decode_ctx}, {args.blocks} blocks of {args.steps} steps alternated, medians; the same tokens")
+          f"{args.decode_ctx}, temperature {args.temperature:g}, {args.blocks} blocks of {args.steps} steps alternated, "
+          "medians; the same tokens")
     print_table(["batch", "sync step ms", "async step ms", "fed step ms", "queued program ms (bound)", "fed / sync",
                  "fed / async", "fed / queued"], rows)
 

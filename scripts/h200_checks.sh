@@ -26,7 +26,7 @@
 #                  filtering every row
 #   feed [B]       the decode loop with its tokens fed on the device (`--device-feed`) against the synchronous loop,
 #                  async scheduling and the program queued back to back (the bound), the step not split, bench preset
-#                  with 8 experts, batch B (default 1; ~3 min a batch)
+#                  with 8 experts, batch B (default 1; ~3 min a batch); FEED_ARGS: e.g. "--temperature 1 --split-decode"
 #   dispatch       whether a program's call returns once launched, with each sampling op (sort, top-k, categorical)
 #                  after a few ms of GEMMs (each does, on an H100: docs/PERFORMANCE.md section 5); then with
 #                  --xla_gpu_enable_cub_radix_sort=false (~1 min)
@@ -133,7 +133,7 @@ case "${1:-}" in
     ;;
   feed)
     bench 400 "feed${2:-1}" scripts/bench_device_feed.py --experts 8 --batches "${2:-1}" --decode-ctx 4096 --steps 20 \
-      --blocks 3 --no-split-decode
+      --blocks 3 --no-split-decode ${FEED_ARGS:-}
     ;;
   dispatch)  # then without XLA's cub sorts (XLA's own sort kernels: no host copy of the rows' offsets)
     bench 170 dispatch scripts/bench_dispatch.py --rows 11 --vocab 129280
