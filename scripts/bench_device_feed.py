@@ -8,6 +8,7 @@ program's calls queued back to back with nothing read between them (what the GPU
 One engine (device_feed on; the other loops switch it off, with the host tables and their own programs), B
 requests at context --decode-ctx; per block each way runs --steps `Engine.step` calls from the same state (the
 pool copied back), blocks alternated, medians. Checks that the fed loop gives the synchronous loop's tokens.
+--temperature T > 0: every row draws (seeded), so each step also runs the sampling program.
 Prints one table.
 """
 
