@@ -45,7 +45,7 @@
 #   serve          `dsv41 bench serve` against `dsv41 serve --preset bench` with serve's bucket ladder, 16 sequences of up
 #                  to 8192 tokens, every program compiled before /health is 200 (~6 min; + $SERVE_ARGS); the load
 #                  ($BENCH_ARGS): 16 agentic sessions of 4 turns with 8K-token prompts arriving at 0.5/s (issue
-#                  #43's TPOT targets; the server's wheels carried and on PYTHONPATH, as for startup)
+#                  #43's TPOT targets; the server's wheels carried, as for startup)
 #   profile        every kernel of a decode step (batch 1, 64) and a prefill, CUPTI
 #   timeline       a decode step's GPU gaps and host time (jax.profiler), batch 1 then 64 (~4 min; + $XLA_FLAGS)
 #                  ($PROFILE_ARGS: e.g. "--speculative 5 --device-feed", DSpark's step fed on the device)
@@ -56,17 +56,22 @@
 #   exchange       the expert-parallel token exchanges on every GPU of the machine (2-8: a multi-GPU kind): the
 #                  ragged one's GPU test, then both timed at Flash widths, decode and prefill sizes
 # Every command has a hard time limit (timeout -k): a kernel that hangs on the device ignores SIGINT/SIGTERM.
-# startup and serve run the server, whose packages (fastapi, starlette, pydantic, pydantic-core, annotated-types,
-# typing-inspection, uvicorn, httptools: pyproject.toml's pins, and opentelemetry-api, which fastapi imports) the
-# device image lacks: carry their wheels (.whl: `.venv/bin/pip download --no-deps --only-binary=:all:
-# --python-version 3.12 --platform manylinux2014_x86_64 -d .whl` with the versions `.venv/bin/pip freeze` lists),
-# pip install them --target a directory and put it on PYTHONPATH.
+# startup and serve run the server, whose packages (FastAPI's stack at pyproject.toml's pins, and aiohttp for the
+# benchmark client) the device image lacks: `bash scripts/server_wheels.sh` puts their wheels in .whl/; carry it (the
+# run tool's carry [".whl"]) and these groups install it (`server_packages`).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 # (+ wheels installed to a path of their own); AB_FIRST (set by `ab`): a directory whose packages shadow the tree's
 export PYTHONUNBUFFERED=1 PYTHONPATH=${AB_FIRST:+$AB_FIRST:}.${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
+
+server_packages() {  # the server's and the benchmark client's packages, from the carried .whl/ where absent
+  $PY -c "import fastapi, uvicorn, aiohttp" 2> /dev/null && return
+  [ -d .whl ] || { echo "the server's packages are missing: bash scripts/server_wheels.sh, then carry .whl" >&2; exit 2; }
+  $PY -m pip install -q --no-deps --target /tmp/dsv41_server_packages .whl/*.whl || exit 2
+  export PYTHONPATH=$PYTHONPATH:/tmp/dsv41_server_packages
+}
 
 bench() {  # bench SECONDS NAME SCRIPT ARGS...: run a bench under a limit, its log to $OUT/NAME.txt, the table shown
   local limit=$1 name=$2; shift 2
@@ -157,6 +162,7 @@ case "${1:-}" in
     bench 60 router scripts/bench_router.py --out "$OUT" --budget-s 45
     ;;
   startup)
+    server_packages
     bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:-}
     ;;
   compile)
@@ -172,6 +178,7 @@ case "${1:-}" in
     done
     ;;
   serve)
+    server_packages
     args="--preset bench --max-model-len 8192 --max-num-seqs 16 --no-serve-during-warmup"
     $PY -m serving.cli serve $args ${SERVE_ARGS:-} --warmup --port 8123 > "$OUT/server.txt" 2>&1 &
     server=$!
