@@ -240,9 +240,9 @@ class EngineConfig:
         ranks, 23.6 GiB a GPU on 8 (`dsv41 kv-budget`), but whole on every GPU of tensor parallelism alone, where
         the share keeps them on the host. Speculative decoding fed (its chunks built on the device): an all-greedy
         step is faster than read on the host (6.81 against 8.77 ms at batch 1, 26.20 against 34.10 at batch 64),
-        a step with a sampled row slower (10.65 against 9.78 ms at batch 1: XLA updates the step's CUDA graphs
-        every call; H100, bench preset, section 5), so there it is asked for only (`--device-feed` for greedy
-        traffic). The CPU: no; its steps do not wait on a launch."""
+        a step with a sampled row slower on one H100 host and faster on another (10.65 against 9.78 ms, 11.58
+        against 12.86 at batch 1: fed, XLA updates the step's CUDA graphs every call; bench preset, section 5),
+        so far it is asked for only (`--device-feed`). The CPU: no; its steps do not wait on a launch."""
         if self.device_feed is not None:
             return self.device_feed
         fits = memory_bytes is None or tables_bytes <= FEED_TABLES_MAX_SHARE * memory_bytes
