@@ -192,8 +192,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "memory, their rows split over the data ranks: 5.9 GiB for the bench preset; `dsv41 "
                         "kv-budget` counts them). Implies --async-scheduling. With --speculative-config each step's "
                         "chunk (bonus token, drafts) is built on the device from the step before (default: on with "
-                        "a GPU, unless --speculative-config, which measured slower fed, or the tables would take "
-                        "over a quarter of a GPU's memory; off on CPU)")
+                        "a GPU, unless the tables would take over a quarter of a GPU's memory; off on CPU)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every program shape before serving, so no request waits for a compile; the port "
                         "opens first and /health answers 503 with the progress until warm-up ends (default: on "

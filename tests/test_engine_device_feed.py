@@ -78,10 +78,9 @@ def test_preempted_with_a_token_in_flight():
 
 
 def test_the_platform_decides_where_the_option_is_unset():
-    """device_feed=None: fed on a GPU (not on the CPU), but for speculative decoding or where the Engram tables a
-    device would hold take more than FEED_TABLES_MAX_SHARE of its memory (Flash with tensor parallelism alone holds
-    its 188.8 GiB tables whole on every GPU); a given value stands (speculative decoding fed on the device too:
-    tests/test_engine_speculative_feed.py). The engine resolves it before it places anything (`platform_config`), so
+    """device_feed=None: fed on a GPU (not on the CPU), speculative decoding too (tests/test_engine_speculative_feed
+    .py), but not where the Engram tables a device would hold take more than FEED_TABLES_MAX_SHARE of its memory
+    (Flash with tensor parallelism alone holds its 188.8 GiB tables whole on every GPU); a given value stands. The engine resolves it before it places anything (`platform_config`), so
     its compile workers and the program store's keys see the value it runs."""
     from dsv41.config import preset
     from serving.engine import kv_pool
@@ -96,10 +95,13 @@ def test_the_platform_decides_where_the_option_is_unset():
     assert not EngineConfig().feeds_on_device("cpu")
     assert EngineConfig().feeds_on_device("gpu") and EngineConfig().feeds_on_device("gpu", dp8, h200)
     assert not EngineConfig().feeds_on_device("gpu", tp8, h200)
-    assert not EngineConfig(speculative_config=spec).feeds_on_device("gpu")
+    assert EngineConfig(speculative_config=spec).feeds_on_device("gpu")
+    assert not EngineConfig(speculative_config=spec).feeds_on_device("cpu")
+    assert not EngineConfig(speculative_config=spec).feeds_on_device("gpu", tp8, h200)
     assert EngineConfig(device_feed=True).feeds_on_device("cpu")
+    assert EngineConfig(device_feed=True, speculative_config=spec).feeds_on_device("cpu")
     assert not EngineConfig(device_feed=False).feeds_on_device("gpu")
-    assert EngineConfig(device_feed=True, speculative_config=spec).feeds_on_device("gpu")  # asked for, it runs
+    assert not EngineConfig(device_feed=False, speculative_config=spec).feeds_on_device("gpu")
     cfg = tiny_engine.tiny()[0]
     assert platform_config(cfg, EngineConfig()).device_feed is False  # this CPU
     assert platform_config(cfg, EngineConfig(device_feed=True)).device_feed is True

@@ -230,8 +230,7 @@ class EngineConfig:
 
     def feeds_on_device(self, platform: str, tables_bytes: int = 0, memory_bytes: int | None = None) -> bool:
         """Whether decode steps take their tokens on the device (`device_feed`) on `platform` (jax's: 'cpu',
-        'gpu'), the platform's where device_feed is None. A GPU: yes, but for speculative decoding and where the
-        Engram tables a device would hold (`tables_bytes`: `kv_pool.engram_bytes_per_device`) take more than
+        'gpu'), the platform's where device_feed is None. A GPU: yes, but where the Engram tables a device would hold (`tables_bytes`: `kv_pool.engram_bytes_per_device`) take more than
         `FEED_TABLES_MAX_SHARE` of its memory (`memory_bytes`; None: unknown). There a decode step's launch (~660
         graph nodes) and the read of its tokens sit between the steps: fed, a step took what the program takes
         queued back to back, 0.59x / 0.70x / 0.68x the synchronous step at batch 1 / 16 / 64 (H100, bench preset),
@@ -242,11 +241,11 @@ class EngineConfig:
         step is faster than read on the host (6.81 against 8.77 ms at batch 1, 26.20 against 34.10 at batch 64),
         a step with a sampled row slower on one H100 host and faster on another (10.65 against 9.78 ms, 11.58
         against 12.86 at batch 1: fed, XLA updates the step's CUDA graphs every call; bench preset, section 5),
-        so far it is asked for only (`--device-feed`). The CPU: no; its steps do not wait on a launch."""
+        so a GPU feeds it too. The CPU: no; its steps do not wait on a launch."""
         if self.device_feed is not None:
             return self.device_feed
         fits = memory_bytes is None or tables_bytes <= FEED_TABLES_MAX_SHARE * memory_bytes
-        return platform != "cpu" and self.speculative_config is None and fits
+        return platform != "cpu" and fits
 
     @classmethod
     def field_names(cls) -> set[str]:
