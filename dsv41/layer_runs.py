@@ -1,10 +1,10 @@
 """Runs of layers that share one compiled body: consecutive layers whose attention plan, compress ratio, KV source,
 RoPE frequencies, Engram / split role and parameter shapes are all equal (`runs`). A program traces each run's
 body once and loops it over the run's layers (`scan`), so its compile time grows with the number of bodies, not of
-layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its whole periods, the parts of
-a last, partial period after the loop (Flash: 10 runs of 40 layers, 12 bodies; L21-39 three reuse layers and a
-reindex layer, four times, then three reuse layers). No run of two layers or more holds a KV source, an Engram
-layer or the split layer, so those keep their static per-layer code.
+layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its periods (Flash: 10 runs of
+40 layers, 11 bodies; L21-39 three reuse layers and a reindex layer, four times, then three reuse layers). No run
+of two layers or more holds a KV source, an Engram layer or the split layer, so those keep their static per-layer
+code.
 
 The parameters of the programs hold the layers grouped by run (`stack_params`): stacked (each leaf [n, ...] for a
 run of n layers, scanned; a periodic run a tuple of its parts, leaves [periods, part length, ...]), or a list of
@@ -321,8 +321,7 @@ def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
 
     A run of one, a list, or unroll (a traced path that names per-layer intermediates) calls body per layer with
     the static layer index; otherwise one `lax.scan` whose body gets the layer index traced (a periodic run: a scan
-    over its whole periods whose body runs each part, a part of several layers its own inner scan, then the parts
-    of its last, partial period).
+    over its periods whose body runs each part, a part of several layers its own inner scan).
     -> (state, ys stacked [n, ...] in layer order, or None)."""
     body = functools.partial(_unpadded_body, body)
     if run.n == 1 or unroll or isinstance(run_params, list):
@@ -352,35 +351,37 @@ def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
     if not run.parts:
         return scan_part(state, run_params, run.first, run)
 
+    reps = run.periods()
+    full = [q for q in range(len(run.parts)) if run.periods(q) == reps]  # the other parts skip the last period
+
     def part(state, part_params, first, q):
         if run.parts[q][1] == 1:  # no loop around a single layer
             state, y = body(state, jax.tree_util.tree_map(lambda a: a[0], part_params), first, run.view(q))
             return state, None if y is None else jax.tree_util.tree_map(lambda a: a[None], y)
         return scan_part(state, part_params, first, run.view(q))
 
-    # The loop runs the periods that hold every part; the parts of a last, partial period run after it, on their
-    # stacks' last period. A branch on the period inside the loop would be a `lax.cond` on a device value, which a
-    # GPU runs by reading the predicate on the host every period (serving/engine/host_round_trips.py), for one
-    # more body in the program.
-    whole = run.n // run.period
-    offsets = np.cumsum([0] + [c for _, c in run.parts])
+    def period(state, args):
+        t, sliced = args
+        ys, o = [], 0
+        for q, (_, c) in enumerate(run.parts):
+            first = run.first + t * run.period + o
+            if q in full:
+                state, y = part(state, sliced[full.index(q)], first, q)
+            else:  # its weights one period short: read in place (the index clamped), skipped in the last period
+                def taken(state, q=q, first=first):
+                    lp = jax.tree_util.tree_map(
+                        lambda a: jax.lax.dynamic_index_in_dim(a, jnp.minimum(t, a.shape[0] - 1), keepdims=False),
+                        run_params[q])
+                    return part(state, lp, first, q)
 
-    def period(state, t):
-        ys = []
-        for q in range(len(run.parts)):
-            lp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, t, keepdims=False), run_params[q])
-            state, y = part(state, lp, run.first + t * run.period + int(offsets[q]), q)
+                out = jax.eval_shape(taken, state)[1]
+                state, y = jax.lax.cond(t < run.periods(q), taken, lambda state, out=out: (state, None if out is None
+                                        else jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out)),
+                                        state)
             ys.append(y)
+            o += c
         return state, None if ys[0] is None else jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *ys)
 
-    state, ys = jax.lax.scan(period, state, jnp.arange(whole, dtype=jnp.int32))
-    tail = []
-    for q in range(len(run.parts)):
-        if run.periods(q) > whole:
-            lp = jax.tree_util.tree_map(lambda a: a[whole], run_params[q])
-            state, y = part(state, lp, run.first + whole * run.period + int(offsets[q]), q)
-            tail.append(y)
-    if ys is None:
-        return state, None
-    ys = jax.tree_util.tree_map(lambda a: a.reshape(whole * run.period, *a.shape[2:]), ys)
-    return state, jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), ys, *tail) if tail else ys
+    state, ys = jax.lax.scan(period, state, (jnp.arange(reps, dtype=jnp.int32), [run_params[q] for q in full]))
+    return state, None if ys is None else jax.tree_util.tree_map(
+        lambda a: a.reshape(reps * run.period, *a.shape[2:])[:run.n], ys)
