@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the standard layouts of an 8x H200 host and a GB300 NVL72 rack, one line each")
     k.add_argument("--device-feed", action=argparse.BooleanOptionalAction, default=None,
                    help="count the Engram tables in GPU memory, their rows split over the data ranks (`dsv41 serve "
-                        "--device-feed`); --no-device-feed: in host memory only (`serve --no-device-feed`). Default: as serve on GPUs, in GPU memory where they take at most a "
-                        "quarter of it")
+                        "--device-feed`); --no-device-feed: in host memory only (`serve --no-device-feed`). "
+                        "Default: as serve on GPUs, in GPU memory where they take at most a quarter of it")
     k.set_defaults(fn=cmd_kv_budget)
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")

@@ -80,8 +80,9 @@ def test_preempted_with_a_token_in_flight():
 def test_the_platform_decides_where_the_option_is_unset():
     """device_feed=None: fed on a GPU (not on the CPU), speculative decoding too (tests/test_engine_speculative_feed
     .py), but not where the Engram tables a device would hold take more than FEED_TABLES_MAX_SHARE of its memory
-    (Flash with tensor parallelism alone holds its 188.8 GiB tables whole on every GPU); a given value stands. The engine resolves it before it places anything (`platform_config`), so
-    its compile workers and the program store's keys see the value it runs."""
+    (Flash with tensor parallelism alone holds its 188.8 GiB tables whole on every GPU); a given value stands. The
+    engine resolves it before it places anything (`platform_config`), so its compile workers and the program store's
+    keys see the value it runs."""
     from dsv41.config import preset
     from serving.engine import kv_pool
     from serving.engine.config import FEED_TABLES_MAX_SHARE, EngineConfig, SpeculativeConfig

@@ -230,7 +230,8 @@ class EngineConfig:
 
     def feeds_on_device(self, platform: str, tables_bytes: int = 0, memory_bytes: int | None = None) -> bool:
         """Whether decode steps take their tokens on the device (`device_feed`) on `platform` (jax's: 'cpu',
-        'gpu'), the platform's where device_feed is None. A GPU: yes, but where the Engram tables a device would hold (`tables_bytes`: `kv_pool.engram_bytes_per_device`) take more than
+        'gpu'), the platform's where device_feed is None. A GPU: yes (speculative decoding too), but not where the
+        Engram tables a device would hold (`tables_bytes`: `kv_pool.engram_bytes_per_device`) take more than
         `FEED_TABLES_MAX_SHARE` of its memory (`memory_bytes`; None: unknown). There a decode step's launch (~660
         graph nodes) and the read of its tokens sit between the steps: fed, a step took what the program takes
         queued back to back, 0.59x / 0.70x / 0.68x the synchronous step at batch 1 / 16 / 64 (H100, bench preset),
