@@ -1,22 +1,26 @@
 """Runs of layers that share one compiled body: consecutive layers whose attention plan, compress ratio, KV source,
 RoPE frequencies, Engram / split role and parameter shapes are all equal (`runs`). A program traces each run's
 body once and loops it over the run's layers (`scan`), so its compile time grows with the number of bodies, not of
-layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its periods (Flash: 10 runs of
-40 layers, 11 bodies; L21-39 three reuse layers and a reindex layer, four times, then three reuse layers). No run
-of two layers or more holds a KV source, an Engram layer or the split layer, so those keep their static per-layer
-code.
+layers. Where a sequence of such runs repeats, it is one periodic run, scanned over its whole periods, the parts of
+a last, partial period after the loop (Flash: 10 runs of 40 layers, 12 bodies; L21-39 three reuse layers and a
+reindex layer, four times, then three reuse layers). No run of two layers or more holds a KV source, an Engram
+layer or the split layer, so those keep their static per-layer code.
 
 The parameters of the programs hold the layers grouped by run (`stack_params`): stacked (each leaf [n, ...] for a
-run of n layers, scanned; a periodic run a tuple of its parts, leaves [periods, part length, ...]), or a list of
+run of n layers, scanned; a periodic run `Periodic`: its parts' stacks over the whole periods, leaves [periods, part
+length, ...], and those of its partial period's parts, leaves [part length, ...]), or a list of
 the run's per-layer dicts (stack=False: the runs unrolled, each layer's weights their own buffers, as a kernel
 that reads a weight in place needs while it cannot take a layer index: a scan's per-layer slice of a stacked
 weight is a copy wherever XLA does not fuse it into its reader). On disk and in `init_params` / `load_checkpoint`
 trees the layers stay one dict a layer, as released.
 
-Where XLA does fuse a layer's slice into its reader, a kernel gets the slice in place, at the layer's offset in the
-stack, and Mosaic GPU kernels take only `ALIGN`-byte aligned operands: a replicated leaf whose layer is not a
-multiple of ALIGN bytes (the mHC `scale` [3] and `base` [24] float32) is stacked `Padded`, each layer flattened
-and padded to one, and `scan` hands the body the layer's own shape again.
+On a GPU XLA fuses a layer's slice into its reader where the loop slices the stack by its own counter (`lax.scan`'s
+xs); a slice at another traced index (a loop's stack indexed by a value it carries, or inside a `lax.cond`) is a
+copy of the layer's weights, so a periodic run's partial period has stacks of its own rather than a branch on the
+period in the loop or the last period of longer stacks. Where XLA fuses it, a kernel gets the slice in place, at
+the layer's offset in the stack, and Mosaic GPU kernels take only `ALIGN`-byte aligned operands: a replicated leaf
+whose layer is not a multiple of ALIGN bytes (the mHC `scale` [3] and `base` [24] float32) is stacked `Padded`,
+each layer flattened and padded to one, and `scan` hands the body the layer's own shape again.
 """
 
 from __future__ import annotations
@@ -61,6 +65,27 @@ def unpadded(tree):
         return x.data[:int(np.prod(x.shape, dtype=np.int64))].reshape(x.shape)
 
     return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Padded))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Periodic:
+    """A periodic run's stacked weights (`stack_layers`): `whole`, one tree a part, leaves [whole periods, part
+    length, ...], which the run's loop takes as its xs; `tail`, one tree a part of its last, partial period (a
+    prefix of the parts, maybe none), leaves [part length, ...]."""
+
+    whole: tuple
+    tail: tuple
+
+
+def trees_of(run_params) -> list:
+    """The dict trees of a run's entry in the `RUNS_KEY` list: a run of one's (or an unrolled run's) layers, a
+    stacked run's tree, a periodic run's stacks (`Periodic`: the whole periods' parts, then the partial period's)."""
+    if isinstance(run_params, list):
+        return run_params
+    if isinstance(run_params, Periodic):
+        return [*run_params.whole, *run_params.tail]
+    return [run_params]
 
 
 def _padded_size(x) -> int | None:
@@ -260,7 +285,8 @@ def _stack_group(trees: list, lead: tuple[int, ...], consume: bool):
 def stack_layers(layers: list, cfg: ModelConfig, consume: bool = False) -> list:
     """Per-layer dicts (release layout, any weight formats, device or abstract arrays) -> one entry a run: for a
     run of several layers a tree whose leaves are stacked on a new leading layer axis [n, ...]; for a periodic run
-    a tuple, one such tree a part, its leaves [periods, part length, ...]; placed as the layer's leaf plus those
+    a `Periodic`: one such tree a part over the whole periods, leaves [periods, part length, ...], and one a part
+    of the last, partial period, leaves [part length, ...]; placed as the layer's leaf plus those
     axes, which no mesh axis splits (`sharding.stacked`). A run of one stays its layer's dict (in a list, as `scan`
     takes it: nothing to copy).
 
@@ -276,13 +302,15 @@ def stack_layers(layers: list, cfg: ModelConfig, consume: bool = False) -> list:
         elif not run.parts:
             out.append(_stack_group([layers[i] for i in run.layers], (run.n,), consume))
         else:
-            o, parts = 0, []
+            whole, o, loop, tail = run.n // run.period, 0, [], []
             for q, (_, c) in enumerate(run.parts):
-                reps = run.periods(q)
-                trees = [layers[run.first + t * run.period + o + j] for t in range(reps) for j in range(c)]
-                parts.append(_stack_group(trees, (reps, c), consume))
+                trees = [layers[run.first + t * run.period + o + j] for t in range(whole) for j in range(c)]
+                loop.append(_stack_group(trees, (whole, c), consume))
+                if run.periods(q) > whole:
+                    tail.append(_stack_group([layers[run.first + whole * run.period + o + j] for j in range(c)],
+                                             (c,), consume))
                 o += c
-            out.append(tuple(parts))
+            out.append(Periodic(tuple(loop), tuple(tail)))
     return out
 
 
@@ -301,13 +329,19 @@ def stack_params(params: dict, cfg: ModelConfig, stack: bool = True, consume: bo
 def layer_params(params: dict, cfg: ModelConfig, layer: int) -> dict:
     """One layer's dict out of a run-stacked tree (a view for tests and tools; the programs scan the runs)."""
     r, j = run_of(cfg, layer)
-    group = params[RUNS_KEY][r]
-    if isinstance(group, list):
-        return group[j]
-    if isinstance(group, tuple):  # a periodic run's parts
-        q, t, k = runs(cfg)[r].locate(j)
-        return unpadded(jax.tree_util.tree_map(lambda a: a[t, k], group[q]))
-    return unpadded(jax.tree_util.tree_map(lambda a: a[j], group))
+    return unpadded(_layer_of(runs(cfg)[r], params[RUNS_KEY][r], j))
+
+
+def _layer_of(run: Run, run_params, j: int):
+    """The run's j-th layer's tree (its `Padded` leaves as they are) out of its entry in the `RUNS_KEY` list."""
+    if isinstance(run_params, list):
+        return run_params[j]
+    if isinstance(run_params, Periodic):
+        q, t, k = run.locate(j)
+        if t < run.n // run.period:
+            return jax.tree_util.tree_map(lambda a: a[t, k], run_params.whole[q])
+        return jax.tree_util.tree_map(lambda a: a[k], run_params.tail[q])
+    return jax.tree_util.tree_map(lambda a: a[j], run_params)
 
 
 def _unpadded_body(body: Callable, state, lp, layer, view):
@@ -317,24 +351,18 @@ def _unpadded_body(body: Callable, state, lp, layer, view):
 def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
     """body(state, layer params, layer, view) -> (state, y) over the run's layers; view: the run as the layer's
     body sees it (`Run.view`: its part's plan on a periodic run). run_params: stacked (`stack_params`: [n, ...], or
-    a periodic run's parts [periods, part length, ...]) or a list of the layers' dicts.
+    a periodic run's `Periodic`) or a list of the layers' dicts.
 
     A run of one, a list, or unroll (a traced path that names per-layer intermediates) calls body per layer with
     the static layer index; otherwise one `lax.scan` whose body gets the layer index traced (a periodic run: a scan
-    over its periods whose body runs each part, a part of several layers its own inner scan).
+    over its whole periods whose body runs each part, a part of several layers its own inner scan, then the parts
+    of its last, partial period).
     -> (state, ys stacked [n, ...] in layer order, or None)."""
     body = functools.partial(_unpadded_body, body)
     if run.n == 1 or unroll or isinstance(run_params, list):
         ys = []
         for j in range(run.n):
-            q, t, k = run.locate(j)
-            if isinstance(run_params, list):
-                lp = run_params[j]
-            elif run.parts:
-                lp = jax.tree_util.tree_map(lambda a: a[t, k], run_params[q])
-            else:
-                lp = jax.tree_util.tree_map(lambda a: a[j], run_params)
-            state, y = body(state, lp, run.first + j, run.view(q))
+            state, y = body(state, _layer_of(run, run_params, j), run.first + j, run.view(run.locate(j)[0]))
             ys.append(y)
         if ys[0] is None:
             return state, None
@@ -351,37 +379,28 @@ def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
     if not run.parts:
         return scan_part(state, run_params, run.first, run)
 
-    reps = run.periods()
-    full = [q for q in range(len(run.parts)) if run.periods(q) == reps]  # the other parts skip the last period
-
     def part(state, part_params, first, q):
         if run.parts[q][1] == 1:  # no loop around a single layer
             state, y = body(state, jax.tree_util.tree_map(lambda a: a[0], part_params), first, run.view(q))
             return state, None if y is None else jax.tree_util.tree_map(lambda a: a[None], y)
         return scan_part(state, part_params, first, run.view(q))
 
-    def period(state, args):
-        t, sliced = args
-        ys, o = [], 0
-        for q, (_, c) in enumerate(run.parts):
-            first = run.first + t * run.period + o
-            if q in full:
-                state, y = part(state, sliced[full.index(q)], first, q)
-            else:  # its weights one period short: read in place (the index clamped), skipped in the last period
-                def taken(state, q=q, first=first):
-                    lp = jax.tree_util.tree_map(
-                        lambda a: jax.lax.dynamic_index_in_dim(a, jnp.minimum(t, a.shape[0] - 1), keepdims=False),
-                        run_params[q])
-                    return part(state, lp, first, q)
-
-                out = jax.eval_shape(taken, state)[1]
-                state, y = jax.lax.cond(t < run.periods(q), taken, lambda state, out=out: (state, None if out is None
-                                        else jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out)),
-                                        state)
+    def parts(state, parts_params, first):
+        ys = []
+        for q, part_params in enumerate(parts_params):
+            state, y = part(state, part_params, first + sum(c for _, c in run.parts[:q]), q)
             ys.append(y)
-            o += c
         return state, None if ys[0] is None else jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *ys)
 
-    state, ys = jax.lax.scan(period, state, (jnp.arange(reps, dtype=jnp.int32), [run_params[q] for q in full]))
-    return state, None if ys is None else jax.tree_util.tree_map(
-        lambda a: a.reshape(reps * run.period, *a.shape[2:])[:run.n], ys)
+    def period(state, args):
+        t, sliced = args
+        return parts(state, sliced, run.first + t * run.period)
+
+    whole = run.n // run.period
+    state, ys = jax.lax.scan(period, state, (jnp.arange(whole, dtype=jnp.int32), run_params.whole))
+    if ys is not None:
+        ys = jax.tree_util.tree_map(lambda a: a.reshape(whole * run.period, *a.shape[2:]), ys)
+    if not run_params.tail:
+        return state, ys
+    state, tail_ys = parts(state, run_params.tail, run.first + whole * run.period)
+    return state, None if ys is None else jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), ys, tail_ys)

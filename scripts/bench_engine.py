@@ -81,8 +81,8 @@ def weight_bytes(cfg, core):
     a step reads one row a token; bytes of one routed expert), as stored in `core` (arrays or shapes)."""
     if "layers" in core:
         blocks = core["layers"]
-    else:  # an engine's tree, grouped by run (`layer_runs.stack_params`): stacked dicts (tuples of them), layer lists
-        blocks = [lp for g in core[layer_runs.RUNS_KEY] for lp in (g if isinstance(g, (list, tuple)) else [g])]
+    else:  # an engine's tree, grouped by run (`layer_runs.stack_params`)
+        blocks = [lp for g in core[layer_runs.RUNS_KEY] for lp in layer_runs.trees_of(g)]
     experts = sum(P.tree_bytes(lp["ffn"]["experts"]) for lp in blocks)
     dense = P.tree_bytes(core) - experts - P.tree_bytes(core["embed"])
     return dense, experts / (cfg.n_layers * cfg.n_routed_experts)

@@ -102,11 +102,12 @@ class Backends:
 
 def scans_layers(b: Backends) -> bool:
     """Whether runs of layers of one kind share one scanned body when `EngineConfig.scan_layers` is unset: on the
-    XLA path, yes; where a Mosaic GPU kernel reads weights or the pool, no: XLA copies some layers' slices of the
-    stacked weights before the kernels read them (`loop_dynamic_slice_fusion` kernels, ~2.1 ms a step at Flash's 40
-    layers), and the scanned decode step took 25.4 / 39.5 ms against 19.2 / 34.5 ms unrolled at batch 1 / 64 for a
-    compile of 80 / 103 s against 132 / 151 s (H100, Flash's schedule with 16 experts; docs/PERFORMANCE.md
-    section 9)."""
+    XLA path, yes; where a Mosaic GPU kernel reads weights or the pool, no: the scanned decode step took 25.4 / 39.5
+    ms against 19.2 / 34.5 ms unrolled at batch 1 / 64 for a compile of 80 / 103 s against 132 / 151 s (H100,
+    Flash's schedule with 16 experts; docs/PERFORMANCE.md section 9), when XLA copied the reindex layer of the
+    periodic run L21-39 every period (~2.1 ms a step: its weights sliced inside a `lax.cond`, which also held the
+    host every period). Its partial period has stacks of its own since (`layer_runs.Periodic`); the scanned step
+    with them is not measured yet."""
     return b.attention != "pallas" and b.ops == XLA
 
 
