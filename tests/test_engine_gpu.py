@@ -169,20 +169,22 @@ def test_fused_sites_match_xla_in_a_block(bench):
         assert rel < MOE_TOL and np.abs(pk - px).max() < 1e-4
 
 
-# the bench widths on 12 layers with runs of two: reuse layers 3-4 and 6-7 read KV from layers 2 and 5 (the
-# bench preset's own runs are one layer each, so scanning them changes nothing)
-RUNS_OF_TWO = dict(n_layers=12, compress_ratios=(0, 0, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1), kv_source_layers=(2, 5, 8),
-                   index_source_layers=(2, 5, 8, 10), candidate_source_layer=8, engram_layer_ids=(1,),
-                   dspark_target_layer_ids=(9, 10, 11), n_routed_experts=16)
+# the bench widths on 13 layers with a run of two and a periodic run (the bench preset's own runs are one layer
+# each, so scanning them changes nothing): reuse layers 3-4 read KV from layer 2; after the candidate source L5 (the
+# split), L6-12 are a reindex layer and two reuse layers, twice, then a reindex layer (a partial period: stacks of
+# its own, `layer_runs.Periodic`), as Flash's L21-39
+SCANNED_RUNS = dict(n_layers=13, compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1), kv_source_layers=(2, 5),
+                    index_source_layers=(2, 5, 6, 9, 12), candidate_source_layer=5, engram_layer_ids=(1,),
+                    dspark_target_layer_ids=(10, 11, 12), n_routed_experts=16)
 
 
 def test_scanned_runs_match_unrolled():
     """The kernels (`auto`) with runs of layers scanned (one compiled body a run, its weights stacked) against
     every layer unrolled: the same kernels on the same inputs, so the logits agree to bf16 rounding (XLA fuses
     the glue between kernels differently inside a loop: on the H200 the logits' largest difference was 0.96-1.08%
-    of their largest value (1.4 bf16 ulps of it) after 12 layers, with the same tokens) and the greedy tokens are the
-    same. What must hold before `backends.scans_layers` scans where kernels run."""
-    cfg = preset("bench").replace(**RUNS_OF_TWO)
+    of their largest value (1.4 bf16 ulps of it) after 12 layers with two runs of two, the same tokens) and the greedy
+    tokens are the same. What must hold before `backends.scans_layers` scans where kernels run."""
+    cfg = preset("bench").replace(**SCANNED_RUNS)
     params = P.init_params(cfg, seed=0)
     ids = list(np.random.default_rng(5).integers(3, cfg.vocab_size, 300))
     tu, lu = _run(cfg, params, ids, scan_layers=False)
