@@ -14,7 +14,8 @@
 #   scan on|off    decode steps (batch 1, 64) at Flash's 40-layer schedule (16 experts a layer to fit), runs of
 #                  layers scanned with the kernels (on) or every layer unrolled (off, today's GPU default): what
 #                  `backends.scans_layers` decides by; one call each (~4 / ~5.5 min on an H100, run with
-#                  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92)
+#                  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92); SCAN_BATCHES=1 SCAN_LIMIT=280: batch 1 alone (~2.5 min), so
+#                  that `ab scan on` (another commit's layer_runs against the tree's) fits one call
 #   split [B]      the decode step cut in two programs at the replay split (the default) against the one program:
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
@@ -124,8 +125,8 @@ case "${1:-}" in
     ;;
   scan)
     case "${2:-}" in on) flag=--scan-layers ;; off) flag=--no-scan-layers ;; *) echo "scan on|off" >&2; exit 2 ;; esac
-    bench 570 "scan_${2}" scripts/bench_engine.py --schedule flash --experts 16 --weights release --backends auto \
-      --batches 1,64 --skip-prefill --decode-ctx 4096 $flag
+    bench "${SCAN_LIMIT:-570}" "scan_${2}" scripts/bench_engine.py --schedule flash --experts 16 --weights release \
+      --backends auto --batches "${SCAN_BATCHES:-1,64}" --skip-prefill --decode-ctx 4096 $flag
     ;;
   split)
     bench 570 split scripts/bench_decode_split.py --batches "${2:-1}"
