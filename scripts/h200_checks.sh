@@ -15,7 +15,7 @@
 #                  layers scanned with the kernels (on) or every layer unrolled (off, today's GPU default): what
 #                  `backends.scans_layers` decides by; one call each (~4 / ~5.5 min on an H100, run with
 #                  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92); SCAN_BATCHES=1 SCAN_LIMIT=280: batch 1 alone (~2.5 min), so
-#                  that `ab scan on` (another commit's layer_runs against the tree's) fits one call
+#                  that `scan on` and `scan off` take one call each on one warm machine, or `ab scan on` one call
 #   split [B]      the decode step cut in two programs at the replay split (the default) against the one program:
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
