@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core
 
 from dsv41 import layer_runs, model, quant
 from dsv41 import params as P
@@ -67,9 +68,9 @@ def primitives(jaxpr) -> set[str]:
         out.add(eqn.primitive.name)
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                if isinstance(sub, core.ClosedJaxpr):
                     out |= primitives(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
+                elif isinstance(sub, core.Jaxpr):
                     out |= primitives(sub)
     return out
 
