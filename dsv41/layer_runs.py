@@ -8,11 +8,11 @@ layer or the split layer, so those keep their static per-layer code.
 
 The parameters of the programs hold the layers grouped by run (`stack_params`): stacked (each leaf [n, ...] for a
 run of n layers, scanned; a periodic run `Periodic`: its parts' stacks over the whole periods, leaves [periods, part
-length, ...], and those of its partial period's parts, leaves [part length, ...]), or a list of
-the run's per-layer dicts (stack=False: the runs unrolled, each layer's weights their own buffers, as a kernel
-that reads a weight in place needs while it cannot take a layer index: a scan's per-layer slice of a stacked
-weight is a copy wherever XLA does not fuse it into its reader). On disk and in `init_params` / `load_checkpoint`
-trees the layers stay one dict a layer, as released.
+length, ...], and those of its partial period's parts, leaves [part length, ...]), or a list of the run's
+per-layer dicts (stack=False: the runs unrolled, each layer's weights their own buffers, as a kernel that reads a
+weight in place needs while it cannot take a layer index: a scan's per-layer slice of a stacked weight is a copy
+wherever XLA does not fuse it into its reader). On disk and in `init_params` / `load_checkpoint` trees the layers
+stay one dict a layer, as released.
 
 On a GPU XLA fuses a layer's slice into its reader where the loop slices the stack by its own counter (`lax.scan`'s
 xs); a slice at another traced index (a loop's stack indexed by a value it carries, or inside a `lax.cond`) is a
