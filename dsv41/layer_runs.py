@@ -128,10 +128,14 @@ class Run:
             o -= c
         raise AssertionError("unreachable: o < period")
 
+    @property
+    def whole(self) -> int:
+        """How many periods hold every part (the loop's length; the last period may hold a prefix of the parts)."""
+        return self.n // self.period
+
     def periods(self, q: int = 0) -> int:
-        """How many periods hold part q (the last period may hold a prefix of the parts)."""
-        full, rest = divmod(self.n, self.period)
-        return full + (rest > sum(c for _, c in self.parts[:q]))
+        """How many periods hold part q."""
+        return self.whole + (self.n % self.period > sum(c for _, c in self.parts[:q]))
 
     def view(self, q: int) -> Run:
         """The run as part q's layers see it: the part's plan, the run's geometry (its first layer, its length:
@@ -302,7 +306,7 @@ def stack_layers(layers: list, cfg: ModelConfig, consume: bool = False) -> list:
         elif not run.parts:
             out.append(_stack_group([layers[i] for i in run.layers], (run.n,), consume))
         else:
-            whole, o, loop, tail = run.n // run.period, 0, [], []
+            whole, o, loop, tail = run.whole, 0, [], []
             for q, (_, c) in enumerate(run.parts):
                 trees = [layers[run.first + t * run.period + o + j] for t in range(whole) for j in range(c)]
                 loop.append(_stack_group(trees, (whole, c), consume))
@@ -338,7 +342,7 @@ def _layer_of(run: Run, run_params, j: int):
         return run_params[j]
     if isinstance(run_params, Periodic):
         q, t, k = run.locate(j)
-        if t < run.n // run.period:
+        if t < run.whole:
             return jax.tree_util.tree_map(lambda a: a[t, k], run_params.whole[q])
         return jax.tree_util.tree_map(lambda a: a[k], run_params.tail[q])
     return jax.tree_util.tree_map(lambda a: a[j], run_params)
@@ -396,7 +400,7 @@ def scan(body: Callable, state, run: Run, run_params, unroll: bool = False):
         t, sliced = args
         return parts(state, sliced, run.first + t * run.period)
 
-    whole = run.n // run.period
+    whole = run.whole
     state, ys = jax.lax.scan(period, state, (jnp.arange(whole, dtype=jnp.int32), run_params.whole))
     if ys is not None:
         ys = jax.tree_util.tree_map(lambda a: a.reshape(whole * run.period, *a.shape[2:]), ys)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The server's packages that the device image lacks, as wheels in .whl/ (git-ignored), at the versions .venv holds
 # (pyproject.toml's pins): carry .whl with a device call (the run tool's carry [".whl"]) and `h200_checks.sh startup`
-# / `serve` install them there, shadowing the image's own copies. FastAPI's and uvicorn's stacks, opentelemetry-api
+# / `serve` install them there where the image lacks them. FastAPI's and uvicorn's stacks, opentelemetry-api
 # (which fastapi imports) and aiohttp's (the benchmark client's): each with what it requires.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +18,5 @@ for line in sys.stdin:
 [ "$(echo "$pins" | wc -l)" -eq "$(echo $pkgs | wc -w)" ] || { echo "not all of [$pkgs] are in .venv" >&2; exit 1; }
 rm -rf .whl
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --platform manylinux2014_x86_64 -d .whl $pins 2>&1 | grep -v "^WARNING: Location" || true
+  --platform manylinux2014_x86_64 -d .whl $pins
 ls .whl
