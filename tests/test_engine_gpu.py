@@ -182,17 +182,24 @@ def test_scanned_runs_match_unrolled():
     """The kernels (`auto`) with runs of layers scanned (one compiled body a run, its weights stacked) against
     every layer unrolled: the same kernels on the same inputs, so the logits agree to bf16 rounding (XLA fuses
     the glue between kernels differently inside a loop: on the H200 the logits' largest difference was 0.96-1.08%
-    of their largest value (1.4 bf16 ulps of it) after 12 layers with two runs of two, the same tokens) and the greedy
-    tokens are the same. What must hold before `backends.scans_layers` scans where kernels run."""
+    of their largest value (1.4 bf16 ulps of it) after 12 layers with two runs of two; on an H100 with this
+    schedule 1.00% and 1.12%), and the greedy tokens are the same until a step where the two nearly tie (on that
+    H100 the first decode step's top two logits were 0.05% and 0.41% of the largest apart, so the programs picked
+    differently and the steps after it saw different tokens). What must hold before `backends.scans_layers` scans
+    where kernels run."""
     cfg = preset("bench").replace(**SCANNED_RUNS)
     params = P.init_params(cfg, seed=0)
     ids = list(np.random.default_rng(5).integers(3, cfg.vocab_size, 300))
     tu, lu = _run(cfg, params, ids, scan_layers=False)
     ts, ls = _run(cfg, params, ids, scan_layers=True)
-    rel = [float(np.abs(lu[i] - ls[i]).max() / np.abs(lu[i]).max()) for i in range(len(lu))]
+    # the steps up to the first greedy token that differs see the same inputs; a token may differ only where the
+    # two programs' logits nearly tie on it (the bench preset's random-weight logits are flat)
+    k = next((i for i in range(len(tu)) if tu[i] != ts[i]), len(tu) - 1)
+    rel = [float(np.abs(lu[i] - ls[i]).max() / np.abs(lu[i]).max()) for i in range(k + 1)]
+    gap = [float((lo[k][a] - lo[k][b]) / np.abs(lo[k]).max()) for lo, a, b in ((lu, tu[k], ts[k]), (ls, ts[k], tu[k]))]
     print(f"scanned vs unrolled, kernels auto: rel. max logit difference per step {np.round(rel, 5).tolist()}; "
-          f"tokens {tu} vs {ts}")
-    assert np.all(np.isfinite(ls)) and max(rel) < 2e-2 and ts == tu
+          f"tokens {tu} vs {ts}; at step {k} each one's top logit over the other's token {np.round(gap, 5).tolist()}")
+    assert np.all(np.isfinite(ls)) and max(rel) < 2e-2 and max(gap) < 2e-2
 
 
 def _run(cfg, params, ids, **kw):
