@@ -11,7 +11,8 @@ program at a time (warm-up overlaps several).
 
 --serve: the user's path instead: `dsv41 serve FLAGS --warmup` from an empty cache, then again over the cache it
 filled, each timed from the command's start to the first 200 of /health (and its CPU seconds), with the programs
-its warm-up log reports:
+its warm-up log reports, each one's time from the command's start to its report (the path to healthy: which
+program came last, and how long after the start the compiles began); --server-logs DIR keeps both servers' logs:
 
     PYTHONPATH=. python3 scripts/bench_startup.py --serve --preset tiny    # CPU (issue target: <= 20 s cold)
     PYTHONPATH=. python3 scripts/bench_startup.py --serve                  # H200, bench preset, serve's defaults
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import logging
 import os
@@ -89,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve", action="store_true",
                     help="time `dsv41 serve --warmup` with these flags to a healthy /health, cold then warm")
     ap.add_argument("--serve-timeout", type=float, default=1800, help="seconds a --serve run may take to be healthy")
+    ap.add_argument("--server-logs", metavar="DIR",
+                    help="with --serve: write each run's server log to DIR/serve_cold.txt and DIR/serve_warm.txt")
     ap.add_argument("--build", action="store_true",
                     help="time the engine's construction with random weights in this process, by phase (the weights "
                     "drawn; the engine: kernel layouts, layer stacking, KV pool), with the XLA compiles each ran")
@@ -300,7 +304,8 @@ def report(cold: dict, warm: dict | None) -> None:
 
 # this script's own flags, dropped from the command line that `--serve` hands `dsv41 serve` (valued / switches);
 # the cache directory and the port are set per run
-_OWN_VALUED = ("--programs", "--lower-for", "--child", "--serve-timeout", "--compilation-cache-dir", "--port")
+_OWN_VALUED = ("--programs", "--lower-for", "--child", "--serve-timeout", "--server-logs", "--compilation-cache-dir",
+               "--port")
 _OWN_SWITCHES = ("--abstract", "--smallest", "--cold-only", "--serve", "--build")
 
 
@@ -354,11 +359,21 @@ def _one_request_s(port: int) -> float:
     return time.perf_counter() - t
 
 
-def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) -> dict:
+def _line_s(line: str) -> float | None:
+    """The wall-clock time (epoch seconds) of a server log line, from its leading timestamp (`serving.cli`'s
+    format: '2026-12-08 00:03:04,886 INFO ...'), or None."""
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800, log_path: str | None = None) -> dict:
     """Starts `dsv41 serve FLAGS --warmup` over the compilation cache cache_dir and polls /health until it answers
     200 and then until every program is ready (a staged warm-up's 200s say how many are), timing one short request
     (`_one_request_s`) at each -> {"healthy_s" (from the command's start), "all_s", "cpu_s" (at healthy),
-    "first_request_s", "request_s", "programs" (warm-up's per-program reports)}; stops the server."""
+    "first_request_s", "request_s", "programs" (warm-up's per-program reports, each with the seconds from the
+    command's start to its log line)}; stops the server, its log (less the /health polls) to log_path if given."""
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -367,7 +382,7 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
     logger.info("starting %s", " ".join(cmd[2:]))
     healthy_s = cpu_s = first_request_s = None
     with tempfile.TemporaryFile("w+") as out:
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.time()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             while True:
@@ -403,30 +418,36 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800) 
                 proc.kill()
                 proc.wait()
         out.seek(0)
-        lines = [line for line in out if parse_report_line(line) is not None]
+        log = [line for line in out if '"GET /health"' not in line]
+    if log_path:
+        with open(log_path, "w") as f:
+            f.writelines(log)
+    lines = [line for line in log if parse_report_line(line) is not None]
+    at = [_line_s(line) for line in lines]
     return {"healthy_s": healthy_s, "all_s": all_s, "cpu_s": cpu_s, "first_request_s": first_request_s,
             "request_s": request_s,
-            "programs": [parse_report_line(line) for line in lines],
+            "programs": [(parse_report_line(line), None if t is None else t - start) for line, t in zip(lines, at)],
             "by_workers": sum("(compile worker" in line for line in lines)}
 
 
 def report_serve(cold: dict, warm: dict | None) -> None:
     """Per program (by shape: the log's order is the order compiles finished) its source, lower and compile time
-    in each run, then each run's time to healthy."""
+    and when it was reported (seconds from the command's start) in each run, then each run's time to healthy."""
     runs = [("cold", cold)] + ([("warm", warm)] if warm else [])
-    by_shape = [{(r.kind, r.B, r.T, r.pages): r for r in run["programs"]} for _, run in runs]
-    header = ["program", "B x T", "pages"] + [f"{w} ({n})" for n, _ in runs for w in ("source", "lower s", "compile s")]
+    by_shape = [{(r.kind, r.B, r.T, r.pages): (r, at) for r, at in run["programs"]} for _, run in runs]
+    header = ["program", "B x T", "pages"] + [f"{w} ({n})" for n, _ in runs
+                                              for w in ("source", "lower s", "compile s", "reported at s")]
     rows = []
     for key in by_shape[0]:
         row = [key[0], f"{key[1]} x {key[2]}", key[3]]
         for shapes in by_shape:
-            r = shapes.get(key)
-            row += [r.source, fmt(r.lower_s), fmt(r.compile_s)] if r else ["-", "-", "-"]
+            r, at = shapes.get(key, (None, None))
+            row += [r.source, fmt(r.lower_s), fmt(r.compile_s), fmt(at, "{:.1f}")] if r else ["-"] * 4
         rows.append(row)
-    print_table(header, rows, "lrr" + "lrr" * len(runs))
+    print_table(header, rows, "lrr" + "lrrr" * len(runs))
     print()
     sources = (compile_events.COMPILED, compile_events.HIT, compile_events.STORED)
-    totals = [[name, len(run["programs"]), *(sum(r.source == s for r in run["programs"]) for s in sources),
+    totals = [[name, len(run["programs"]), *(sum(r.source == s for r, _ in run["programs"]) for s in sources),
                run["by_workers"], fmt(run["healthy_s"]), fmt(run["all_s"]), fmt(run["cpu_s"], "{:.1f}"),
                fmt(run["first_request_s"]), fmt(run["request_s"])]
               for name, run in (("cold (empty cache)", cold), ("warm (cache hit)", warm)) if run is not None]
@@ -470,8 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir = given or tmp
         if args.serve:
             flags = serve_flags(argv, args)
-            cold = serve_to_healthy(flags, cache_dir, args.serve_timeout)
-            warm = None if args.cold_only else serve_to_healthy(flags, cache_dir, args.serve_timeout)
+            logs = {w: args.server_logs and os.path.join(args.server_logs, f"serve_{w}.txt") for w in ("cold", "warm")}
+            if args.server_logs:
+                os.makedirs(args.server_logs, exist_ok=True)
+            cold = serve_to_healthy(flags, cache_dir, args.serve_timeout, logs["cold"])
+            warm = None if args.cold_only else serve_to_healthy(flags, cache_dir, args.serve_timeout, logs["warm"])
             report_serve(cold, warm)
             return 0
         mode = "abstract weights" if args.abstract else "weights allocated"

@@ -2,8 +2,9 @@
 # The standing device runs, one group a device call (10 minutes), from the repository root; logs go to $OUT:
 #   tests [SHARD|PATHS]  every kernel's GPU test (tests/pallas_kernels, ~7 min); SHARD 1-8: all @pytest.mark.gpu
 #                  tests in eight parts that each fit one device call (the engine's GPU tests, shards 3-8, compile
-#                  bench-preset programs, ~2 min a test; 7 and 8 DSpark fed against read on the host, through the
-#                  sampling program and the all-greedy one: ~5 min each); PATHS: the gpu tests there
+#                  bench-preset programs, ~2 min a test (6: one test, 2.2-3.5 min); 7 and 8 DSpark fed against
+#                  read on the host, through the sampling program and the all-greedy one: ~5 min each); PATHS:
+#                  the gpu tests there
 #   engine         decode step, XLA path vs the defaults (auto), batch 1/8/64 (~8 min)
 #   prefill        prefill with the defaults and XLA, replay on/off, vs the matmul rate
 #   buckets        prefill of short prompts (16-512 tokens, replay on) at their own buckets' programs, then every
@@ -36,7 +37,8 @@
 #   kernels        each kernel's bench: expert GEMM, FP8 linear, sparse attention, indexer, KV write, mHC, router
 #   startup        `dsv41 serve --preset bench --warmup` (serve's defaults + $SERVE_ARGS: the program store and the
 #                  compile workers on) to a healthy /health, from an empty compilation cache and then from the one it
-#                  filled (~4 min on an H100 host: docs/PERFORMANCE.md section 6); fewer programs:
+#                  filled (~4 min on an H100 host: docs/PERFORMANCE.md section 6), each server's log in
+#                  $OUT/serve_{cold,warm}.txt (which program gated /health, and when); fewer programs:
 #                  SERVE_ARGS="--min-prefill-bucket 128 --min-decode-bucket 8"; jax's per-lowering kernel names
 #                  kept in the kernel hashes (pallas_kernels/kernel_hashes.py): DSV41_STABLE_KERNEL_HASHES=0 before bash
 #   compile        where a compile's time goes: the smallest encoder and decode programs' compiles traced (their
@@ -166,7 +168,8 @@ case "${1:-}" in
     ;;
   startup)
     server_packages
-    bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 ${SERVE_ARGS:-}
+    bench 580 startup scripts/bench_startup.py --serve --preset bench --serve-timeout 420 --server-logs "$OUT" \
+      ${SERVE_ARGS:-}
     ;;
   compile)
     bench 120 compile_trace scripts/bench_startup.py --preset bench --abstract --trace-compile \

@@ -46,10 +46,11 @@ def _last_json(stdout: str) -> dict:
 @pytest.fixture(scope="module")
 def serve_cold_warm(tmp_path_factory):
     """(the table of `bench_startup.py --serve`: `dsv41 serve --warmup` from an empty cache, then again, that
-    cache)."""
-    cache = tmp_path_factory.mktemp("serve") / "cache"
-    return _run(str(SCRIPT), "--serve", "--serve-timeout", "300", "--compilation-cache-dir", str(cache),
-                flags=[*FLAGS, "--compile-workers", "2"]), cache
+    cache, the directory of the two servers' logs)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    table = _run(str(SCRIPT), "--serve", "--serve-timeout", "300", "--compilation-cache-dir", str(tmp / "cache"),
+                 "--server-logs", str(tmp / "logs"), flags=[*FLAGS, "--compile-workers", "2"])
+    return table, tmp / "cache", tmp / "logs"
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_serve_cold_then_from_the_program_store(serve_cold_warm, served):
 
     import bench_startup
 
-    table, cache = serve_cold_warm
+    table, cache, logs = serve_cold_warm
     assert bench_startup.serve_flags(["--serve", "--cold-only", "--programs", "decode", "--max-num-seqs", "4",
                                       "--port=9", "--serve-timeout", "60"],
                                      argparse.Namespace(checkpoint=None, preset="tiny")) == [
@@ -96,8 +97,16 @@ def test_serve_cold_then_from_the_program_store(serve_cold_warm, served):
     lines = [line for line in table.splitlines() if line.startswith("| ")]
     programs = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[1:4]]
     # (program, source cold, source warm, warm lower s): traced for nothing the second time
-    assert sorted((p[0], p[3], p[6], p[7]) for p in programs) == [
+    assert sorted((p[0], p[3], p[7], p[8]) for p in programs) == [
         (k, "compiled", "stored", "0.00") for k in ("decode", "decoder", "encoder")], table
+    # each reported (its log line) after its own lower + compile from the command's start, and before every
+    # program was ready
+    every = next(float(line.split("|")[8]) for line in lines if line.startswith("| cold (empty cache) |"))
+    for p in programs:
+        assert float(p[4]) + float(p[5]) < float(p[6]) <= every, table
+    for run in ("cold", "warm"):  # the servers' logs, less the bench's /health polls
+        log = (logs / f"serve_{run}.txt").read_text()
+        assert log.count("warm-up 3/3 ") == 1 and '"GET /health"' not in log, log[-2000:]
     # every program came from the compile workers (`serving.engine.precompile`); the warm start needed none: the
     # store noted that it holds every program of this engine
     assert any(line.startswith("| cold (empty cache) | 3 | 3 | 0 | 0 | 3 |") for line in lines), table
