@@ -417,11 +417,11 @@ def serve_to_healthy(flags: list[str], cache_dir: str, timeout_s: float = 1800, 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        out.seek(0)
-        log = [line for line in out if '"GET /health"' not in line]
-    if log_path:
-        with open(log_path, "w") as f:
-            f.writelines(log)
+            out.seek(0)
+            log = [line for line in out if '"GET /health"' not in line]
+            if log_path:  # (a failed run's too)
+                with open(log_path, "w") as f:
+                    f.writelines(log)
     lines = [line for line in log if parse_report_line(line) is not None]
     at = [_line_s(line) for line in lines]
     return {"healthy_s": healthy_s, "all_s": all_s, "cpu_s": cpu_s, "first_request_s": first_request_s,

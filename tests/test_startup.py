@@ -91,7 +91,7 @@ def test_serve_cold_then_from_the_program_store(serve_cold_warm, served):
 
     table, cache, logs = serve_cold_warm
     assert bench_startup.serve_flags(["--serve", "--cold-only", "--programs", "decode", "--max-num-seqs", "4",
-                                      "--port=9", "--serve-timeout", "60"],
+                                      "--port=9", "--serve-timeout", "60", "--server-logs", "logs"],
                                      argparse.Namespace(checkpoint=None, preset="tiny")) == [
         "--preset", "tiny", "--max-num-seqs", "4"]
     lines = [line for line in table.splitlines() if line.startswith("| ")]
