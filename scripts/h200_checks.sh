@@ -16,7 +16,8 @@
 #                  layers scanned with the kernels (on) or every layer unrolled (off, today's GPU default): what
 #                  `backends.scans_layers` decides by; one call each (~4 / ~5.5 min on an H100, run with
 #                  XLA_PYTHON_CLIENT_MEM_FRACTION=0.92); SCAN_BATCHES=1 SCAN_LIMIT=280: batch 1 alone (~2.5 min), so
-#                  that `scan on` and `scan off` take one call each on one warm machine, or `ab scan on` one call
+#                  that `scan on` and `scan off` take one call each on one warm machine, or `scan both` (off, then
+#                  on, one machine: ~6.5 min on an H100) or `ab scan on` one call
 #   split [B]      the decode step cut in two programs at the replay split (the default) against the one program:
 #                  each one's compile (fresh processes) and the step's wall time, at batch B (1 or 64: ~5 min each)
 #   launch         the decode program called as the engine calls it (a new host-rows buffer a call: XLA updates its
@@ -126,9 +127,12 @@ case "${1:-}" in
       --weights release --replay on --lengths 1024,16384 --prefill-max-model-len 18432,131072
     ;;
   scan)
-    case "${2:-}" in on) flag=--scan-layers ;; off) flag=--no-scan-layers ;; *) echo "scan on|off" >&2; exit 2 ;; esac
-    bench "${SCAN_LIMIT:-570}" "scan_${2}" scripts/bench_engine.py --schedule flash --experts 16 --weights release \
-      --backends auto --batches "${SCAN_BATCHES:-1,64}" --skip-prefill --decode-ctx 4096 $flag
+    case "${2:-}" in on|off) runs=$2 ;; both) runs="off on" ;; *) echo "scan on|off|both" >&2; exit 2 ;; esac
+    for run in $runs; do
+      flag=--scan-layers; [ "$run" = off ] && flag=--no-scan-layers
+      bench "${SCAN_LIMIT:-570}" "scan_$run" scripts/bench_engine.py --schedule flash --experts 16 --weights release \
+        --backends auto --batches "${SCAN_BATCHES:-1,64}" --skip-prefill --decode-ctx 4096 $flag
+    done
     ;;
   split)
     bench 570 split scripts/bench_decode_split.py --batches "${2:-1}"
