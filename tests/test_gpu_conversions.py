@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from serving.engine.host_round_trips import sub_jaxprs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAG = "--xla_cpu_experimental_onednn_custom_call=true"
 TESTS = ["tests/test_reference_equivalence.py::test_cache_numerics_teacher_forced", "tests/test_quant.py",
@@ -80,7 +82,7 @@ def _float8_round_trips(jaxpr, found: list) -> None:
             if (len(types) >= 3 and all(jnp.issubdtype(t, jnp.floating) for t in types)
                     and any(jnp.finfo(t).bits == 8 for t in types[1:-1])):
                 found.append(tuple(str(t) for t in types))
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             _float8_round_trips(sub, found)
 
 
@@ -90,18 +92,8 @@ def _float_scatter_adds(jaxpr, found: list) -> None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
             found.append(str(eqn.outvars[0].aval.dtype))
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             _float_scatter_adds(sub, found)
-
-
-def _sub_jaxprs(eqn):
-    """The jaxprs an equation holds (a pjit's, a loop's body, a cond's branches)."""
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else [value]:
-            if isinstance(sub, jcore.ClosedJaxpr):
-                yield sub.jaxpr
-            elif isinstance(sub, jcore.Jaxpr):
-                yield sub
 
 
 def test_engine_programs_have_no_float8_cast_pairs_nor_float_scatter_adds():

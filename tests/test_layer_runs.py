@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core
 
 from dsv41 import layer_runs, model, quant
 from dsv41 import params as P
@@ -63,15 +62,13 @@ def test_runs_of_the_flash_schedule():
 
 def primitives(jaxpr) -> set[str]:
     """Every primitive of a jaxpr, nested ones (loop bodies, branches, calls) included."""
+    from serving.engine.host_round_trips import sub_jaxprs
+
     out = set()
     for eqn in jaxpr.eqns:
         out.add(eqn.primitive.name)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, core.ClosedJaxpr):
-                    out |= primitives(sub.jaxpr)
-                elif isinstance(sub, core.Jaxpr):
-                    out |= primitives(sub)
+        for sub in sub_jaxprs(eqn):
+            out |= primitives(sub)
     return out
 
 

@@ -45,12 +45,18 @@ def _walk(jaxpr: core.Jaxpr) -> Iterator[tuple[str, str]]:
             yield "while", str(eqn.source_info.name_stack)
         elif name in _CALLBACKS:
             yield "callback", str(eqn.source_info.name_stack)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, core.ClosedJaxpr):
-                    yield from _walk(sub.jaxpr)
-                elif isinstance(sub, core.Jaxpr):
-                    yield from _walk(sub)
+        for sub in sub_jaxprs(eqn):
+            yield from _walk(sub)
+
+
+def sub_jaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
+    """The jaxprs an equation holds (a pjit's, a loop's body, a cond's branches)."""
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+            if isinstance(sub, core.ClosedJaxpr):
+                yield sub.jaxpr
+            elif isinstance(sub, core.Jaxpr):
+                yield sub
 
 
 def _static_index(index, made_by: dict) -> bool:
